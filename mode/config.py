@@ -1,0 +1,203 @@
+"""Experiment configuration: strict, typed, loaded from YAML with command-line overrides.
+
+Every section forbids unknown keys, so a typo is an error that names its path
+(`model.n_layer: extra inputs are not permitted`) instead of a silently ignored setting.
+"""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+BLOCK_KINDS = ("dense", "mod", "moe", "mode_staged", "mode_integrated")
+BlockKind = Literal["dense", "mod", "moe", "mode_staged", "mode_integrated"]
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the file and the field path."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(Section):
+    vocab_size: int = Field(256, gt=0, description="256 for the byte-level tokenizer")
+    d_model: int = Field(128, gt=0)
+    n_heads: int = Field(4, gt=0)
+    n_layers: int = Field(4, gt=0)
+    d_ff: int = Field(384, gt=0, description="hidden width of the SwiGLU MLP")
+    max_seq_len: int = Field(256, gt=0, description="longest sequence; sizes the rotary table")
+    block_pattern: list[BlockKind] = Field(
+        default_factory=lambda: ["dense", "mod"],
+        min_length=1,
+        description="kinds of consecutive blocks, repeated until n_layers blocks exist",
+    )
+    rope_base: float = Field(10000.0, gt=0)
+    norm_eps: float = Field(1e-6, gt=0)
+    tie_embeddings: bool = False
+    init_std: float = Field(0.02, gt=0)
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> "ModelConfig":
+        if self.d_model % self.n_heads != 0:
+            raise ValueError(
+                f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})"
+            )
+        if (self.d_model // self.n_heads) % 2 != 0:
+            raise ValueError("head width d_model / n_heads must be even for rotary embeddings")
+        return self
+
+    def block_kinds(self) -> list[str]:
+        """The kind of every layer, the pattern repeated to n_layers."""
+        return [self.block_pattern[i % len(self.block_pattern)] for i in range(self.n_layers)]
+
+
+class RoutingConfig(Section):
+    """Mixture-of-Depths routing (also the depth router of Staged MoDE)."""
+
+    capacity: float = Field(0.125, gt=0.0, le=1.0, description="fraction of each sequence a routed block processes")
+    gate: Literal["identity", "sigmoid"] = Field(
+        "sigmoid", description="g(r) multiplying the block update: the paper's raw score, or sigmoid"
+    )
+    random: bool = Field(False, description="stochastic-routing ablation: choose tokens by random scores")
+    router_bias: bool = False
+
+
+class DataConfig(Section):
+    source: Literal["stdlib", "text", "tokens"] = Field(
+        "stdlib", description="stdlib: the running Python's standard library source; text: a file or folder; tokens: a .bin"
+    )
+    path: str | None = Field(None, description="file or folder for source=text or source=tokens")
+    token_dtype: Literal["uint16", "uint32"] = "uint16"
+    val_fraction: float = Field(0.1, gt=0.0, lt=1.0)
+    seq_len: int = Field(256, gt=1)
+
+    @model_validator(mode="after")
+    def _path_when_needed(self) -> "DataConfig":
+        if self.source in ("text", "tokens") and not self.path:
+            raise ValueError(f"data.path is required when data.source is '{self.source}'")
+        return self
+
+
+class TrainConfig(Section):
+    seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    batch_size: int = Field(16, gt=0, description="sequences per micro-batch")
+    grad_accum: int = Field(1, gt=0)
+    max_steps: int = Field(200, gt=0)
+    lr: float = Field(3e-3, gt=0)
+    min_lr: float = Field(3e-4, ge=0)
+    warmup_steps: int = Field(20, ge=0)
+    weight_decay: float = Field(0.1, ge=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    grad_clip: float = Field(1.0, ge=0, description="max global grad norm; 0 disables")
+    eval_interval: int = Field(50, gt=0)
+    eval_batches: int = Field(8, gt=0)
+    log_interval: int = Field(10, gt=0)
+    checkpoint_interval: int = Field(100, gt=0)
+    out_dir: str = "runs/default"
+    compile: bool = False
+    progress: bool = True
+
+    @model_validator(mode="after")
+    def _lr_order(self) -> "TrainConfig":
+        if self.min_lr > self.lr:
+            raise ValueError(f"min_lr ({self.min_lr}) must not exceed lr ({self.lr})")
+        return self
+
+
+class Config(Section):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    routing: RoutingConfig = Field(default_factory=RoutingConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+
+    @model_validator(mode="after")
+    def _sequence_fits(self) -> "Config":
+        if self.data.seq_len > self.model.max_seq_len:
+            raise ValueError(
+                f"data.seq_len ({self.data.seq_len}) exceeds model.max_seq_len ({self.model.max_seq_len})"
+            )
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+def _format_errors(err: ValidationError, source: str) -> str:
+    lines = [f"invalid config {source}:"]
+    for e in err.errors():
+        path = ".".join(str(p) for p in e["loc"]) or "<root>"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"  {path}: unknown key")
+        else:
+            msg = e["msg"].removeprefix("Value error, ")
+            lines.append(f"  {path}: {msg} (got {e.get('input')!r})")
+    return "\n".join(lines)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """'--train.lr=3e-4' -> (['train', 'lr'], 0.0003); values are parsed as YAML."""
+    body = text[2:] if text.startswith("--") else text
+    if "=" not in body:
+        raise ConfigError(f"override {text!r} must look like --section.field=value")
+    key, raw = body.split("=", 1)
+    path = [p for p in key.split(".") if p]
+    if len(path) < 2:
+        raise ConfigError(f"override {text!r} must name a section and a field, e.g. --train.lr=3e-4")
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {text!r}: value is not valid YAML: {e}") from e
+    return path, value
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    out = copy.deepcopy(raw)
+    for text in overrides:
+        path, value = parse_override(text)
+        node = out
+        for part in path[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {text!r}: '{part}' is not a section")
+            node = child
+        node[path[-1]] = value
+    return out
+
+
+def config_from_dict(raw: dict[str, Any], source: str = "<dict>") -> Config:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"invalid config {source}: the top level must be a mapping of sections")
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(_format_errors(e, source)) from None
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    """Read a YAML config (or the defaults when path is None) and apply --a.b=value overrides."""
+    raw: dict[str, Any] = {}
+    source = "<defaults>"
+    if path is not None:
+        p = Path(path)
+        source = str(p)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            raw = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {p} is not valid YAML: {e}") from e
+    raw = apply_overrides(raw, overrides or [])
+    return config_from_dict(raw, source)
+
+
+def save_config(config: Config, path: str | Path) -> None:
+    from mode.utils import atomic_write_text
+
+    atomic_write_text(Path(path), yaml.safe_dump(config.to_dict(), sort_keys=False))

@@ -1,0 +1,26 @@
+"""Causal multi-head self-attention with rotary embeddings."""
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mode.layers.rotary import RotaryAngles, apply_rotary
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d_model: int, n_heads: int) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.head_dim = d_model // n_heads
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
+        self.out = nn.Linear(d_model, d_model, bias=False)
+
+    def forward(self, x: Tensor, angles: RotaryAngles) -> Tensor:
+        """x (B, S, D) in causal order; angles hold each token's (original) position."""
+        batch, seq, width = x.shape
+        q, k, v = self.qkv(x).view(batch, seq, 3, self.n_heads, self.head_dim).unbind(2)  # 3 x (B, S, H, hd)
+        q, k = apply_rotary(q, angles), apply_rotary(k, angles)
+        y = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )  # (B, H, S, hd)
+        return self.out(y.transpose(1, 2).reshape(batch, seq, width))  # (B, S, D)

@@ -1,0 +1,27 @@
+"""Mixture-of-Depths block (Raposo et al. 2024, section 3).
+
+x_i <- x_i + g(r_i) * f_i(X~) for the k chosen tokens of each sequence, x_i unchanged otherwise.
+"""
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from mode.config import ModelConfig, RoutingConfig
+from mode.layers.block import BlockInfo, TransformerBlock
+from mode.layers.rotary import RotaryAngles
+from mode.routing import DepthRouter, gather_tokens, scatter_add_tokens
+
+
+class MoDBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, routing: RoutingConfig, block: TransformerBlock | None = None) -> None:
+        super().__init__()
+        self.router = DepthRouter(cfg.d_model, routing.capacity, routing.gate, routing.random, routing.router_bias)
+        self.block = block if block is not None else TransformerBlock(cfg)
+
+    def forward(self, x: Tensor, angles: RotaryAngles) -> tuple[Tensor, BlockInfo]:
+        routing = self.router(x)  # indices (B, k), sorted: causal order kept
+        chosen = gather_tokens(x, routing.indices)  # (B, k, D)
+        update = self.block.update(chosen, angles.select(routing.indices))  # (B, k, D), original positions
+        # The gate scales only the update; the residual of every token passes untouched.
+        gated = routing.gates.unsqueeze(-1).to(update.dtype) * update  # (B, k, D)
+        return scatter_add_tokens(x, routing.indices, gated), BlockInfo(routing=routing)

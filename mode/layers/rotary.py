@@ -1,0 +1,54 @@
+"""Rotary position embeddings, looked up at arbitrary (original) positions."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+
+@dataclass
+class RotaryAngles:
+    """cos and sin for a set of tokens, shaped (B or 1, S, 1, head_dim/2) to broadcast over heads."""
+
+    cos: Tensor
+    sin: Tensor
+
+    def select(self, indices: Tensor) -> "RotaryAngles":
+        """Angles of the chosen tokens (B, k): routed tokens keep their original positions."""
+        batch = indices.shape[0]
+        half = self.cos.shape[-1]
+        idx = indices.view(batch, -1, 1, 1).expand(-1, -1, 1, half)  # (B, k, 1, half)
+        cos = self.cos.expand(batch, -1, -1, -1).gather(1, idx)
+        sin = self.sin.expand(batch, -1, -1, -1).gather(1, idx)
+        return RotaryAngles(cos, sin)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_seq_len: int, base: float) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)  # (S_max, half)
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+
+    def angles(self, positions: Tensor) -> RotaryAngles:
+        """positions (S,) or (B, S) -> RotaryAngles for those positions."""
+        if positions.dim() == 1:
+            positions = positions.unsqueeze(0)
+        return RotaryAngles(self.cos[positions].unsqueeze(2), self.sin[positions].unsqueeze(2))
+
+    def prefix(self, seq_len: int) -> RotaryAngles:
+        """Angles of positions 0..seq_len-1, shaped (1, S, 1, half)."""
+        if seq_len > self.cos.shape[0]:
+            raise ValueError(f"sequence length {seq_len} is beyond max_seq_len {self.cos.shape[0]}")
+        return RotaryAngles(self.cos[:seq_len].view(1, seq_len, 1, -1), self.sin[:seq_len].view(1, seq_len, 1, -1))
+
+
+def apply_rotary(x: Tensor, angles: RotaryAngles) -> Tensor:
+    """x (B, S, H, hd) rotated pairwise (first half, second half) by the angles of its tokens."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    cos, sin = angles.cos, angles.sin
+    rotated = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return rotated.to(x.dtype)

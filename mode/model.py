@@ -1,0 +1,77 @@
+"""The decoder-only language model. The kind of every block comes from the config."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mode.config import Config
+from mode.layers.block import TransformerBlock
+from mode.layers.mod import MoDBlock
+from mode.layers.rotary import RotaryEmbedding
+from mode.routing import Routing
+
+
+@dataclass
+class ModelOutput:
+    logits: Tensor  # (B, S, V)
+    loss: Tensor | None = None  # lm_loss + aux_loss, what training minimises
+    lm_loss: Tensor | None = None
+    aux_loss: Tensor | None = None
+    routings: list[Routing | None] = field(default_factory=list)  # one per block
+
+
+def build_block(kind: str, config: Config) -> nn.Module:
+    if kind == "dense":
+        return TransformerBlock(config.model)
+    if kind == "mod":
+        return MoDBlock(config.model, config.routing)
+    raise ValueError(f"model.block_pattern: block kind {kind!r} is not available in this build")
+
+
+class LanguageModel(nn.Module):
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        cfg = config.model
+        self.config = config
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.rotary = RotaryEmbedding(cfg.d_model // cfg.n_heads, cfg.max_seq_len, cfg.rope_base)
+        self.blocks = nn.ModuleList(build_block(kind, config) for kind in cfg.block_kinds())
+        self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.apply(self._init_weights)
+        # Residual output projections start small so the stack starts near identity (GPT-2).
+        for name, p in self.named_parameters():
+            if name.endswith(("attn.out.weight", "ffn.down.weight")):
+                nn.init.normal_(p, std=cfg.init_std / math.sqrt(2 * cfg.n_layers))
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=self.config.model.init_std)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+
+    def forward(self, tokens: Tensor, targets: Tensor | None = None) -> ModelOutput:
+        """tokens (B, S) -> logits (B, S, V); with targets (B, S), the loss too."""
+        x = self.embed(tokens)  # (B, S, D)
+        angles = self.rotary.prefix(tokens.shape[1])
+        routings: list[Routing | None] = []
+        aux_loss = x.new_zeros((), dtype=torch.float32)
+        for block in self.blocks:
+            x, info = block(x, angles)
+            routings.append(info.routing)
+            if info.routing is not None:
+                aux_loss = aux_loss + info.routing.aux_loss
+        logits = self.lm_head(self.norm(x))  # (B, S, V)
+        if targets is None:
+            return ModelOutput(logits=logits, aux_loss=aux_loss, routings=routings)
+        lm_loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        return ModelOutput(logits, lm_loss + aux_loss, lm_loss, aux_loss, routings)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())

@@ -1,0 +1,22 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="mode",
+    version="0.1.0",
+    description="Mixture-of-Depths (MoD) and Mixture-of-Depths-and-Experts (MoDE) transformers",
+    packages=find_packages(include=["mode", "mode.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.4",
+        "einops>=0.7",
+        "pydantic>=2.5",
+        "pyyaml>=6",
+        "tqdm>=4.60",
+        "matplotlib>=3.7",
+        "numpy>=1.24",
+    ],
+    extras_require={
+        "test": ["pytest>=7"],
+        "gpu": ["deepspeed==0.19.8", "megablocks==0.10.0", "grouped_gemm==0.3.0"],
+    },
+)
