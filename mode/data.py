@@ -1,0 +1,139 @@
+"""Token streams for training and validation.
+
+Sources:
+- `stdlib` (default): the source files of the running Python's standard library, real text
+  present on every machine, split into train and validation *by file*, deterministically.
+- `text`: a user's text file, or a folder of text files (split by file; one file is split
+  by position).
+- `tokens`: a pre-tokenized uint16/uint32 file in nanoGPT's `.bin` layout (a flat array of
+  token ids); the last val_fraction of it is validation.
+
+Tokens are bytes (vocabulary 256) for the two text sources. Batches are drawn at random
+offsets by a generator seeded from (seed, step), so a resumed run sees the same data as an
+uninterrupted one without saving any sampler state.
+"""
+from __future__ import annotations
+
+import hashlib
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from mode.config import DataConfig
+
+BYTE_VOCAB = 256
+DOC_SEPARATOR = b"\n\x00\n"  # marks file boundaries in the byte stream
+
+
+class DataError(ValueError):
+    """A data source problem; the message names the file or folder."""
+
+
+@dataclass
+class TokenSplits:
+    train: Tensor  # (N_train,) token ids, stored compactly (uint8 bytes or int32)
+    val: Tensor  # (N_val,)
+    vocab_size: int
+
+
+def _is_val_file(relative: str, val_fraction: float) -> bool:
+    """Deterministic, platform-independent split by a hash of the file's relative path."""
+    digest = hashlib.sha256(relative.encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < val_fraction
+
+
+def _bytes_to_tokens(chunks: list[bytes]) -> Tensor:
+    data = DOC_SEPARATOR.join(chunks)
+    return torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy())
+
+
+def _split_files(root: Path, files: list[Path], val_fraction: float, what: str) -> TokenSplits:
+    train, val = [], []
+    for f in files:
+        rel = f.relative_to(root).as_posix()
+        (val if _is_val_file(rel, val_fraction) else train).append(f.read_bytes())
+    if not train or not val:
+        raise DataError(f"{what}: too few files ({len(files)}) to split into train and validation")
+    return TokenSplits(_bytes_to_tokens(train), _bytes_to_tokens(val), BYTE_VOCAB)
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def load_stdlib(val_fraction: float) -> TokenSplits:
+    root = stdlib_root()
+    # The library itself, not installed third-party packages or the test suite's data files.
+    files = sorted(
+        p for p in root.rglob("*.py") if "site-packages" not in p.parts and "dist-packages" not in p.parts
+    )
+    if not files:
+        raise DataError(f"data.source=stdlib: no .py files found under {root}")
+    return _split_files(root, files, val_fraction, f"standard library at {root}")
+
+
+def load_text(path: Path, val_fraction: float) -> TokenSplits:
+    if not path.exists():
+        raise DataError(f"data.path: {path} does not exist")
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+        files = [p for p in files if p.stat().st_size > 0]
+        if not files:
+            raise DataError(f"data.path: folder {path} holds no non-empty files")
+        if len(files) > 1:
+            return _split_files(path, files, val_fraction, f"data.path {path}")
+        path = files[0]
+    tokens = _bytes_to_tokens([path.read_bytes()])
+    return _split_tail(tokens, val_fraction, BYTE_VOCAB, path)
+
+
+def load_token_file(path: Path, dtype: str, val_fraction: float) -> TokenSplits:
+    if not path.is_file():
+        raise DataError(f"data.path: token file {path} does not exist")
+    itemsize = np.dtype(dtype).itemsize
+    size = path.stat().st_size
+    if size == 0 or size % itemsize:
+        raise DataError(f"data.path: {path} has {size} bytes, not a whole number of {dtype} tokens (or is empty)")
+    tokens = torch.from_numpy(np.fromfile(path, dtype=dtype).astype(np.int32))
+    return _split_tail(tokens, val_fraction, int(tokens.max()) + 1, path)
+
+
+def _split_tail(tokens: Tensor, val_fraction: float, vocab: int, path: Path) -> TokenSplits:
+    if tokens.numel() == 0:
+        raise DataError(f"data.path: {path} is empty")
+    n_val = max(1, int(tokens.numel() * val_fraction))
+    return TokenSplits(tokens[:-n_val], tokens[-n_val:], vocab)
+
+
+def load_splits(cfg: DataConfig) -> TokenSplits:
+    if cfg.source == "stdlib":
+        splits = load_stdlib(cfg.val_fraction)
+    elif cfg.source == "text":
+        splits = load_text(Path(cfg.path), cfg.val_fraction)
+    else:
+        splits = load_token_file(Path(cfg.path), cfg.token_dtype, cfg.val_fraction)
+    for name, part in (("train", splits.train), ("validation", splits.val)):
+        if part.numel() < cfg.seq_len + 1:
+            raise DataError(
+                f"data: the {name} split has {part.numel()} tokens, fewer than data.seq_len + 1 = {cfg.seq_len + 1}"
+            )
+    return splits
+
+
+def sample_batch(tokens: Tensor, batch_size: int, seq_len: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    """Random windows: inputs (B, S) and next-token targets (B, S)."""
+    starts = torch.randint(0, tokens.numel() - seq_len, (batch_size,), generator=generator)
+    window = starts.unsqueeze(1) + torch.arange(seq_len + 1)  # (B, S+1)
+    chunk = tokens[window].long()
+    return chunk[:, :-1], chunk[:, 1:]
+
+
+def batch_generator(seed: int, step: int, micro_step: int) -> torch.Generator:
+    """The generator for one micro-batch: a pure function of its coordinates, so resume is exact."""
+    g = torch.Generator()
+    g.manual_seed(hash((seed, step, micro_step)) & 0x7FFF_FFFF_FFFF_FFFF)
+    return g

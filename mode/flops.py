@@ -1,0 +1,120 @@
+"""Analytic FLOP accounting: forward FLOPs per token for each block kind, and training FLOPs.
+
+Conventions (the usual ones): a matmul of (m x k) by (k x n) costs 2*m*k*n FLOPs; norms,
+activations, softmax and routing bookkeeping are not counted; the embedding lookup is free;
+training costs 3x the forward (backward = 2x forward). Attention scores and values cost
+2*D FLOPs each per (query, key) pair. With `causal=True` (the default) only the pairs a
+causal kernel needs are counted, S(S+1)/2 per sequence; `causal=False` counts the full
+S x S matrix, as a plain masked matmul implementation computes it.
+
+Per token means: averaged over all S tokens of a sequence, so an MoD block processing k of S
+tokens costs (k / S) * (its cost at sequence length k) + the router on all S tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mode.config import Config, ModelConfig
+from mode.routing.primitives import capacity_to_k
+
+
+def attention_pairs_per_token(seq_len: int, causal: bool) -> float:
+    """Average number of keys each query scores against."""
+    return (seq_len + 1) / 2 if causal else float(seq_len)
+
+
+def attention_flops(cfg: ModelConfig, seq_len: int, causal: bool) -> float:
+    """Per token: q, k, v and output projections plus scores and weighted values."""
+    d = cfg.d_model
+    projections = 2 * d * 3 * d + 2 * d * d
+    scores_and_values = 2 * (2 * d) * attention_pairs_per_token(seq_len, causal)
+    return projections + scores_and_values
+
+
+def mlp_flops(d_model: int, d_ff: int, activation: str = "swiglu") -> float:
+    """Per token: SwiGLU has three D x F matmuls, GELU two."""
+    return (6 if activation == "swiglu" else 4) * d_model * d_ff
+
+
+def router_flops(d_model: int, n_slots: int) -> float:
+    return 2 * d_model * n_slots
+
+
+def dense_block_flops(cfg: ModelConfig, seq_len: int, causal: bool = True) -> float:
+    return attention_flops(cfg, seq_len, causal) + mlp_flops(cfg.d_model, cfg.d_ff)
+
+
+def mod_block_flops(config: Config, seq_len: int, causal: bool = True) -> float:
+    k = capacity_to_k(seq_len, config.routing.capacity)
+    inner = dense_block_flops(config.model, k, causal)
+    return router_flops(config.model.d_model, 1) + (k / seq_len) * inner
+
+
+def moe_ffn_flops(config: Config, tokens_per_group: int) -> float:
+    """Per token of an MoE FFN: router over all E+N slots, plus the real experts' work.
+
+    Expert choice: each real expert takes exactly C tokens of a group, so the cost is exact.
+    Token choice: each token has top_k assignments; under a balanced router a fraction
+    E / (E + N) of them land on real experts (no-op slots cost nothing). Dropped tokens are
+    not subtracted: this is the cost the layer is provisioned for.
+    """
+    moe = config.moe
+    slots = moe.n_experts + moe.n_noop
+    d_expert = moe.d_expert or config.model.d_ff
+    expert = mlp_flops(config.model.d_model, d_expert, moe.activation)
+    if moe.scheme == "expert_choice":
+        capacity = expert_choice_capacity(config, tokens_per_group)
+        assignments_per_token = moe.n_experts * capacity / tokens_per_group
+    else:
+        assignments_per_token = moe.top_k * moe.n_experts / slots
+    return router_flops(config.model.d_model, slots) + assignments_per_token * expert
+
+
+def expert_choice_capacity(config: Config, tokens_per_group: int) -> int:
+    moe = config.moe
+    return capacity_to_k(tokens_per_group, moe.capacity_factor / (moe.n_experts + moe.n_noop))
+
+
+def block_flops(kind: str, config: Config, seq_len: int, causal: bool = True) -> float:
+    """Forward FLOPs per token of one block of the given kind at sequence length seq_len."""
+    model = config.model
+    if kind == "dense":
+        return dense_block_flops(model, seq_len, causal)
+    if kind == "mod":
+        return mod_block_flops(config, seq_len, causal)
+    group_tokens = seq_len * getattr(getattr(config, "moe", None), "group_size", 1)
+    if kind in ("moe", "mode_integrated"):
+        return attention_flops(model, seq_len, causal) + moe_ffn_flops(config, group_tokens)
+    if kind == "mode_staged":
+        k = capacity_to_k(seq_len, config.routing.capacity)
+        inner = attention_flops(model, k, causal) + moe_ffn_flops(config, k * config.moe.group_size)
+        return router_flops(model.d_model, 1) + (k / seq_len) * inner
+    raise ValueError(f"no FLOP formula for block kind {kind!r}")
+
+
+@dataclass
+class FlopReport:
+    per_block: list[float]  # forward FLOPs per token, one per block
+    lm_head: float
+
+    @property
+    def forward_per_token(self) -> float:
+        return sum(self.per_block) + self.lm_head
+
+    @property
+    def train_per_token(self) -> float:
+        return 3 * self.forward_per_token
+
+
+def model_flops(config: Config, seq_len: int | None = None, causal: bool = True) -> FlopReport:
+    seq = seq_len or config.data.seq_len
+    kinds = config.model.block_kinds()
+    per_block = [block_flops(kind, config, seq, causal) for kind in kinds]
+    return FlopReport(per_block, lm_head=2 * config.model.d_model * config.model.vocab_size)
+
+
+def train_step_flops(config: Config, world_size: int = 1) -> float:
+    """FLOPs of one optimizer step: 3 x forward over every token of every micro-batch."""
+    t = config.train
+    tokens = t.batch_size * t.grad_accum * config.data.seq_len * world_size
+    return model_flops(config).train_per_token * tokens

@@ -1,0 +1,410 @@
+"""Training: `python -m mode.train --config configs/X.yaml [--resume] [--section.field=value ...]`.
+
+One loop for every setting: the optimizer step is delegated to an `Optimization` object
+(plain AdamW here; mode.parallel supplies a DeepSpeed one), so logging, evaluation and
+checkpoints exist once. A run folder holds config.yaml, metrics.jsonl, checkpoint.pt and
+loss_vs_flops.png; everything is written to a temporary file first and renamed.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Protocol
+
+import torch
+from torch import Tensor, nn
+from tqdm import tqdm
+
+from mode.config import Config, ConfigError, load_config, save_config
+from mode.data import DataError, TokenSplits, batch_generator, load_splits, sample_batch
+from mode.flops import model_flops
+from mode.model import LanguageModel, ModelOutput
+from mode.routing import Routing, token_mask
+from mode.utils import atomic_torch_save, atomic_write_text, pick_device
+
+CHECKPOINT = "checkpoint.pt"
+METRICS = "metrics.jsonl"
+POSITION_BINS = 16
+
+
+# ----------------------------------------------------------------------------- schedule
+def learning_rate(step: int, cfg: Any) -> float:
+    """Linear warmup to train.lr, then cosine decay to train.min_lr at train.max_steps."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+# ----------------------------------------------------------------------------- optimizer step
+class Optimization(Protocol):
+    """What the loop needs from an optimizer: backward, one step, and state for checkpoints."""
+
+    def backward(self, loss: Tensor) -> None: ...
+
+    def step(self, lr: float) -> float: ...  # returns the gradient norm before clipping
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Decay matrices (linear and embedding weights), never norms' scales or biases."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+class TorchOptimization:
+    """AdamW with global-norm clipping, clipped *before* the optimizer step."""
+
+    def __init__(self, model: nn.Module, config: Config, device: torch.device) -> None:
+        t = config.train
+        self.model = model
+        self.grad_clip = t.grad_clip
+        self.optimizer = torch.optim.AdamW(
+            parameter_groups(model, t.weight_decay),
+            lr=t.lr,
+            betas=(t.beta1, t.beta2),
+            fused=device.type == "cuda",
+        )
+
+    def backward(self, loss: Tensor) -> None:
+        loss.backward()
+
+    def step(self, lr: float) -> float:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state)
+
+
+# ----------------------------------------------------------------------------- router statistics
+def routing_summary(routing: Routing, seq_len: int) -> dict[str, float]:
+    """Fraction of tokens a routed layer processed, gate mean and spread, plus its own stats."""
+    groups = routing.logits.shape[0]
+    tokens_per_group = routing.logits.shape[1]
+    chosen = token_mask(routing.indices.reshape(groups, -1), tokens_per_group)  # (G, T)
+    gates = routing.gates.detach().float()
+    out = {
+        "processed": float(chosen.float().mean()),
+        "gate_mean": float(gates.mean()),
+        "gate_std": float(gates.std()) if gates.numel() > 1 else 0.0,
+    }
+    for name, value in routing.stats.items():
+        value = value.detach().float()
+        out[name] = float(value) if value.numel() == 1 else [round(float(v), 5) for v in value.flatten()]
+    return out
+
+
+def routed_layers(output: ModelOutput) -> Iterator[tuple[str, Routing]]:
+    for i, routing in enumerate(output.routings):
+        if routing is not None:
+            yield f"layer{i}", routing
+
+
+def position_histogram(routing: Routing, bins: int) -> Tensor:
+    """How often each position (in `bins` equal buckets of the sequence) is chosen; (bins,)."""
+    seq = routing.logits.shape[1]
+    positions = routing.indices.flatten() % seq
+    return torch.bincount(positions * bins // seq, minlength=bins).float().cpu()
+
+
+def average_summaries(summaries: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Mean of per-layer statistics over several micro-batches."""
+    out: dict[str, dict[str, Any]] = {}
+    for layer in summaries[0]:
+        out[layer] = {}
+        for key, first in summaries[0][layer].items():
+            values = [s[layer][key] for s in summaries]
+            if isinstance(first, list):
+                out[layer][key] = [round(sum(col) / len(col), 5) for col in zip(*values)]
+            else:
+                out[layer][key] = round(sum(values) / len(values), 5)
+    return out
+
+
+# ----------------------------------------------------------------------------- the trainer
+@dataclass
+class RunState:
+    step: int = 0  # optimizer steps completed
+    tokens: int = 0
+    flops: float = 0.0
+
+
+class Trainer:
+    def __init__(
+        self,
+        config: Config,
+        resume: bool = False,
+        optimization: Optimization | None = None,
+        model: nn.Module | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        self.config = config
+        self.rank, self.world_size = rank, world_size
+        self.is_main = rank == 0
+        self.out_dir = Path(config.train.out_dir)
+        self.device = pick_device(config.train.device)
+        torch.manual_seed(config.train.seed)
+        self.data: TokenSplits = load_splits(config.data)
+        if self.data.vocab_size > config.model.vocab_size:
+            raise ConfigError(
+                f"model.vocab_size ({config.model.vocab_size}) is smaller than the data's vocabulary "
+                f"({self.data.vocab_size} token ids)"
+            )
+        self.model = model if model is not None else LanguageModel(config).to(self.device)
+        self.forward = torch.compile(self.model) if config.train.compile else self.model
+        self.optimization = optimization or TorchOptimization(self.model, config, self.device)
+        self.flops_per_token = model_flops(config).train_per_token
+        self.state = RunState()
+        self._prepare_run_folder(resume)
+
+    # -- run folder and checkpoints
+    def _prepare_run_folder(self, resume: bool) -> None:
+        checkpoint = self.out_dir / CHECKPOINT
+        if resume:
+            if not checkpoint.is_file():
+                raise FileNotFoundError(f"--resume: no checkpoint at {checkpoint}")
+            self.load_checkpoint(checkpoint)
+            self._truncate_metrics()
+        elif checkpoint.exists():
+            raise FileExistsError(
+                f"{self.out_dir} already holds a run ({checkpoint}); pass --resume to continue it "
+                f"or choose another --train.out_dir"
+            )
+        if self.is_main:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            save_config(self.config, self.out_dir / "config.yaml")
+
+    def checkpoint_payload(self) -> dict[str, Any]:
+        return {
+            "format": "mode-checkpoint-v1",
+            "config": self.config.to_dict(),
+            "model": self.model.state_dict(),
+            "optimizer": self.optimization.state_dict(),
+            "state": vars(self.state).copy(),
+            "rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        }
+
+    def save_checkpoint(self) -> None:
+        if self.is_main:
+            atomic_torch_save(self.checkpoint_payload(), self.out_dir / CHECKPOINT)
+
+    def load_checkpoint(self, path: Path) -> None:
+        payload = load_checkpoint_file(path, self.device)
+        if payload["config"]["model"] != self.config.model.model_dump(mode="json"):
+            raise ConfigError(f"--resume: the model section differs from the one saved in {path}")
+        self.model.load_state_dict(payload["model"])
+        self.optimization.load_state_dict(payload["optimizer"])
+        self.state = RunState(**payload["state"])
+        torch.set_rng_state(payload["rng"])
+        if payload.get("cuda_rng") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(payload["cuda_rng"])
+
+    def _truncate_metrics(self) -> None:
+        """Drop records a crashed run logged after its last checkpoint, so the curve continues."""
+        path = self.out_dir / METRICS
+        if not (self.is_main and path.exists()):
+            return
+        kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= self.state.step]
+        atomic_write_text(path, "".join(line + "\n" for line in kept))
+
+    def log(self, record: dict[str, Any]) -> None:
+        if self.is_main:
+            with open(self.out_dir / METRICS, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    # -- one step
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def micro_batch(self, split: Tensor, step: int, micro: int) -> tuple[Tensor, Tensor]:
+        """This rank's share of the global micro-batch: one sample for every world size."""
+        t = self.config.train
+        global_batch = t.batch_size * self.world_size
+        x, y = sample_batch(split, global_batch, self.config.data.seq_len, batch_generator(t.seed, step, micro))
+        rows = slice(self.rank * t.batch_size, (self.rank + 1) * t.batch_size)
+        return x[rows].to(self.device), y[rows].to(self.device)
+
+    def train_step(self) -> dict[str, Any]:
+        t = self.config.train
+        step = self.state.step
+        losses: dict[str, float] = {"loss": 0.0, "lm_loss": 0.0, "aux_loss": 0.0}
+        summaries = []
+        self.model.train()
+        for micro in range(t.grad_accum):
+            x, y = self.micro_batch(self.data.train, step, micro)
+            with self.autocast():
+                out = self.forward(x, y)
+            self.optimization.backward(out.loss / t.grad_accum)
+            for key in losses:
+                losses[key] += float(getattr(out, key).detach()) / t.grad_accum
+            summaries.append({name: routing_summary(r, x.shape[1]) for name, r in routed_layers(out)})
+        lr = learning_rate(step, t)
+        grad_norm = self.optimization.step(lr)
+        tokens = t.grad_accum * t.batch_size * self.config.data.seq_len * self.world_size
+        self.state = RunState(step + 1, self.state.tokens + tokens, self.state.flops + tokens * self.flops_per_token)
+        return {**losses, "lr": lr, "grad_norm": grad_norm, "routing": average_summaries(summaries) if summaries[0] else {}}
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, Any]:
+        t = self.config.train
+        self.model.eval()
+        total, summaries, histograms = 0.0, [], {}
+        for i in range(t.eval_batches):
+            # Validation batches are the same at every evaluation: seeded apart from training's.
+            x, y = self.micro_batch(self.data.val, -1, i)
+            with self.autocast():
+                out = self.forward(x, y)
+            total += float(out.lm_loss)
+            summaries.append({name: routing_summary(r, x.shape[1]) for name, r in routed_layers(out)})
+            for name, r in routed_layers(out):
+                histograms[name] = histograms.get(name, 0) + position_histogram(r, POSITION_BINS)
+        routing = average_summaries(summaries) if summaries[0] else {}
+        for name, hist in histograms.items():
+            routing[name]["position_share"] = [round(float(v), 4) for v in hist / hist.sum()]
+        return {"val_loss": total / t.eval_batches, "routing": routing}
+
+    # -- the loop
+    def run(self) -> list[dict[str, Any]]:
+        t = self.config.train
+        records: list[dict[str, Any]] = []
+        bar = tqdm(
+            total=t.max_steps, initial=self.state.step, disable=not (t.progress and self.is_main),
+            dynamic_ncols=True, file=sys.stdout,
+        )
+        window_start, window_tokens = time.perf_counter(), 0
+        while self.state.step < t.max_steps:
+            metrics = self.train_step()
+            step = self.state.step
+            window_tokens += t.grad_accum * t.batch_size * self.config.data.seq_len * self.world_size
+            elapsed = time.perf_counter() - window_start
+            record = {"step": step, "tokens": self.state.tokens, "flops": self.state.flops, **metrics}
+            record["tokens_per_s"] = window_tokens / max(elapsed, 1e-9)
+            bar.update(1)
+            bar.set_postfix_str(self._progress_text(record))
+            if step % t.log_interval == 0 or step == t.max_steps:
+                records.append(record)
+                self.log(record)
+                window_start, window_tokens = time.perf_counter(), 0
+            if step % t.eval_interval == 0 or step == t.max_steps:
+                evaluation = {"step": step, "tokens": self.state.tokens, "flops": self.state.flops, **self.evaluate()}
+                records.append(evaluation)
+                self.log(evaluation)
+                bar.write(f"step {step}: val_loss {evaluation['val_loss']:.4f}")
+            if step % t.checkpoint_interval == 0 or step == t.max_steps:
+                self.save_checkpoint()
+        bar.close()
+        if self.is_main:
+            plot_losses(self.out_dir)
+        return records
+
+    def _progress_text(self, record: dict[str, Any]) -> str:
+        fractions = " ".join(
+            f"{name.removeprefix('layer')}:{stats['processed']:.2f}" for name, stats in record["routing"].items()
+        )
+        text = f"loss {record['loss']:.3f} | {record['tokens_per_s']:.0f} tok/s"
+        return f"{text} | routed {fractions}" if fractions else text
+
+
+# ----------------------------------------------------------------------------- checkpoints & plots
+def load_checkpoint_file(path: Path, device: torch.device | str = "cpu") -> dict[str, Any]:
+    """Read a checkpoint written by this project; a missing or foreign file is a clear error."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / CHECKPOINT
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint not found: {path}")
+    try:
+        payload = torch.load(path, map_location=device, weights_only=False)
+    except Exception as e:  # a truncated or non-torch file
+        raise ValueError(f"{path} is not a readable checkpoint: {e}") from e
+    if not isinstance(payload, dict) or payload.get("format") != "mode-checkpoint-v1":
+        raise ValueError(f"{path} is not a mode checkpoint (no 'format: mode-checkpoint-v1' entry)")
+    return payload
+
+
+def plot_losses(run_dir: Path) -> Path:
+    """loss_vs_flops.png: train and validation loss against cumulative training FLOPs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = [json.loads(line) for line in (run_dir / METRICS).read_text().splitlines() if line]
+    train = [(r["flops"], r["loss"]) for r in records if "loss" in r]
+    val = [(r["flops"], r["val_loss"]) for r in records if "val_loss" in r]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    if train:
+        ax.plot(*zip(*train), label="train")
+    if val:
+        ax.plot(*zip(*val), "o-", label="validation")
+    ax.set_xlabel("cumulative training FLOPs")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(run_dir.name)
+    ax.legend()
+    fig.tight_layout()
+    target = run_dir / "loss_vs_flops.png"
+    tmp = run_dir / ".loss_vs_flops.png.tmp"
+    fig.savefig(tmp, format="png", dpi=100)
+    plt.close(fig)
+    tmp.replace(target)
+    return target
+
+
+# ----------------------------------------------------------------------------- command line
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(
+        description="Train a MoD / MoDE language model.",
+        epilog="Any config field can be overridden: --train.lr=3e-4 --model.n_layers=8",
+    )
+    parser.add_argument("--config", required=True, help="YAML experiment file (see configs/)")
+    parser.add_argument("--resume", action="store_true", help="continue the run in train.out_dir")
+    args, rest = parser.parse_known_args(argv)
+    bad = [a for a in rest if not (a.startswith("--") and "." in a.split("=", 1)[0] and "=" in a)]
+    if bad:
+        parser.error(f"unrecognised arguments {bad}: overrides look like --section.field=value")
+    return args, rest
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, overrides = parse_args(argv)
+    try:
+        config = load_config(args.config, overrides)
+        trainer = Trainer(config, resume=args.resume)
+    except (ConfigError, DataError, FileExistsError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(
+        f"model: {trainer.model.num_parameters() / 1e6:.2f}M parameters, blocks {config.model.block_kinds()}, "
+        f"{model_flops(config).forward_per_token / 1e6:.2f} MFLOPs/token forward; run folder {trainer.out_dir}"
+    )
+    trainer.run()
+    print(f"done: run folder {trainer.out_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
