@@ -16,7 +16,9 @@ setup(
         "numpy>=1.24",
     ],
     extras_require={
-        "test": ["pytest>=7"],
+        "test": ["pytest>=7", "pytest-timeout>=2"],
+        # DeepSpeed runs on CPU too (over gloo), for the distributed tests.
+        "cpu-dist": ["deepspeed==0.19.8"],
         "gpu": ["deepspeed==0.19.8", "megablocks==0.10.0", "grouped_gemm==0.3.0"],
     },
 )

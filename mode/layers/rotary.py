@@ -48,7 +48,8 @@ class RotaryEmbedding(nn.Module):
 def apply_rotary(x: Tensor, angles: RotaryAngles) -> Tensor:
     """x (B, S, H, hd) rotated pairwise (first half, second half) by the angles of its tokens."""
     half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    compute = torch.promote_types(x.dtype, torch.float32)  # upcast bf16/fp16, never downcast fp64
+    x1, x2 = x[..., :half].to(compute), x[..., half:].to(compute)
     cos, sin = angles.cos, angles.sin
     rotated = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
     return rotated.to(x.dtype)

@@ -1,0 +1,160 @@
+"""MoD vs dense: training-step time, peak memory and the analytic FLOP ratio, on one GPU.
+
+    python bench/mod_step.py                 # seq 2048, width 1024, 12 layers, bf16, B=8
+    python bench/mod_step.py --tiny          # a CPU-sized smoke run of the same script
+
+Both models have the same shape; the MoD model routes 12.5% of each sequence through every
+other block. Measured in the same process, same card: forward+backward, and the whole step
+with fused AdamW, eager and torch.compile. Prints a markdown table.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+from mode.config import Config, config_from_dict
+from mode.flops import model_flops
+from mode.model import LanguageModel
+
+
+def make_config(pattern: list[str], args: argparse.Namespace) -> Config:
+    return config_from_dict(
+        {
+            "model": {
+                "vocab_size": args.vocab,
+                "d_model": args.width,
+                "n_heads": args.heads,
+                "n_layers": args.layers,
+                "d_ff": args.ffn,
+                "max_seq_len": args.seq,
+                "block_pattern": pattern,
+            },
+            "routing": {"capacity": args.capacity, "gate": "sigmoid"},
+            "data": {"seq_len": args.seq},
+        },
+        "bench/mod_step.py",
+    )
+
+
+def timed(fn: Callable[[], None], warmup: int, iters: int, device: torch.device) -> float:
+    """Median milliseconds of fn over iters runs after warmup runs."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def measure(config: Config, compiled: bool, args: argparse.Namespace, device: torch.device) -> dict[str, float]:
+    torch.manual_seed(0)
+    model = LanguageModel(config).to(device)
+    forward = torch.compile(model) if compiled else model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), device=device)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+    def fwd_bwd() -> None:
+        with autocast:
+            loss = forward(x, y).loss
+        loss.backward()
+
+    def step() -> None:
+        fwd_bwd()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    result = {
+        "fwd_bwd_ms": timed(fwd_bwd, args.warmup, args.iters, device),
+        "step_ms": timed(step, args.warmup, args.iters, device),
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan"),
+    }
+    del model, optimizer, forward
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--ffn", type=int, default=2816)
+    parser.add_argument("--vocab", type=int, default=32768)
+    parser.add_argument("--capacity", type=float, default=0.125)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke run at a small shape")
+    parser.add_argument("--profile", action="store_true", help="also print the top kernels of eager fwd+bwd")
+    args = parser.parse_args()
+    if args.tiny:
+        args.batch, args.seq, args.width, args.heads, args.layers, args.ffn, args.vocab = 2, 128, 64, 4, 4, 128, 256
+        args.warmup, args.iters, args.no_compile = 1, 3, True
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    card = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    torch.backends.cuda.matmul.allow_tf32 = True
+
+    dense_cfg, mod_cfg = make_config(["dense"], args), make_config(["dense", "mod"], args)
+    flop_ratio = model_flops(mod_cfg).forward_per_token / model_flops(dense_cfg).forward_per_token
+    modes = [False] if args.no_compile else [False, True]
+    print(f"card: {card}; torch {torch.__version__}; B={args.batch} S={args.seq} D={args.width} "
+          f"layers={args.layers} ffn={args.ffn} vocab={args.vocab} capacity={args.capacity} on every other block, bf16")
+    print(f"analytic forward FLOPs/token: dense {model_flops(dense_cfg).forward_per_token / 1e6:.1f}M, "
+          f"MoD {model_flops(mod_cfg).forward_per_token / 1e6:.1f}M, ratio {flop_ratio:.3f}\n")
+    print("| mode | model | fwd+bwd ms | step ms (AdamW) | peak GiB | fwd+bwd ratio | step ratio | ratio / FLOP ratio (fwd+bwd, step) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for compiled in modes:
+        mode = "compiled" if compiled else "eager"
+        dense = measure(dense_cfg, compiled, args, device)
+        mod = measure(mod_cfg, compiled, args, device)
+        fb, st = mod["fwd_bwd_ms"] / dense["fwd_bwd_ms"], mod["step_ms"] / dense["step_ms"]
+        print(f"| {mode} | dense | {dense['fwd_bwd_ms']:.2f} | {dense['step_ms']:.2f} | {dense['peak_gib']:.2f} | | | |")
+        print(f"| {mode} | MoD | {mod['fwd_bwd_ms']:.2f} | {mod['step_ms']:.2f} | {mod['peak_gib']:.2f} "
+              f"| {fb:.3f} | {st:.3f} | {fb / flop_ratio:.3f} x, {st / flop_ratio:.3f} x |")
+    if args.profile:
+        for name, cfg in (("dense", dense_cfg), ("MoD", mod_cfg)):
+            profile(name, cfg, args, device)
+
+
+def profile(name: str, config: Config, args: argparse.Namespace, device: torch.device) -> None:
+    """Top kernels of three eager forward+backward passes, to see where the time goes."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    model = LanguageModel(config).to(device)
+    tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), device=device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    for i in range(5):
+        with torch_profile(activities=activities) if i == 4 else torch.autocast(device.type, enabled=False) as prof:
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                loss = model(tokens[:, :-1], tokens[:, 1:]).loss
+            loss.backward()
+    sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    print(f"\n### {name}: top operators, one eager forward+backward")
+    print(prof.key_averages().table(sort_by=sort, row_limit=25))
+
+
+if __name__ == "__main__":
+    main()

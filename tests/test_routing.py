@@ -1,0 +1,216 @@
+"""Router primitives and the depth router, checked against obvious per-row Python references."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mode.config import ModelConfig, RoutingConfig
+from mode.layers.mod import MoDBlock
+from mode.routing import (
+    DepthRouter,
+    apply_gate,
+    capacity_to_k,
+    gather_tokens,
+    scatter_add_tokens,
+    token_mask,
+    top_k_positions,
+)
+
+# The router computes its scores in float32 by design (stable top-k under autocast), so a
+# float64 reference of the score w^T x agrees only to float32 rounding: |r| ~ 1-10, float32
+# epsilon ~1.2e-7, a dot product of 32 terms -> errors of order 1e-6; 1e-5 leaves margin.
+ROUTER_F32_TOL = 1e-5
+
+D, S = 32, 16
+
+
+# ---------------------------------------------------------------------------- capacity_to_k
+
+def test_capacity_to_k_edge_cases() -> None:
+    assert capacity_to_k(16, 0.125) == 2
+    assert capacity_to_k(16, 1.0) == 16  # full capacity: every token
+    assert capacity_to_k(16, 1e-6) == 1  # never zero tokens
+    assert capacity_to_k(1, 0.01) == 1
+    assert capacity_to_k(1, 1.0) == 1
+    assert capacity_to_k(8, 1.5) == 8  # never more tokens than the group holds
+    assert capacity_to_k(2048, 0.125) == 256
+    for bad in (0.0, -0.5):
+        with pytest.raises(ValueError):
+            capacity_to_k(16, bad)
+
+
+def test_capacity_to_k_bounds_and_rounding_sweep() -> None:
+    for tokens in range(1, 65):
+        for capacity in (0.01, 0.05, 0.1, 0.125, 0.2, 0.25, 1 / 3, 0.5, 0.7, 0.9, 0.99, 1.0):
+            k = capacity_to_k(tokens, capacity)
+            assert isinstance(k, int)
+            assert 1 <= k <= tokens, (tokens, capacity, k)
+            exact = capacity * tokens
+            if exact >= 1.0:  # rounded, so within half a token of capacity * T
+                assert abs(k - exact) <= 0.5 + 1e-9, (tokens, capacity, k)
+            else:
+                assert k == 1 or abs(k - exact) <= 0.5 + 1e-9
+
+
+# ------------------------------------------------------------------------- top_k_positions
+
+def _python_top_k(row: list[float], k: int) -> list[int]:
+    """The k largest entries of one row, their positions in increasing order."""
+    by_score = sorted(range(len(row)), key=lambda i: row[i], reverse=True)
+    return sorted(by_score[:k])
+
+
+@pytest.mark.parametrize("shape", [(3, S), (2, 3, S)])
+@pytest.mark.parametrize("k", [1, 4, 7, S])
+def test_top_k_positions_matches_python_reference(shape: tuple[int, ...], k: int) -> None:
+    scores = torch.randn(shape)  # continuous: no ties
+    got = top_k_positions(scores, k)
+    assert got.shape == (*shape[:-1], k)
+    assert got.dtype == torch.int64
+    rows = scores.reshape(-1, S).tolist()
+    got_rows = got.reshape(-1, k).tolist()
+    for row, got_row in zip(rows, got_rows):
+        assert got_row == _python_top_k(row, k)
+
+
+def test_top_k_positions_is_per_row() -> None:
+    """Top-k over the whole batch would let one row's large scores steal another row's slots."""
+    scores = torch.randn(3, S)
+    k = 4
+    before = top_k_positions(scores, k)
+    boosted = scores.clone()
+    boosted[1] = boosted[1] * 100 + 1000  # row 1 now outscores every other row everywhere
+    after = top_k_positions(boosted, k)
+    assert torch.equal(after[0], before[0]) and torch.equal(after[2], before[2])
+    assert after.shape == (3, k)
+
+
+# ------------------------------------------------------------------- gather / scatter / mask
+
+def test_gather_tokens_matches_indexing() -> None:
+    x = torch.randn(3, S, D)
+    idx = top_k_positions(torch.randn(3, S), 5)  # (G, k)
+    got = gather_tokens(x, idx)
+    want = torch.stack([x[g, idx[g]] for g in range(3)])
+    assert torch.equal(got, want)
+
+    idx3 = torch.randint(0, S, (3, 4, 6))  # (G, E, C): expert choice, repeats allowed
+    got3 = gather_tokens(x, idx3)
+    assert got3.shape == (3, 4, 6, D)
+    for g in range(3):
+        for e in range(4):
+            assert torch.equal(got3[g, e], x[g, idx3[g, e]])
+
+
+def test_gather_scatter_round_trip() -> None:
+    x = torch.randn(3, S, D, dtype=torch.float64)
+    idx = top_k_positions(torch.randn(3, S), 6)
+    mask = token_mask(idx, S)
+    # scatter(0, idx, gather(x, idx)) keeps exactly the chosen tokens of x.
+    kept = scatter_add_tokens(torch.zeros_like(x), idx, gather_tokens(x, idx))
+    assert torch.equal(kept, x * mask.unsqueeze(-1))
+    # Adding updates: chosen tokens get x + u, the others are bit-identical.
+    updates = torch.randn(3, 6, D, dtype=torch.float64)
+    out = scatter_add_tokens(x, idx, updates)
+    assert torch.equal(out[~mask], x[~mask])
+    assert torch.equal(gather_tokens(out, idx), gather_tokens(x, idx) + updates)
+    assert x.data_ptr() != out.data_ptr()  # out of place: the input is not modified
+
+
+def test_scatter_add_sums_repeated_tokens() -> None:
+    """A token chosen by several experts receives the sum of their updates."""
+    x = torch.randn(2, S, D, dtype=torch.float64)
+    idx = torch.randint(0, S, (2, 3, 5))  # repeats within and across experts
+    updates = torch.randn(2, 3, 5, D, dtype=torch.float64)
+    want = x.clone()
+    for g in range(2):
+        for e in range(3):
+            for c in range(5):
+                want[g, idx[g, e, c]] += updates[g, e, c]
+    # float64 sums of at most 16 terms of size ~1: reordering error far below 1e-12.
+    torch.testing.assert_close(scatter_add_tokens(x, idx, updates), want, rtol=0, atol=1e-12)
+
+
+def test_gather_scatter_gradients() -> None:
+    x = torch.randn(2, 8, 4, dtype=torch.float64, requires_grad=True)
+    u = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
+    idx = top_k_positions(torch.randn(2, 8), 3)
+    assert torch.autograd.gradcheck(lambda t: gather_tokens(t, idx), (x,))
+    assert torch.autograd.gradcheck(lambda t, v: scatter_add_tokens(t, idx, v), (x, u))
+
+
+def test_token_mask() -> None:
+    idx = top_k_positions(torch.randn(3, S), 5)
+    mask = token_mask(idx, S)
+    assert mask.dtype == torch.bool and mask.shape == (3, S)
+    for g in range(3):
+        assert mask[g].nonzero().flatten().tolist() == idx[g].tolist()
+
+
+def test_apply_gate() -> None:
+    r = torch.randn(4, 5)
+    assert torch.equal(apply_gate(r, "identity"), r)
+    assert torch.equal(apply_gate(r, "sigmoid"), torch.sigmoid(r))
+    with pytest.raises(ValueError):
+        apply_gate(r, "softmax")
+
+
+# ------------------------------------------------------------------------------ DepthRouter
+
+def _check_exact_k_sorted(indices: torch.Tensor, batch: int, k: int) -> None:
+    assert indices.shape == (batch, k)
+    for row in indices.tolist():
+        assert row == sorted(set(row)), row  # k distinct positions in increasing order
+        assert all(0 <= i < S for i in row)
+
+
+@pytest.mark.parametrize("gate", ["sigmoid", "identity"])
+def test_depth_router_scores_gates_and_k(gate: str) -> None:
+    capacity = 0.25
+    router = DepthRouter(D, capacity, gate, random=False)
+    x = torch.randn(3, S, D)
+    routing = router(x)
+    k = capacity_to_k(S, capacity)
+    _check_exact_k_sorted(routing.indices, 3, k)
+    ref_scores = (x.double() @ router.router.proj.weight.double().T).squeeze(-1)  # (B, S)
+    assert routing.logits.dtype == torch.float32
+    torch.testing.assert_close(routing.logits.double(), ref_scores, rtol=ROUTER_F32_TOL, atol=ROUTER_F32_TOL)
+    for b in range(3):
+        assert routing.indices[b].tolist() == _python_top_k(routing.logits[b].tolist(), k)
+    torch.testing.assert_close(
+        routing.gates, apply_gate(routing.logits.gather(1, routing.indices), gate), rtol=0, atol=0
+    )
+    assert float(routing.aux_loss) == 0.0
+
+
+@pytest.mark.parametrize("gate", ["sigmoid", "identity"])
+def test_random_routing_switch(gate: str) -> None:
+    """RoutingConfig(random=True): random choice of tokens, still k per sequence, gate still learned."""
+    cfg = ModelConfig(d_model=D, n_heads=4, d_ff=64, n_layers=2, max_seq_len=32)
+    capacity = 0.25
+    k = capacity_to_k(S, capacity)
+    block = MoDBlock(cfg, RoutingConfig(capacity=capacity, gate=gate, random=True))
+    assert block.router.random
+    router = block.router
+    x = torch.randn(3, S, D)
+
+    torch.manual_seed(123)
+    routing = router(x)
+    _check_exact_k_sorted(routing.indices, 3, k)
+    learned = top_k_positions(routing.logits.detach(), k)
+    assert not torch.equal(routing.indices, learned)  # chooses differently from the scores
+
+    torch.manual_seed(123)
+    again = router(x)
+    assert torch.equal(again.indices, routing.indices)  # reproducible under a fixed seed
+    torch.manual_seed(124)
+    assert not torch.equal(router(x).indices, routing.indices)  # but actually random
+
+    # The gate comes from the learned score at the randomly chosen positions...
+    torch.testing.assert_close(
+        routing.gates, apply_gate(routing.logits.gather(1, routing.indices), gate), rtol=0, atol=0
+    )
+    # ... so the router still learns through it.
+    (routing.gates * torch.randn_like(routing.gates)).sum().backward()
+    grad = router.router.proj.weight.grad
+    assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0
