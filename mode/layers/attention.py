@@ -18,8 +18,9 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: Tensor, angles: RotaryAngles) -> Tensor:
         """x (B, S, D) in causal order; angles hold each token's (original) position."""
         batch, seq, width = x.shape
-        q, k, v = self.qkv(x).view(batch, seq, 3, self.n_heads, self.head_dim).unbind(2)  # 3 x (B, S, H, hd)
-        q, k = apply_rotary(q, angles), apply_rotary(k, angles)
+        qkv = self.qkv(x).view(batch, seq, 3, self.n_heads, self.head_dim)  # (B, S, 3, H, hd)
+        q, k = apply_rotary(qkv[:, :, :2], angles).unbind(2)  # 2 x (B, S, H, hd), rotated together
+        v = qkv[:, :, 2]  # (B, S, H, hd)
         y = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
         )  # (B, H, S, hd)

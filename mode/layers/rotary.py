@@ -14,6 +14,12 @@ class RotaryAngles:
     cos: Tensor
     sin: Tensor
 
+    def __post_init__(self) -> None:
+        # Full-width tables, built once per set of tokens and shared by every layer that
+        # uses them: rotation becomes x * cos_full + rotate_half(x) * sin_signed.
+        self.cos_full = torch.cat((self.cos, self.cos), dim=-1)  # (B|1, S, 1, hd)
+        self.sin_signed = torch.cat((-self.sin, self.sin), dim=-1)  # (B|1, S, 1, hd)
+
     def select(self, indices: Tensor) -> "RotaryAngles":
         """Angles of the chosen tokens (B, k): routed tokens keep their original positions."""
         batch = indices.shape[0]
@@ -46,10 +52,14 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: Tensor, angles: RotaryAngles) -> Tensor:
-    """x (B, S, H, hd) rotated pairwise (first half, second half) by the angles of its tokens."""
+    """x (B, S, ..., hd) rotated pairwise (first half, second half) by the angles of its tokens.
+
+    Any dims between S and hd (heads; or q/k and heads) share a token's angles, so q and k
+    are rotated together in one pass. Computed in float32 or wider (bf16 inputs are
+    promoted by the multiply itself), returned in x's dtype.
+    """
     half = x.shape[-1] // 2
-    compute = torch.promote_types(x.dtype, torch.float32)  # upcast bf16/fp16, never downcast fp64
-    x1, x2 = x[..., :half].to(compute), x[..., half:].to(compute)
-    cos, sin = angles.cos, angles.sin
-    rotated = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
-    return rotated.to(x.dtype)
+    shape = (angles.cos_full.shape[0], x.shape[1]) + (1,) * (x.dim() - 3) + (x.shape[-1],)
+    cos, sin = angles.cos_full.view(shape), angles.sin_signed.view(shape)
+    rotate_half = torch.cat((x[..., half:], x[..., :half]), dim=-1)  # (x2, x1)
+    return (x * cos + rotate_half * sin).to(x.dtype)

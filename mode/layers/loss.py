@@ -1,0 +1,79 @@
+"""The language-model loss, fused with the unembedding and computed in chunks of tokens.
+
+The full (tokens x vocabulary) logits in float32 are the largest tensor of a training step
+(8 x 2048 tokens x 32k vocabulary = 2 GiB) and several memory-bound passes over them. Here
+each chunk's logits live only briefly: the forward computes the mean cross-entropy *and*
+its gradients with respect to the hidden states and the unembedding weight, chunk by chunk,
+so the backward only scales them. Same matmul count as the unfused version.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+CHUNK_ELEMENTS = 2**26  # logits per chunk: 256 MiB in float32
+
+
+def _chunk_size(num_tokens: int, vocab: int) -> int:
+    return max(1, min(num_tokens, CHUNK_ELEMENTS // vocab))
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor) -> Tensor:  # type: ignore[override]
+        """hidden (N, D), weight (V, D), targets (N,) -> mean cross-entropy, a scalar."""
+        n = hidden.shape[0]
+        acc = torch.promote_types(hidden.dtype, torch.float32)  # float32, or float64 in tests
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros_like(weight, dtype=torch.promote_types(weight.dtype, torch.float32))
+        total = hidden.new_zeros((), dtype=acc)
+        step = _chunk_size(n, weight.shape[0])
+        for start in range(0, n, step):
+            h, t = hidden[start : start + step], targets[start : start + step]
+            logits = (h @ weight.t()).to(acc)  # (n_chunk, V)
+            lse = logits.logsumexp(dim=-1)  # (n_chunk,)
+            total += (lse - logits.gather(1, t.unsqueeze(1)).squeeze(1)).sum()
+            # d(mean loss)/d(logits) = (softmax - one_hot) / N, built in place in `logits`.
+            grad_logits = logits.sub_(lse.unsqueeze(1)).exp_()
+            grad_logits.scatter_add_(1, t.unsqueeze(1), grad_logits.new_full((t.shape[0], 1), -1.0))
+            grad_logits = grad_logits.div_(n).to(hidden.dtype)  # (n_chunk, V)
+            grad_hidden[start : start + step] = grad_logits @ weight
+            grad_weight += grad_logits.t() @ h
+        ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
+        return total / n
+
+    @staticmethod
+    def backward(ctx, grad_loss: Tensor) -> tuple[Tensor, Tensor, None]:  # type: ignore[override]
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return grad_hidden * grad_loss.to(grad_hidden.dtype), grad_weight * grad_loss.to(grad_weight.dtype), None
+
+
+def _chunked_loss_no_grad(hidden: Tensor, weight: Tensor, targets: Tensor) -> Tensor:
+    acc = torch.promote_types(hidden.dtype, torch.float32)
+    total = hidden.new_zeros((), dtype=acc)
+    step = _chunk_size(hidden.shape[0], weight.shape[0])
+    for start in range(0, hidden.shape[0], step):
+        logits = (hidden[start : start + step] @ weight.t()).to(acc)
+        total += F.cross_entropy(logits, targets[start : start + step], reduction="sum")
+    return total / hidden.shape[0]
+
+
+def linear_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor) -> Tensor:
+    """Mean cross-entropy of softmax(hidden @ weight^T) against targets, never holding all logits.
+
+    hidden (..., D), weight (V, D), targets (...). Under autocast the matmuls run in the
+    autocast dtype (the casts happen here, outside the fused function, so their gradients
+    flow as usual); the softmax and the loss are always float32.
+    """
+    hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+    else:
+        weight = weight.to(hidden.dtype)
+    with torch.autocast(device, enabled=False):
+        if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+            return _FusedLinearCrossEntropy.apply(hidden, weight, targets)
+        return _chunked_loss_no_grad(hidden, weight, targets)
