@@ -1,0 +1,231 @@
+"""Config: strict validation that names the field and the file, overrides, save/load round trip."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mode.config import (
+    Config,
+    ConfigError,
+    apply_overrides,
+    config_from_dict,
+    load_config,
+    parse_override,
+    save_config,
+)
+
+# A small valid config; each test below breaks one field of it.
+BASE: dict = {
+    "model": {"d_model": 32, "n_heads": 2, "n_layers": 2, "d_ff": 64, "max_seq_len": 64,
+              "block_pattern": ["dense", "mod"]},
+    "routing": {"capacity": 0.25},
+    "data": {"source": "stdlib", "seq_len": 32},
+    "train": {"batch_size": 4, "max_steps": 10, "lr": 1e-3, "min_lr": 1e-4, "progress": False},
+}
+
+
+def _set(path: str, value) -> dict:
+    import copy
+
+    raw = copy.deepcopy(BASE)
+    node = raw
+    *parents, leaf = path.split(".")
+    for p in parents:
+        node = node.setdefault(p, {})
+    node[leaf] = value
+    return raw
+
+
+def _write(tmp_path: Path, raw: dict, name: str = "experiment.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return path
+
+
+def _load_error(tmp_path: Path, raw: dict, name: str = "experiment.yaml") -> str:
+    path = _write(tmp_path, raw, name)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    return str(info.value)
+
+
+def test_base_config_is_valid(tmp_path: Path) -> None:
+    cfg = load_config(_write(tmp_path, BASE))
+    assert cfg.model.d_model == 32 and cfg.model.block_kinds() == ["dense", "mod"]
+
+
+# ----------------------------------------------------------------------------- unknown keys
+@pytest.mark.parametrize(
+    "path",
+    ["model.n_layer", "routing.capacityy", "train.learning_rate", "data.sequence_length", "modle"],
+)
+def test_unknown_key_names_dotted_path_and_file(tmp_path: Path, path: str) -> None:
+    name = "typo_experiment.yaml"
+    msg = _load_error(tmp_path, _set(path, 4), name)
+    assert path in msg, msg
+    assert name in msg, msg
+    assert "unknown key" in msg
+
+
+def test_unknown_key_in_override_names_path() -> None:
+    with pytest.raises(ConfigError, match=r"train\.lrr"):
+        load_config(None, ["--train.lrr=0.1"])
+
+
+# ----------------------------------------------------------------------------- wrong types
+@pytest.mark.parametrize(
+    "path, value",
+    [
+        ("model.d_model", "wide"),
+        ("model.d_model", 12.5),  # not a whole number
+        ("model.block_pattern", "dense"),  # a string, not a list
+        ("train.lr", "fast"),
+        ("train.progress", "maybe"),
+        ("routing.gate", "tanh"),
+        ("data.source", "internet"),
+        ("model.n_layers", True),  # YAML's true/yes is a boolean, never the number 1
+        ("train.lr", True),
+        ("train.seed", False),
+    ],
+)
+def test_wrong_type_names_field(tmp_path: Path, path: str, value) -> None:
+    msg = _load_error(tmp_path, _set(path, value))
+    assert path in msg, msg
+    assert "experiment.yaml" in msg
+
+
+def test_section_that_is_not_a_mapping(tmp_path: Path) -> None:
+    msg = _load_error(tmp_path, _set("model", 5))
+    assert "model" in msg
+
+
+def test_top_level_not_a_mapping(tmp_path: Path) -> None:
+    path = tmp_path / "list.yaml"
+    path.write_text("- model\n- train\n")
+    with pytest.raises(ConfigError, match="list.yaml"):
+        load_config(path)
+
+
+# ----------------------------------------------------------------------------- impossible values
+@pytest.mark.parametrize(
+    "path, value, field_named",
+    [
+        ("routing.capacity", 0, "routing.capacity"),
+        ("routing.capacity", 1.5, "routing.capacity"),
+        ("routing.capacity", -0.1, "routing.capacity"),
+        ("model.n_heads", 3, "n_heads"),  # 32 % 3 != 0
+        ("model.block_pattern", ["dense", "modd"], "model.block_pattern"),
+        ("data.seq_len", 128, "data.seq_len"),  # > model.max_seq_len 64
+        ("train.min_lr", 1e-2, "min_lr"),  # > lr 1e-3
+        ("data.val_fraction", 1.0, "data.val_fraction"),
+        ("train.batch_size", 0, "train.batch_size"),
+    ],
+)
+def test_impossible_value_names_field(tmp_path: Path, path: str, value, field_named: str) -> None:
+    msg = _load_error(tmp_path, _set(path, value))
+    assert field_named in msg, msg
+    assert "experiment.yaml" in msg
+
+
+def test_width_not_divisible_by_heads_names_both(tmp_path: Path) -> None:
+    msg = _load_error(tmp_path, _set("model.n_heads", 3))
+    assert "d_model" in msg and "n_heads" in msg and "model" in msg
+
+
+def test_block_kind_that_does_not_exist_names_it(tmp_path: Path) -> None:
+    msg = _load_error(tmp_path, _set("model.block_pattern", ["dense", "mixture_of_depth"]))
+    assert "model.block_pattern" in msg and "mixture_of_depth" in msg
+
+
+def test_seq_len_beyond_max_seq_len_names_both(tmp_path: Path) -> None:
+    msg = _load_error(tmp_path, _set("data.seq_len", 128))
+    assert "data.seq_len" in msg and "model.max_seq_len" in msg
+
+
+@pytest.mark.parametrize("source", ["text", "tokens"])
+def test_source_without_path_names_data_path(tmp_path: Path, source: str) -> None:
+    msg = _load_error(tmp_path, _set("data.source", source))
+    assert "data.path" in msg, msg
+
+
+def test_missing_file_and_bad_yaml(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="nowhere.yaml"):
+        load_config(tmp_path / "nowhere.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: {d_model: 32\n")
+    with pytest.raises(ConfigError, match="bad.yaml"):
+        load_config(bad)
+
+
+# ----------------------------------------------------------------------------- overrides
+def test_overrides_apply_with_yaml_types(tmp_path: Path) -> None:
+    path = _write(tmp_path, BASE)
+    cfg = load_config(
+        path,
+        ["--train.lr=3e-4", "--model.block_pattern=[dense,mod]", "--model.n_layers=4",
+         "--routing.random=true", "--train.min_lr=0", "--data.source=text", "--data.path=/some/where"],
+    )
+    assert cfg.train.lr == 3e-4 and isinstance(cfg.train.lr, float)
+    assert cfg.model.block_pattern == ["dense", "mod"]
+    assert cfg.model.n_layers == 4 and cfg.model.block_kinds() == ["dense", "mod", "dense", "mod"]
+    assert cfg.routing.random is True
+    assert cfg.data.path == "/some/where"
+    # Overrides replace only what they name: the file's other values stay.
+    assert cfg.model.d_model == 32 and cfg.train.batch_size == 4
+
+
+def test_override_is_validated_like_the_file(tmp_path: Path) -> None:
+    path = _write(tmp_path, BASE)
+    with pytest.raises(ConfigError) as info:
+        load_config(path, ["--routing.capacity=1.5"])
+    assert "routing.capacity" in str(info.value) and "experiment.yaml" in str(info.value)
+
+
+def test_parse_override() -> None:
+    assert parse_override("--train.lr=3e-4") == (["train", "lr"], "3e-4")  # YAML 1.1: pydantic parses it
+    assert parse_override("--model.block_pattern=[dense, mod]") == (["model", "block_pattern"], ["dense", "mod"])
+    assert parse_override("--train.out_dir=") == (["train", "out_dir"], "")
+
+
+@pytest.mark.parametrize(
+    "override, fragment",
+    [
+        ("--train.lr", "--section.field=value"),  # no '='
+        ("--lr=3e-4", "section and a field"),  # no section
+        ("--model.block_pattern=[dense, mod", "not valid YAML"),
+        ("--model.d_model.x=1", "not a section"),  # d_model is a value in the file, not a section
+    ],
+)
+def test_malformed_override_is_clear_error(tmp_path: Path, override: str, fragment: str) -> None:
+    path = _write(tmp_path, BASE)
+    with pytest.raises(ConfigError) as info:
+        load_config(path, [override])
+    assert fragment in str(info.value), str(info.value)
+
+
+# ----------------------------------------------------------------------------- save / load
+def test_save_then_load_round_trips(tmp_path: Path) -> None:
+    cfg = config_from_dict(
+        _set("routing.gate", "identity")
+        | {"data": {"source": "text", "path": str(tmp_path / "corpus"), "seq_len": 32, "val_fraction": 0.2}}
+    )
+    cfg.train.min_lr = 3e-5  # a float YAML writes in exponent form
+    cfg.model.norm_eps = 1e-5
+    out = tmp_path / "saved" / "config.yaml"
+    save_config(cfg, out)
+    loaded = load_config(out)
+    assert loaded == cfg
+    assert loaded.to_dict() == cfg.to_dict()
+    # And again: saving what was loaded writes the same text.
+    again = tmp_path / "again.yaml"
+    save_config(loaded, again)
+    assert again.read_text() == out.read_text()
+
+
+def test_defaults_round_trip(tmp_path: Path) -> None:
+    cfg = Config()
+    save_config(cfg, tmp_path / "c.yaml")
+    assert load_config(tmp_path / "c.yaml") == cfg
+

@@ -1,0 +1,136 @@
+"""FLOP accounting: the analytic counter against a direct count of the matmuls of one forward."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+import mode.layers.attention as attention_module
+from mode.config import Config, config_from_dict
+from mode.flops import block_flops, model_flops, router_flops, train_step_flops
+from mode.model import LanguageModel
+from mode.routing.primitives import capacity_to_k
+
+# The analytic count and FlopCounterMode's count are sums of the same integers (k is an
+# integer), so they agree to float64 rounding of the per-token average.
+REL_TOL = 1e-9
+# The explicit attention replaces the fused kernel: same result up to float32 rounding.
+SDPA_ATOL = 1e-5
+
+
+def _config(pattern: list[str], seq_len: int = 32, capacity: float = 0.125, n_layers: int = 4, **train) -> Config:
+    return config_from_dict({
+        "model": {"d_model": 64, "n_heads": 4, "n_layers": n_layers, "d_ff": 96, "max_seq_len": 64,
+                  "vocab_size": 256, "block_pattern": pattern},
+        "routing": {"capacity": capacity},
+        "data": {"source": "stdlib", "seq_len": seq_len},
+        "train": {"batch_size": 4, "progress": False, **train},
+    })
+
+
+def explicit_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """scaled_dot_product_attention the plain way: q k^T, mask, softmax, times v (full S x S)."""
+    assert dropout_p == 0.0 and not enable_gqa
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    scores = (query @ key.transpose(-2, -1)) * scale  # (B, H, L, S)
+    if is_causal:
+        keep = torch.ones(scores.shape[-2], scores.shape[-1], dtype=torch.bool, device=scores.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
+    return scores.softmax(-1) @ value
+
+
+@pytest.mark.parametrize(
+    "pattern, seq_len, capacity",
+    [
+        (["dense"], 32, 0.125),
+        (["dense", "mod"], 32, 0.125),  # k = 4
+        (["dense", "mod"], 48, 0.125),  # k = round(6.0) = 6
+        (["mod"], 40, 0.3),  # k = round(12.0) = 12, every block routed
+    ],
+)
+def test_counter_matches_direct_count(monkeypatch, pattern, seq_len, capacity) -> None:
+    config = _config(pattern, seq_len=seq_len, capacity=capacity)
+    model = LanguageModel(config).float().eval()
+    tokens = torch.randint(0, 256, (4, seq_len))
+    with torch.no_grad():
+        reference = model(tokens).logits
+
+    calls = []
+
+    def counting_sdpa(*args, **kwargs):
+        calls.append(1)
+        return explicit_sdpa(*args, **kwargs)
+
+    # attention.py calls F.scaled_dot_product_attention through `torch.nn.functional as F`.
+    assert attention_module.F is torch.nn.functional
+    monkeypatch.setattr(attention_module.F, "scaled_dot_product_attention", counting_sdpa)
+    counter = FlopCounterMode(display=False)
+    with torch.no_grad(), counter:
+        logits = model(tokens).logits
+    assert len(calls) == config.model.n_layers  # every attention went through the explicit version
+    torch.testing.assert_close(logits, reference, atol=SDPA_ATOL, rtol=0)
+
+    counted = counter.get_total_flops()
+    expected = model_flops(config, causal=False).forward_per_token * tokens.numel()
+    assert counted == pytest.approx(expected, rel=REL_TOL), (counted, expected)
+
+
+def test_causal_differs_by_exactly_the_attention_pairs() -> None:
+    seq, capacity = 64, 0.125
+    config = _config(["dense", "mod"], seq_len=seq, capacity=capacity)
+    d, k = config.model.d_model, capacity_to_k(seq, capacity)
+    full, causal = model_flops(config, causal=False), model_flops(config, causal=True)
+    # Scores and values: 2 * 2D per (query, key) pair; causal keeps (S+1)/2 keys per query on average.
+    dense_term = 4 * d * (seq - (seq + 1) / 2)
+    mod_term = (k / seq) * 4 * d * (k - (k + 1) / 2)  # attention among the k chosen tokens
+    for kind, f, c in zip(config.model.block_kinds(), full.per_block, causal.per_block):
+        assert f - c == pytest.approx(dense_term if kind == "dense" else mod_term, rel=1e-12)
+    assert full.lm_head == causal.lm_head
+    assert full.forward_per_token - causal.forward_per_token == pytest.approx(2 * dense_term + 2 * mod_term, rel=1e-12)
+    # model_flops defaults to the causal convention and to data.seq_len.
+    assert model_flops(config).forward_per_token == causal.forward_per_token
+    assert model_flops(config, seq_len=seq).forward_per_token == causal.forward_per_token
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_mod_at_full_capacity_costs_dense_plus_router(causal: bool) -> None:
+    config = _config(["mod"], seq_len=32, capacity=1.0)
+    dense = block_flops("dense", config, 32, causal)
+    assert block_flops("mod", config, 32, causal) == dense + router_flops(config.model.d_model, 1)
+    assert router_flops(config.model.d_model, 1) == 2 * config.model.d_model
+
+
+def test_train_step_flops_is_three_forwards_over_every_token() -> None:
+    config = _config(["dense", "mod"], seq_len=32, grad_accum=3)
+    forward = model_flops(config).forward_per_token
+    tokens = 4 * 3 * 32  # batch x grad_accum x seq
+    assert model_flops(config).train_per_token == 3 * forward
+    assert train_step_flops(config) == pytest.approx(3 * forward * tokens, rel=1e-12)
+    assert train_step_flops(config, world_size=2) == pytest.approx(2 * 3 * forward * tokens, rel=1e-12)
+
+
+def test_mod_is_cheaper_than_dense_and_grows_with_capacity() -> None:
+    dense = model_flops(_config(["dense"], seq_len=64)).forward_per_token
+    ratios = [
+        model_flops(_config(["dense", "mod"], seq_len=64, capacity=c)).forward_per_token / dense
+        for c in (0.125, 0.25, 0.5, 1.0)
+    ]
+    assert ratios[0] < 1.0
+    assert ratios == sorted(ratios) and len(set(ratios)) == 4
+    assert ratios[-1] > 1.0  # at capacity 1 the routers are pure overhead
+
+
+def test_hand_counted_example() -> None:
+    """D=64, F=96, V=256, S=32, blocks [dense, mod] at capacity 0.125 (k=4), causal; counted by hand."""
+    config = _config(["dense", "mod"], seq_len=32, capacity=0.125, n_layers=2)
+    dense = 8 * 64 * 64 + 4 * 64 * (33 / 2) + 6 * 64 * 96  # q,k,v,o + scores/values + SwiGLU = 73856
+    mod = 2 * 64 + (4 / 32) * (8 * 64 * 64 + 4 * 64 * (5 / 2) + 6 * 64 * 96)  # router + k/S of the block = 8912
+    lm_head = 2 * 64 * 256
+    report = model_flops(config)
+    assert report.per_block == [dense, mod] == [73856, 8912]
+    assert report.lm_head == lm_head
+    assert report.forward_per_token == 115536

@@ -1,0 +1,346 @@
+"""Training: the loss falls, the run folder, exact resume, guarded run folders, schedule,
+gradient accumulation and the command line. Tiny models on a small text corpus, on CPU."""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+from mode.config import Config, ConfigError, TrainConfig, config_from_dict, load_config
+from mode.data import batch_generator, sample_batch, stdlib_root
+from mode.flops import train_step_flops
+from mode.model import LanguageModel
+from mode.train import CHECKPOINT, METRICS, POSITION_BINS, Trainer, learning_rate, load_checkpoint_file, main
+
+# Resumed and uninterrupted runs do the same float32 operations on CPU in the same order;
+# the constant only absorbs printing/JSON round trips (json keeps full float precision).
+RESUME_ATOL = 1e-6
+# position_share entries are rounded to 4 decimals: 16 bins can be off by 16 * 5e-5 in sum.
+SHARE_SUM_ATOL = 2e-3
+# The loss must fall by a clear margin in 40 steps (from ~ln 256 = 5.5 nats per byte).
+LOSS_DROP = 0.3
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """A single text file (~150 kB) of real Python source, split by position into train/val."""
+    root = stdlib_root()
+    parts = [(root / name).read_bytes() for name in ("textwrap.py", "argparse.py", "shlex.py", "string.py")]
+    path = tmp_path_factory.mktemp("corpus") / "source.txt"
+    path.write_bytes(b"\n".join(parts))
+    return path
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = copy.deepcopy(base)
+    for section, values in extra.items():
+        out.setdefault(section, {}).update(values)
+    return out
+
+
+def raw_config(out_dir: Path, corpus: Path, **sections: dict) -> dict:
+    base = {
+        "model": {"d_model": 32, "n_heads": 2, "n_layers": 2, "d_ff": 64, "max_seq_len": 32,
+                  "block_pattern": ["dense", "mod"]},
+        "routing": {"capacity": 0.25},  # k = 8 of 32
+        "data": {"source": "text", "path": str(corpus), "seq_len": 32},
+        "train": {"batch_size": 4, "max_steps": 8, "lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 4,
+                  "log_interval": 1, "eval_interval": 100, "eval_batches": 2, "checkpoint_interval": 100,
+                  "out_dir": str(out_dir), "progress": False, "device": "cpu"},
+    }
+    return _merge(base, sections)
+
+
+def make_config(out_dir: Path, corpus: Path, **sections: dict) -> Config:
+    return config_from_dict(raw_config(out_dir, corpus, **sections))
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run_dir / METRICS).read_text().splitlines() if line]
+
+
+def train_losses(run_dir: Path) -> dict[int, float]:
+    records = [r for r in read_metrics(run_dir) if "loss" in r]
+    steps = [r["step"] for r in records]
+    assert len(steps) == len(set(steps)), f"duplicated steps in {run_dir / METRICS}: {steps}"
+    return {r["step"]: r["loss"] for r in records}
+
+
+# ----------------------------------------------------------------------------- a short run
+def test_short_run_lowers_loss_and_writes_run_folder(tmp_path: Path, corpus: Path) -> None:
+    out = tmp_path / "run"
+    config = make_config(
+        out, corpus,
+        model={"d_model": 64, "n_heads": 4, "d_ff": 128, "n_layers": 4},
+        train={"max_steps": 40, "warmup_steps": 5, "eval_interval": 20, "checkpoint_interval": 20},
+    )
+    records = Trainer(config).run()
+
+    metrics = read_metrics(out)
+    assert metrics == json.loads(json.dumps(records))  # what run() returns is what it logged
+    train = [r for r in metrics if "loss" in r]
+    evals = [r for r in metrics if "val_loss" in r]
+
+    # The loss falls.
+    losses = [r["loss"] for r in train]
+    assert all(math.isfinite(x) for x in losses)
+    assert abs(losses[0] - math.log(256)) < 0.5  # starts near uniform over bytes
+    assert sum(losses[-5:]) / 5 < losses[0] - LOSS_DROP, losses
+
+    # Every step logged once, with cumulative tokens and training FLOPs (3 x forward).
+    assert [r["step"] for r in train] == list(range(1, 41))
+    step_flops = train_step_flops(config)
+    for r in train:
+        assert r["tokens"] == r["step"] * 4 * 32
+        assert r["flops"] == pytest.approx(r["step"] * step_flops, rel=1e-9)
+        assert r["lr"] == pytest.approx(learning_rate(r["step"] - 1, config.train), rel=1e-12)
+        assert math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0
+    assert all(b["flops"] > a["flops"] for a, b in zip(train, train[1:]))
+
+    # Evaluations at steps 20 and 40, with held-out loss and router statistics per routed layer.
+    k_fraction = 8 / 32
+    assert [r["step"] for r in evals] == [20, 40]
+    assert evals[-1]["val_loss"] < math.log(256) - LOSS_DROP
+    for r in evals:
+        assert set(r["routing"]) == {"layer1", "layer3"}  # the mod blocks of [dense, mod, dense, mod]
+        for stats in r["routing"].values():
+            assert stats["processed"] == pytest.approx(k_fraction, abs=1e-6)
+            assert abs(stats["processed"] - config.routing.capacity) <= 0.5 / 32  # k = round(capacity * S)
+            assert 0.0 < stats["gate_mean"] < 1.0  # sigmoid gate
+            assert stats["gate_std"] >= 0.0
+            share = stats["position_share"]
+            assert len(share) == POSITION_BINS and min(share) >= 0.0
+            assert sum(share) == pytest.approx(1.0, abs=SHARE_SUM_ATOL)
+    assert train[-1]["routing"]["layer1"]["processed"] == pytest.approx(k_fraction, abs=1e-6)
+
+    # config.yaml is the run's config; the checkpoint is the final state; the plot is a PNG.
+    assert load_config(out / "config.yaml") == config
+    payload = load_checkpoint_file(out / CHECKPOINT)
+    assert payload["state"]["step"] == 40 and payload["state"]["tokens"] == 40 * 4 * 32
+    assert payload["config"] == config.to_dict()
+    assert (out / "loss_vs_flops.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not list(out.glob("*.tmp")) and not list(out.glob(".*.tmp"))  # atomic writes left nothing
+
+
+# ----------------------------------------------------------------------------- resume
+def _params(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_checkpoint_file(run_dir / CHECKPOINT)["model"]
+
+
+@pytest.mark.parametrize("random_routing", [False, True])
+def test_resume_continues_the_same_curve(tmp_path: Path, corpus: Path, monkeypatch, random_routing: bool) -> None:
+    # warmup_steps=4 covers the first leg, so steps 1..4 see the same learning rates whether
+    # max_steps is 4 or 8; from step 5 on both runs use the max_steps=8 schedule.
+    def cfg(out: Path, max_steps: int) -> Config:
+        return make_config(out, corpus, routing={"random": random_routing},
+                           train={"max_steps": max_steps, "checkpoint_interval": 4})
+
+    # A: 8 steps straight.
+    a = tmp_path / "a"
+    Trainer(cfg(a, 8)).run()
+    losses_a = train_losses(a)
+    assert sorted(losses_a) == list(range(1, 9))
+
+    # B: 4 steps (which end with an evaluation and a checkpoint), then resume to 8.
+    b = tmp_path / "b"
+    Trainer(cfg(b, 4)).run()
+    resumed = Trainer(cfg(b, 8), resume=True)
+    assert resumed.state.step == 4
+    resumed.run()
+    losses_b = train_losses(b)
+    assert sorted(losses_b) == list(range(1, 9))
+    for step in range(1, 9):
+        assert abs(losses_b[step] - losses_a[step]) <= RESUME_ATOL, (step, losses_a, losses_b)
+    eval_steps = [r["step"] for r in read_metrics(b) if "val_loss" in r]
+    assert eval_steps == [4, 8]
+    val_a = [r["val_loss"] for r in read_metrics(a) if "val_loss" in r]
+    val_b = [r["val_loss"] for r in read_metrics(b) if "val_loss" in r]
+    assert abs(val_a[-1] - val_b[-1]) <= RESUME_ATOL
+    for name, tensor in _params(a).items():
+        torch.testing.assert_close(_params(b)[name], tensor, atol=RESUME_ATOL, rtol=0)
+
+    # C: a run of 8 steps that crashes during step 7, after its step-4 checkpoint; metrics
+    # logged after the checkpoint (steps 5, 6) are dropped on resume and written again.
+    c = tmp_path / "c"
+    original = Trainer.train_step
+
+    def crash_at_step_7(self: Trainer) -> dict[str, Any]:
+        if self.state.step == 6:
+            raise KeyboardInterrupt("simulated crash")
+        return original(self)
+
+    monkeypatch.setattr(Trainer, "train_step", crash_at_step_7)
+    with pytest.raises(KeyboardInterrupt):
+        Trainer(cfg(c, 8)).run()
+    assert sorted(train_losses(c)) == list(range(1, 7))
+    assert load_checkpoint_file(c / CHECKPOINT)["state"]["step"] == 4
+    monkeypatch.setattr(Trainer, "train_step", original)
+    Trainer(cfg(c, 8), resume=True).run()
+    losses_c = train_losses(c)  # asserts no step is logged twice
+    assert sorted(losses_c) == list(range(1, 9))
+    for step in range(1, 9):
+        assert abs(losses_c[step] - losses_a[step]) <= RESUME_ATOL, (step, losses_a, losses_c)
+
+
+def test_fresh_run_refuses_a_folder_with_a_checkpoint(tmp_path: Path, corpus: Path) -> None:
+    out = tmp_path / "run"
+    config = make_config(out, corpus, train={"max_steps": 1})
+    Trainer(config).run()
+    before = {name: (out / name).read_bytes() for name in (CHECKPOINT, "config.yaml", METRICS)}
+    changed = make_config(out, corpus, train={"max_steps": 3, "lr": 1e-3})
+    with pytest.raises(FileExistsError, match="--resume"):
+        Trainer(changed)
+    after = {name: (out / name).read_bytes() for name in before}
+    assert after == before
+
+
+def test_resume_without_checkpoint_is_clear_error(tmp_path: Path, corpus: Path, capsys) -> None:
+    out = tmp_path / "never_ran"
+    with pytest.raises(FileNotFoundError, match=str(out / CHECKPOINT)):
+        Trainer(make_config(out, corpus), resume=True)
+    config_file = tmp_path / "x.yaml"
+    config_file.write_text(yaml.safe_dump(raw_config(out, corpus)))
+    assert main(["--config", str(config_file), "--resume"]) == 2
+    assert "no checkpoint" in capsys.readouterr().err
+
+
+def test_resume_with_another_model_is_refused(tmp_path: Path, corpus: Path) -> None:
+    out = tmp_path / "run"
+    Trainer(make_config(out, corpus, train={"max_steps": 1})).run()
+    with pytest.raises(ConfigError, match="model section"):
+        Trainer(make_config(out, corpus, model={"d_ff": 96}, train={"max_steps": 2}), resume=True)
+
+
+def test_foreign_checkpoint_files_name_the_path(tmp_path: Path) -> None:
+    foreign = tmp_path / "foreign.pt"
+    torch.save({"a": 1}, foreign)
+    with pytest.raises(ValueError, match=str(foreign)):
+        load_checkpoint_file(foreign)
+    text = tmp_path / "notes.pt"
+    text.write_text("this is not a checkpoint\n")
+    with pytest.raises(ValueError, match=str(text)):
+        load_checkpoint_file(text)
+    with pytest.raises(FileNotFoundError, match="missing.pt"):
+        load_checkpoint_file(tmp_path / "missing.pt")
+
+
+# ----------------------------------------------------------------------------- schedule
+def test_learning_rate_schedule() -> None:
+    t = TrainConfig(lr=1e-3, min_lr=1e-4, warmup_steps=10, max_steps=110)
+    warm = [learning_rate(s, t) for s in range(10)]
+    assert warm[0] == pytest.approx(1e-4) and warm[-1] == pytest.approx(1e-3)
+    steps = [b - a for a, b in zip(warm, warm[1:])]
+    assert steps == pytest.approx([1e-4] * 9)  # linear
+    assert learning_rate(10, t) == pytest.approx(1e-3)  # peak when warmup ends
+    assert learning_rate(60, t) == pytest.approx((1e-3 + 1e-4) / 2)  # cosine: halfway at mid-decay
+    assert learning_rate(110, t) == pytest.approx(1e-4)  # min_lr at max_steps
+    assert learning_rate(500, t) == pytest.approx(1e-4)  # and stays there
+    decay = [learning_rate(s, t) for s in range(10, 111)]
+    assert all(b < a for a, b in zip(decay, decay[1:]))  # strictly decreasing after warmup
+    assert all(1e-4 - 1e-15 <= x <= 1e-3 + 1e-15 for x in decay)
+    no_warmup = TrainConfig(lr=2e-3, min_lr=0.0, warmup_steps=0, max_steps=10)
+    assert learning_rate(0, no_warmup) == pytest.approx(2e-3)
+    assert learning_rate(10, no_warmup) == pytest.approx(0.0, abs=1e-15)
+
+
+# ----------------------------------------------------------------------------- gradient accumulation
+class RecordingOptimization:
+    """An Optimization that records the accumulated gradients instead of stepping."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.grads: dict[str, torch.Tensor] = {}
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self, lr: float) -> float:
+        self.grads = {n: p.grad.clone() for n, p in self.model.named_parameters() if p.grad is not None}
+        self.model.zero_grad(set_to_none=True)
+        return 0.0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+def test_gradient_accumulation_equals_one_large_batch(tmp_path: Path, corpus: Path) -> None:
+    """grad_accum=2 x batch 2 == one batch of the same 4 sequences: the same loss and gradients."""
+    config = make_config(tmp_path / "run", corpus, train={"batch_size": 2, "grad_accum": 2})
+    torch.manual_seed(0)
+    model = LanguageModel(config)
+    recorder = RecordingOptimization(model)
+    trainer = Trainer(config, optimization=recorder, model=model)
+    metrics = trainer.train_step()
+    assert trainer.state.tokens == 2 * 2 * 32
+
+    # The two micro-batches of step 0, as one batch of 4.
+    parts = [sample_batch(trainer.data.train, 2, 32, batch_generator(config.train.seed, 0, m)) for m in (0, 1)]
+    assert not torch.equal(parts[0][0], parts[1][0])  # two different micro-batches
+    x = torch.cat([p[0] for p in parts])
+    y = torch.cat([p[1] for p in parts])
+    model.zero_grad(set_to_none=True)
+    out = model(x, y)
+    out.loss.backward()
+    assert metrics["loss"] == pytest.approx(float(out.loss.detach()), abs=1e-5)
+    assert set(recorder.grads) == {n for n, p in model.named_parameters() if p.grad is not None}
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            # Summation order differs (two halves vs one batch): float32 rounding only.
+            torch.testing.assert_close(recorder.grads[name], p.grad, rtol=1e-4, atol=1e-7, msg=name)
+    assert any(float(g.abs().max()) > 0 for g in recorder.grads.values())
+
+
+# ----------------------------------------------------------------------------- command line
+def _cli_config(tmp_path: Path, corpus: Path) -> Path:
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(raw_config(tmp_path / "unused", corpus)))
+    return path
+
+
+def test_cli_trains_and_writes_run_folder(tmp_path: Path, corpus: Path) -> None:
+    out = tmp_path / "cli_run"
+    result = subprocess.run(
+        [sys.executable, "-m", "mode.train", "--config", str(_cli_config(tmp_path, corpus)),
+         "--train.max_steps=2", f"--train.out_dir={out}", "--train.eval_batches=1"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    for name in ("config.yaml", METRICS, CHECKPOINT, "loss_vs_flops.png"):
+        assert (out / name).is_file(), name
+    assert load_config(out / "config.yaml").train.max_steps == 2
+    assert sorted(train_losses(out)) == [1, 2]
+
+
+def test_cli_bad_override_exits_2_naming_the_field(tmp_path: Path, corpus: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "mode.train", "--config", str(_cli_config(tmp_path, corpus)),
+         "--routing.capacity=1.5", f"--train.out_dir={tmp_path / 'never'}"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2
+    assert "routing.capacity" in result.stderr
+    assert not (tmp_path / "never").exists()
+
+
+def test_main_returns_2_on_config_errors(tmp_path: Path, corpus: Path, capsys) -> None:
+    config = str(_cli_config(tmp_path, corpus))
+    assert main(["--config", config, "--train.lrr=0.1"]) == 2
+    assert "train.lrr" in capsys.readouterr().err
+    assert main(["--config", config, "--train.lr=fast"]) == 2
+    assert "train.lr" in capsys.readouterr().err
+    assert main(["--config", str(tmp_path / "missing.yaml")]) == 2
+    assert "missing.yaml" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:  # not an override at all: argparse's usage error
+        main(["--config", config, "--train.lr"])
+    assert info.value.code == 2
