@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 BLOCK_KINDS = ("dense", "mod", "moe", "mode_staged", "mode_integrated")
 BlockKind = Literal["dense", "mod", "moe", "mode_staged", "mode_integrated"]
@@ -22,6 +22,16 @@ class ConfigError(ValueError):
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_number(cls, value: Any, info: ValidationInfo) -> Any:
+        """Lax validation would read YAML's true/false/yes/no as 1/0 for a number field."""
+        annotation = cls.model_fields[info.field_name].annotation
+        kinds = set(get_args(annotation)) or {annotation}
+        if isinstance(value, bool) and kinds & {int, float} and bool not in kinds:
+            raise ValueError("expected a number, not a boolean")
+        return value
 
 
 class ModelConfig(Section):
@@ -65,6 +75,41 @@ class RoutingConfig(Section):
     )
     random: bool = Field(False, description="stochastic-routing ablation: choose tokens by random scores")
     router_bias: bool = False
+
+
+class MoEConfig(Section):
+    """Mixture-of-Experts FFN (blocks moe, mode_staged, mode_integrated)."""
+
+    n_experts: int = Field(8, gt=0, description="E real experts")
+    n_noop: int = Field(0, ge=0, description="N no-op router slots: zero FFN update, no compute")
+    scheme: Literal["expert_choice", "token_choice"] = Field(
+        "expert_choice", description="expert_choice: each expert takes its top-C tokens; token_choice: top_k slots per token"
+    )
+    top_k: int = Field(1, gt=0, description="token choice: slots each token picks")
+    capacity_factor: float = Field(
+        1.0, gt=0.0, description="expert choice: C = round(cf * T / (E+N)); token choice: C = ceil(cf * T * top_k / (E+N))"
+    )
+    dropless: bool = Field(False, description="token choice: no capacity, no token is ever dropped")
+    group_size: int = Field(1, gt=0, description="expert choice: sequences per routing group; must divide the batch")
+    activation: Literal["swiglu", "gelu"] = "swiglu"
+    d_expert: int | None = Field(None, gt=0, description="hidden width of one expert; default model.d_ff")
+    lb_loss_weight: float = Field(0.01, ge=0.0, description="token choice: Switch load-balancing loss weight")
+    z_loss_weight: float = Field(1e-3, ge=0.0, description="router z-loss weight (both schemes)")
+    backend: Literal["torch", "grouped_gemm", "megablocks"] = Field(
+        "torch", description="expert compute: torch (CPU and GPU), grouped_gemm or megablocks (CUDA only)"
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "MoEConfig":
+        if self.top_k > self.n_experts + self.n_noop:
+            raise ValueError(
+                f"top_k ({self.top_k}) exceeds the router's slots n_experts + n_noop ({self.n_experts + self.n_noop})"
+            )
+        if self.scheme == "expert_choice" and self.dropless:
+            raise ValueError("dropless applies to scheme token_choice only (expert choice never drops)")
+        if self.scheme == "expert_choice" and self.top_k != 1:
+            raise ValueError("top_k applies to scheme token_choice only; leave it at 1 for expert_choice")
+        return self
 
 
 class DataConfig(Section):
@@ -111,17 +156,55 @@ class TrainConfig(Section):
         return self
 
 
+class ParallelConfig(Section):
+    """Multi-process training through DeepSpeed (launch/train.py); one process ignores it."""
+
+    zero_stage: int = Field(0, description="DeepSpeed ZeRO stage: 0, 1 or 2")
+    expert_parallel: int = Field(
+        1, ge=1, description="ep: processes each MoE layer's experts are sharded over; divides moe.n_experts and the world size"
+    )
+    backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="auto: nccl on CUDA, gloo on CPU")
+
+    @field_validator("zero_stage")
+    @classmethod
+    def _zero_stage(cls, stage: int) -> int:
+        if stage == 3:
+            raise ValueError(
+                "ZeRO stage 3 is not supported (DeepSpeed refuses ZeRO-3 with MoE layers); use 0, 1 or 2"
+            )
+        if stage not in (0, 1, 2):
+            raise ValueError("must be 0, 1 or 2")
+        return stage
+
+
 class Config(Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
+    moe: MoEConfig = Field(default_factory=MoEConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
 
     @model_validator(mode="after")
     def _sequence_fits(self) -> "Config":
         if self.data.seq_len > self.model.max_seq_len:
             raise ValueError(
                 f"data.seq_len ({self.data.seq_len}) exceeds model.max_seq_len ({self.model.max_seq_len})"
+            )
+        if "mode_integrated" in self.model.block_pattern and self.moe.n_noop == 0:
+            raise ValueError(
+                "moe.n_noop must be > 0 when model.block_pattern has mode_integrated "
+                "(its FFN routes some tokens to no-op experts)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _experts_shard(self) -> "Config":
+        has_experts = any(kind in ("moe", "mode_staged", "mode_integrated") for kind in self.model.block_pattern)
+        if has_experts and self.moe.n_experts % self.parallel.expert_parallel != 0:
+            raise ValueError(
+                f"parallel.expert_parallel ({self.parallel.expert_parallel}) must divide moe.n_experts "
+                f"({self.moe.n_experts}): each process holds n_experts / expert_parallel experts"
             )
         return self
 

@@ -5,23 +5,27 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mode.config import Config
 from mode.layers.block import TransformerBlock
+from mode.layers.experts import Experts
 from mode.layers.mod import MoDBlock
+from mode.layers.mode import IntegratedMoDEBlock, StagedMoDEBlock
+from mode.layers.moe import MoEFFN
+from mode.layers.loss import linear_cross_entropy
 from mode.layers.rotary import RotaryEmbedding
 from mode.routing import Routing
 
 
 @dataclass
 class ModelOutput:
-    logits: Tensor  # (B, S, V)
+    logits: Tensor | None  # (B, S, V); None when targets were given (the loss is fused)
     loss: Tensor | None = None  # lm_loss + aux_loss, what training minimises
     lm_loss: Tensor | None = None
     aux_loss: Tensor | None = None
-    routings: list[Routing | None] = field(default_factory=list)  # one per block
+    routings: list[Routing | None] = field(default_factory=list)  # one per block: depth routing (MoD)
+    ffn_routings: list[Routing | None] = field(default_factory=list)  # one per block: expert routing (MoE)
 
 
 def build_block(kind: str, config: Config) -> nn.Module:
@@ -29,6 +33,12 @@ def build_block(kind: str, config: Config) -> nn.Module:
         return TransformerBlock(config.model)
     if kind == "mod":
         return MoDBlock(config.model, config.routing)
+    if kind == "moe":
+        return TransformerBlock(config.model, ffn=MoEFFN(config.model.d_model, config.model.d_ff, config.moe))
+    if kind == "mode_staged":
+        return StagedMoDEBlock(config.model, config.routing, config.moe)
+    if kind == "mode_integrated":
+        return IntegratedMoDEBlock(config.model, config.moe)
     raise ValueError(f"model.block_pattern: block kind {kind!r} is not available in this build")
 
 
@@ -47,7 +57,7 @@ class LanguageModel(nn.Module):
         self.apply(self._init_weights)
         # Residual output projections start small so the stack starts near identity (GPT-2).
         for name, p in self.named_parameters():
-            if name.endswith(("attn.out.weight", "ffn.down.weight")):
+            if name.endswith(("attn.out.weight", "ffn.down.weight", "ffn.experts.w_out")):
                 nn.init.normal_(p, std=cfg.init_std / math.sqrt(2 * cfg.n_layers))
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -55,23 +65,29 @@ class LanguageModel(nn.Module):
             nn.init.normal_(module.weight, std=self.config.model.init_std)
             if getattr(module, "bias", None) is not None:
                 nn.init.zeros_(module.bias)
+        if isinstance(module, Experts):
+            module.reset_parameters(std=self.config.model.init_std)
 
     def forward(self, tokens: Tensor, targets: Tensor | None = None) -> ModelOutput:
         """tokens (B, S) -> logits (B, S, V); with targets (B, S), the loss too."""
         x = self.embed(tokens)  # (B, S, D)
         angles = self.rotary.prefix(tokens.shape[1])
         routings: list[Routing | None] = []
+        ffn_routings: list[Routing | None] = []
         aux_loss = x.new_zeros((), dtype=torch.float32)
         for block in self.blocks:
             x, info = block(x, angles)
             routings.append(info.routing)
-            if info.routing is not None:
-                aux_loss = aux_loss + info.routing.aux_loss
-        logits = self.lm_head(self.norm(x))  # (B, S, V)
+            ffn_routings.append(info.ffn_routing)
+            for routing in info.routings():
+                aux_loss = aux_loss + routing.aux_loss
+        h = self.norm(x)  # (B, S, D)
         if targets is None:
-            return ModelOutput(logits=logits, aux_loss=aux_loss, routings=routings)
-        lm_loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-        return ModelOutput(logits, lm_loss + aux_loss, lm_loss, aux_loss, routings)
+            return ModelOutput(self.lm_head(h), aux_loss=aux_loss, routings=routings, ffn_routings=ffn_routings)
+        # With targets the (B, S, V) logits are never materialised: the loss is fused with the
+        # unembedding and computed chunk by chunk (mode/layers/loss.py).
+        lm_loss = linear_cross_entropy(h, self.lm_head.weight, targets)
+        return ModelOutput(None, lm_loss + aux_loss, lm_loss, aux_loss, routings, ffn_routings)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

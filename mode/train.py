@@ -15,7 +15,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Protocol
+from typing import Any, Iterator, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
@@ -25,7 +25,7 @@ from mode.config import Config, ConfigError, load_config, save_config
 from mode.data import DataError, TokenSplits, batch_generator, load_splits, sample_batch
 from mode.flops import model_flops
 from mode.model import LanguageModel, ModelOutput
-from mode.routing import Routing, token_mask
+from mode.routing import Routing, TokenChoiceRouting, token_mask
 from mode.utils import atomic_torch_save, atomic_write_text, pick_device
 
 CHECKPOINT = "checkpoint.pt"
@@ -53,6 +53,22 @@ class Optimization(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@runtime_checkable
+class DistributedOptimization(Optimization, Protocol):
+    """An Optimization spread over processes (mode.parallel.DeepSpeedOptimization).
+
+    Every rank calls these (they are collective); the Trainer writes checkpoint.pt from rank 0.
+    """
+
+    def mean_over_ranks(self, values: dict[str, float]) -> dict[str, float]: ...
+
+    def save_checkpoint(self, run_dir: Path, client_state: dict[str, Any]) -> dict[str, Any]:
+        """Save the sharded state; return checkpoint.pt's "model" (one-device layout) and "optimizer" entries."""
+        ...
+
+    def load_checkpoint(self, run_dir: Path, payload: dict[str, Any]) -> None: ...
 
 
 def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -99,12 +115,9 @@ class TorchOptimization:
 # ----------------------------------------------------------------------------- router statistics
 def routing_summary(routing: Routing, seq_len: int) -> dict[str, float]:
     """Fraction of tokens a routed layer processed, gate mean and spread, plus its own stats."""
-    groups = routing.logits.shape[0]
-    tokens_per_group = routing.logits.shape[1]
-    chosen = token_mask(routing.indices.reshape(groups, -1), tokens_per_group)  # (G, T)
     gates = routing.gates.detach().float()
     out = {
-        "processed": float(chosen.float().mean()),
+        "processed": float(routing.stats["processed"]) if "processed" in routing.stats else processed_fraction(routing),
         "gate_mean": float(gates.mean()),
         "gate_std": float(gates.std()) if gates.numel() > 1 else 0.0,
     }
@@ -114,14 +127,26 @@ def routing_summary(routing: Routing, seq_len: int) -> dict[str, float]:
     return out
 
 
+def processed_fraction(routing: Routing) -> float:
+    """Share of tokens an expert-choice routing sent through (indices are positions in a group)."""
+    groups, tokens_per_group = routing.logits.shape[:2]
+    return float(token_mask(routing.indices.reshape(groups, -1), tokens_per_group).float().mean())
+
+
 def routed_layers(output: ModelOutput) -> Iterator[tuple[str, Routing]]:
-    for i, routing in enumerate(output.routings):
-        if routing is not None:
-            yield f"layer{i}", routing
+    """(name, routing) of every router: 'layer3' routes around a block, 'layer3.ffn' among experts."""
+    for i, (depth, ffn) in enumerate(zip(output.routings, output.ffn_routings)):
+        if depth is not None:
+            yield f"layer{i}", depth
+        if ffn is not None:
+            yield f"layer{i}.ffn", ffn
 
 
 def position_histogram(routing: Routing, bins: int) -> Tensor:
-    """How often each position (in `bins` equal buckets of the sequence) is chosen; (bins,)."""
+    """How often each position (in `bins` equal buckets of the sequence) is chosen; (bins,).
+
+    Only for expert-choice routings, whose indices are positions (token choice's are slots).
+    """
     seq = routing.logits.shape[1]
     positions = routing.indices.flatten() % seq
     return torch.bincount(positions * bins // seq, minlength=bins).float().cpu()
@@ -196,26 +221,39 @@ class Trainer:
             save_config(self.config, self.out_dir / "config.yaml")
 
     def checkpoint_payload(self) -> dict[str, Any]:
-        return {
+        """Every rank builds it (a distributed engine saves collectively); rank 0 writes it."""
+        payload = {
             "format": "mode-checkpoint-v1",
             "config": self.config.to_dict(),
-            "model": self.model.state_dict(),
-            "optimizer": self.optimization.state_dict(),
             "state": vars(self.state).copy(),
             "rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
         }
+        if isinstance(self.optimization, DistributedOptimization):
+            payload.update(self.optimization.save_checkpoint(self.out_dir, payload))
+        else:
+            payload.update(model=self.model.state_dict(), optimizer=self.optimization.state_dict())
+        return payload
 
     def save_checkpoint(self) -> None:
+        payload = self.checkpoint_payload()
         if self.is_main:
-            atomic_torch_save(self.checkpoint_payload(), self.out_dir / CHECKPOINT)
+            atomic_torch_save(payload, self.out_dir / CHECKPOINT)
 
     def load_checkpoint(self, path: Path) -> None:
         payload = load_checkpoint_file(path, self.device)
         if payload["config"]["model"] != self.config.model.model_dump(mode="json"):
             raise ConfigError(f"--resume: the model section differs from the one saved in {path}")
-        self.model.load_state_dict(payload["model"])
-        self.optimization.load_state_dict(payload["optimizer"])
+        if isinstance(self.optimization, DistributedOptimization):
+            self.optimization.load_checkpoint(self.out_dir, payload)
+        elif payload.get("sharded"):
+            raise ConfigError(
+                f"--resume: {path} belongs to a multi-process run ({payload['sharded']}) whose optimizer state is "
+                "sharded over its processes: resume it with launch/train.py (its weights load on one device)"
+            )
+        else:
+            self.model.load_state_dict(payload["model"])
+            self.optimization.load_state_dict(payload["optimizer"])
         self.state = RunState(**payload["state"])
         torch.set_rng_state(payload["rng"])
         if payload.get("cuda_rng") is not None and torch.cuda.is_available():
@@ -228,6 +266,12 @@ class Trainer:
             return
         kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= self.state.step]
         atomic_write_text(path, "".join(line + "\n" for line in kept))
+
+    def mean_over_ranks(self, values: dict[str, float]) -> dict[str, float]:
+        """Losses averaged over data-parallel ranks (each rank saw its share of the batch)."""
+        if isinstance(self.optimization, DistributedOptimization):
+            return self.optimization.mean_over_ranks(values)
+        return values
 
     def log(self, record: dict[str, Any]) -> None:
         if self.is_main:
@@ -262,14 +306,26 @@ class Trainer:
             for key in losses:
                 losses[key] += float(getattr(out, key).detach()) / t.grad_accum
             summaries.append({name: routing_summary(r, x.shape[1]) for name, r in routed_layers(out)})
+        losses = self.mean_over_ranks(losses)
         lr = learning_rate(step, t)
         grad_norm = self.optimization.step(lr)
         tokens = t.grad_accum * t.batch_size * self.config.data.seq_len * self.world_size
         self.state = RunState(step + 1, self.state.tokens + tokens, self.state.flops + tokens * self.flops_per_token)
         return {**losses, "lr": lr, "grad_norm": grad_norm, "routing": average_summaries(summaries) if summaries[0] else {}}
 
-    @torch.no_grad()
     def evaluate(self) -> dict[str, Any]:
+        """Validation loss and router statistics; leaves the global RNG as it found it.
+
+        The random-routing ablation draws from the global RNG, which checkpoints save: were
+        evaluation to advance it, a run that evaluates at other steps (a resumed one, whose
+        first leg ended with an evaluation) would route differently from then on.
+        """
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            return self._evaluate()
+
+    @torch.no_grad()
+    def _evaluate(self) -> dict[str, Any]:
         t = self.config.train
         self.model.eval()
         total, summaries, histograms = 0.0, [], {}
@@ -281,11 +337,12 @@ class Trainer:
             total += float(out.lm_loss)
             summaries.append({name: routing_summary(r, x.shape[1]) for name, r in routed_layers(out)})
             for name, r in routed_layers(out):
-                histograms[name] = histograms.get(name, 0) + position_histogram(r, POSITION_BINS)
+                if not isinstance(r, TokenChoiceRouting):
+                    histograms[name] = histograms.get(name, 0) + position_histogram(r, POSITION_BINS)
         routing = average_summaries(summaries) if summaries[0] else {}
         for name, hist in histograms.items():
             routing[name]["position_share"] = [round(float(v), 4) for v in hist / hist.sum()]
-        return {"val_loss": total / t.eval_batches, "routing": routing}
+        return {**self.mean_over_ranks({"val_loss": total / t.eval_batches}), "routing": routing}
 
     # -- the loop
     def run(self) -> list[dict[str, Any]]:
@@ -313,7 +370,8 @@ class Trainer:
                 evaluation = {"step": step, "tokens": self.state.tokens, "flops": self.state.flops, **self.evaluate()}
                 records.append(evaluation)
                 self.log(evaluation)
-                bar.write(f"step {step}: val_loss {evaluation['val_loss']:.4f}")
+                if self.is_main:
+                    bar.write(f"step {step}: val_loss {evaluation['val_loss']:.4f}")
             if step % t.checkpoint_interval == 0 or step == t.max_steps:
                 self.save_checkpoint()
         bar.close()
@@ -394,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(args.config, overrides)
         trainer = Trainer(config, resume=args.resume)
-    except (ConfigError, DataError, FileExistsError, FileNotFoundError) as e:
+    except (ConfigError, DataError, FileExistsError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(

@@ -14,9 +14,14 @@ from mode.routing import Routing
 
 @dataclass
 class BlockInfo:
-    """What a block reports besides its output: its routing (None for dense) and aux loss."""
+    """What a block reports besides its output: the depth routing (MoD, Staged MoDE) and the
+    FFN's expert routing (MoE and both MoDE variants); None where a block has none."""
 
     routing: Routing | None = None
+    ffn_routing: Routing | None = None
+
+    def routings(self) -> list[Routing]:
+        return [r for r in (self.routing, self.ffn_routing) if r is not None]
 
 
 class TransformerBlock(nn.Module):
@@ -31,9 +36,20 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: Tensor, angles: RotaryAngles) -> tuple[Tensor, BlockInfo]:
         h = x + self.attn(self.attn_norm(x), angles)
-        return h + self.ffn(self.ffn_norm(h)), BlockInfo()
+        out, ffn_routing = self._ffn(self.ffn_norm(h))
+        return h + out, BlockInfo(ffn_routing=ffn_routing)
 
     def update(self, x: Tensor, angles: RotaryAngles) -> Tensor:
         """f(x) = out - x, computed without the subtraction: Attn(...) + FFN(...)."""
+        return self.routed_update(x, angles)[0]
+
+    def routed_update(self, x: Tensor, angles: RotaryAngles) -> tuple[Tensor, Routing | None]:
+        """f(x) and the FFN's Routing (None for a dense FFN)."""
         a = self.attn(self.attn_norm(x), angles)
-        return a + self.ffn(self.ffn_norm(x + a))
+        out, ffn_routing = self._ffn(self.ffn_norm(x + a))
+        return a + out, ffn_routing
+
+    def _ffn(self, x: Tensor) -> tuple[Tensor, Routing | None]:
+        """A routed FFN (MoEFFN) returns (output, Routing); a dense one its output alone."""
+        out = self.ffn(x)
+        return out if isinstance(out, tuple) else (out, None)

@@ -21,7 +21,8 @@ class MoDBlock(nn.Module):
     def forward(self, x: Tensor, angles: RotaryAngles) -> tuple[Tensor, BlockInfo]:
         routing = self.router(x)  # indices (B, k), sorted: causal order kept
         chosen = gather_tokens(x, routing.indices)  # (B, k, D)
-        update = self.block.update(chosen, angles.select(routing.indices))  # (B, k, D), original positions
+        # (B, k, D) at the original positions; ffn_routing is the MoE's in Staged MoDE, else None.
+        update, ffn_routing = self.block.routed_update(chosen, angles.select(routing.indices))
         # The gate scales only the update; the residual of every token passes untouched.
         gated = routing.gates.unsqueeze(-1).to(update.dtype) * update  # (B, k, D)
-        return scatter_add_tokens(x, routing.indices, gated), BlockInfo(routing=routing)
+        return scatter_add_tokens(x, routing.indices, gated), BlockInfo(routing=routing, ffn_routing=ffn_routing)

@@ -2,21 +2,47 @@
 from mode.routing.primitives import (
     apply_gate,
     capacity_to_k,
+    expert_major_ids,
     gather_tokens,
+    load_balancing_loss,
+    positions_in_expert,
+    router_z_loss,
     scatter_add_tokens,
+    slot_table,
+    sort_by_expert,
+    token_choice_capacity,
     token_mask,
     top_k_positions,
+    top_k_slots,
 )
-from mode.routing.router import DepthRouter, Router, Routing
+from mode.routing.router import (
+    DepthRouter,
+    ExpertChoiceRouter,
+    Router,
+    Routing,
+    TokenChoiceRouter,
+    TokenChoiceRouting,
+)
 
 __all__ = [
     "DepthRouter",
+    "ExpertChoiceRouter",
     "Router",
     "Routing",
+    "TokenChoiceRouter",
+    "TokenChoiceRouting",
     "apply_gate",
     "capacity_to_k",
+    "expert_major_ids",
     "gather_tokens",
+    "load_balancing_loss",
+    "positions_in_expert",
+    "router_z_loss",
     "scatter_add_tokens",
+    "slot_table",
+    "sort_by_expert",
+    "token_choice_capacity",
     "token_mask",
     "top_k_positions",
+    "top_k_slots",
 ]

@@ -6,6 +6,8 @@ Chosen positions are indices into T, kept sorted so a chosen subsequence stays c
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -65,3 +67,92 @@ def token_mask(indices: Tensor, tokens_per_group: int) -> Tensor:
     """(G, k) chosen positions -> (G, T) boolean mask of chosen tokens."""
     mask = torch.zeros(indices.shape[0], tokens_per_group, dtype=torch.bool, device=indices.device)
     return mask.scatter_(1, indices, True)
+
+
+# ----------------------------------------------------------------------------- expert routing
+def expert_major_ids(indices: Tensor, tokens_per_group: int) -> Tensor:
+    """Expert choice (G, E, C) positions within groups -> (E, G*C) ids in the flattened (G*T) axis.
+
+    Expert-major, so gather_tokens on x viewed as (1, G*T, D) yields (1, E, G*C, D) directly:
+    every expert's rows are contiguous, ready for one batched matmul.
+    """
+    groups = indices.shape[0]
+    offsets = torch.arange(groups, device=indices.device).view(groups, 1, 1) * tokens_per_group
+    return (indices + offsets).transpose(0, 1).reshape(indices.shape[1], -1)
+
+
+def top_k_slots(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """Token choice: the k largest scores over the last (slot) dim, and their slots: 2 x (..., k)."""
+    values, slots = scores.topk(k, dim=-1)
+    return values, slots
+
+
+def token_choice_capacity(num_tokens: int, n_slots: int, top_k: int, capacity_factor: float) -> int:
+    """Rows per expert under token choice: ceil(cf * T * top_k / n_slots), between 1 and T."""
+    if not 0.0 < capacity_factor:
+        raise ValueError(f"capacity_factor must be positive, got {capacity_factor}")
+    return max(1, min(num_tokens, math.ceil(capacity_factor * num_tokens * top_k / n_slots)))
+
+
+def positions_in_expert(slots: Tensor, n_experts: int, capacity: int | None) -> Tensor:
+    """Token choice: each assignment's row in its expert's buffer; -1 where it is not computed.
+
+    slots (T, k) in [0, n_slots); slots >= n_experts are no-op (-1). Priority follows GShard:
+    every token's first choice before any second choice, and within one rank earlier tokens
+    (by position) first; with a capacity, assignments past it are dropped (-1).
+    """
+    tokens, k = slots.shape
+    ranked = slots.t().reshape(-1)  # (k*T,) rank-major: priority order
+    # One row per expert, every no-op slot sharing one extra row (their positions are discarded);
+    # the running count along each row (a contiguous scan: fast on GPU) is the queue position.
+    bins = ranked.clamp(max=n_experts).unsqueeze(0)  # (1, k*T)
+    one_hot = bins == torch.arange(n_experts + 1, device=slots.device).unsqueeze(1)  # (E+1, k*T)
+    position = one_hot.cumsum(-1, dtype=torch.int32).gather(0, bins).squeeze(0).long() - 1  # (k*T,)
+    keep = ranked < n_experts
+    if capacity is not None:
+        keep &= position < capacity
+    position = torch.where(keep, position, -1)
+    return position.view(k, tokens).t()  # (T, k)
+
+
+def slot_table(slots: Tensor, positions: Tensor, n_experts: int, capacity: int) -> Tensor:
+    """Token choice with a capacity: (E, C) table of assignment ids (t * k + j) per expert row.
+
+    Empty rows hold T * k (one past the last assignment), so `table // k` is the token id T
+    there and callers can pad one row. Static shape: the batched-matmul layout.
+    """
+    num = slots.numel()
+    flat_pos = positions.reshape(-1)
+    dest = torch.where(flat_pos >= 0, slots.reshape(-1) * capacity + flat_pos, n_experts * capacity)
+    table = torch.full((n_experts * capacity + 1,), num, dtype=torch.long, device=slots.device)
+    table.scatter_(0, dest, torch.arange(num, device=slots.device))  # the dump row is discarded
+    return table[:-1].view(n_experts, capacity)
+
+
+def sort_by_expert(slots: Tensor, positions: Tensor, n_experts: int) -> tuple[Tensor, Tensor]:
+    """Token choice, uneven loads: computed assignment ids (t * k + j) sorted by expert, and counts.
+
+    Returns (M,) assignment ids (stable: token order within an expert) and (E,) counts
+    (int64). M is data-dependent: this syncs with the device once.
+    """
+    key = torch.where(positions >= 0, slots, n_experts).reshape(-1)
+    counts = torch.bincount(key, minlength=n_experts + 1)[:n_experts]
+    order = key.argsort(stable=True)
+    return order[: int(counts.sum())], counts
+
+
+def router_z_loss(logits: Tensor) -> Tensor:
+    """ST-MoE router z-loss: mean over tokens of logsumexp(logits)^2; logits (..., n_slots)."""
+    return logits.float().logsumexp(-1).square().mean()
+
+
+def load_balancing_loss(probs: Tensor, slots: Tensor) -> Tensor:
+    """Switch load-balancing loss over all n_slots slots: n_slots * sum_s f_s * P_s.
+
+    probs (T, n_slots) router softmax; slots (T, k) chosen slots. f_s is the share of the
+    T*k assignments that chose slot s (before any dropping), P_s the mean probability of s.
+    Equals 1 under a perfectly uniform router.
+    """
+    n_slots = probs.shape[-1]
+    f = torch.bincount(slots.reshape(-1), minlength=n_slots).to(probs.dtype) / slots.numel()
+    return n_slots * (f * probs.mean(0)).sum()

@@ -6,7 +6,17 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from mode.routing.primitives import apply_gate, capacity_to_k, top_k_positions
+from mode.routing.primitives import (
+    apply_gate,
+    capacity_to_k,
+    load_balancing_loss,
+    positions_in_expert,
+    router_z_loss,
+    token_choice_capacity,
+    token_mask,
+    top_k_positions,
+    top_k_slots,
+)
 
 
 @dataclass
@@ -62,3 +72,125 @@ class DepthRouter(nn.Module):
         indices = top_k_positions(selection.detach(), k)  # (B, k)
         gates = apply_gate(scores.gather(1, indices), self.gate)  # (B, k)
         return Routing(indices=indices, gates=gates, logits=scores, aux_loss=scores.new_zeros(()))
+
+
+# ----------------------------------------------------------------------------- expert routers
+@dataclass
+class TokenChoiceRouting(Routing):
+    """Token choice over the T = B*S tokens of a batch (flattened, one group).
+
+    indices:   (T, k) the slots each token chose; slots >= n_experts are no-op experts.
+    gates:     (T, k) softmax probabilities of those slots (not renormalised over the k).
+    logits:    (1, T, n_slots).
+    positions: (T, k) the assignment's row in its expert's buffer; -1 where nothing is
+               computed (a no-op slot, or dropped over capacity).
+    capacity:  rows per expert, or None when dropless.
+    """
+
+    positions: Tensor | None = None
+    capacity: int | None = None
+
+
+def _expert_stats(
+    tokens_per_expert: Tensor, processed: Tensor, noop: Tensor, dropped: Tensor, lb: Tensor, z: Tensor
+) -> dict[str, Tensor]:
+    """The statistics every MoE routing reports (detached): see ExpertChoiceRouter / TokenChoiceRouter."""
+    stats = dict(
+        tokens_per_expert=tokens_per_expert.float(),
+        processed=processed, noop_fraction=noop, dropped_fraction=dropped, lb_loss=lb, z_loss=z,
+    )
+    return {name: value.detach() for name, value in stats.items()}
+
+
+class ExpertChoiceRouter(nn.Module):
+    """Expert choice over E real + N no-op slots: each real expert takes its top-C tokens per group.
+
+    Token-wise softmax over all E+N slots; expert e's gate for token t is that probability.
+    A group is `group_size` consecutive sequences; C = round(capacity_factor * T / (E+N)).
+    No-op slots take nothing: they only compete in the softmax. Routing: indices and gates
+    (G, E, C), positions sorted within each expert; logits (G, T, E+N). Aux loss: the z-loss
+    (load is balanced by construction). Stats: tokens_per_expert (E,) = G*C each; processed,
+    the share of tokens some expert took; noop_fraction = 1 - processed (tokens that ride
+    the residual); dropped_fraction 0.
+    """
+
+    def __init__(
+        self, d_model: int, n_experts: int, n_noop: int, capacity_factor: float, group_size: int, z_loss_weight: float
+    ) -> None:
+        super().__init__()
+        self.router = Router(d_model, n_experts + n_noop)
+        self.n_experts = n_experts
+        self.capacity_factor = capacity_factor
+        self.group_size = group_size
+        self.z_loss_weight = z_loss_weight
+
+    def forward(self, x: Tensor) -> Routing:
+        batch, seq, _ = x.shape
+        if batch % self.group_size != 0:
+            raise ValueError(f"moe.group_size ({self.group_size}) must divide the batch size ({batch})")
+        groups, tokens = batch // self.group_size, self.group_size * seq
+        logits = self.router(x).reshape(groups, tokens, -1)  # (G, T, E+N), float32
+        n_slots = logits.shape[-1]
+        capacity = capacity_to_k(tokens, self.capacity_factor / n_slots)
+        probs = logits.softmax(-1)[..., : self.n_experts].transpose(1, 2)  # (G, E, T)
+        indices = top_k_positions(probs.detach(), capacity)  # (G, E, C)
+        gates = probs.gather(2, indices)  # (G, E, C)
+        z = router_z_loss(logits)
+        processed = token_mask(indices.reshape(groups, -1), tokens).float().mean()
+        stats = _expert_stats(
+            torch.full((self.n_experts,), groups * capacity, device=x.device), processed, 1 - processed,
+            z.new_zeros(()), z.new_zeros(()), z,
+        )
+        return Routing(indices=indices, gates=gates, logits=logits, aux_loss=self.z_loss_weight * z, stats=stats)
+
+
+class TokenChoiceRouter(nn.Module):
+    """Token choice over E real + N no-op slots: each token takes its top-k slots of a softmax.
+
+    Capacity C = ceil(capacity_factor * T * k / (E+N)) rows per real expert with dropping
+    (first choices before second ones, earlier tokens first), or dropless. Aux loss:
+    lb_loss_weight * Switch load balancing over all slots + z_loss_weight * z-loss.
+    Stats: tokens_per_expert (E,) computed rows; processed, the share of tokens some expert
+    computed; noop_fraction, the share of the T*k assignments that chose a no-op slot;
+    dropped_fraction, the share dropped over capacity; lb_loss; z_loss.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        n_experts: int,
+        n_noop: int,
+        top_k: int,
+        capacity_factor: float,
+        dropless: bool,
+        lb_loss_weight: float,
+        z_loss_weight: float,
+    ) -> None:
+        super().__init__()
+        self.router = Router(d_model, n_experts + n_noop)
+        self.n_experts = n_experts
+        self.top_k = top_k
+        self.capacity_factor = capacity_factor
+        self.dropless = dropless
+        self.lb_loss_weight = lb_loss_weight
+        self.z_loss_weight = z_loss_weight
+
+    def forward(self, x: Tensor) -> TokenChoiceRouting:
+        logits = self.router(x).reshape(1, -1, self.router.n_slots)  # (1, T, E+N), float32
+        tokens, n_slots = logits.shape[1:]
+        probs = logits[0].softmax(-1)  # (T, E+N)
+        gates, slots = top_k_slots(probs, self.top_k)  # (T, k) each
+        capacity = None if self.dropless else token_choice_capacity(tokens, n_slots, self.top_k, self.capacity_factor)
+        positions = positions_in_expert(slots, self.n_experts, capacity)  # (T, k)
+        lb, z = load_balancing_loss(probs, slots), router_z_loss(logits)
+        computed = positions >= 0
+        real = slots < self.n_experts
+        counts = torch.bincount(torch.where(computed, slots, self.n_experts).reshape(-1), minlength=self.n_experts + 1)
+        stats = _expert_stats(
+            counts[: self.n_experts], computed.any(-1).float().mean(), (~real).float().mean(),
+            (real & ~computed).float().mean(), lb, z,
+        )
+        aux = self.lb_loss_weight * lb + self.z_loss_weight * z
+        return TokenChoiceRouting(
+            indices=slots, gates=gates, logits=logits, aux_loss=aux, stats=stats, positions=positions, capacity=capacity
+        )

@@ -1,0 +1,146 @@
+"""One MoE FFN layer, forward+backward, bf16, on one GPU: this project against megablocks and DeepSpeed.
+
+    python bench/moe_layer.py            # D=1024, expert hidden 4096, 8 experts, 8 x 2048 tokens, top-1 / capacity 1
+
+Rows, all measured in the same process on the same card (median of --iters after --warmup):
+- the dense GELU MLP of the same FLOPs (every token through one MLP of the expert's size): the limit;
+- this project's expert choice (per sequence and per batch group), `torch` backend;
+- this project's token choice, top-1, capacity factor 1 (torch) and dropless (grouped_gemm, megablocks);
+- megablocks 0.10.0 dMoE (mlp_impl="grouped", top-1, dropless);
+- DeepSpeed 0.19.8 MoE (top-1, capacity factor 1.0, the same GELU MLP as expert).
+A row whose library is missing is printed as such, never as a time.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import traceback
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mode.config import MoEConfig
+from mode.layers.moe import MoEFFN
+
+
+def timed(fn: Callable[[], None], warmup: int, iters: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+class GeluMLP(nn.Module):
+    def __init__(self, d: int, f: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, f, bias=False), nn.Linear(f, d, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+def fwd_bwd(layer: Callable[[Tensor], Tensor], x: Tensor) -> Callable[[], None]:
+    def run() -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = layer(x)
+            y = y[0] if isinstance(y, tuple) else y
+        y.float().sum().backward()
+
+    return run
+
+
+def ours(args: argparse.Namespace, **moe: object) -> Callable[[Tensor], Tensor]:
+    cfg = MoEConfig(n_experts=args.experts, activation="gelu", d_expert=args.ffn, **moe)
+    layer = MoEFFN(args.width, args.ffn, cfg).cuda()
+    return layer
+
+
+def megablocks_dmoe(args: argparse.Namespace) -> Callable[[Tensor], Tensor]:
+    from megablocks.layers.arguments import Arguments
+    from megablocks.layers.dmoe import dMoE
+
+    margs = Arguments(
+        hidden_size=args.width, ffn_hidden_size=args.ffn, moe_num_experts=args.experts, moe_top_k=1,
+        mlp_impl="grouped", mlp_type="mlp", bf16=True, fp16=False, device=torch.cuda.current_device(),
+    )
+    layer = dMoE(margs).cuda().to(torch.bfloat16)
+    return lambda x: layer(x.to(torch.bfloat16).view(args.batch, args.seq, args.width))[0]
+
+
+def deepspeed_moe(args: argparse.Namespace) -> Callable[[Tensor], Tensor]:
+    import deepspeed
+    from deepspeed.moe.layer import MoE
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    deepspeed.init_distributed(dist_backend="nccl", verbose=False)
+    layer = MoE(
+        hidden_size=args.width, expert=GeluMLP(args.width, args.ffn), num_experts=args.experts, ep_size=1, k=1,
+        capacity_factor=1.0, eval_capacity_factor=1.0, min_capacity=0, drop_tokens=True, use_rts=False,
+    ).cuda()
+    return lambda x: layer(x.view(args.batch, args.seq, args.width))[0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--ffn", type=int, default=4096)
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--compile", action="store_true", help="also time this project's layers under torch.compile")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    x = torch.randn(args.batch, args.seq, args.width, device="cuda", requires_grad=True)
+
+    rows: list[tuple[str, Callable[[], Callable[[Tensor], Tensor]]]] = [
+        ("dense GELU MLP, same FLOPs (the limit)", lambda: GeluMLP(args.width, args.ffn).cuda()),
+        ("mode expert choice, per sequence (torch)", lambda: ours(args, scheme="expert_choice", group_size=1)),
+        ("mode expert choice, batch group (torch)", lambda: ours(args, scheme="expert_choice", group_size=args.batch)),
+        ("mode token choice top-1 cf 1.0 (torch)", lambda: ours(args, scheme="token_choice", capacity_factor=1.0)),
+        ("mode token choice top-1 dropless (grouped_gemm)",
+         lambda: ours(args, scheme="token_choice", dropless=True, backend="grouped_gemm")),
+        ("mode token choice top-1 dropless (megablocks)",
+         lambda: ours(args, scheme="token_choice", dropless=True, backend="megablocks")),
+        ("megablocks 0.10.0 dMoE grouped, top-1 dropless", lambda: megablocks_dmoe(args)),
+        ("DeepSpeed 0.19.8 MoE top-1, capacity factor 1.0", lambda: deepspeed_moe(args)),
+    ]
+    if args.compile:
+        rows.insert(3, ("mode expert choice, per sequence (torch, compiled)",
+                        lambda: torch.compile(ours(args, scheme="expert_choice", group_size=1))))
+        rows.insert(1, ("dense GELU MLP (compiled)", lambda: torch.compile(GeluMLP(args.width, args.ffn).cuda())))
+    print(f"card: {torch.cuda.get_device_name()}; torch {torch.__version__}; tokens {args.batch} x {args.seq}, "
+          f"D={args.width}, expert hidden {args.ffn}, {args.experts} experts, bf16 autocast, fwd+bwd\n")
+    print("| implementation | ms | x dense |")
+    print("| --- | --- | --- |")
+    dense_ms = None
+    for name, build in rows:
+        try:
+            layer = build()
+            ms = timed(fwd_bwd(layer, x), args.warmup, args.iters)
+        except Exception as e:  # a missing library is reported, never timed
+            print(f"| {name} | not run: {type(e).__name__}: {str(e).splitlines()[0][:80]} | |")
+            traceback.print_exc(limit=2)
+            continue
+        dense_ms = dense_ms or ms
+        print(f"| {name} | {ms:.2f} | {ms / dense_ms:.2f} |", flush=True)
+        x.grad = None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""Expert weights and the compute backends that run them.
+
+`Experts` holds E expert MLPs as stacked weights, written as if every expert were local
+(parallelism is applied from outside, in mode/parallel/). It runs them on two layouts:
+
+- padded: xs (E, R, D), every expert R rows (expert choice, token choice with a capacity);
+- grouped: xs (M, D) sorted by expert with counts (E,) (token choice, uneven loads).
+
+Backends (config `moe.backend`), identical in results up to rounding:
+- torch:        padded -> two batched matmuls; grouped -> a loop over experts. CPU and GPU.
+- grouped_gemm: both layouts through grouped_gemm's `gmm` (CUTLASS grouped GEMM), bf16, CUDA.
+- megablocks:   token choice dispatched with megablocks' sort / histogram / gather / scatter
+                kernels and computed with its grouped GEMM (the dMoE "grouped" path), CUDA.
+"""
+from __future__ import annotations
+
+import importlib
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mode.config import ConfigError
+from mode.routing import TokenChoiceRouting
+
+BACKENDS = ("torch", "grouped_gemm", "megablocks")
+_MODULES = {"grouped_gemm": "grouped_gemm.ops", "megablocks": "megablocks.ops"}
+
+
+def check_backend(name: str) -> None:
+    """Fail at model build, naming moe.backend, when a backend cannot run on this machine."""
+    if name not in BACKENDS:
+        raise ConfigError(f"moe.backend: unknown backend {name!r} (expected one of {', '.join(BACKENDS)})")
+    if name == "torch":
+        return
+    if not torch.cuda.is_available():
+        raise ConfigError(f"moe.backend={name!r} needs a CUDA GPU and this machine has none; use moe.backend=torch")
+    try:
+        importlib.import_module(_MODULES[name])
+        importlib.import_module("grouped_gemm.ops")  # megablocks' grouped path runs on it too
+    except ImportError as e:
+        raise ConfigError(
+            f"moe.backend={name!r}: cannot import {_MODULES[name]} ({e}); install the GPU extras "
+            "(see the README's GPU install) or use moe.backend=torch"
+        ) from e
+
+
+class Experts(nn.Module):
+    """E MLPs. swiglu: w_in (E, D, 2F) = [gate | up], w_out (E, F, D); gelu: w_in (E, D, F)."""
+
+    def __init__(self, n_experts: int, d_model: int, d_expert: int, activation: str, backend: str = "torch") -> None:
+        super().__init__()
+        if activation not in ("swiglu", "gelu"):
+            raise ValueError(f"moe.activation: unknown activation {activation!r}")
+        width_in = 2 * d_expert if activation == "swiglu" else d_expert
+        self.w_in = nn.Parameter(torch.empty(n_experts, d_model, width_in))
+        self.w_out = nn.Parameter(torch.empty(n_experts, d_expert, d_model))
+        self.n_experts = n_experts
+        self.activation = activation
+        self.backend = backend
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02, out_std: float | None = None) -> None:
+        nn.init.normal_(self.w_in, std=std)
+        nn.init.normal_(self.w_out, std=std if out_std is None else out_std)
+
+    def act(self, h: Tensor) -> Tensor:
+        if self.activation == "swiglu":
+            gate, up = h.chunk(2, dim=-1)
+            return F.silu(gate) * up
+        return F.gelu(h)
+
+    def padded(self, xs: Tensor) -> Tensor:
+        """xs (E, R, D) -> (E, R, D): expert e on its R rows."""
+        if self.backend == "torch":
+            return torch.bmm(self.act(torch.bmm(xs, self.w_in)), self.w_out)
+        experts, rows, width = xs.shape
+        counts = torch.full((experts,), rows, dtype=torch.long)
+        return self.grouped(xs.reshape(experts * rows, width), counts).view(experts, rows, width)
+
+    def grouped(self, xs: Tensor, counts: Tensor) -> Tensor:
+        """xs (M, D) sorted by expert, counts (E,) rows of each -> (M, D)."""
+        if self.backend == "torch":
+            chunks = xs.split(counts.tolist())
+            return torch.cat([self.act(c @ self.w_in[e]) @ self.w_out[e] for e, c in enumerate(chunks)])
+        return _gmm_mlp(self, xs, counts)
+
+
+def _gmm_dtype(x: Tensor) -> torch.dtype:
+    dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
+    if dtype != torch.bfloat16:
+        raise RuntimeError(
+            "moe.backend grouped_gemm / megablocks compute in bfloat16: run under bf16 autocast "
+            f"or with bf16 weights (got {dtype})"
+        )
+    return dtype
+
+
+def _gmm_mlp(experts: Experts, xs: Tensor, counts: Tensor) -> Tensor:
+    """Both expert matmuls as grouped GEMMs (grouped_gemm's gmm, which megablocks also uses)."""
+    from grouped_gemm.ops import gmm
+
+    dtype = _gmm_dtype(xs)
+    if xs.shape[0] == 0:  # every assignment went to a no-op expert or was dropped
+        return xs.new_zeros(0, xs.shape[1], dtype=dtype)
+    counts = counts.to("cpu", torch.long)  # gmm reads the group sizes on the host
+    with torch.autocast("cuda", enabled=False):
+        h = gmm(xs.to(dtype).contiguous(), experts.w_in.to(dtype), counts)  # (M, 2F or F)
+        return gmm(experts.act(h).contiguous(), experts.w_out.to(dtype), counts)  # (M, D)
+
+
+def megablocks_token_choice(experts: Experts, x: Tensor, routing: TokenChoiceRouting) -> Tensor:
+    """Token choice through megablocks' machinery: x (T, D) -> (T, D).
+
+    megablocks sorts the T*k assignments into bins, gathers rows in bin order, runs the
+    experts as grouped GEMMs, and scatters back weighted by the gates. No-op and dropped
+    assignments go to one extra bin E that is never computed (its rows are zeros).
+    """
+    import megablocks.ops as mops
+
+    n_experts, top_k = experts.n_experts, routing.indices.shape[1]
+    bin_of = torch.where(routing.positions >= 0, routing.indices, n_experts).reshape(-1).int()  # (T*k,)
+    bin_ids, order = mops.sort(bin_of, max(1, n_experts.bit_length()))
+    per_bin = mops.histogram(bin_of, n_experts + 1)  # (E+1,)
+    bins = mops.inclusive_cumsum(per_bin, 0)
+    dtype = _gmm_dtype(x)
+    with torch.autocast("cuda", enabled=False):
+        rows = mops.gather(x.to(dtype).contiguous(), order, bin_ids, bins, top_k)  # (T*k, D), by bin
+    counts = per_bin[:n_experts].to("cpu", torch.long)
+    computed = int(counts.sum())
+    ys = _gmm_mlp(experts, rows[:computed], counts)
+    ys = torch.cat([ys, ys.new_zeros(rows.shape[0] - computed, ys.shape[1])])  # the no-op bin: zero update
+    with torch.autocast("cuda", enabled=False):
+        return mops.scatter(ys, order, bin_ids, routing.gates.reshape(-1).to(dtype), bins, top_k)  # (T, D)

@@ -1,0 +1,78 @@
+"""Mixture-of-Experts FFN on the shared router primitives: expert choice or token choice.
+
+FFN(x)_t = sum over the real experts e that process token t of gate_{t,e} * expert_e(x_t).
+A token that only no-op experts took (or that no expert took, or that was dropped) gets an
+exact zero update: it rides the residual. No-op experts are never computed.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mode.config import MoEConfig
+from mode.layers.experts import Experts, check_backend, megablocks_token_choice
+from mode.routing import (
+    ExpertChoiceRouter,
+    Routing,
+    TokenChoiceRouter,
+    TokenChoiceRouting,
+    expert_major_ids,
+    gather_tokens,
+    scatter_add_tokens,
+    slot_table,
+    sort_by_expert,
+)
+
+
+class MoEFFN(nn.Module):
+    """x (B, S, D) -> (FFN output (B, S, D), Routing). A routed FFN: TransformerBlock reports its Routing."""
+
+    def __init__(self, d_model: int, d_ff: int, moe: MoEConfig) -> None:
+        super().__init__()
+        check_backend(moe.backend)
+        if moe.scheme == "expert_choice":
+            self.router = ExpertChoiceRouter(
+                d_model, moe.n_experts, moe.n_noop, moe.capacity_factor, moe.group_size, moe.z_loss_weight
+            )
+        else:
+            self.router = TokenChoiceRouter(
+                d_model, moe.n_experts, moe.n_noop, moe.top_k, moe.capacity_factor, moe.dropless,
+                moe.lb_loss_weight, moe.z_loss_weight,
+            )
+        self.experts = Experts(moe.n_experts, d_model, moe.d_expert or d_ff, moe.activation, moe.backend)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Routing]:
+        routing = self.router(x)
+        if isinstance(routing, TokenChoiceRouting):
+            out = self._token_choice(x.reshape(-1, x.shape[-1]), routing)
+        else:
+            out = self._expert_choice(x, routing)
+        return out.view_as(x), routing
+
+    def _expert_choice(self, x: Tensor, routing: Routing) -> Tensor:
+        """Every expert takes exactly C tokens of each group: one static (E, G*C, D) batched matmul."""
+        groups, n_experts, _ = routing.indices.shape
+        flat = x.reshape(1, -1, x.shape[-1])  # (1, B*S, D): group g is the g-th run of T tokens
+        ids = expert_major_ids(routing.indices, flat.shape[1] // groups).unsqueeze(0)  # (1, E, G*C)
+        ys = self.experts.padded(gather_tokens(flat, ids)[0])  # (E, G*C, D)
+        gates = routing.gates.transpose(0, 1).reshape(n_experts, -1, 1)  # (E, G*C, 1), same order as ids
+        return scatter_add_tokens(torch.zeros_like(flat), ids, (gates.to(ys.dtype) * ys).unsqueeze(0))
+
+    def _token_choice(self, x: Tensor, routing: TokenChoiceRouting) -> Tensor:
+        """x (T, D). With a capacity on torch: a static (E, C, D) layout; otherwise sorted by expert."""
+        if self.experts.backend == "megablocks":
+            return megablocks_token_choice(self.experts, x, routing)
+        tokens, top_k = routing.indices.shape
+        flat = x.unsqueeze(0)  # (1, T, D)
+        gates = F.pad(routing.gates.reshape(-1), (0, 1))  # (T*k + 1,): a 0 gate for empty rows
+        if routing.capacity is not None and self.experts.backend == "torch":
+            table = slot_table(routing.indices, routing.positions, self.experts.n_experts, routing.capacity)  # (E, C)
+            ids = torch.where(table < tokens * top_k, table // top_k, 0)  # empty rows read token 0, gate 0
+            ys = self.experts.padded(gather_tokens(flat, ids.unsqueeze(0))[0])  # (E, C, D)
+        else:
+            table, counts = sort_by_expert(routing.indices, routing.positions, self.experts.n_experts)  # (M,), (E,)
+            ids = table // top_k
+            ys = self.experts.grouped(gather_tokens(flat, ids.unsqueeze(0))[0], counts)  # (M, D)
+        weighted = gates[table].unsqueeze(-1).to(ys.dtype) * ys
+        return scatter_add_tokens(torch.zeros_like(flat), ids.unsqueeze(0), weighted.unsqueeze(0))[0]

@@ -1,0 +1,56 @@
+"""The fused, chunked unembedding + cross-entropy equals the plain version, values and gradients."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mode.layers.loss as loss_module
+from mode.layers.loss import linear_cross_entropy
+
+F64_TOL = 1e-12  # float64 throughout: only summation order differs
+F32_TOL = 1e-5  # float32 inputs: chunked vs one-shot summation
+
+
+def reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy((hidden @ weight.t()).reshape(-1, weight.shape[0]), targets.reshape(-1))
+
+
+@pytest.mark.parametrize("chunk_elements", [7 * 50, 2**26])  # several uneven chunks; one chunk
+def test_matches_cross_entropy_values_and_gradients(monkeypatch: pytest.MonkeyPatch, chunk_elements: int) -> None:
+    monkeypatch.setattr(loss_module, "CHUNK_ELEMENTS", chunk_elements)
+    hidden = torch.randn(3, 11, 16, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 50, (3, 11))
+    got = linear_cross_entropy(hidden, weight, targets)
+    (got * 2.5).backward()  # a non-unit upstream gradient must scale the saved gradients
+    gh, gw = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    want = reference(hidden, weight, targets)
+    (want * 2.5).backward()
+    torch.testing.assert_close(got, want, rtol=F64_TOL, atol=F64_TOL)
+    torch.testing.assert_close(gh, hidden.grad, rtol=F64_TOL, atol=F64_TOL)
+    torch.testing.assert_close(gw, weight.grad, rtol=F64_TOL, atol=F64_TOL)
+
+
+def test_no_grad_path_matches(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(loss_module, "CHUNK_ELEMENTS", 64 * 5)
+    hidden, weight = torch.randn(40, 8), torch.randn(64, 8)
+    targets = torch.randint(0, 64, (40,))
+    with torch.no_grad():
+        got = linear_cross_entropy(hidden, weight, targets)
+    torch.testing.assert_close(got, reference(hidden, weight, targets), rtol=F32_TOL, atol=F32_TOL)
+
+
+def test_model_loss_equals_cross_entropy_of_its_logits() -> None:
+    from mode.config import config_from_dict
+    from mode.model import LanguageModel
+
+    cfg = config_from_dict({"model": {"d_model": 32, "n_heads": 4, "n_layers": 2, "d_ff": 64, "max_seq_len": 32},
+                            "data": {"seq_len": 32}})
+    model = LanguageModel(cfg).double()
+    tokens = torch.randint(0, 256, (2, 33))
+    out = model(tokens[:, :-1], tokens[:, 1:])
+    logits = model(tokens[:, :-1]).logits
+    torch.testing.assert_close(out.lm_loss, F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()),
+                               rtol=F64_TOL, atol=F64_TOL)

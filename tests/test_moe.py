@@ -1,0 +1,407 @@
+"""MoE FFN, Staged and Integrated MoDE: ablation identities, routing invariants, backends.
+
+CPU tests run in float64 (the router itself computes in float32 by design, so routing is
+identical between the compared models). GPU backend tests run only where CUDA and the
+packages are present; elsewhere pytest reports them as skipped, never as passed.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mode.config import ConfigError, MoEConfig, ModelConfig, RoutingConfig, config_from_dict
+from mode.layers.block import TransformerBlock
+from mode.layers.mlp import SwiGLU
+from mode.layers.mode import IntegratedMoDEBlock, StagedMoDEBlock
+from mode.layers.moe import MoEFFN
+from mode.layers.rotary import RotaryEmbedding
+from mode.model import LanguageModel
+from mode.routing import TokenChoiceRouting, capacity_to_k, token_choice_capacity, top_k_positions
+
+# float64 comparisons of the same mathematics computed in a different order.
+F64_ATOL = 1e-10
+F64_RTOL = 1e-9
+# bf16 GPU backends against the torch backend: relative error of the whole tensor (norm).
+GPU_REL_TOL = 2e-2
+
+BATCH, SEQ = 4, 8
+E, N_NOOP = 4, 2
+
+SCHEMES = {
+    "expert_choice": dict(scheme="expert_choice"),
+    "expert_choice_grouped": dict(scheme="expert_choice", group_size=2, capacity_factor=1.5),
+    "token_choice_capacity": dict(scheme="token_choice", top_k=2, capacity_factor=0.75),
+    "token_choice_dropless": dict(scheme="token_choice", top_k=2, dropless=True),
+}
+
+
+def model_cfg() -> ModelConfig:
+    return ModelConfig(d_model=16, n_heads=2, n_layers=2, d_ff=24, max_seq_len=32)
+
+
+def moe_cfg(**kw) -> MoEConfig:
+    return MoEConfig(**{"n_experts": E, **kw})
+
+
+def angles(seq: int = SEQ):
+    cfg = model_cfg()
+    return RotaryEmbedding(cfg.d_model // cfg.n_heads, cfg.max_seq_len, cfg.rope_base).prefix(seq)
+
+
+def inputs(batch: int = BATCH, seq: int = SEQ, width: int = 16) -> torch.Tensor:
+    return torch.randn(batch, seq, width, dtype=torch.float64, requires_grad=True)
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> None:
+    torch.testing.assert_close(a, b, atol=F64_ATOL, rtol=F64_RTOL)
+
+
+def grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+
+
+def run(module, x, *args):
+    """Forward, then backward of a fixed random projection of the output."""
+    out = module(x, *args)
+    y = out[0] if isinstance(out, tuple) else out
+    weight = torch.randn(y.shape, dtype=y.dtype, generator=torch.Generator().manual_seed(1))
+    (y * weight).sum().backward()
+    params = grads(module) if isinstance(module, torch.nn.Module) else {}
+    return y.detach(), x.grad.clone(), params, out[1] if isinstance(out, tuple) else None
+
+
+# ----------------------------------------------------------------------------- ablation identities
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_integrated_mode_without_noop_equals_moe_block(scheme):
+    moe = moe_cfg(**SCHEMES[scheme])
+    integrated = IntegratedMoDEBlock(model_cfg(), moe).double()
+    block = TransformerBlock(model_cfg(), ffn=MoEFFN(16, 24, moe)).double()
+    block.load_state_dict(integrated.state_dict())
+    x = inputs()
+    y1, gx1, g1, _ = run(integrated, x, angles())
+    x.grad = None
+    y2, gx2, g2, _ = run(block, x, angles())
+    close(y1, y2)
+    close(gx1, gx2)
+    assert g1.keys() == g2.keys() and len(g1) > 0
+    for name in g1:
+        close(g1[name], g2[name])
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_staged_mode_at_full_capacity_with_unit_gate_equals_moe_block(scheme):
+    moe = moe_cfg(n_noop=N_NOOP, **SCHEMES[scheme])
+    routing = RoutingConfig(capacity=1.0, gate="identity", router_bias=True)
+    staged = StagedMoDEBlock(model_cfg(), routing, moe).double()
+    with torch.no_grad():
+        staged.router.router.proj.weight.zero_()
+        staged.router.router.proj.bias.fill_(1.0)  # every score 1: g = 1 for every token
+    block = TransformerBlock(model_cfg(), ffn=MoEFFN(16, 24, moe)).double()
+    block.load_state_dict(staged.block.state_dict())
+    x = inputs()
+    y1, gx1, g1, info1 = run(staged, x, angles())
+    x.grad = None
+    y2, gx2, g2, info2 = run(block, x, angles())
+    close(y1, y2)
+    close(gx1, gx2)
+    for name, g in g2.items():
+        close(g1[f"block.{name}"], g)
+    assert info1.routing is not None and info1.ffn_routing is not None  # both routings reported
+    assert info2.routing is None and info2.ffn_routing is not None
+    torch.testing.assert_close(info1.ffn_routing.indices, info2.ffn_routing.indices, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(scheme="token_choice", top_k=1, dropless=True),
+        dict(scheme="token_choice", top_k=1, capacity_factor=1.0),  # C = T: nothing can drop
+        dict(scheme="expert_choice", capacity_factor=1.0),  # C = T: the one expert takes every token
+    ],
+)
+def test_one_expert_top1_without_dropping_equals_dense_mlp(kw):
+    moe = MoEFFN(16, 24, MoEConfig(n_experts=1, **kw)).double()
+    mlp = SwiGLU(16, 24).double()
+    with torch.no_grad():  # softmax over one slot is 1.0, so the gate is exactly 1
+        moe.experts.w_in[0].copy_(mlp.gate_up.weight.t())
+        moe.experts.w_out[0].copy_(mlp.down.weight.t())
+    x = inputs()
+    y1, gx1, g1, routing = run(moe, x)
+    x.grad = None
+    y2, gx2, g2, _ = run(mlp, x)
+    close(y1, y2)
+    close(gx1, gx2)
+    close(g1["experts.w_in"][0], g2["gate_up.weight"].t())
+    close(g1["experts.w_out"][0], g2["down.weight"].t())
+    assert float(g1["router.router.proj.weight"].abs().max()) == 0.0  # a constant gate has no gradient
+    assert float(routing.stats["processed"]) == 1.0 and float(routing.stats["dropped_fraction"]) == 0.0
+
+
+# ----------------------------------------------------------------------------- no-op experts
+@pytest.mark.parametrize("kw", [dict(scheme="expert_choice"), dict(scheme="token_choice", dropless=True)])
+def test_tokens_routed_to_noop_experts_get_exactly_zero_update(kw):
+    moe = moe_cfg(n_experts=2, n_noop=6, **kw)
+    block = IntegratedMoDEBlock(model_cfg(), moe).double()
+    x = inputs()
+    out, info = block(x, angles())
+    h = x + block.attn(block.attn_norm(x), angles())
+    ffn_out, routing = block.ffn(block.ffn_norm(h))
+    torch.testing.assert_close(routing.indices, info.ffn_routing.indices, atol=0, rtol=0)
+    if isinstance(routing, TokenChoiceRouting):
+        skipped = (routing.positions < 0).all(-1).view(BATCH, SEQ)  # dropless: only no-op slots
+        assert bool((routing.indices >= 2).view(BATCH, SEQ)[skipped].all())
+    else:
+        taken = torch.zeros(BATCH * SEQ, dtype=torch.bool)
+        taken[routing.indices.reshape(BATCH, -1) + SEQ * torch.arange(BATCH).view(BATCH, 1)] = True
+        skipped = ~taken.view(BATCH, SEQ)
+    assert 0 < int(skipped.sum()) < BATCH * SEQ
+    assert bool((ffn_out[skipped] == 0).all()), "a no-op token got a nonzero FFN update"
+    assert bool((ffn_out[~skipped] != 0).any())
+    assert torch.equal(out[skipped], h[skipped])  # it rides the residual, bit for bit
+    assert math.isclose(float(routing.stats["processed"]), 1 - float(skipped.float().mean()))
+
+
+# ----------------------------------------------------------------------------- routing invariants
+@pytest.mark.parametrize("group_size", [1, 2, 4])
+def test_expert_choice_gives_every_expert_exactly_c_tokens(group_size):
+    moe = MoEFFN(16, 24, moe_cfg(n_noop=N_NOOP, group_size=group_size, capacity_factor=1.5)).double()
+    x = inputs()
+    _, routing = moe(x)
+    groups, tokens = BATCH // group_size, group_size * SEQ
+    capacity = capacity_to_k(tokens, 1.5 / (E + N_NOOP))
+    assert capacity == max(1, round(1.5 * tokens / (E + N_NOOP)))
+    assert routing.indices.shape == (groups, E, capacity)
+    assert routing.gates.shape == (groups, E, capacity)
+    for row in routing.indices.reshape(-1, capacity):
+        assert len(set(row.tolist())) == capacity  # C distinct tokens
+        assert row.tolist() == sorted(row.tolist())  # in causal order
+        assert 0 <= int(row.min()) and int(row.max()) < tokens
+    assert routing.stats["tokens_per_expert"].tolist() == [groups * capacity] * E
+    # the chosen tokens are that expert's top-C probabilities within the group
+    probs = routing.logits.softmax(-1)[..., :E].transpose(1, 2)
+    torch.testing.assert_close(routing.indices, top_k_positions(probs, capacity), atol=0, rtol=0)
+
+
+def test_expert_choice_group_size_must_divide_batch():
+    moe = MoEFFN(16, 24, moe_cfg(group_size=3)).double()
+    with pytest.raises(ValueError, match="moe.group_size"):
+        moe(inputs())
+
+
+def test_expert_choice_groups_do_not_leak():
+    moe = MoEFFN(16, 24, moe_cfg(group_size=2)).double()
+    x = inputs().detach()
+    y = x.clone()
+    y[3] = torch.randn(SEQ, 16, dtype=torch.float64)  # change the second group only
+    (a, ra), (b, rb) = moe(x), moe(y)
+    assert torch.equal(ra.indices[0], rb.indices[0])
+    close(a[:2], b[:2])
+    assert not torch.equal(a[2:], b[2:])
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_token_choice_with_dropping_never_exceeds_capacity(top_k):
+    batch, seq = 8, 16
+    moe = MoEFFN(16, 24, moe_cfg(scheme="token_choice", top_k=top_k, n_noop=N_NOOP, capacity_factor=0.5)).double()
+    x = inputs(batch, seq)
+    out, routing = moe(x)
+    tokens = batch * seq
+    capacity = token_choice_capacity(tokens, E + N_NOOP, top_k, 0.5)
+    assert routing.capacity == capacity == math.ceil(0.5 * tokens * top_k / (E + N_NOOP))
+    counts = routing.stats["tokens_per_expert"]
+    assert int(counts.max()) <= capacity and float(routing.stats["dropped_fraction"]) > 0
+    slots, pos = routing.indices, routing.positions
+    for e in range(E):
+        rows = pos[(slots == e) & (pos >= 0)]
+        assert sorted(rows.tolist()) == list(range(len(rows)))  # distinct rows 0..n-1 < C
+        assert counts[e] == len(rows)
+        # priority: first choices before second ones, earlier tokens first
+        order = torch.cat([torch.nonzero(slots[:, j] == e).flatten() + j * tokens for j in range(top_k)])
+        kept = (pos.t().reshape(-1)[order] >= 0).int()
+        assert kept.tolist() == sorted(kept.tolist(), reverse=True)
+    assert torch.equal(pos[slots >= E], torch.full_like(pos[slots >= E], -1))  # no-op slots: no row
+    dropped_all = (pos < 0).all(-1).view(batch, seq)
+    assert bool((out[dropped_all] == 0).all())
+
+
+# ----------------------------------------------------------------------------- the torch backend
+def slow_reference(moe: MoEFFN, x: torch.Tensor) -> torch.Tensor:
+    """The MoE written the slow, obvious way: python loops over groups, experts and tokens."""
+    cfg = moe.router
+    w_in, w_out = moe.experts.w_in, moe.experts.w_out
+
+    def expert(e: int, token: torch.Tensor) -> torch.Tensor:
+        h = token @ w_in[e]
+        h = F.silu(h[: h.shape[0] // 2]) * h[h.shape[0] // 2 :] if moe.experts.activation == "swiglu" else F.gelu(h)
+        return h @ w_out[e]
+
+    batch, seq, width = x.shape
+    logits = F.linear(x.float(), cfg.router.proj.weight.float())  # the router scores in float32
+    n_slots = logits.shape[-1]
+    contributions: dict[int, list[torch.Tensor]] = {}
+    flat = x.reshape(-1, width)
+    if moe.router.__class__.__name__ == "ExpertChoiceRouter":
+        groups, tokens = batch // cfg.group_size, cfg.group_size * seq
+        probs = logits.reshape(groups, tokens, n_slots).softmax(-1)
+        capacity = max(1, round(cfg.capacity_factor * tokens / n_slots))
+        for g in range(groups):
+            for e in range(cfg.n_experts):
+                for t in probs[g, :, e].topk(capacity).indices.tolist():
+                    i = g * tokens + t
+                    contributions.setdefault(i, []).append(probs[g, t, e].to(x.dtype) * expert(e, flat[i]))
+    else:
+        probs = logits.reshape(-1, n_slots).softmax(-1)
+        values, slots = probs.topk(cfg.top_k, dim=-1)
+        tokens = flat.shape[0]
+        capacity = math.inf if cfg.dropless else math.ceil(cfg.capacity_factor * tokens * cfg.top_k / n_slots)
+        load = [0] * cfg.n_experts
+        for j in range(cfg.top_k):
+            for t in range(tokens):
+                e = int(slots[t, j])
+                if e >= cfg.n_experts or load[e] >= capacity:
+                    continue  # a no-op expert, or dropped
+                load[e] += 1
+                contributions.setdefault(t, []).append(values[t, j].to(x.dtype) * expert(e, flat[t]))
+    rows = [torch.stack(contributions[i]).sum(0) if i in contributions else flat.new_zeros(width) for i in range(len(flat))]
+    return torch.stack(rows).view_as(x)
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+@pytest.mark.parametrize("n_noop", [0, N_NOOP])
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_torch_backend_equals_slow_loop_reference(scheme, n_noop, activation):
+    moe = MoEFFN(16, 24, moe_cfg(n_noop=n_noop, activation=activation, **SCHEMES[scheme])).double()
+    x = inputs()
+    y1, gx1, g1, _ = run(moe, x)
+    x.grad = None
+    moe.zero_grad()
+    y2, gx2, _, _ = run(lambda t: slow_reference(moe, t), x)
+    g2 = grads(moe)
+    close(y1, y2)
+    close(gx1, gx2)
+    for name in ("experts.w_in", "experts.w_out", "router.router.proj.weight"):
+        close(g1[name], g2[name])
+
+
+def test_aux_losses_and_stats():
+    moe = MoEFFN(16, 24, moe_cfg(scheme="token_choice", top_k=2, n_noop=N_NOOP, lb_loss_weight=0.5, z_loss_weight=0.1))
+    _, routing = moe(inputs().float())
+    probs = routing.logits[0].softmax(-1)
+    f = torch.bincount(routing.indices.flatten(), minlength=E + N_NOOP).float() / routing.indices.numel()
+    lb = (E + N_NOOP) * (f * probs.mean(0)).sum()
+    z = routing.logits.logsumexp(-1).square().mean()
+    torch.testing.assert_close(routing.aux_loss, 0.5 * lb + 0.1 * z)
+    assert routing.aux_loss.requires_grad
+    assert math.isclose(float(routing.stats["noop_fraction"]), float((routing.indices >= E).float().mean()))
+
+
+# ----------------------------------------------------------------------------- MoDE and the model
+def test_staged_mode_random_routing_switch():
+    moe = moe_cfg()
+    learned = StagedMoDEBlock(model_cfg(), RoutingConfig(capacity=0.25, random=False), moe).double()
+    random = StagedMoDEBlock(model_cfg(), RoutingConfig(capacity=0.25, random=True), moe).double()
+    random.load_state_dict(learned.state_dict())
+    x = inputs(8, 16).detach()
+    _, info = learned(x, angles(16))
+    scores = info.routing.logits
+    assert torch.equal(info.routing.indices, top_k_positions(scores, 4))
+    picks = [random(x, angles(16))[1].routing for _ in range(2)]
+    assert all(p.indices.shape == (8, 4) for p in picks)
+    assert not torch.equal(picks[0].indices, top_k_positions(scores, 4))
+    assert not torch.equal(picks[0].indices, picks[1].indices)
+    torch.testing.assert_close(picks[0].gates, torch.sigmoid(scores.gather(1, picks[0].indices)))
+
+
+def tiny_config(pattern, **moe):
+    return config_from_dict(
+        dict(
+            model=dict(d_model=16, n_heads=2, n_layers=4, d_ff=24, max_seq_len=32, block_pattern=pattern),
+            routing=dict(capacity=0.5),
+            moe=dict(n_experts=E, **moe),
+            data=dict(seq_len=32),
+        )
+    )
+
+
+@pytest.mark.parametrize("kind", ["moe", "mode_staged", "mode_integrated"])
+@pytest.mark.parametrize("scheme", ["expert_choice", "token_choice"])
+def test_model_sums_every_routing_aux_loss(kind, scheme):
+    model = LanguageModel(tiny_config(["dense", kind], scheme=scheme, n_noop=N_NOOP, top_k=1))
+    tokens = torch.randint(0, 256, (2, 32))
+    out = model(tokens, tokens)
+    assert len(out.routings) == len(out.ffn_routings) == 4
+    expert_routings = [r for r in out.ffn_routings if r is not None]
+    depth_routings = [r for r in out.routings if r is not None]
+    assert len(expert_routings) == 2 and len(depth_routings) == (2 if kind == "mode_staged" else 0)
+    total = sum(r.aux_loss for r in expert_routings + depth_routings)
+    torch.testing.assert_close(out.aux_loss, total)
+    assert float(out.aux_loss.detach()) > 0
+    torch.testing.assert_close(out.loss, out.lm_loss + out.aux_loss)
+    out.loss.backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None]
+    assert not missing, f"no gradient for {missing}"
+
+
+def test_config_errors_name_the_moe_field():
+    with pytest.raises(ConfigError, match="moe.n_noop"):
+        tiny_config(["dense", "mode_integrated"])
+    with pytest.raises(ConfigError, match="moe.*n_expert.*unknown key"):
+        tiny_config(["moe"], n_expert=3)
+    with pytest.raises(ConfigError, match="moe.*top_k"):
+        tiny_config(["moe"], scheme="token_choice", top_k=5)
+    with pytest.raises(ConfigError, match="moe.*capacity_factor"):
+        tiny_config(["moe"], capacity_factor=0)
+    with pytest.raises(ConfigError, match="moe.*backend"):
+        tiny_config(["moe"], backend="triton")
+
+
+# ----------------------------------------------------------------------------- GPU backends
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only check: this machine has CUDA")
+@pytest.mark.parametrize("backend", ["grouped_gemm", "megablocks"])
+def test_gpu_backends_on_cpu_raise_naming_the_field(backend):
+    with pytest.raises(ConfigError, match="moe.backend"):
+        MoEFFN(16, 24, moe_cfg(scheme="token_choice", dropless=True, backend=backend))
+    with pytest.raises(ConfigError, match="moe.backend"):
+        LanguageModel(tiny_config(["dense", "moe"], scheme="token_choice", dropless=True, backend=backend))
+
+
+GPU_CASES = {
+    "expert_choice": dict(scheme="expert_choice", n_noop=N_NOOP),
+    "token_choice_dropless": dict(scheme="token_choice", top_k=2, dropless=True, n_noop=N_NOOP),
+    "token_choice_capacity": dict(scheme="token_choice", top_k=1, capacity_factor=1.0, n_noop=N_NOOP),
+}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.detach().float() - b.detach().float()).norm() / b.detach().float().norm().clamp_min(1e-12))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("case", GPU_CASES)
+@pytest.mark.parametrize("backend", ["grouped_gemm", "megablocks"])
+def test_gpu_backend_equals_torch_backend(backend, case):
+    pytest.importorskip("grouped_gemm")
+    if backend == "megablocks":
+        pytest.importorskip("megablocks.ops")
+    width, ffn, experts = 256, 512, 8
+    torch.manual_seed(0)
+    ref = MoEFFN(width, ffn, MoEConfig(n_experts=experts, **GPU_CASES[case])).cuda()
+    other = MoEFFN(width, ffn, MoEConfig(n_experts=experts, backend=backend, **GPU_CASES[case])).cuda()
+    other.load_state_dict(ref.state_dict())
+    x = torch.randn(4, 256, width, device="cuda", requires_grad=True)
+    weight = torch.randn(4, 256, width, device="cuda")
+    results = []
+    for moe in (ref, other):
+        x.grad = None
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y, routing = moe(x)
+        (y.float() * weight).sum().backward()
+        results.append((y, x.grad.clone(), grads(moe), routing))
+    (y1, gx1, g1, r1), (y2, gx2, g2, r2) = results
+    assert torch.equal(r1.indices, r2.indices)
+    assert _rel(y2, y1) < GPU_REL_TOL and _rel(gx2, gx1) < GPU_REL_TOL
+    for name in g1:
+        assert _rel(g2[name], g1[name]) < GPU_REL_TOL, name
