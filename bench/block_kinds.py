@@ -1,0 +1,65 @@
+"""Whole-model training-step time for each block kind at one shape, on one GPU.
+
+    python bench/block_kinds.py          # D=1024, 12 layers, S=2048, B=8, pattern [dense, KIND]
+    python bench/block_kinds.py --tiny   # CPU smoke run
+
+Every model alternates dense blocks with blocks of one kind; the MoE FFNs have 8 experts of
+the dense FFN's width with expert choice at capacity factor 1 (so an MoE FFN costs what the
+dense FFN costs), Integrated MoDE adds no-op experts, MoD and Staged MoDE route 12.5%.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from bench.mod_step import measure
+from mode.config import config_from_dict
+from mode.flops import model_flops
+
+KINDS = ("dense", "mod", "moe", "mode_staged", "mode_integrated")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--ffn", type=int, default=2816)
+    parser.add_argument("--vocab", type=int, default=32768)
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--noop", type=int, default=8, help="no-op experts of Integrated MoDE")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--tiny", action="store_true")
+    args = parser.parse_args()
+    if args.tiny:
+        args.batch, args.seq, args.width, args.heads, args.layers, args.ffn, args.vocab = 2, 64, 64, 4, 2, 128, 256
+        args.experts, args.noop, args.warmup, args.iters = 4, 4, 1, 2
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    card = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    print(f"card: {card}; B={args.batch} S={args.seq} D={args.width} layers={args.layers} ffn={args.ffn} "
+          f"vocab={args.vocab}; pattern [dense, KIND]; {args.experts} experts, expert choice, capacity factor 1\n")
+    print("| block kind | fwd+bwd ms | step ms | peak GiB | forward MFLOPs/token | step ms / dense |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    dense_ms = None
+    for kind in KINDS:
+        cfg = config_from_dict({
+            "model": {"vocab_size": args.vocab, "d_model": args.width, "n_heads": args.heads, "n_layers": args.layers,
+                      "d_ff": args.ffn, "max_seq_len": args.seq, "block_pattern": ["dense", kind]},
+            "routing": {"capacity": 0.125},
+            "moe": {"n_experts": args.experts, "n_noop": args.noop if kind == "mode_integrated" else 0,
+                    "scheme": "expert_choice", "capacity_factor": 1.0 if kind != "mode_integrated"
+                    else (args.experts + args.noop) / args.experts * 0.5},
+            "data": {"seq_len": args.seq},
+        }, "bench/block_kinds.py")
+        r = measure(cfg, False, argparse.Namespace(**{**vars(args), "capacity": 0.125}), device)
+        dense_ms = dense_ms or r["step_ms"]
+        print(f"| {kind} | {r['fwd_bwd_ms']:.2f} | {r['step_ms']:.2f} | {r['peak_gib']:.2f} | "
+              f"{model_flops(cfg).forward_per_token / 1e6:.1f} | {r['step_ms'] / dense_ms:.3f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
