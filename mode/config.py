@@ -75,6 +75,18 @@ class RoutingConfig(Section):
     )
     random: bool = Field(False, description="stochastic-routing ablation: choose tokens by random scores")
     router_bias: bool = False
+    causal: Literal["none", "aux_loss", "predictor"] = Field(
+        "none",
+        description=(
+            "causal routing decision for sampling (paper section 3.5): aux_loss trains the router's own "
+            "logits with BCE towards top-k membership and samples with sigmoid(logit) > 0.5; predictor trains "
+            "a small MLP on stop-gradient inputs and samples with its logit > 0; none: the model cannot sample"
+        ),
+    )
+    causal_loss_weight: float = Field(
+        0.01, ge=0.0, description="weight of the causal BCE term added to the aux loss (both methods)"
+    )
+    predictor_hidden: int = Field(128, gt=0, description="causal=predictor: hidden width of the MLP D -> hidden -> 1")
 
 
 class MoEConfig(Section):

@@ -1,8 +1,10 @@
 """The decoder-only language model. The kind of every block comes from the config."""
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 from torch import Tensor, nn
@@ -15,7 +17,9 @@ from mode.layers.mode import IntegratedMoDEBlock, StagedMoDEBlock
 from mode.layers.moe import MoEFFN
 from mode.layers.loss import linear_cross_entropy
 from mode.layers.rotary import RotaryEmbedding
-from mode.routing import Routing
+from mode.routing import DepthRouter, ExpertChoiceRouter, Routing, TokenChoiceRouter
+
+ROUTING_MODES = ("topk", "causal")
 
 
 @dataclass
@@ -34,11 +38,11 @@ def build_block(kind: str, config: Config) -> nn.Module:
     if kind == "mod":
         return MoDBlock(config.model, config.routing)
     if kind == "moe":
-        return TransformerBlock(config.model, ffn=MoEFFN(config.model.d_model, config.model.d_ff, config.moe))
+        return TransformerBlock(config.model, ffn=MoEFFN(config.model.d_model, config.model.d_ff, config.moe, config.routing))
     if kind == "mode_staged":
         return StagedMoDEBlock(config.model, config.routing, config.moe)
     if kind == "mode_integrated":
-        return IntegratedMoDEBlock(config.model, config.moe)
+        return IntegratedMoDEBlock(config.model, config.moe, config.routing)
     raise ValueError(f"model.block_pattern: block kind {kind!r} is not available in this build")
 
 
@@ -68,8 +72,49 @@ class LanguageModel(nn.Module):
         if isinstance(module, Experts):
             module.reset_parameters(std=self.config.model.init_std)
 
-    def forward(self, tokens: Tensor, targets: Tensor | None = None) -> ModelOutput:
-        """tokens (B, S) -> logits (B, S, V); with targets (B, S), the loss too."""
+    def check_causal(self) -> None:
+        """Raise a clear error unless every non-causal router of this model has a causal decision."""
+        for name, m in self.named_modules():
+            if isinstance(m, (DepthRouter, ExpertChoiceRouter)) and m.causal is None:
+                raise ValueError(
+                    f"{name}: this model was trained with routing.causal=none, so its top-k routing looks at the "
+                    "future and it cannot route causally (sample); train it with routing.causal=aux_loss or "
+                    "routing.causal=predictor"
+                )
+
+    @contextlib.contextmanager
+    def routing_mode(self, mode: str) -> Iterator[None]:
+        """Within the block every router routes by `mode`: "topk" (training) or "causal" (sampling).
+
+        causal: MoD / Staged MoDE depth routers and expert-choice routers use their causal
+        decision (variable token counts, no look-ahead); token choice drops its capacity.
+        """
+        if mode not in ROUTING_MODES:
+            raise ValueError(f"routing_mode must be one of {ROUTING_MODES}, got {mode!r}")
+        if mode == "causal":
+            self.check_causal()
+        routers = [m for m in self.modules() if isinstance(m, (DepthRouter, ExpertChoiceRouter, TokenChoiceRouter))]
+        previous = [m.causal_mode for m in routers]
+        try:
+            for m in routers:
+                m.causal_mode = mode == "causal"
+            yield
+        finally:
+            for m, old in zip(routers, previous):
+                m.causal_mode = old
+
+    def forward(self, tokens: Tensor, targets: Tensor | None = None, routing_mode: str | None = None) -> ModelOutput:
+        """tokens (B, S) -> logits (B, S, V); with targets (B, S), the loss too.
+
+        routing_mode "causal" routes every routed block by its causal decision (see
+        `routing_mode`); None keeps the routers' current mode (top-k unless set).
+        """
+        if routing_mode is not None:
+            with self.routing_mode(routing_mode):
+                return self._forward(tokens, targets)
+        return self._forward(tokens, targets)
+
+    def _forward(self, tokens: Tensor, targets: Tensor | None) -> ModelOutput:
         x = self.embed(tokens)  # (B, S, D)
         angles = self.rotary.prefix(tokens.shape[1])
         routings: list[Routing | None] = []

@@ -342,7 +342,31 @@ class Trainer:
         routing = average_summaries(summaries) if summaries[0] else {}
         for name, hist in histograms.items():
             routing[name]["position_share"] = [round(float(v), 4) for v in hist / hist.sum()]
-        return {**self.mean_over_ranks({"val_loss": total / t.eval_batches}), "routing": routing}
+        losses = {"val_loss": total / t.eval_batches}
+        if self.config.routing.causal != "none":
+            losses["val_loss_causal"] = self._causal_val_loss(routing)
+        return {**self.mean_over_ranks(losses), "routing": routing}
+
+    def _causal_val_loss(self, routing: dict[str, dict[str, Any]]) -> float:
+        """The same validation batches routed by the causal decision (as sampling routes them).
+
+        Adds each routed layer's share of tokens actually processed under causal routing
+        ("causal_processed"). Runs the uncompiled model: causal routing has data-dependent shapes.
+        """
+        t = self.config.train
+        total, processed = 0.0, {}
+        for i in range(t.eval_batches):
+            x, y = self.micro_batch(self.data.val, -1, i)
+            with self.autocast():
+                out = self.model(x, y, routing_mode="causal")
+            total += float(out.lm_loss)
+            for name, r in routed_layers(out):
+                if "processed" in r.stats:
+                    processed[name] = processed.get(name, 0.0) + float(r.stats["processed"]) / t.eval_batches
+        for name, value in processed.items():
+            if name in routing:
+                routing[name]["causal_processed"] = round(value, 5)
+        return total / t.eval_batches
 
     # -- the loop
     def run(self) -> list[dict[str, Any]]:

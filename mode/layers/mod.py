@@ -15,7 +15,10 @@ from mode.routing import DepthRouter, gather_tokens, scatter_add_tokens
 class MoDBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, routing: RoutingConfig, block: TransformerBlock | None = None) -> None:
         super().__init__()
-        self.router = DepthRouter(cfg.d_model, routing.capacity, routing.gate, routing.random, routing.router_bias)
+        self.router = DepthRouter(
+            cfg.d_model, routing.capacity, routing.gate, routing.random, routing.router_bias,
+            routing.causal, routing.causal_loss_weight, routing.predictor_hidden,
+        )
         self.block = block if block is not None else TransformerBlock(cfg)
 
     def forward(self, x: Tensor, angles: RotaryAngles) -> tuple[Tensor, BlockInfo]:

@@ -18,7 +18,7 @@ class StagedMoDEBlock(MoDBlock):
     """MoD routing around a block with an MoE FFN; reports both routings."""
 
     def __init__(self, cfg: ModelConfig, routing: RoutingConfig, moe: MoEConfig) -> None:
-        super().__init__(cfg, routing, block=TransformerBlock(cfg, ffn=MoEFFN(cfg.d_model, cfg.d_ff, moe)))
+        super().__init__(cfg, routing, block=TransformerBlock(cfg, ffn=MoEFFN(cfg.d_model, cfg.d_ff, moe, routing)))
 
 
 class IntegratedMoDEBlock(TransformerBlock):
@@ -28,5 +28,5 @@ class IntegratedMoDEBlock(TransformerBlock):
     the config requires n_noop > 0 for block kind mode_integrated.
     """
 
-    def __init__(self, cfg: ModelConfig, moe: MoEConfig) -> None:
-        super().__init__(cfg, ffn=MoEFFN(cfg.d_model, cfg.d_ff, moe))
+    def __init__(self, cfg: ModelConfig, moe: MoEConfig, routing: RoutingConfig | None = None) -> None:
+        super().__init__(cfg, ffn=MoEFFN(cfg.d_model, cfg.d_ff, moe, routing))

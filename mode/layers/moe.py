@@ -10,9 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mode.config import MoEConfig
+from mode.config import MoEConfig, RoutingConfig
 from mode.layers.experts import Experts, check_backend, megablocks_token_choice
 from mode.routing import (
+    CausalExpertRouting,
     ExpertChoiceRouter,
     Routing,
     TokenChoiceRouter,
@@ -28,12 +29,15 @@ from mode.routing import (
 class MoEFFN(nn.Module):
     """x (B, S, D) -> (FFN output (B, S, D), Routing). A routed FFN: TransformerBlock reports its Routing."""
 
-    def __init__(self, d_model: int, d_ff: int, moe: MoEConfig) -> None:
+    def __init__(self, d_model: int, d_ff: int, moe: MoEConfig, routing: RoutingConfig | None = None) -> None:
         super().__init__()
         check_backend(moe.backend)
         if moe.scheme == "expert_choice":
+            # routing.causal gives expert choice (not causal: top-C over a group) a causal decision.
+            causal = routing or RoutingConfig()
             self.router = ExpertChoiceRouter(
-                d_model, moe.n_experts, moe.n_noop, moe.capacity_factor, moe.group_size, moe.z_loss_weight
+                d_model, moe.n_experts, moe.n_noop, moe.capacity_factor, moe.group_size, moe.z_loss_weight,
+                causal.causal, causal.causal_loss_weight, causal.predictor_hidden,
             )
         else:
             self.router = TokenChoiceRouter(
@@ -44,7 +48,9 @@ class MoEFFN(nn.Module):
 
     def forward(self, x: Tensor) -> tuple[Tensor, Routing]:
         routing = self.router(x)
-        if isinstance(routing, TokenChoiceRouting):
+        if isinstance(routing, CausalExpertRouting):
+            out = self._causal_experts(x.reshape(-1, x.shape[-1]), routing)
+        elif isinstance(routing, TokenChoiceRouting):
             out = self._token_choice(x.reshape(-1, x.shape[-1]), routing)
         else:
             out = self._expert_choice(x, routing)
@@ -58,6 +64,17 @@ class MoEFFN(nn.Module):
         ys = self.experts.padded(gather_tokens(flat, ids)[0])  # (E, G*C, D)
         gates = routing.gates.transpose(0, 1).reshape(n_experts, -1, 1)  # (E, G*C, 1), same order as ids
         return scatter_add_tokens(torch.zeros_like(flat), ids, (gates.to(ys.dtype) * ys).unsqueeze(0))
+
+    def _causal_experts(self, x: Tensor, routing: CausalExpertRouting) -> Tensor:
+        """x (T, D); expert e computes exactly the tokens its causal decision chose (variable counts)."""
+        chosen = routing.indices.reshape(-1, self.experts.n_experts)  # (T, E) bool
+        experts, tokens = chosen.t().nonzero(as_tuple=True)  # expert-major, token order within an expert
+        counts = torch.bincount(experts, minlength=self.experts.n_experts)
+        if tokens.numel() == 0:
+            return torch.zeros_like(x)
+        ys = self.experts.grouped(x.index_select(0, tokens), counts)  # (M, D)
+        gates = routing.gates.reshape(-1, self.experts.n_experts)[tokens, experts].unsqueeze(-1)
+        return torch.zeros_like(x).index_add(0, tokens, (gates.to(ys.dtype) * ys).to(x.dtype))
 
     def _token_choice(self, x: Tensor, routing: TokenChoiceRouting) -> Tensor:
         """x (T, D). With a capacity on torch: a static (E, C, D) layout; otherwise sorted by expert."""

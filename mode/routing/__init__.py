@@ -16,6 +16,9 @@ from mode.routing.primitives import (
     top_k_slots,
 )
 from mode.routing.router import (
+    CausalDecision,
+    CausalExpertRouting,
+    CausalPredictor,
     DepthRouter,
     ExpertChoiceRouter,
     Router,
@@ -25,6 +28,9 @@ from mode.routing.router import (
 )
 
 __all__ = [
+    "CausalDecision",
+    "CausalExpertRouting",
+    "CausalPredictor",
     "DepthRouter",
     "ExpertChoiceRouter",
     "Router",

@@ -53,17 +53,103 @@ class Router(nn.Module):
             return nn.functional.linear(x.float(), self.proj.weight.float(), bias)
 
 
-class DepthRouter(nn.Module):
-    """Mixture-of-Depths router: per sequence, the top-k tokens by score go through the block."""
+CAUSAL_METHODS = ("none", "aux_loss", "predictor")
 
-    def __init__(self, d_model: int, capacity: float, gate: str, random: bool, bias: bool = False) -> None:
+
+class CausalPredictor(nn.Module):
+    """Method (b) of the paper's section 3.5: a small MLP D -> hidden -> n_out on stop-gradient inputs.
+
+    Its input is detached, so its BCE loss gives gradients to its own parameters only and
+    never reaches the language model. Computed in float32 like the router.
+    """
+
+    def __init__(self, d_model: int, hidden: int, n_out: int = 1) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d_model, hidden)
+        self.fc2 = nn.Linear(hidden, n_out)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x (..., D) -> logits (..., n_out), float32; no gradient flows into x."""
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            h = nn.functional.gelu(nn.functional.linear(x.detach().float(), self.fc1.weight.float(), self.fc1.bias.float()))
+            return nn.functional.linear(h, self.fc2.weight.float(), self.fc2.bias.float())
+
+
+class CausalDecision(nn.Module):
+    """The causal per-token routing decision shared by the depth and expert-choice routers.
+
+    method aux_loss: the decision logit is the router's own logit (sigmoid > 0.5 <=> logit > 0),
+    trained with BCE towards top-k membership; the BCE gradient reaches the router (and,
+    through it, the model), as in the paper. method predictor: a CausalPredictor on x.detach().
+    Targets are always detached top-k memberships. The loss is weight * mean BCE.
+    """
+
+    def __init__(self, method: str, d_model: int, n_out: int, weight: float, hidden: int) -> None:
+        super().__init__()
+        if method not in CAUSAL_METHODS[1:]:
+            raise ValueError(f"routing.causal: unknown method {method!r} (expected one of {', '.join(CAUSAL_METHODS)})")
+        self.method = method
+        self.weight = weight
+        self.predictor = CausalPredictor(d_model, hidden, n_out) if method == "predictor" else None
+
+    def logits(self, x: Tensor, router_logits: Tensor) -> Tensor:
+        """x (..., D), router_logits (..., n_out) -> decision logits (..., n_out), float32."""
+        return router_logits if self.predictor is None else self.predictor(x)
+
+    def loss_and_stats(self, logits: Tensor, member: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        """BCE(logits, member) * weight; accuracy of (logit > 0) against member; share decided positive."""
+        target = member.detach().to(logits.dtype)
+        bce = nn.functional.binary_cross_entropy_with_logits(logits, target)
+        decided = logits.detach() > 0
+        stats = dict(
+            causal_bce=bce.detach(),
+            causal_accuracy=(decided == member).float().mean(),
+            causal_fraction=decided.float().mean(),
+        )
+        return self.weight * bce, stats
+
+
+class DepthRouter(nn.Module):
+    """Mixture-of-Depths router: per sequence, the top-k tokens by score go through the block.
+
+    With a causal decision (routing.causal != none) it also trains that decision (its BCE in
+    aux_loss, its accuracy in stats). With `causal_mode` set (LanguageModel's
+    routing_mode="causal"), it routes by the causal decision instead of top-k: a variable
+    number of tokens per sequence, padded to the batch maximum (see `causal_routing`).
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        capacity: float,
+        gate: str,
+        random: bool,
+        bias: bool = False,
+        causal: str = "none",
+        causal_loss_weight: float = 0.01,
+        predictor_hidden: int = 128,
+    ) -> None:
         super().__init__()
         self.router = Router(d_model, 1, bias)
         self.capacity = capacity
         self.gate = gate
         self.random = random
+        self.causal = None if causal == "none" else CausalDecision(causal, d_model, 1, causal_loss_weight, predictor_hidden)
+        self.causal_mode = False
+
+    def decide(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """Causal decision: x (B, S, D) -> (chosen (B, S) bool, router scores (B, S) float32)."""
+        if self.causal is None:
+            raise ValueError(
+                "this model was trained with routing.causal=none: its routing is top-k over the whole sequence, "
+                "which looks at the future and cannot sample; train with routing.causal=aux_loss or predictor"
+            )
+        scores = self.router(x).squeeze(-1)
+        return self.causal.logits(x, scores.unsqueeze(-1)).squeeze(-1) > 0, scores
 
     def forward(self, x: Tensor) -> Routing:
+        if self.causal_mode:
+            return self.causal_routing(x)
         scores = self.router(x).squeeze(-1)  # (B, S)
         k = capacity_to_k(x.shape[1], self.capacity)
         # The stochastic-routing ablation changes only *which* tokens are chosen; the gate
@@ -71,7 +157,29 @@ class DepthRouter(nn.Module):
         selection = torch.rand_like(scores) if self.random else scores
         indices = top_k_positions(selection.detach(), k)  # (B, k)
         gates = apply_gate(scores.gather(1, indices), self.gate)  # (B, k)
-        return Routing(indices=indices, gates=gates, logits=scores, aux_loss=scores.new_zeros(()))
+        aux, stats = scores.new_zeros(()), {}
+        if self.causal is not None:
+            member = token_mask(indices, x.shape[1])  # (B, S): the top-k targets
+            aux, stats = self.causal.loss_and_stats(self.causal.logits(x, scores.unsqueeze(-1)).squeeze(-1), member)
+        return Routing(indices=indices, gates=gates, logits=scores, aux_loss=aux, stats=stats)
+
+    def causal_routing(self, x: Tensor) -> Routing:
+        """Route by the causal decision: indices (B, K), K = the most tokens any sequence chose (>= 1).
+
+        Each row holds its chosen positions in order, then padding: the row's first unchosen
+        positions, with gate 0. Padding sits after every chosen token, so under causal
+        attention no chosen token sees it, and its zero-gated update leaves it unchanged.
+        """
+        chosen, scores = self.decide(x)  # (B, S) each
+        seq = x.shape[1]
+        positions = torch.arange(seq, device=x.device)
+        order = torch.where(chosen, positions, positions + seq).argsort(dim=1)  # chosen first, in order
+        width = max(1, int(chosen.sum(1).max()))  # data-dependent: one host sync
+        indices = order[:, :width]  # (B, K)
+        valid = chosen.gather(1, indices)
+        gates = torch.where(valid, apply_gate(scores.gather(1, indices), self.gate), 0.0)
+        stats = {"processed": chosen.float().mean()}
+        return Routing(indices=indices, gates=gates, logits=scores, aux_loss=scores.new_zeros(()), stats=stats)
 
 
 # ----------------------------------------------------------------------------- expert routers
@@ -115,7 +223,16 @@ class ExpertChoiceRouter(nn.Module):
     """
 
     def __init__(
-        self, d_model: int, n_experts: int, n_noop: int, capacity_factor: float, group_size: int, z_loss_weight: float
+        self,
+        d_model: int,
+        n_experts: int,
+        n_noop: int,
+        capacity_factor: float,
+        group_size: int,
+        z_loss_weight: float,
+        causal: str = "none",
+        causal_loss_weight: float = 0.01,
+        predictor_hidden: int = 128,
     ) -> None:
         super().__init__()
         self.router = Router(d_model, n_experts + n_noop)
@@ -123,8 +240,35 @@ class ExpertChoiceRouter(nn.Module):
         self.capacity_factor = capacity_factor
         self.group_size = group_size
         self.z_loss_weight = z_loss_weight
+        # Per-expert causal decision: for each real expert e, "is token t in e's top-C?".
+        # Method aux_loss trains the raw router logit of slot e; predictor has E outputs.
+        self.causal = (
+            None if causal == "none" else CausalDecision(causal, d_model, n_experts, causal_loss_weight, predictor_hidden)
+        )
+        self.causal_mode = False
+
+    def decide(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """Causal decision: x (..., D) -> (chosen (..., E) bool per real expert, softmax probs (..., E))."""
+        if self.causal is None:
+            raise ValueError(
+                "this model was trained with routing.causal=none: its expert-choice routing is top-C over the "
+                "whole group, which looks at the future and cannot sample; train with routing.causal=aux_loss or predictor"
+            )
+        logits = self.router(x)  # (..., E+N)
+        probs = logits.softmax(-1)[..., : self.n_experts]
+        return self.causal.logits(x, logits[..., : self.n_experts]) > 0, probs
 
     def forward(self, x: Tensor) -> Routing:
+        if self.causal_mode:
+            chosen, probs = self.decide(x)
+            processed = chosen.any(-1).float().mean()
+            stats = _expert_stats(
+                chosen.reshape(-1, self.n_experts).sum(0), processed, 1 - processed,
+                processed.new_zeros(()), processed.new_zeros(()), processed.new_zeros(()),
+            )
+            return CausalExpertRouting(
+                indices=chosen, gates=probs, logits=self.router(x), aux_loss=probs.new_zeros(()), stats=stats
+            )
         batch, seq, _ = x.shape
         if batch % self.group_size != 0:
             raise ValueError(f"moe.group_size ({self.group_size}) must divide the batch size ({batch})")
@@ -141,7 +285,25 @@ class ExpertChoiceRouter(nn.Module):
             torch.full((self.n_experts,), groups * capacity, device=x.device), processed, 1 - processed,
             z.new_zeros(()), z.new_zeros(()), z,
         )
-        return Routing(indices=indices, gates=gates, logits=logits, aux_loss=self.z_loss_weight * z, stats=stats)
+        aux = self.z_loss_weight * z
+        if self.causal is not None:
+            member = torch.zeros_like(probs, dtype=torch.bool).scatter_(2, indices, True).transpose(1, 2)  # (G, T, E)
+            causal_logits = self.causal.logits(x.reshape(groups, tokens, -1), logits[..., : self.n_experts])
+            causal_aux, causal_stats = self.causal.loss_and_stats(causal_logits, member)
+            aux = aux + causal_aux
+            stats.update({name: value.detach() for name, value in causal_stats.items()})
+            # Per token: the share of tokens the causal decision sends to at least one expert.
+            stats["causal_fraction"] = (causal_logits.detach() > 0).any(-1).float().mean()
+        return Routing(indices=indices, gates=gates, logits=logits, aux_loss=aux, stats=stats)
+
+
+@dataclass
+class CausalExpertRouting(Routing):
+    """Expert choice routed by the causal decision (causal_mode): variable rows per expert.
+
+    indices: (..., E) bool, token t goes to real expert e; gates: (..., E) softmax probabilities
+    of the real experts (the same gate the top-C routing uses); logits (..., E+N).
+    """
 
 
 class TokenChoiceRouter(nn.Module):
@@ -174,13 +336,16 @@ class TokenChoiceRouter(nn.Module):
         self.dropless = dropless
         self.lb_loss_weight = lb_loss_weight
         self.z_loss_weight = z_loss_weight
+        self.causal_mode = False  # token choice is causal already; causal mode only drops the capacity
 
     def forward(self, x: Tensor) -> TokenChoiceRouting:
         logits = self.router(x).reshape(1, -1, self.router.n_slots)  # (1, T, E+N), float32
         tokens, n_slots = logits.shape[1:]
         probs = logits[0].softmax(-1)  # (T, E+N)
         gates, slots = top_k_slots(probs, self.top_k)  # (T, k) each
-        capacity = None if self.dropless else token_choice_capacity(tokens, n_slots, self.top_k, self.capacity_factor)
+        # Under causal routing (sampling) capacity dropping, which depends on the other tokens of
+        # the batch, is switched off: every token gets its top-k slots.
+        capacity = None if (self.dropless or self.causal_mode) else token_choice_capacity(tokens, n_slots, self.top_k, self.capacity_factor)
         positions = positions_in_expert(slots, self.n_experts, capacity)  # (T, k)
         lb, z = load_balancing_loss(probs, slots), router_z_loss(logits)
         computed = positions >= 0

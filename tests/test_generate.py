@@ -1,0 +1,320 @@
+"""Causal routing (paper section 3.5) and generation with per-layer sparse KV caches.
+
+Tiny float64 models on CPU. The router and the predictor compute in float32 by design; the
+decisions they make are the same in every path (same inputs, same per-token arithmetic),
+so the comparisons below are between float64 computations that differ only in summation
+order and batch shape.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mode.config import config_from_dict
+from mode.generate import Decoder, LayerCache, generate, layer_step, main
+from mode.layers.mod import MoDBlock
+from mode.model import LanguageModel
+from mode.routing import DepthRouter, ExpertChoiceRouter, token_mask
+from mode.train import Trainer
+
+# The model is float64 but the router and its gate g(r) = sigmoid(r) compute in float32 by
+# design. A float32 sigmoid can differ by one ulp (~6e-8 relative) depending on the shape of
+# the tensor it runs in (vectorised vs scalar tail), and the compacted shapes differ between
+# paths (full forward, a changed future, decode): logits then agree to ~1e-7. 1e-6 bounds
+# that with margin; a wrong mask or a misplaced cache slot moves logits by O(0.1-1).
+F64_TOL = 1e-6
+# A changed future token must move later logits by more than this, or the test proves nothing.
+EFFECT_FLOOR = 1e-3
+
+S = 16
+PATTERNS = {
+    "mod": (["dense", "mod"], {}),
+    "mode_staged": (["mode_staged", "dense"], {"moe": {"n_experts": 4}}),
+    "mode_integrated": (["mode_integrated"], {"moe": {"n_experts": 4, "n_noop": 2}}),
+    "moe_token_choice": (["moe", "mod"], {"moe": {"n_experts": 4, "scheme": "token_choice", "top_k": 2}}),
+    "dense": (["dense"], {}),
+}
+
+
+def make_config(pattern: str, causal: str = "aux_loss", n_layers: int = 2, **routing):
+    blocks, extra = PATTERNS[pattern]
+    raw = {
+        "model": {"d_model": 32, "n_heads": 4, "n_layers": n_layers, "d_ff": 64, "max_seq_len": 48,
+                  "block_pattern": blocks},
+        "routing": {"causal": causal, "capacity": 0.25, "predictor_hidden": 16, **routing},
+        "data": {"seq_len": S},
+        **extra,
+    }
+    return config_from_dict(raw)
+
+
+def make_model(pattern: str, causal: str = "aux_loss", n_layers: int = 2, **routing) -> LanguageModel:
+    """float64, weights of size ~1/sqrt(fan_in) so every layer moves the output visibly;
+    routers and predictors scaled so their causal decisions split the tokens."""
+    torch.manual_seed(0)
+    model = LanguageModel(make_config(pattern, causal, n_layers, **routing)).double().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif p.dim() >= 2:
+                p.copy_(torch.randn_like(p) / math.sqrt(p.shape[-2] if p.dim() == 3 else p.shape[1]))
+            else:
+                p.copy_(0.3 * torch.randn_like(p))
+    return model
+
+
+def decisions(model: LanguageModel, tokens: torch.Tensor) -> list[torch.Tensor]:
+    """Per MoD layer, the (B, S) causal choice made in the full causal forward."""
+    out = model(tokens, routing_mode="causal")
+    masks = []
+    for r in out.routings:
+        if r is not None:
+            mask = torch.zeros(tokens.shape, dtype=torch.bool).scatter_(1, r.indices, r.gates != 0)
+            masks.append(mask)
+    return masks
+
+
+# ----------------------------------------------------------------------------- causality
+@pytest.mark.parametrize("causal", ["aux_loss", "predictor"])
+@pytest.mark.parametrize("pattern", list(PATTERNS))
+def test_causal_routing_never_looks_ahead(pattern: str, causal: str) -> None:
+    model = make_model(pattern, causal)
+    tokens = torch.randint(0, 256, (3, S))
+    base = model(tokens, routing_mode="causal").logits
+    for t in (0, 5, S - 2):
+        changed = tokens.clone()
+        changed[:, t + 1:] = torch.randint(0, 256, (3, S - t - 1))
+        other = model(changed, routing_mode="causal").logits
+        assert (other[:, : t + 1] - base[:, : t + 1]).abs().max() <= F64_TOL
+        assert (other[:, t + 1:] - base[:, t + 1:]).abs().max() > EFFECT_FLOOR
+    # ... whereas top-k routing does look ahead (the reason this exists)
+    if pattern in ("mod", "mode_staged", "mode_integrated"):
+        changed = tokens.clone()
+        changed[:, S // 2:] = torch.randint(0, 256, (3, S - S // 2))
+        topk_a, topk_b = model(tokens).logits, model(changed).logits
+        assert (topk_a[:, : S // 2] - topk_b[:, : S // 2]).abs().max() > EFFECT_FLOOR
+
+
+def test_causal_mode_routes_a_variable_number_of_tokens() -> None:
+    model = make_model("mod", "aux_loss")
+    tokens = torch.randint(0, 256, (4, S))
+    chosen = decisions(model, tokens)[0]
+    counts = chosen.sum(1)
+    assert counts.min() != counts.max() or counts.max() != round(0.25 * S)  # not top-k's fixed k
+    router = model.blocks[1].router
+    with torch.no_grad():
+        x = model.blocks[0](model.embed(tokens), model.rotary.prefix(S))[0]
+        assert torch.equal(chosen, router.router(x).squeeze(-1) > 0)  # method (a): sigmoid(logit) > 0.5
+
+
+# ----------------------------------------------------------------------------- cached decode
+@pytest.mark.parametrize("causal", ["aux_loss", "predictor"])
+@pytest.mark.parametrize("pattern", list(PATTERNS))
+def test_cached_decode_matches_full_causal_forward(pattern: str, causal: str) -> None:
+    model = make_model(pattern, causal, n_layers=3)
+    tokens = torch.randint(0, 256, (2, S))
+    full = model(tokens, routing_mode="causal").logits.float()  # (B, S, V)
+    prompt = 5
+    decoder = Decoder(model, 2, S)
+    logits = [decoder.prefill(tokens[:, :prompt].tolist())]
+    for t in range(prompt, S):
+        logits.append(decoder.step(tokens[:, t]))
+    got = torch.stack(logits, 1)  # positions prompt-1 .. S-1
+    assert (got - full[:, prompt - 1:]).abs().max() <= F64_TOL
+
+
+@pytest.mark.parametrize("pattern", ["mod", "mode_staged", "mode_integrated", "dense"])
+def test_padded_batch_equals_prompts_one_by_one(pattern: str) -> None:
+    model = make_model(pattern, "aux_loss", n_layers=3)
+    prompts = [torch.randint(0, 256, (n,)).tolist() for n in (3, 9, 6)]
+    follow = torch.randint(0, 256, (3, 5))
+    batch = Decoder(model, 3, 20)
+    batched = [batch.prefill(prompts)] + [batch.step(follow[:, i]) for i in range(5)]
+    for row, prompt in enumerate(prompts):
+        one = Decoder(model, 1, 20)
+        alone = [one.prefill([prompt])] + [one.step(follow[row : row + 1, i]) for i in range(5)]
+        for a, b in zip(alone, batched):
+            assert (a[0] - b[row]).abs().max() <= F64_TOL
+    # and the generate() API: greedy continuations equal
+    together = generate(model, prompts, max_new_tokens=6, temperature=0)
+    apart = [generate(model, [p], max_new_tokens=6, temperature=0)[0] for p in prompts]
+    assert together == apart
+
+
+# ----------------------------------------------------------------------------- sparse caches
+def test_skipped_tokens_are_absent_from_the_layer_cache_and_invisible() -> None:
+    model = make_model("mod", "aux_loss")
+    block = model.blocks[1]
+    assert isinstance(block, MoDBlock)
+    torch.manual_seed(1)
+    x = torch.randn(2, S, 32, dtype=torch.float64)
+    positions = torch.arange(S).expand(2, S)
+    select = torch.rand(2, S) < 0.4
+    select[:, 0] = True
+    cache = LayerCache.empty(2, S, 4, 8, torch.float64, torch.device("cpu"))
+    out = layer_step(block, cache, model.rotary, x, positions, select)
+    assert cache.lengths.tolist() == select.sum(1).tolist()  # one cache slot per processed token
+    assert torch.equal(out[~select], x[~select])  # skipped tokens pass untouched
+    # Change the skipped tokens' hidden states: nothing the layer computes for others changes,
+    # and the cache holds exactly the same keys and values.
+    x2 = torch.where(select.unsqueeze(-1), x, torch.randn_like(x))
+    cache2 = LayerCache.empty(2, S, 4, 8, torch.float64, torch.device("cpu"))
+    out2 = layer_step(block, cache2, model.rotary, x2, positions, select)
+    assert torch.equal(out2[select], out[select])
+    for b in range(2):
+        n = int(select[b].sum())
+        assert torch.equal(cache.k[b, :, :n], cache2.k[b, :, :n]) and torch.equal(cache.v[b, :, :n], cache2.v[b, :, :n])
+    # A decode step for a token the layer skips leaves its cache alone and costs nothing.
+    step_x = torch.randn(2, 1, 32, dtype=torch.float64)
+    before = cache.lengths.clone()
+    same = layer_step(block, cache, model.rotary, step_x, torch.full((2, 1), S - 1), torch.zeros(2, 1, dtype=torch.bool))
+    assert torch.equal(same, step_x) and torch.equal(cache.lengths, before)
+
+
+def test_prefill_caches_hold_only_processed_tokens() -> None:
+    model = make_model("mod", "aux_loss", n_layers=4)
+    tokens = torch.randint(0, 256, (3, S))
+    masks = decisions(model, tokens)
+    decoder = Decoder(model, 3, S)
+    decoder.prefill(tokens.tolist())
+    routed = [c for b, c in zip(model.blocks, decoder.caches) if isinstance(b, MoDBlock)]
+    dense = [c for b, c in zip(model.blocks, decoder.caches) if not isinstance(b, MoDBlock)]
+    for cache, mask in zip(routed, masks):
+        assert cache.lengths.tolist() == mask.sum(1).tolist()
+        assert (cache.lengths < S).any()  # some tokens really skipped
+    for cache in dense:
+        assert cache.lengths.tolist() == [S] * 3
+
+
+# ----------------------------------------------------------------------------- training losses
+def test_predictor_loss_never_reaches_the_language_model() -> None:
+    model = make_model("mod", "predictor")
+    model.train()
+    tokens = torch.randint(0, 256, (2, S))
+    out = model(tokens, tokens)
+    params = dict(model.named_parameters())
+    predictor = {n for n in params if ".predictor." in n}
+    assert predictor
+    grads = torch.autograd.grad(out.aux_loss, list(params.values()), allow_unused=True)
+    for name, g in zip(params, grads):
+        if name in predictor:
+            assert g is not None and g.abs().sum() > 0
+        else:
+            assert g is None or torch.count_nonzero(g) == 0, name
+
+
+def test_aux_loss_method_adds_the_bce_on_router_logits() -> None:
+    model = make_model("mod", "aux_loss", causal_loss_weight=0.3)
+    tokens = torch.randint(0, 256, (2, S))
+    out = model(tokens, tokens)
+    routing = out.routings[1]
+    member = token_mask(routing.indices, S).double()
+    bce = F.binary_cross_entropy_with_logits(routing.logits, member.to(routing.logits.dtype))
+    assert torch.allclose(out.aux_loss.double(), 0.3 * bce.double(), atol=1e-6)
+    # its gradient reaches the router (method (a) trains the router itself)
+    grad = torch.autograd.grad(out.aux_loss, model.blocks[1].router.router.proj.weight)[0]
+    assert grad.abs().sum() > 0
+    assert 0.0 <= float(routing.stats["causal_accuracy"]) <= 1.0
+
+
+def test_integrated_mode_has_per_expert_causal_decision() -> None:
+    model = make_model("mode_integrated", "aux_loss")
+    tokens = torch.randint(0, 256, (2, S))
+    out = model(tokens, tokens)
+    r = out.ffn_routings[0]
+    assert {"causal_accuracy", "causal_fraction", "causal_bce"} <= set(r.stats)
+    router = model.blocks[0].ffn.router
+    assert isinstance(router, ExpertChoiceRouter) and router.causal is not None
+
+
+def test_model_trained_without_causal_routing_cannot_sample() -> None:
+    model = make_model("mod", "none")
+    with pytest.raises(ValueError, match="routing.causal"):
+        model(torch.randint(0, 256, (1, S)), routing_mode="causal")
+    with pytest.raises(ValueError, match="routing.causal"):
+        generate(model, [[1, 2, 3]], max_new_tokens=2)
+    with pytest.raises(ValueError, match="routing_mode"):
+        model(torch.randint(0, 256, (1, S)), routing_mode="future")
+
+
+def test_evaluation_reports_causal_accuracy_and_both_losses(tmp_path: Path) -> None:
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("def f(x):\n    return x + 1\n" * 400)
+    raw = {
+        "model": {"d_model": 32, "n_heads": 2, "n_layers": 2, "d_ff": 64, "max_seq_len": 32,
+                  "block_pattern": ["dense", "mod"]},
+        "routing": {"capacity": 0.25, "causal": "aux_loss"},
+        "data": {"source": "text", "path": str(corpus), "seq_len": 32},
+        "train": {"batch_size": 2, "max_steps": 2, "eval_batches": 2, "out_dir": str(tmp_path / "run"),
+                  "progress": False, "device": "cpu"},
+    }
+    result = Trainer(config_from_dict(raw)).evaluate()
+    assert math.isfinite(result["val_loss"]) and math.isfinite(result["val_loss_causal"])
+    layer = result["routing"]["layer1"]
+    assert 0.0 <= layer["causal_accuracy"] <= 1.0
+    assert 0.0 <= layer["causal_fraction"] <= 1.0 and 0.0 <= layer["causal_processed"] <= 1.0
+    raw["routing"]["causal"] = "none"
+    raw["train"]["out_dir"] = str(tmp_path / "run2")
+    assert "val_loss_causal" not in Trainer(config_from_dict(raw)).evaluate()
+
+
+# ----------------------------------------------------------------------------- generate API
+def test_dense_model_generates_text_and_respects_stops() -> None:
+    model = make_model("dense", "none")
+    texts = generate(model, ["ab", "hello"], max_new_tokens=4, temperature=0.8, top_k=20, top_p=0.9, seed=3)
+    assert len(texts) == 2 and all(isinstance(t, str) for t in texts)
+    again = generate(model, ["ab", "hello"], max_new_tokens=4, temperature=0.8, top_k=20, top_p=0.9, seed=3)
+    assert texts == again
+    greedy = generate(model, [[1, 2, 3]], max_new_tokens=5, temperature=0)[0]
+    assert len(greedy) == 5
+    stopped = generate(model, [[1, 2, 3]], max_new_tokens=5, temperature=0, stop_tokens=[greedy[2]])[0]
+    assert stopped == greedy[: greedy.index(greedy[2])]
+
+
+def test_generation_stops_at_the_context_window() -> None:
+    model = make_model("mod", "aux_loss")
+    out = generate(model, [[5] * 45], max_new_tokens=10, temperature=0)[0]
+    assert len(out) == 48 - 45
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"prompts": [[]]}, "empty"),
+        ({"prompts": [[1] * 49]}, "context window"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"prompts": [[300]]}, "vocabulary"),
+        ({"prompts": []}, "non-empty"),
+    ],
+)
+def test_bad_input_is_a_clear_error(kwargs: dict, match: str) -> None:
+    model = make_model("mod", "aux_loss")
+    args = {"prompts": [[1, 2]], "max_new_tokens": 2, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        generate(model, **args)
+
+
+def test_cli_errors_exit_2_and_cli_samples(tmp_path: Path, capsys) -> None:
+    assert main(["--checkpoint", str(tmp_path / "missing"), "--prompt", "x"]) == 2
+    assert "not found" in capsys.readouterr().err
+    foreign = tmp_path / "foreign.pt"
+    torch.save({"weights": 1}, foreign)
+    assert main(["--checkpoint", str(foreign), "--prompt", "x"]) == 2
+    assert "not a mode checkpoint" in capsys.readouterr().err
+    model = make_model("mod", "aux_loss").float()
+    ckpt = tmp_path / "checkpoint.pt"
+    torch.save({"format": "mode-checkpoint-v1", "config": model.config.to_dict(), "model": model.state_dict()}, ckpt)
+    assert main(["--checkpoint", str(ckpt), "--prompt", "x", "--temperature", "-1"]) == 2
+    assert "temperature" in capsys.readouterr().err
+    assert main(["--checkpoint", str(tmp_path), "--prompt", "", "--greedy"]) == 2
+    assert "empty" in capsys.readouterr().err
+    assert main(["--checkpoint", str(tmp_path), "--prompt", "ab", "--max-new-tokens", "3", "--greedy", "--device", "cpu"]) == 0
+    assert capsys.readouterr().out.startswith("ab")
