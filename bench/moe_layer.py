@@ -104,6 +104,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--compile", action="store_true", help="also time this project's layers under torch.compile")
+    parser.add_argument("--profile", nargs="*", default=[], metavar="ROW",
+                        help="print the top GPU kernels of the rows whose name contains ROW")
     args = parser.parse_args()
     torch.manual_seed(0)
     x = torch.randn(args.batch, args.seq, args.width, device="cuda", requires_grad=True)
@@ -129,6 +131,7 @@ def main() -> None:
     print("| implementation | ms | x dense |")
     print("| --- | --- | --- |")
     dense_ms = None
+    profiles: list[tuple[str, Callable[[Tensor], Tensor]]] = []
     for name, build in rows:
         try:
             layer = build()
@@ -140,6 +143,23 @@ def main() -> None:
         dense_ms = dense_ms or ms
         print(f"| {name} | {ms:.2f} | {ms / dense_ms:.2f} |", flush=True)
         x.grad = None
+        if any(p in name for p in args.profile):
+            profiles.append((name, layer))
+    for name, layer in profiles:
+        print_profile(name, fwd_bwd(layer, x))
+
+
+def print_profile(name: str, run: Callable[[], None]) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            run()
+        torch.cuda.synchronize()
+    print(f"\n### {name}: top operators over 3 forward+backward passes")
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=22, max_name_column_width=60))
 
 
 if __name__ == "__main__":

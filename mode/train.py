@@ -255,9 +255,9 @@ class Trainer:
             self.model.load_state_dict(payload["model"])
             self.optimization.load_state_dict(payload["optimizer"])
         self.state = RunState(**payload["state"])
-        torch.set_rng_state(payload["rng"])
+        torch.set_rng_state(payload["rng"].cpu())  # the payload was mapped to self.device
         if payload.get("cuda_rng") is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(payload["cuda_rng"])
+            torch.cuda.set_rng_state_all([state.cpu() for state in payload["cuda_rng"]])
 
     def _truncate_metrics(self) -> None:
         """Drop records a crashed run logged after its last checkpoint, so the curve continues."""

@@ -1,0 +1,259 @@
+"""The DeepSpeed engine in the place of the plain optimizer step.
+
+`deepspeed_config(config, ...)` derives DeepSpeed's JSON from the project's config (there is
+no second, hand-kept file); `DeepSpeedOptimization` implements the training loop's
+`Optimization` protocol (and `DistributedOptimization`, its multi-process hooks) on a
+`deepspeed.initialize` engine, so mode.train's one loop, logging, evaluation and
+checkpoints run unchanged.
+
+Gradient accumulation: the loop owns it. It divides each micro-batch's loss by
+train.grad_accum, calls backward once per micro-batch and step once per optimizer step.
+DeepSpeed is told the same gradient_accumulation_steps (its batch bookkeeping and ZeRO's
+buffers depend on it) but never rescales: backward runs with scale_wrt_gas=False, and the
+accumulation boundary is set explicitly (False before each micro-batch but the last), so
+gradients are reduced across processes once per optimizer step, after the last backward.
+
+Precision: on CUDA every step computes under the Trainer's bf16 autocast. Under ZeRO 1/2
+DeepSpeed's bf16 is on as well (bf16 weights, an fp32 master copy sharded in its
+optimizer). Under ZeRO 0 it is off: weights and gradients stay fp32, as in a one-GPU run.
+(With it on, DeepSpeed's BF16_Optimizer took another trajectory than one GPU, ZeRO 1/2
+and ZeRO 0 in fp32, on 2 H200s with expert parallelism: 5.389 against 5.296 at step 2.)
+On CPU everything is fp32.
+
+Clipping: DeepSpeed clips with train.grad_clip under ZeRO 1/2. Under ZeRO 0 DeepSpeed
+would clip by the *mean over ranks* of each rank's local norm, which with expert
+parallelism is not the norm of the gradient (each rank holds other experts); there we
+compute the exact global norm (shared parameters once, experts summed over the
+expert-parallel group) and clip ourselves, with DeepSpeed's clipping off. ZeRO 1/2 gave
+the exact norm too with ep = world size (tests/test_parallel.py); with expert-data-parallel
+replicas (ep < world size) DeepSpeed's own formula for expert norms applies, unchecked.
+
+The learning rate is the project's schedule: the loop passes it to step(), which writes it
+into the optimizer's parameter groups; DeepSpeed has no scheduler.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from deepspeed.moe.utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer
+from torch import nn
+
+from mode.config import Config, ConfigError
+from mode.parallel.expert_parallel import ExpertParallelExperts, full_state_dict
+from mode.train import parameter_groups
+
+DEEPSPEED_DIR = "deepspeed"  # inside the run folder
+
+
+# ----------------------------------------------------------------------------- processes
+@dataclass(frozen=True)
+class Processes:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+
+def resolve_backend(name: str, device_type: str) -> str:
+    if name == "auto":
+        return "nccl" if device_type == "cuda" else "gloo"
+    if name == "nccl" and device_type != "cuda":
+        raise ConfigError("parallel.backend 'nccl' needs CUDA devices; use gloo (or auto) on CPU")
+    return name
+
+
+def init_distributed(config: Config) -> Processes:
+    """deepspeed.init_distributed with the configured backend; one device per process on CUDA.
+
+    Reads the launcher's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), as
+    set by `deepspeed`, `torchrun` and `python -m torch.distributed.run`.
+    """
+    wanted = config.train.device
+    cuda = torch.cuda.is_available() and wanted != "cpu"
+    if wanted == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device is 'cuda' but no CUDA device is available")
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    backend = resolve_backend(config.parallel.backend, device.type)
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend=backend)
+    return Processes(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
+
+
+def quiet_deepspeed(level: int = logging.WARNING) -> None:
+    """DeepSpeed logs every group and engine detail at INFO; keep its warnings only."""
+    logging.getLogger("DeepSpeed").setLevel(level)
+    deepspeed.utils.logger.setLevel(level)
+
+
+# ----------------------------------------------------------------------------- configuration
+def clips_itself(config: Config, device_type: str) -> bool:
+    """ZeRO 0 (fp32 weights and gradients): we clip by the exact global norm (module docstring)."""
+    return config.parallel.zero_stage == 0
+
+
+def deepspeed_bf16(config: Config, device_type: str) -> bool:
+    """DeepSpeed's bf16 (bf16 weights, fp32 master copy in its optimizer) under ZeRO 1/2 on CUDA."""
+    return device_type == "cuda" and config.parallel.zero_stage > 0
+
+
+def deepspeed_config(config: Config, world_size: int, device_type: str) -> dict[str, Any]:
+    """DeepSpeed's JSON config, from the project's config alone."""
+    t, p = config.train, config.parallel
+    return {
+        "train_micro_batch_size_per_gpu": t.batch_size,
+        "gradient_accumulation_steps": t.grad_accum,
+        "train_batch_size": t.batch_size * t.grad_accum * world_size,
+        "gradient_clipping": 0.0 if clips_itself(config, device_type) else t.grad_clip,
+        "zero_optimization": {"stage": p.zero_stage},
+        "bf16": {"enabled": deepspeed_bf16(config, device_type)},
+        "steps_per_print": 2**31 - 1,  # the Trainer logs; DeepSpeed stays quiet
+        "wall_clock_breakdown": False,
+    }
+
+
+def build_optimizer(model: nn.Module, config: Config, device_type: str) -> torch.optim.Optimizer:
+    """AdamW on the Trainer's parameter groups; expert weights in groups of their own (DeepSpeed's rule)."""
+    t = config.train
+    groups = parameter_groups(model, t.weight_decay)
+    for i, group in enumerate(groups):
+        group["name"] = f"group{i}"
+    if any(is_moe_param(p) for p in model.parameters()):
+        groups = split_params_into_different_moe_groups_for_optimizer(groups)
+    groups = [g for g in groups if g["params"]]
+    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=device_type == "cuda")
+
+
+# ----------------------------------------------------------------------------- the Optimization
+class DeepSpeedOptimization:
+    """mode.train's Optimization (and DistributedOptimization) on a DeepSpeed engine."""
+
+    def __init__(self, model: nn.Module, config: Config, processes: Processes) -> None:
+        self.config = config
+        self.processes = processes
+        self.grad_accum = config.train.grad_accum
+        self.grad_clip = config.train.grad_clip
+        self.clip_here = clips_itself(config, processes.device.type)
+        self.ds_config = deepspeed_config(config, processes.world_size, processes.device.type)
+        self.optimizer = build_optimizer(model, config, processes.device.type)
+        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=self.optimizer, config=self.ds_config)
+        self.model = self.engine.module
+        self.expert_layers = [m for m in self.model.modules() if isinstance(m, ExpertParallelExperts)]
+        self.ep_group = self.expert_layers[0].group if self.expert_layers else None
+        self._pending = 0  # backward calls since the last step
+        self._last_tag: str | None = None
+
+    # -- the layout a checkpoint can be resumed under
+    def layout(self) -> dict[str, int]:
+        p = self.config.parallel
+        return {"world_size": self.processes.world_size, "expert_parallel": p.expert_parallel, "zero_stage": p.zero_stage}
+
+    # -- Optimization
+    def backward(self, loss: torch.Tensor) -> None:
+        self._pending += 1
+        self.engine.set_gradient_accumulation_boundary(self._pending >= self.grad_accum)
+        self.engine.backward(loss, scale_wrt_gas=False)  # the loop divided by grad_accum already
+
+    def step(self, lr: float) -> float:
+        if self._pending != self.grad_accum:
+            raise RuntimeError(f"step() after {self._pending} backward calls; train.grad_accum is {self.grad_accum}")
+        self._pending = 0
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        norm = self._clip_exact() if self.clip_here else None
+        self.engine.step()
+        if norm is None:
+            norm = self.engine.get_global_grad_norm()
+        return float(norm) if norm is not None else float("nan")
+
+    def _clip_exact(self) -> float:
+        """Global grad norm over every parameter once (experts summed over the ep group); clip by it."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        zero = torch.zeros((), dtype=torch.float32, device=self.processes.device)
+        squares = lambda ps: sum((p.grad.detach().float().square().sum() for p in ps), zero)  # noqa: E731
+        expert_sq = squares([p for p in params if is_moe_param(p)])
+        shared_sq = squares([p for p in params if not is_moe_param(p)])
+        grads = [p.grad for p in params]
+        if self.ep_group is not None:
+            dist.all_reduce(expert_sq, group=self.ep_group)
+        norm = (shared_sq + expert_sq).sqrt()
+        if self.grad_clip > 0:
+            coef = (self.grad_clip / (norm + 1e-6)).clamp(max=1.0)
+            torch._foreach_mul_(grads, coef)
+        return float(norm)
+
+    def state_dict(self) -> dict[str, Any]:
+        raise RuntimeError("DeepSpeedOptimization saves through save_checkpoint (its state is sharded)")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        raise RuntimeError("DeepSpeedOptimization loads through load_checkpoint (its state is sharded)")
+
+    # -- DistributedOptimization
+    def mean_over_ranks(self, values: dict[str, float]) -> dict[str, float]:
+        keys = list(values)
+        t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=self.processes.device)
+        dist.all_reduce(t)
+        t /= self.processes.world_size
+        return dict(zip(keys, t.tolist()))
+
+    def save_checkpoint(self, run_dir: Path, client_state: dict[str, Any]) -> dict[str, Any]:
+        """DeepSpeed's checkpoint in run_dir/deepspeed/<tag>; weights gathered for checkpoint.pt."""
+        step = client_state["state"]["step"]
+        tag = f"step{step}"
+        save_dir = Path(run_dir) / DEEPSPEED_DIR
+        self.engine.save_checkpoint(
+            str(save_dir), tag=tag,
+            client_state={"mode_config": client_state["config"], "mode_state": client_state["state"], "mode_layout": self.layout()},
+        )
+        weights = full_state_dict(self.model)
+        dist.barrier()
+        if self.processes.rank == 0:  # keep this tag and the one checkpoint.pt names until rank 0 rewrites it
+            keep = {tag, self._last_tag}
+            for old in save_dir.iterdir():
+                if old.is_dir() and old.name not in keep:
+                    shutil.rmtree(old, ignore_errors=True)
+        self._last_tag = tag
+        return {
+            "model": weights,
+            "optimizer": {"engine": "deepspeed", "dir": DEEPSPEED_DIR, "tag": tag, "layout": self.layout()},
+            "sharded": f"DeepSpeed ZeRO {self.config.parallel.zero_stage}, {self.processes.world_size} processes, "
+                       f"expert_parallel {self.config.parallel.expert_parallel}",
+        }
+
+    def load_checkpoint(self, run_dir: Path, payload: dict[str, Any]) -> None:
+        info = payload.get("optimizer")
+        if not (isinstance(info, dict) and info.get("engine") == "deepspeed"):
+            raise ConfigError(
+                "--resume: this checkpoint.pt was written by a one-process run (python -m mode.train): its "
+                "optimizer state is plain AdamW; resume it with python -m mode.train --resume"
+            )
+        if info["layout"] != self.layout():
+            raise ConfigError(
+                f"--resume: the checkpoint was saved with {info['layout']} and this run has {self.layout()}: "
+                "DeepSpeed's sharded optimizer state cannot follow a different number of processes, "
+                "expert_parallel or zero_stage; relaunch with the saved layout (the weights alone, in "
+                "checkpoint.pt, load into any layout)"
+            )
+        load_dir = Path(run_dir) / info["dir"]
+        path, client = self.engine.load_checkpoint(
+            str(load_dir), tag=info["tag"], load_optimizer_states=True, load_lr_scheduler_states=False
+        )
+        if path is None:
+            raise FileNotFoundError(f"--resume: DeepSpeed checkpoint {load_dir / info['tag']} is missing or unreadable")
+        if client.get("mode_state") != payload["state"]:
+            raise ConfigError(
+                f"--resume: {load_dir / info['tag']} holds step {client.get('mode_state')} but checkpoint.pt "
+                f"says {payload['state']}"
+            )
+        self._last_tag = info["tag"]

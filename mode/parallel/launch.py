@@ -1,0 +1,121 @@
+"""Multi-process training through DeepSpeed: the body of launch/train.py.
+
+    deepspeed --num_gpus N launch/train.py --config configs/X.yaml [--resume] [--section.field=value ...]
+    torchrun --nproc_per_node N launch/train.py --config configs/X.yaml ...
+    python -m torch.distributed.run --nproc_per_node 2 launch/train.py --config ... --train.device=cpu
+
+Same config files and overrides as `python -m mode.train`; the `parallel:` section picks
+ZeRO stage, expert-parallel size and backend. Each process builds the whole model from the
+same seed, keeps its expert slice (parallel.expert_parallel), and hands the DeepSpeed
+engine to mode.train's Trainer as its Optimization: one loop, one set of logs (rank 0),
+one checkpoint.pt (rank 0, weights gathered: it loads on one device) next to DeepSpeed's
+sharded checkpoint in the run folder's deepspeed/.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mode.config import Config, ConfigError, load_config
+from mode.data import DataError
+from mode.flops import model_flops
+from mode.model import LanguageModel
+from mode.parallel.engine import DeepSpeedOptimization, Processes, init_distributed, quiet_deepspeed
+from mode.parallel.expert_parallel import apply_expert_parallel
+from mode.train import Trainer, parse_args
+
+ERRORS = (ConfigError, DataError, FileExistsError, FileNotFoundError)
+
+
+class Preempted(Exception):
+    """Raised by --stop-at-step: the run leaves its loop as a preempted job would."""
+
+
+class LaunchTrainer(Trainer):
+    """The Trainer, plus a way to stop mid-run (tests of resume; drills for preemption)."""
+
+    stop_at_step: int | None = None
+
+    def train_step(self) -> dict[str, Any]:
+        if self.stop_at_step is not None and self.state.step >= self.stop_at_step:
+            raise Preempted(f"stopped after step {self.state.step} (--stop-at-step)")
+        return super().train_step()
+
+
+def build_trainer(config: Config, processes: Processes, resume: bool = False) -> LaunchTrainer:
+    """Model (whole, same seed on every rank) -> expert slices -> DeepSpeed engine -> Trainer."""
+    torch.manual_seed(config.train.seed)
+    model = LanguageModel(config).to(processes.device)
+    rng = torch.get_rng_state()  # where a one-process run's RNG stands when training starts
+    apply_expert_parallel(model, config.parallel.expert_parallel)
+    optimization = DeepSpeedOptimization(model, config, processes)
+    trainer = LaunchTrainer(
+        config, resume=resume, optimization=optimization, model=optimization.model,
+        rank=processes.rank, world_size=processes.world_size,
+    )
+    if not resume:
+        torch.set_rng_state(rng)
+    return trainer
+
+
+def _launcher_args(argv: list[str]) -> tuple[list[str], int | None]:
+    """Drop the deepspeed launcher's --local_rank (LOCAL_RANK is in the environment); read --stop-at-step."""
+    rest, stop_at = [], None
+    it = iter(argv)
+    for arg in it:
+        if arg.startswith(("--local_rank", "--local-rank")):
+            if "=" not in arg:
+                next(it, None)
+        elif arg.startswith("--stop-at-step"):
+            stop_at = int(arg.split("=", 1)[1] if "=" in arg else next(it))
+        else:
+            rest.append(arg)
+    return rest, stop_at
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv, stop_at = _launcher_args(list(sys.argv[1:] if argv is None else argv))
+    args, overrides = parse_args(argv)
+    quiet_deepspeed()
+    try:
+        config = load_config(args.config, overrides)
+        processes = init_distributed(config)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    prefix = f"[rank {processes.rank}] " if processes.rank else ""
+    try:
+        try:
+            trainer = build_trainer(config, processes, resume=args.resume)
+        except ERRORS as e:
+            print(f"{prefix}error: {e}", file=sys.stderr)
+            return 2
+        trainer.stop_at_step = stop_at
+        if processes.rank == 0:
+            print(
+                f"model: {trainer.model.num_parameters() / 1e6:.2f}M parameters on this rank, blocks "
+                f"{config.model.block_kinds()}, {model_flops(config).forward_per_token / 1e6:.2f} MFLOPs/token forward; "
+                f"{processes.world_size} processes ({processes.backend}, {processes.device.type}), "
+                f"ZeRO {config.parallel.zero_stage}, expert_parallel {config.parallel.expert_parallel}; "
+                f"run folder {trainer.out_dir}",
+                flush=True,
+            )
+        try:
+            trainer.run()
+        except Preempted as e:
+            if processes.rank == 0:
+                print(str(e), flush=True)
+            return 0
+        if processes.rank == 0:
+            print(f"done: run folder {trainer.out_dir}", flush=True)
+        return 0
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,271 @@
+"""Multi-process training through DeepSpeed, on CPU: 2 processes over gloo, launched from
+pytest with `python -m torch.distributed.run` on launch/train.py (the user's command).
+
+Each launch has a time limit (LAUNCH_TIMEOUT) and its whole process group is killed on
+timeout or failure. Reference runs are one process, in this interpreter, through the plain
+`Trainer` (torch AdamW, no DeepSpeed): the distributed runs must reproduce them.
+
+Tolerances: both sides compute in float32 on CPU, but the distributed runs sum gradients
+and losses in another order (all-reduce, all-to-all, accumulation), so they agree to
+rounding. At step 1 (identical weights) that is all: FIRST_RTOL. Later, routing is
+discontinuous (top-k) and routers start near ties, so a rounding-level difference in the
+weights can flip one token's route: observed, up to 3e-6 relative on the loss and 6e-5 on
+the gradient norm over 6 steps; LOSS_RTOL and NORM_RTOL allow 30x that. A parallelism
+error (a missed or doubled reduction, a misplaced expert, a lost token) moves them by 1e-2
+or more, from step 1.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+from mode.config import ConfigError, config_from_dict, load_config
+from mode.data import batch_generator, load_splits, sample_batch, stdlib_root
+from mode.model import LanguageModel
+from mode.train import CHECKPOINT, METRICS, Trainer, load_checkpoint_file
+
+ROOT = Path(__file__).resolve().parents[1]
+LAUNCH_TIMEOUT = 240  # seconds per 2-process launch (the first one may build DeepSpeed's CPU comm op)
+FIRST_RTOL = 1e-5
+LOSS_RTOL = 1e-4
+NORM_RTOL = 2e-3
+STEPS = 6
+WORLD = 2
+
+
+# ----------------------------------------------------------------------------- helpers
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    root = stdlib_root()
+    parts = [(root / name).read_bytes() for name in ("textwrap.py", "argparse.py", "shlex.py", "string.py")]
+    path = tmp_path_factory.mktemp("corpus") / "source.txt"
+    path.write_bytes(b"\n".join(parts))
+    return path
+
+
+def raw_config(corpus: Path, out_dir: Path, **sections: dict) -> dict[str, Any]:
+    """A tiny model: 2 layers, width 32, 4 experts, 32-token sequences, 2 sequences per rank."""
+    raw: dict[str, Any] = {
+        "model": {"d_model": 32, "n_heads": 2, "n_layers": 2, "d_ff": 64, "max_seq_len": 32,
+                  "block_pattern": ["dense", "moe"]},
+        "moe": {"n_experts": 4, "scheme": "expert_choice"},
+        "data": {"source": "text", "path": str(corpus), "seq_len": 32},
+        "train": {"batch_size": 2, "max_steps": STEPS, "lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 2,
+                  "grad_clip": 1.0, "log_interval": 1, "eval_interval": 100, "eval_batches": 1,
+                  "checkpoint_interval": 3, "out_dir": str(out_dir), "progress": False, "device": "cpu"},
+    }
+    for section, values in sections.items():
+        raw.setdefault(section, {}).update(values)
+    return raw
+
+
+def write_config(raw: dict[str, Any], path: Path) -> Path:
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(config: Path, *args: str, expect_ok: bool = True) -> subprocess.CompletedProcess:
+    """launch/train.py on 2 CPU processes; the process group is killed on timeout."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={WORLD}", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", str(ROOT / "launch" / "train.py"), "--config", str(config), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=LAUNCH_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"launch timed out after {LAUNCH_TIMEOUT} s: {' '.join(cmd)}\n{out[-4000:]}")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    if expect_ok and proc.returncode != 0:
+        pytest.fail(f"launch failed ({proc.returncode}): {' '.join(cmd)}\n{out[-6000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out)
+
+
+def records(run_dir: Path) -> tuple[dict[int, dict], dict[int, dict]]:
+    """(training records by step, evaluation records by step) of a run folder."""
+    lines = [json.loads(line) for line in (run_dir / METRICS).read_text().splitlines() if line]
+    return ({r["step"]: r for r in lines if "loss" in r}, {r["step"]: r for r in lines if "val_loss" in r})
+
+
+def single_process(raw: dict[str, Any], out_dir: Path) -> Path:
+    """The reference: one process, the plain Trainer, the global batch of all ranks at once."""
+    raw = json.loads(json.dumps(raw))
+    raw["train"].update(batch_size=raw["train"]["batch_size"] * WORLD, out_dir=str(out_dir))
+    raw.pop("parallel", None)
+    Trainer(config_from_dict(raw)).run()
+    return out_dir
+
+
+def assert_same_curves(reference: Path, distributed: Path, steps: range) -> None:
+    (ref_train, ref_val), (dist_train, dist_val) = records(reference), records(distributed)
+    for step in steps:
+        for key in ("loss", "lm_loss", "aux_loss", "grad_norm"):
+            rtol = FIRST_RTOL if step == 1 else NORM_RTOL if key == "grad_norm" else LOSS_RTOL
+            assert dist_train[step][key] == pytest.approx(ref_train[step][key], rel=rtol, abs=1e-7), (step, key)
+    assert set(dist_val) == set(ref_val)
+    for step in ref_val:
+        assert dist_val[step]["val_loss"] == pytest.approx(ref_val[step]["val_loss"], rel=LOSS_RTOL), step
+
+
+# ----------------------------------------------------------------------------- data parallel
+@pytest.fixture(scope="module")
+def data_parallel(corpus, tmp_path_factory) -> dict[str, Any]:
+    """2 processes, ZeRO 1, gradient accumulation 2, MoD + MoE blocks, no expert parallelism."""
+    tmp = tmp_path_factory.mktemp("dp")
+    raw = raw_config(corpus, tmp / "dist", model={"block_pattern": ["mod", "moe"]}, routing={"capacity": 0.25},
+                     train={"grad_accum": 2}, parallel={"zero_stage": 1, "expert_parallel": 1})
+    config = write_config(raw, tmp / "config.yaml")
+    launch(config)
+    return {"raw": raw, "config": config, "dir": tmp / "dist", "tmp": tmp}
+
+
+def test_data_parallel_equals_one_process_with_the_doubled_batch(data_parallel):
+    reference = single_process(data_parallel["raw"], data_parallel["tmp"] / "single")
+    assert_same_curves(reference, data_parallel["dir"], range(1, STEPS + 1))
+    train, _ = records(data_parallel["dir"])
+    assert train[STEPS]["tokens"] == STEPS * 2 * 2 * WORLD * 32  # grad_accum * batch * world * seq
+
+
+def test_stop_after_checkpoint_and_resume_continues_the_run(data_parallel):
+    """Stop after step 4 (checkpoint at 3, step 4 logged), resume: steps 4-6 as uninterrupted."""
+    out = data_parallel["tmp"] / "resumed"
+    args = [f"--train.out_dir={out}"]
+    launch(data_parallel["config"], *args, "--stop-at-step=4")
+    first, _ = records(out)
+    assert sorted(first) == [1, 2, 3, 4] and not (out / "deepspeed" / "step6").exists()
+    launch(data_parallel["config"], *args, "--resume")
+    resumed, resumed_val = records(out)
+    uninterrupted, uninterrupted_val = records(data_parallel["dir"])
+    assert sorted(resumed) == list(range(1, STEPS + 1))  # step 4 logged once: the stale record was dropped
+    for step in range(1, STEPS + 1):
+        assert resumed[step]["loss"] == pytest.approx(uninterrupted[step]["loss"], rel=1e-6), step
+    assert resumed_val[STEPS]["val_loss"] == pytest.approx(uninterrupted_val[STEPS]["val_loss"], rel=1e-6)
+    payload = load_checkpoint_file(out / CHECKPOINT)
+    assert payload["state"]["step"] == STEPS and payload["optimizer"]["tag"] == f"step{STEPS}"
+    assert sorted(p.name for p in (out / "deepspeed").iterdir() if p.is_dir()) == ["step3", "step6"]
+
+
+# ----------------------------------------------------------------------------- expert parallel
+EXPERT_CASES = {
+    # Expert choice routes within each sequence: independent of how the batch is split.
+    "moe_expert_choice": dict(parallel={"zero_stage": 0}),
+    # Token choice routes over a rank's whole batch: capacity and the load-balancing loss
+    # depend on the batch split (data parallelism), so the comparison uses dropless routing
+    # without that loss; the expert computation itself is per token.
+    "moe_token_choice": dict(moe={"n_experts": 4, "scheme": "token_choice", "top_k": 2, "dropless": True,
+                                  "lb_loss_weight": 0.0}, parallel={"zero_stage": 1}),
+    "mode_integrated": dict(model={"block_pattern": ["dense", "mode_integrated"]},
+                            moe={"n_experts": 4, "n_noop": 4}, parallel={"zero_stage": 2}),
+    "mode_staged": dict(model={"block_pattern": ["dense", "mode_staged"]}, routing={"capacity": 0.5},
+                        parallel={"zero_stage": 0}),
+}
+
+
+@pytest.fixture(scope="module")
+def expert_runs() -> dict[str, dict[str, Any]]:
+    """Expert-parallel runs by case name, launched once and shared by the tests below."""
+    return {}
+
+
+def expert_parallel_run(name: str, corpus: Path, tmp_path_factory, cache: dict) -> dict[str, Any]:
+    """The 2-process, expert_parallel=2 run of EXPERT_CASES[name] (launched on first use)."""
+    if name not in cache:
+        tmp = tmp_path_factory.mktemp(name)
+        sections = EXPERT_CASES[name]
+        raw = raw_config(corpus, tmp / "dist", **{k: dict(v) for k, v in sections.items()})
+        raw["parallel"]["expert_parallel"] = WORLD
+        launch(write_config(raw, tmp / "config.yaml"))
+        cache[name] = {"raw": raw, "dir": tmp / "dist", "tmp": tmp}
+    return cache[name]
+
+
+@pytest.mark.parametrize("name", list(EXPERT_CASES))
+def test_expert_parallel_equals_one_process_holding_every_expert(name, corpus, tmp_path_factory, expert_runs):
+    run = expert_parallel_run(name, corpus, tmp_path_factory, expert_runs)
+    reference = single_process(run["raw"], run["tmp"] / "single")
+    assert_same_curves(reference, run["dir"], range(1, STEPS + 1))
+
+
+def test_expert_parallel_checkpoint_loads_on_one_device(corpus, tmp_path_factory, expert_runs):
+    """checkpoint.pt of an ep=2 run: every expert gathered, in order; a one-process model loads it."""
+    run = expert_parallel_run("moe_expert_choice", corpus, tmp_path_factory, expert_runs)
+    payload = load_checkpoint_file(run["dir"] / CHECKPOINT)
+    config = config_from_dict(payload["config"])
+    model = LanguageModel(config)
+    model.load_state_dict(payload["model"])  # strict: same keys and shapes as a one-process model
+    assert payload["model"]["blocks.1.ffn.experts.w_in"].shape[0] == config.moe.n_experts
+    # The gathered weights give the validation loss the distributed run logged (same rows).
+    model.eval()
+    t = config.train
+    x, y = sample_batch(load_splits(config.data).val, t.batch_size * WORLD, config.data.seq_len, batch_generator(t.seed, -1, 0))
+    with torch.no_grad():
+        loss = float(model(x, y).lm_loss)
+    _, val = records(run["dir"])
+    assert loss == pytest.approx(val[STEPS]["val_loss"], rel=FIRST_RTOL)  # same weights, one process
+    # Expert e of the gathered tensor is DeepSpeed's global expert e (its per-expert files).
+    tag = payload["optimizer"]["tag"]
+    prefix = "blocks.1.ffn.experts"
+    for e in range(config.moe.n_experts):
+        shard = torch.load(run["dir"] / "deepspeed" / tag / f"layer_0_expert_{e}_mp_rank_00_model_states.pt")
+        for weight in ("w_in", "w_out"):
+            torch.testing.assert_close(shard[f"{prefix}.deepspeed_moe.experts.deepspeed_experts.{e}.{weight}"],
+                                       payload["model"][f"{prefix}.{weight}"][e], rtol=0, atol=0)
+
+
+def test_resume_with_another_layout_is_a_clear_error(corpus, tmp_path_factory, expert_runs):
+    """The sharded optimizer state cannot follow another expert-parallel size; one process cannot resume it either."""
+    run = expert_parallel_run("moe_expert_choice", corpus, tmp_path_factory, expert_runs)
+    raw = json.loads(json.dumps(run["raw"]))
+    raw["parallel"]["expert_parallel"] = 1
+    config = write_config(raw, run["tmp"] / "ep1.yaml")
+    result = launch(config, "--resume", expect_ok=False)
+    assert result.returncode != 0 and "cannot follow" in result.stdout
+    with pytest.raises(ConfigError, match="sharded over its processes"):
+        Trainer(config_from_dict(run["raw"] | {"parallel": {}}), resume=True)
+
+
+# ----------------------------------------------------------------------------- config and JSON
+def test_zero_stage_3_is_rejected_at_validation():
+    with pytest.raises(ConfigError, match=r"parallel\.zero_stage.*ZeRO.*3.*MoE"):
+        load_config(None, ["--parallel.zero_stage=3"])
+    with pytest.raises(ConfigError, match=r"parallel\.expert_parallel \(3\) must divide moe\.n_experts \(8\)"):
+        load_config(None, ["--model.block_pattern=[moe]", "--parallel.expert_parallel=3"])
+
+
+def test_deepspeed_config_is_derived_from_the_project_config():
+    from mode.parallel.engine import deepspeed_config
+
+    config = load_config(None, ["--train.batch_size=3", "--train.grad_accum=4", "--train.grad_clip=0.5",
+                                "--parallel.zero_stage=2"])
+    gpu = deepspeed_config(config, world_size=8, device_type="cuda")
+    assert gpu["train_micro_batch_size_per_gpu"] == 3 and gpu["gradient_accumulation_steps"] == 4
+    assert gpu["train_batch_size"] == 3 * 4 * 8
+    assert gpu["zero_optimization"] == {"stage": 2} and gpu["bf16"] == {"enabled": True}
+    assert gpu["gradient_clipping"] == 0.5
+    cpu = deepspeed_config(config, world_size=2, device_type="cpu")
+    assert cpu["bf16"] == {"enabled": False} and cpu["gradient_clipping"] == 0.5
+    # ZeRO 0: fp32 weights (bf16 autocast on CUDA); mode.parallel clips by the exact global norm.
+    config.parallel.zero_stage = 0
+    for device in ("cpu", "cuda"):
+        zero0 = deepspeed_config(config, world_size=2, device_type=device)
+        assert zero0["gradient_clipping"] == 0.0 and zero0["bf16"] == {"enabled": False}
