@@ -9,6 +9,10 @@ Rows, all measured in the same process on the same card (median of --iters after
 - megablocks 0.10.0 dMoE (mlp_impl="grouped", top-1, dropless);
 - DeepSpeed 0.19.8 MoE (top-1, capacity factor 1.0, the same GELU MLP as expert).
 A row whose library is missing is printed as such, never as a time.
+
+--params bf16 (default) stores every layer's weights in bfloat16, as bf16 training with
+DeepSpeed or megablocks does; --params fp32 keeps float32 weights under bf16 autocast (each
+step then also casts every weight and its gradient: 8x the dense layer's parameters).
 """
 from __future__ import annotations
 
@@ -49,6 +53,9 @@ class GeluMLP(nn.Module):
         return self.fc2(F.gelu(self.fc1(x)))
 
 
+PARAM_DTYPE = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
 def fwd_bwd(layer: Callable[[Tensor], Tensor], x: Tensor) -> Callable[[], None]:
     def run() -> None:
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -61,8 +68,7 @@ def fwd_bwd(layer: Callable[[Tensor], Tensor], x: Tensor) -> Callable[[], None]:
 
 def ours(args: argparse.Namespace, **moe: object) -> Callable[[Tensor], Tensor]:
     cfg = MoEConfig(n_experts=args.experts, activation="gelu", d_expert=args.ffn, **moe)
-    layer = MoEFFN(args.width, args.ffn, cfg).cuda()
-    return layer
+    return MoEFFN(args.width, args.ffn, cfg).cuda().to(PARAM_DTYPE[args.params])
 
 
 def megablocks_dmoe(args: argparse.Namespace) -> Callable[[Tensor], Tensor]:
@@ -73,8 +79,8 @@ def megablocks_dmoe(args: argparse.Namespace) -> Callable[[Tensor], Tensor]:
         hidden_size=args.width, ffn_hidden_size=args.ffn, moe_num_experts=args.experts, moe_top_k=1,
         mlp_impl="grouped", mlp_type="mlp", bf16=True, fp16=False, device=torch.cuda.current_device(),
     )
-    layer = dMoE(margs).cuda().to(torch.bfloat16)
-    return lambda x: layer(x.to(torch.bfloat16).view(args.batch, args.seq, args.width))[0]
+    layer = dMoE(margs).cuda().to(PARAM_DTYPE[args.params])
+    return lambda x: layer(x.view(args.batch, args.seq, args.width))[0]
 
 
 def deepspeed_moe(args: argparse.Namespace) -> Callable[[Tensor], Tensor]:
@@ -90,7 +96,7 @@ def deepspeed_moe(args: argparse.Namespace) -> Callable[[Tensor], Tensor]:
     layer = MoE(
         hidden_size=args.width, expert=GeluMLP(args.width, args.ffn), num_experts=args.experts, ep_size=1, k=1,
         capacity_factor=1.0, eval_capacity_factor=1.0, min_capacity=0, drop_tokens=True, use_rts=False,
-    ).cuda()
+    ).cuda().to(PARAM_DTYPE[args.params])
     return lambda x: layer(x.view(args.batch, args.seq, args.width))[0]
 
 
@@ -103,15 +109,16 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--params", choices=sorted(PARAM_DTYPE), default="bf16", help="weight storage dtype")
     parser.add_argument("--compile", action="store_true", help="also time this project's layers under torch.compile")
     parser.add_argument("--profile", nargs="*", default=[], metavar="ROW",
                         help="print the top GPU kernels of the rows whose name contains ROW")
     args = parser.parse_args()
     torch.manual_seed(0)
-    x = torch.randn(args.batch, args.seq, args.width, device="cuda", requires_grad=True)
+    x = torch.randn(args.batch, args.seq, args.width, device="cuda", dtype=PARAM_DTYPE[args.params], requires_grad=True)
 
     rows: list[tuple[str, Callable[[], Callable[[Tensor], Tensor]]]] = [
-        ("dense GELU MLP, same FLOPs (the limit)", lambda: GeluMLP(args.width, args.ffn).cuda()),
+        ("dense GELU MLP, same FLOPs (the limit)", lambda: GeluMLP(args.width, args.ffn).cuda().to(PARAM_DTYPE[args.params])),
         ("mode expert choice, per sequence (torch)", lambda: ours(args, scheme="expert_choice", group_size=1)),
         ("mode expert choice, batch group (torch)", lambda: ours(args, scheme="expert_choice", group_size=args.batch)),
         ("mode token choice top-1 cf 1.0 (torch)", lambda: ours(args, scheme="token_choice", capacity_factor=1.0)),
@@ -125,9 +132,9 @@ def main() -> None:
     if args.compile:
         rows.insert(3, ("mode expert choice, per sequence (torch, compiled)",
                         lambda: torch.compile(ours(args, scheme="expert_choice", group_size=1))))
-        rows.insert(1, ("dense GELU MLP (compiled)", lambda: torch.compile(GeluMLP(args.width, args.ffn).cuda())))
+        rows.insert(1, ("dense GELU MLP (compiled)", lambda: torch.compile(GeluMLP(args.width, args.ffn).cuda().to(PARAM_DTYPE[args.params]))))
     print(f"card: {torch.cuda.get_device_name()}; torch {torch.__version__}; tokens {args.batch} x {args.seq}, "
-          f"D={args.width}, expert hidden {args.ffn}, {args.experts} experts, bf16 autocast, fwd+bwd\n")
+          f"D={args.width}, expert hidden {args.ffn}, {args.experts} experts, {args.params} weights, bf16 autocast, fwd+bwd\n")
     print("| implementation | ms | x dense |")
     print("| --- | --- | --- |")
     dense_ms = None

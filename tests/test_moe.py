@@ -405,3 +405,19 @@ def test_gpu_backend_equals_torch_backend(backend, case):
     assert _rel(y2, y1) < GPU_REL_TOL and _rel(gx2, gx1) < GPU_REL_TOL
     for name in g1:
         assert _rel(g2[name], g1[name]) < GPU_REL_TOL, name
+
+
+def test_causal_expert_choice_with_no_token_chosen_gives_zero_update() -> None:
+    """Causal routing that chooses nothing still runs the expert path (expert parallelism needs
+    every rank in the exchange) and returns an exact zero update of the input's shape."""
+    from mode.config import MoEConfig, RoutingConfig
+    from mode.layers.moe import MoEFFN
+
+    ffn = MoEFFN(16, 32, MoEConfig(n_experts=2, n_noop=1), RoutingConfig(causal="aux_loss")).double()
+    torch.nn.init.zeros_(ffn.router.router.proj.weight)  # every logit 0: the decision (logit > 0) is "no"
+    ffn.router.causal_mode = True
+    x = torch.randn(2, 5, 16, dtype=torch.float64, requires_grad=True)
+    out, routing = ffn(x)
+    assert out.shape == x.shape and torch.equal(out, torch.zeros_like(out))
+    assert not routing.indices.any()
+    out.sum().backward()  # the empty path still has a gradient graph

@@ -27,5 +27,6 @@ class MoDBlock(nn.Module):
         # (B, k, D) at the original positions; ffn_routing is the MoE's in Staged MoDE, else None.
         update, ffn_routing = self.block.routed_update(chosen, angles.select(routing.indices))
         # The gate scales only the update; the residual of every token passes untouched.
-        gated = routing.gates.unsqueeze(-1).to(update.dtype) * update  # (B, k, D)
+        # (float32 gates times the update promote to the residual stream's precision.)
+        gated = routing.gates.unsqueeze(-1) * update  # (B, k, D)
         return scatter_add_tokens(x, routing.indices, gated), BlockInfo(routing=routing, ffn_routing=ffn_routing)

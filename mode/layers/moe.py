@@ -63,18 +63,20 @@ class MoEFFN(nn.Module):
         ids = expert_major_ids(routing.indices, flat.shape[1] // groups).unsqueeze(0)  # (1, E, G*C)
         ys = self.experts.padded(gather_tokens(flat, ids)[0])  # (E, G*C, D)
         gates = routing.gates.transpose(0, 1).reshape(n_experts, -1, 1)  # (E, G*C, 1), same order as ids
-        return scatter_add_tokens(torch.zeros_like(flat), ids, (gates.to(ys.dtype) * ys).unsqueeze(0))
+        # Combined in the experts' compute dtype (bf16 under autocast), like a dense FFN's output.
+        return scatter_add_tokens(torch.zeros_like(flat, dtype=ys.dtype), ids, (gates.to(ys.dtype) * ys).unsqueeze(0))
 
     def _causal_experts(self, x: Tensor, routing: CausalExpertRouting) -> Tensor:
         """x (T, D); expert e computes exactly the tokens its causal decision chose (variable counts)."""
         chosen = routing.indices.reshape(-1, self.experts.n_experts)  # (T, E) bool
         experts, tokens = chosen.t().nonzero(as_tuple=True)  # expert-major, token order within an expert
         counts = torch.bincount(experts, minlength=self.experts.n_experts)
-        if tokens.numel() == 0:
-            return torch.zeros_like(x)
-        ys = self.experts.grouped(x.index_select(0, tokens), counts)  # (M, D)
+        # No early return when nothing is chosen: under expert parallelism every rank must
+        # still take part in the token exchange (the experts handle zero rows).
+        flat, ids = x.unsqueeze(0), tokens.unsqueeze(0)  # (1, T, D), (1, M)
+        ys = self.experts.grouped(gather_tokens(flat, ids)[0], counts)  # (M, D)
         gates = routing.gates.reshape(-1, self.experts.n_experts)[tokens, experts].unsqueeze(-1)
-        return torch.zeros_like(x).index_add(0, tokens, (gates.to(ys.dtype) * ys).to(x.dtype))
+        return scatter_add_tokens(torch.zeros_like(flat, dtype=ys.dtype), ids, (gates.to(ys.dtype) * ys).unsqueeze(0))[0]
 
     def _token_choice(self, x: Tensor, routing: TokenChoiceRouting) -> Tensor:
         """x (T, D). With a capacity on torch: a static (E, C, D) layout; otherwise sorted by expert."""
@@ -92,4 +94,4 @@ class MoEFFN(nn.Module):
             ids = table // top_k
             ys = self.experts.grouped(gather_tokens(flat, ids.unsqueeze(0))[0], counts)  # (M, D)
         weighted = gates[table].unsqueeze(-1).to(ys.dtype) * ys
-        return scatter_add_tokens(torch.zeros_like(flat), ids.unsqueeze(0), weighted.unsqueeze(0))[0]
+        return scatter_add_tokens(torch.zeros_like(flat, dtype=ys.dtype), ids.unsqueeze(0), weighted.unsqueeze(0))[0]

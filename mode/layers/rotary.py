@@ -9,24 +9,32 @@ from torch import Tensor, nn
 
 @dataclass
 class RotaryAngles:
-    """cos and sin for a set of tokens, shaped (B or 1, S, 1, head_dim/2) to broadcast over heads."""
+    """Full-width rotation tables for a set of tokens, shaped (B or 1, S, 1, head_dim).
 
-    cos: Tensor
-    sin: Tensor
+    Rotation is x * cos_full + rotate_half(x) * sin_signed, with cos_full = (cos, cos) and
+    sin_signed = (-sin, sin) over the two halves of a head: no per-layer table building.
+    """
 
-    def __post_init__(self) -> None:
-        # Full-width tables, built once per set of tokens and shared by every layer that
-        # uses them: rotation becomes x * cos_full + rotate_half(x) * sin_signed.
-        self.cos_full = torch.cat((self.cos, self.cos), dim=-1)  # (B|1, S, 1, hd)
-        self.sin_signed = torch.cat((-self.sin, self.sin), dim=-1)  # (B|1, S, 1, hd)
+    cos_full: Tensor
+    sin_signed: Tensor
+
+    @property
+    def cos(self) -> Tensor:
+        """(B|1, S, 1, head_dim/2)"""
+        return self.cos_full[..., : self.cos_full.shape[-1] // 2]
+
+    @property
+    def sin(self) -> Tensor:
+        """(B|1, S, 1, head_dim/2)"""
+        return self.sin_signed[..., self.sin_signed.shape[-1] // 2 :]
 
     def select(self, indices: Tensor) -> "RotaryAngles":
         """Angles of the chosen tokens (B, k): routed tokens keep their original positions."""
         batch = indices.shape[0]
-        half = self.cos.shape[-1]
-        idx = indices.view(batch, -1, 1, 1).expand(-1, -1, 1, half)  # (B, k, 1, half)
-        cos = self.cos.expand(batch, -1, -1, -1).gather(1, idx)
-        sin = self.sin.expand(batch, -1, -1, -1).gather(1, idx)
+        width = self.cos_full.shape[-1]
+        idx = indices.view(batch, -1, 1, 1).expand(-1, -1, 1, width)  # (B, k, 1, hd)
+        cos = self.cos_full.expand(batch, -1, -1, -1).gather(1, idx)
+        sin = self.sin_signed.expand(batch, -1, -1, -1).gather(1, idx)
         return RotaryAngles(cos, sin)
 
 
@@ -35,20 +43,23 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
         angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)  # (S_max, half)
-        self.register_buffer("cos", angles.cos().float(), persistent=False)
-        self.register_buffer("sin", angles.sin().float(), persistent=False)
+        cos, sin = angles.cos().float(), angles.sin().float()
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+        self.register_buffer("cos_full", torch.cat((cos, cos), dim=-1), persistent=False)  # (S_max, hd)
+        self.register_buffer("sin_signed", torch.cat((-sin, sin), dim=-1), persistent=False)  # (S_max, hd)
 
     def angles(self, positions: Tensor) -> RotaryAngles:
         """positions (S,) or (B, S) -> RotaryAngles for those positions."""
         if positions.dim() == 1:
             positions = positions.unsqueeze(0)
-        return RotaryAngles(self.cos[positions].unsqueeze(2), self.sin[positions].unsqueeze(2))
+        return RotaryAngles(self.cos_full[positions].unsqueeze(2), self.sin_signed[positions].unsqueeze(2))
 
     def prefix(self, seq_len: int) -> RotaryAngles:
-        """Angles of positions 0..seq_len-1, shaped (1, S, 1, half)."""
+        """Angles of positions 0..seq_len-1, shaped (1, S, 1, head_dim)."""
         if seq_len > self.cos.shape[0]:
             raise ValueError(f"sequence length {seq_len} is beyond max_seq_len {self.cos.shape[0]}")
-        return RotaryAngles(self.cos[:seq_len].view(1, seq_len, 1, -1), self.sin[:seq_len].view(1, seq_len, 1, -1))
+        return RotaryAngles(self.cos_full[:seq_len].view(1, seq_len, 1, -1), self.sin_signed[:seq_len].view(1, seq_len, 1, -1))
 
 
 def apply_rotary(x: Tensor, angles: RotaryAngles) -> Tensor:
