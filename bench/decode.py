@@ -9,16 +9,27 @@ its router logit is > 0). The weights are random, so the router's bias is calibr
 prompts so that its decision sends about 12.5% of the tokens through (the measured share is
 printed). Prefill (prompt 128) is timed apart; decode is 256 greedy steps with the cache,
 for batch 1 and batch 64, in the same process on the same card. Prints a markdown table.
+
+    python bench/decode.py --profile [--tiny | --width 128 --heads 4 ...]
+
+--profile: instead of timing, runs a few decode steps per model and batch under
+torch.profiler and prints, per decode step and per layer call (dense / routed), the aten
+operations called from Python (views excluded: about one kernel each), and on CUDA the
+kernel launches, stream / device synchronisations and memcpy calls the host issued.
+--sdpa torch lets torch pick the attention backend (cuDNN included where it prefers it)
+instead of the decoder's default (flash, memory-efficient, math).
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import time
 
 import torch
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from mode.config import Config, config_from_dict
-from mode.generate import Decoder
+from mode.generate import DECODE_SDPA_BACKENDS, Decoder
 from mode.layers.mod import MoDBlock
 from mode.model import LanguageModel
 
@@ -58,10 +69,12 @@ def calibrate_routers(model: LanguageModel, prompts: torch.Tensor, share: float)
 
 
 @torch.no_grad()
-def decode_run(model: LanguageModel, prompts: torch.Tensor, new_tokens: int, device: torch.device) -> tuple[float, float, float]:
+def decode_run(
+    model: LanguageModel, prompts: torch.Tensor, new_tokens: int, device: torch.device, sdpa=DECODE_SDPA_BACKENDS,
+) -> tuple[float, float, float]:
     """(prefill seconds, decode tokens/s, share of decode tokens the routed layers processed)."""
     batch = prompts.shape[0]
-    decoder = Decoder(model, batch, prompts.shape[1] + new_tokens)
+    decoder = Decoder(model, batch, prompts.shape[1] + new_tokens, sdpa_backends=sdpa)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
     t0 = time.perf_counter()
@@ -79,6 +92,110 @@ def decode_run(model: LanguageModel, prompts: torch.Tensor, new_tokens: int, dev
     return t1 - t0, batch * new_tokens / (t2 - t1), share
 
 
+# ----------------------------------------------------------------------------- --profile
+class LabelledDecoder(Decoder):
+    """A Decoder whose decode-step layer calls are labelled for the profiler."""
+
+    def _decode_layer(self, block, *args, **kwargs):
+        with record_function("routed layer" if isinstance(block, MoDBlock) else "dense layer"):
+            return super()._decode_layer(block, *args, **kwargs)
+
+
+VIEW_OPS = {
+    "aten::view", "aten::reshape", "aten::_reshape_alias", "aten::_unsafe_view", "aten::unsqueeze", "aten::squeeze",
+    "aten::transpose", "aten::t", "aten::permute", "aten::slice", "aten::select", "aten::narrow", "aten::expand",
+    "aten::expand_as", "aten::view_as", "aten::as_strided", "aten::unbind", "aten::split", "aten::chunk", "aten::alias",
+    "aten::detach", "aten::lift_fresh", "aten::empty", "aten::empty_strided", "aten::to", "aten::contiguous",
+    "aten::result_type", "aten::size", "aten::dim", "aten::numel", "aten::is_nonzero",
+}
+LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
+SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+COPIES = ("cudaMemcpyAsync", "cudaMemcpy")
+LABELS = ("decode step", "dense layer", "routed layer")
+
+
+@torch.no_grad()
+def profile_decode(model: LanguageModel, prompts: torch.Tensor, steps: int, device: torch.device, sdpa) -> dict:
+    """Counts per decode step, split into the layers' calls and the rest of the step ("glue")."""
+    batch = prompts.shape[0]
+    decoder = LabelledDecoder(model, batch, prompts.shape[1] + steps + 3, sdpa_backends=sdpa)
+    logits = decoder.prefill(prompts.tolist())
+    for _ in range(2):  # warm up
+        logits = decoder.step(logits.argmax(-1))
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            with record_function("decode step"):
+                logits = decoder.step(logits.argmax(-1))
+        sync()
+    events = list(prof.events())  # host-side events: ops, ranges and CUDA runtime calls (the decoder is one thread)
+    ranges = {label: [(e.time_range.start, e.time_range.end) for e in events if e.name == label] for label in LABELS}
+
+    def label_of(e) -> str | None:
+        """The innermost labelled range holding e's start."""
+        found, start = None, None
+        for label in LABELS:
+            for lo, hi in ranges[label]:
+                if lo <= e.time_range.start < hi and (start is None or lo >= start):
+                    found, start = label, lo
+        return found
+
+    counts = collections.defaultdict(collections.Counter)
+    for e in events:
+        if e.name in LABELS:
+            continue
+        if e.name.startswith("aten::"):
+            parent, nested = e.cpu_parent, False
+            while parent is not None:
+                nested = nested or parent.name.startswith("aten::")
+                parent = parent.cpu_parent
+            kind = None if nested or e.name in VIEW_OPS else "aten ops"
+        elif e.name in LAUNCHES:
+            kind = "kernel launches"
+        elif e.name in SYNCS:
+            kind = "syncs"
+        elif e.name in COPIES:
+            kind = "memcpys"
+        else:
+            kind = None
+        if kind is not None:
+            label = label_of(e)
+            if label is not None:
+                counts[label][kind] += 1
+    calls = {label: len(ranges[label]) for label in LABELS}
+    host_us = {label: sum(hi - lo for lo, hi in ranges[label]) for label in LABELS}
+    gpu_us = sum(e.time_range.elapsed_us() for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    return {"calls": calls, "counts": counts, "steps": steps, "host_us": host_us, "gpu_us": gpu_us}
+
+
+def print_profile(name: str, batch: int, result: dict, cuda: bool) -> None:
+    kinds = ["aten ops"] + (["kernel launches", "syncs", "memcpys"] if cuda else [])
+    steps, calls, counts = result["steps"], result["calls"], result["counts"]
+    print(f"\n{name}, batch {batch}: per decode step ({steps} steps profiled)")
+    print("| part | calls per step | " + " | ".join(f"{k} per call" for k in kinds) + " |")
+    print("| --- | --- | " + " | ".join("---" for _ in kinds) + " |")
+    totals = collections.Counter()
+    for label in LABELS:
+        n = calls[label]
+        if n == 0:
+            continue
+        totals.update(counts[label])
+        part = "glue (embedding, routing decisions, head)" if label == "decode step" else label
+        per = [f"{counts[label][k] / n:.1f}" for k in kinds]
+        print(f"| {part} | {n / steps:.3g} | " + " | ".join(per) + " |")
+    print("| whole step | 1 | " + " | ".join(f"{totals[k] / steps:.1f}" for k in kinds) + " |")
+    host = result["host_us"]
+    layers = ", ".join(
+        f"{label} {host[label] / calls[label]:.0f} us" for label in LABELS[1:] if calls[label]
+    )
+    line = f"host wall per decode step {host['decode step'] / steps / 1e3:.2f} ms (per layer call: {layers})"
+    if cuda:
+        line += f"; GPU kernel time per step {result['gpu_us'] / steps / 1e3:.2f} ms"
+    print(line + " (under the profiler)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--width", type=int, default=1024)
@@ -92,11 +209,22 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--repeats", type=int, default=2, help="runs per setting; the best is reported")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run at a small shape")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--profile", action="store_true", help="count ops, launches and syncs per decode step instead of timing")
+    parser.add_argument("--profile-steps", type=int, default=8)
+    parser.add_argument(
+        "--sdpa", default="decoder", choices=["decoder", "torch"],
+        help="attention backends: the decoder's default (no cuDNN) or torch's own choice",
+    )
     args = parser.parse_args()
     if args.tiny:
         args.width, args.heads, args.layers, args.ffn, args.vocab = 64, 4, 4, 128, 256
         args.prompt, args.new_tokens, args.batches, args.repeats = 16, 16, [1, 4], 1
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    if args.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    else:
+        device = torch.device(args.device)
+    sdpa = DECODE_SDPA_BACKENDS if args.sdpa == "decoder" else None
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     card = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     torch.manual_seed(0)
@@ -105,13 +233,21 @@ def main() -> None:
         models[name] = LanguageModel(make_config(pattern, args)).to(device=device, dtype=dtype).eval()
     prompts = {b: torch.randint(0, args.vocab, (b, args.prompt), device=device) for b in args.batches}
     calibrate_routers(models["MoD"], prompts[max(args.batches)], args.capacity)
+    if args.profile:
+        print(f"Decode profile, {card}, {str(dtype).removeprefix('torch.')}: D={args.width}, {args.heads} heads, "
+              f"{args.layers} layers; aten ops are those called from Python, views excluded")
+        for batch in args.batches:
+            for name, model in models.items():
+                result = profile_decode(model, prompts[batch], args.profile_steps, device, sdpa)
+                print_profile(name, batch, result, device.type == "cuda")
+        return
 
     rows = []
     for batch in args.batches:
         results = {}
         for name, model in models.items():
-            decode_run(model, prompts[batch][:, :8], 4, device)  # warm up kernels and allocator
-            runs = [decode_run(model, prompts[batch], args.new_tokens, device) for _ in range(args.repeats)]
+            decode_run(model, prompts[batch][:, :8], 4, device, sdpa)  # warm up kernels and allocator
+            runs = [decode_run(model, prompts[batch], args.new_tokens, device, sdpa) for _ in range(args.repeats)]
             results[name] = max(runs, key=lambda r: r[1])
         speedup = results["MoD"][1] / results["dense"][1]
         for name, (prefill, tps, share) in results.items():
@@ -122,7 +258,8 @@ def main() -> None:
     print(
         f"\nDecode, {card}, {str(dtype).removeprefix('torch.')}: D={args.width}, {args.heads} heads, {args.layers} layers, "
         f"vocab {args.vocab}, ffn {args.ffn}, prompt {args.prompt}, {args.new_tokens} new tokens (greedy); "
-        f"MoD: every other block routed, causal method (a), target share {args.capacity}\n"
+        f"MoD: every other block routed, causal method (a), target share {args.capacity}; "
+        f"attention backends: {'decoder default (flash, efficient, math)' if sdpa is not None else 'torch default'}\n"
     )
     print("| batch | model | decode tokens/s | prefill ms | routed share (decode) | x dense |")
     print("| --- | --- | --- | --- | --- | --- |")

@@ -9,9 +9,10 @@ text), and `Decoder` for prefill / decode steps with logits.
 How a routed layer runs at inference:
 - Every MoD / Staged MoDE layer decides per token, causally, whether the token goes through
   it (routing.causal: the router's sigmoid > 0.5, or the predictor's logit > 0).
-- Each layer has its own KV cache (B, max_len, H, hd) with a per-sequence length: a layer
-  writes keys and values only for the tokens it processed, so a token routed around a layer
-  is absent from that layer's cache and later tokens cannot attend to it there.
+- Each layer has its own KV cache (keys and values, B x H x max_len x hd each) with a
+  per-sequence length: a layer writes keys and values only for the tokens it processed, so a
+  token routed around a layer is absent from that layer's cache and later tokens cannot
+  attend to it there.
 - A decode token routed around a layer skips it entirely: the layer is computed only for the
   batch rows whose token it chose (index_select of those rows), nothing for the others.
 - Prompts of different lengths are right-padded in one prefill; padding never enters a cache
@@ -20,50 +21,114 @@ How a routed layer runs at inference:
 Dense layers (and MoE / Integrated MoDE layers, whose attention sees every token) process
 every valid token; their FFN routes causally (expert choice by its causal decision, token
 choice without capacity).
+
+A decode step (`Decoder.step`) is built so that its cost follows the rows computed, not the
+batch, and the host waits for the device once per routed layer, never per row:
+- the per-row lengths of every cache live on the host (LayerCache.lengths_cpu) and are exact,
+  so attention windows, write slots and "do the rows line up?" are host decisions, not syncs;
+- a routed layer computes its causal decision for all B rows (one small matmul) and copies
+  the (B,) decision logits to the host, the layer's one sync. The chosen rows are gathered
+  (one index_select), their keys and values written together with one indexed write at
+  (row, length), attention reads only those rows' windows (a (n, 1, 1, L) length mask, none
+  when their lengths are equal) and the gated update goes back with one index_add. A layer
+  that no row chose costs its decision alone;
+- a dense layer whose rows are all active and at one position (the usual case) writes at one
+  shared slot (a slice copy) and attends over an unmasked view of its cache;
+- q and k are rotated in place, the cast back to the model's dtype folded into the write;
+- small index tensors go host -> device without a stream synchronisation (non_blocking).
+Attention runs on the SDPA backends without per-shape state (flash, memory-efficient, math):
+decode shapes change every step and cuDNN attention, which torch prefers on H100/H200, builds
+and caches an execution plan per shape (see `Decoder`).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mode.layers.block import TransformerBlock
 from mode.layers.mod import MoDBlock
-from mode.layers.rotary import apply_rotary
+from mode.layers.rotary import RotaryAngles, apply_rotary
 from mode.model import LanguageModel
-from mode.routing import apply_gate
+from mode.routing import DepthRouter, ExpertChoiceRouter, TokenChoiceRouter, apply_gate
+
+# The SDPA backends the decoder allows by default: the ones with no per-shape state. Decode
+# shapes change every step (the key window grows; a routed layer computes a varying number of
+# rows), and cuDNN attention builds an execution plan for every new shape (tens of ms each).
+DECODE_SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+# Masked decode windows are rounded up to a multiple of this many slots: aligned mask rows for
+# the memory-efficient kernel (no padding copy) and one shape per 16 steps instead of one per step.
+WINDOW_ALIGN = 16
 
 
 # ----------------------------------------------------------------------------- the cache
 @dataclass
 class LayerCache:
-    """Keys and values of the tokens one layer processed: (B, H, max_len, hd) and lengths (B,).
+    """Keys and values of the tokens one layer processed, kv (B, 2, H, max_len + 1, hd), and lengths (B,).
 
-    Row b holds its first lengths[b] slots; the layout is the one attention reads, so a dense
-    layer attends over a view of the cache with no copy.
+    k = kv[:, 0] and v = kv[:, 1] are (B, H, max_len + 1, hd) views in the layout attention
+    reads, so a layer attends over views of its cache with no copy, and keys and values are
+    written (and gathered) together in one operation. Row b holds its first lengths[b] slots.
+    The extra last slot is scratch: a prefill chunk's padding (tokens a row did not choose,
+    computed only to keep shapes rectangular) is written there or past the row's length,
+    never over a cached token. The lengths live on the host (exact, updated as tokens are
+    written) so that no decision about them needs a sync.
     """
 
-    k: Tensor
-    v: Tensor
-    lengths: Tensor  # (B,) long, on the model's device
-    lengths_cpu: Tensor  # (B,) long, the same on the host (sizes the attention window without a sync)
+    kv: Tensor
+    lengths_cpu: Tensor  # (B,) long, on the host
 
     @classmethod
     def empty(cls, batch: int, max_len: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> "LayerCache":
-        shape = (batch, heads, max_len, head_dim)
-        zeros = torch.zeros(batch, dtype=torch.long)
-        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device),
-                   zeros.to(device), zeros.clone())
+        # zeros, not empty: masked slots are read (weight 0) and must hold finite values.
+        kv = torch.zeros(batch, 2, heads, max_len + 1, head_dim, dtype=dtype, device=device)
+        return cls(kv, torch.zeros(batch, dtype=torch.long))
+
+    @property
+    def k(self) -> Tensor:
+        """(B, H, max_len + 1, hd) view"""
+        return self.kv[:, 0]
+
+    @property
+    def v(self) -> Tensor:
+        """(B, H, max_len + 1, hd) view"""
+        return self.kv[:, 1]
+
+    @property
+    def max_len(self) -> int:
+        return self.kv.shape[3] - 1
+
+    @property
+    def lengths(self) -> Tensor:
+        """(B,) long on the cache's device: a copy of lengths_cpu."""
+        return self.lengths_cpu.to(self.kv.device)
 
 
 def _inner_block(block: nn.Module) -> TransformerBlock:
     return block.block if isinstance(block, MoDBlock) else block
+
+
+def _rotate_qk_(qkv: Tensor, angles: RotaryAngles) -> None:
+    """qkv (N, S, 3, H, hd): rotate q and k in place with apply_rotary's arithmetic (x * cos +
+    rotate_half(x) * sin, in float32 or wider), cast once into qkv's dtype as it is written."""
+    x = qkv[:, :, :2]
+    half = x.shape[-1] // 2
+    shape = (angles.cos_full.shape[0], x.shape[1], 1, 1, x.shape[-1])
+    rotate_half = torch.cat((x[..., half:], x[..., :half]), dim=-1)  # (x2, x1)
+    torch.add(x * angles.cos_full.view(shape), rotate_half * angles.sin_signed.view(shape), out=x)
+
+
+def _to_device(t: Tensor, device: torch.device) -> Tensor:
+    """A small host tensor on the device without waiting for the device (no stream sync)."""
+    return t.to(device, non_blocking=True)
 
 
 def layer_step(
@@ -72,28 +137,35 @@ def layer_step(
 ) -> Tensor:
     """Run one block on a chunk of new tokens with its cache; return the chunk's new hidden states.
 
-    x (B, n, D); positions (B, n) absolute positions; select (B, n) bool: the tokens this
-    layer processes (valid tokens, and for a routed layer those its causal decision chose).
-    counts: select.sum(1) on the host when the caller knows it (saves a sync). Unselected
-    tokens come out bit-identical and leave no trace in the cache. Rows with nothing
-    selected are not computed at all.
+    The prefill path (any chunk length; `Decoder.step` has a leaner one for single tokens).
+    x (B, n, D); positions (B, n) absolute positions, on x's device; select (B, n) bool: the
+    tokens this layer processes (valid tokens, and for a routed layer those its causal
+    decision chose). counts: select.sum(1) on the host when the caller knows it (else one
+    sync). Unselected tokens come out bit-identical and leave no trace in the cache. Rows with
+    nothing selected are not computed at all.
     """
     batch, n, width = x.shape
+    device = x.device
     counts = select.sum(1).cpu() if counts is None else counts
-    rows_cpu = (counts > 0).nonzero().squeeze(1)
-    if rows_cpu.numel() == 0:
+    rows_cpu = counts.nonzero().squeeze(1)
+    m = rows_cpu.numel()
+    if m == 0:
         return x
-    every_row = rows_cpu.numel() == batch
-    rows = None if every_row else rows_cpu.to(x.device)
+    every_row = m == batch
+    rows = None if every_row else _to_device(rows_cpu, device)
     take = (lambda t: t) if every_row else (lambda t: t.index_select(0, rows))
-    count = counts[rows_cpu]  # (m,) host
-    width_k = int(count.max())
+    count = counts if every_row else counts.index_select(0, rows_cpu)  # (m,) host
+    old_cpu = cache.lengths_cpu if every_row else cache.lengths_cpu.index_select(0, rows_cpu)  # (m,) host
+    count_list, old_list = count.tolist(), old_cpu.tolist()
+    width_k = max(count_list)
+    full = min(count_list) == n  # every computed row processes its whole chunk: nothing to compact
     xr, pr = take(x), take(positions)
-    if n == 1:  # decode: each computed row has its one token chosen; nothing to compact
-        idx, valid, xs, pos = None, None, xr, pr
-    else:  # chosen tokens first, in order; then padding (unchosen tokens, never written)
+    if full:
+        idx = valid = None
+        xs, pos = xr, pr
+    else:  # chosen tokens first, in order; then padding (unchosen tokens, never cached)
         sr = take(select)
-        ar = torch.arange(n, device=x.device)
+        ar = torch.arange(n, device=device)
         idx = torch.where(sr, ar, ar + n).argsort(dim=1)[:, :width_k]  # (m, K)
         valid = sr.gather(1, idx)  # (m, K)
         xs = xr.gather(1, idx.unsqueeze(-1).expand(-1, -1, width))  # (m, K, D)
@@ -102,56 +174,71 @@ def layer_step(
 
     inner = _inner_block(block)
     attn = inner.attn
-    m = xs.shape[0]
     qkv = attn.qkv(inner.attn_norm(xs)).view(m, width_k, 3, attn.n_heads, attn.head_dim)
     q, k = apply_rotary(qkv[:, :, :2], angles).unbind(2)  # (m, K, H, hd)
-    v = qkv[:, :, 2]
-    old = cache.lengths if every_row else cache.lengths.index_select(0, rows)  # (m,)
-    slots = old.unsqueeze(1) + torch.arange(width_k, device=x.device)  # (m, K): padding writes past the end
-    row_ids = (torch.arange(batch, device=x.device) if every_row else rows).unsqueeze(1)
-    cache.k[row_ids, :, slots] = k.to(cache.k.dtype)  # indexed (m, K, H, hd)
-    cache.v[row_ids, :, slots] = v.to(cache.v.dtype)
-    window = int((cache.lengths_cpu[rows_cpu] + width_k).max())
-    keys = cache.k[:, :, :window] if every_row else cache.k[rows, :, :window]  # (m, H, L, hd)
-    values = cache.v[:, :, :window] if every_row else cache.v[rows, :, :window]
-    # Query j (the j-th chosen token) sees the cached tokens and the chosen tokens 0..j.
-    visible = torch.arange(window, device=x.device) < (slots + 1).unsqueeze(-1)  # (m, K, L)
-    y = F.scaled_dot_product_attention(
-        q.transpose(1, 2), keys.to(q.dtype), values.to(q.dtype),
-        attn_mask=visible.unsqueeze(1),
-    )  # (m, H, K, hd)
-    a = attn.out(y.transpose(1, 2).reshape(m, width_k, width))
-    out, _ = inner._ffn(inner.ffn_norm(xs + a))
-    if isinstance(block, MoDBlock):
-        scores = block.router.router(xs).squeeze(-1)  # (m, K): the gate g(r) of the chosen tokens
-        new = xs + apply_gate(scores, block.router.gate).unsqueeze(-1).to(a.dtype) * (a + out)
-    else:
-        new = xs + a + out
-    new = new.to(x.dtype)
-    if n == 1:
+    k, v = k.to(cache.k.dtype), qkv[:, :, 2].to(cache.v.dtype)
+    q = q.transpose(1, 2)  # (m, H, K, hd)
+    if full and max(old_list) == 0:  # a fresh cache and a whole chunk: plain causal attention
+        kt, vt = k.transpose(1, 2), v.transpose(1, 2)  # (m, H, K, hd)
         if every_row:
-            cache.lengths += 1
+            cache.k[:, :, :n] = kt
+            cache.v[:, :, :n] = vt
         else:
-            cache.lengths.index_add_(0, rows, torch.ones_like(rows))
-        cache.lengths_cpu[rows_cpu] += 1
+            cache.k[rows, :, :n] = kt
+            cache.v[rows, :, :n] = vt
+        y = F.scaled_dot_product_attention(q, kt.to(q.dtype), vt.to(q.dtype), is_causal=True)  # (m, H, K, hd)
+    else:
+        old = _to_device(old_cpu, device)
+        slots = old.unsqueeze(1) + torch.arange(width_k, device=device)  # (m, K)
+        if not full:  # padding past the end of the cache goes to the scratch slot
+            slots = slots.clamp(max=cache.max_len)
+        row_ids = (torch.arange(batch, device=device) if every_row else rows).unsqueeze(1)
+        cache.k[row_ids, :, slots] = k  # indexed (m, K, H, hd)
+        cache.v[row_ids, :, slots] = v
+        window = max(o + c for o, c in zip(old_list, count_list))
+        keys, values = cache.k[:, :, :window], cache.v[:, :, :window]  # (B, H, L, hd) views
+        if not every_row:
+            keys, values = keys.index_select(0, rows), values.index_select(0, rows)  # (m, H, L, hd)
+        # Query j (the j-th chosen token) sees the cached tokens and the chosen tokens 0..j.
+        visible = torch.arange(window, device=device) <= slots.unsqueeze(-1)  # (m, K, L)
+        y = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=visible.unsqueeze(1))
+    a = attn.out(y.transpose(1, 2).reshape(m, width_k, width))
+    h = xs + a
+    out, _ = inner._ffn(inner.ffn_norm(h))
+    if isinstance(block, MoDBlock):
+        gates = apply_gate(block.router.router(xs).squeeze(-1), block.router.gate)  # (m, K): g(r) of the chosen tokens
+        new = xs + (gates.unsqueeze(-1) * (a + out)).to(xs.dtype)  # as MoDBlock: x + (g * f(x)) in x's dtype
+    else:
+        new = h + out
+    new = new.to(x.dtype)
+    if every_row:
+        cache.lengths_cpu += count
+    else:
+        cache.lengths_cpu.index_add_(0, rows_cpu, count)
+    if full:
         return new if every_row else x.index_copy(0, rows, new)
     new = torch.where(valid.unsqueeze(-1), new, xs)  # padding (unchosen tokens) unchanged
-    added = count.to(x.device)
-    if every_row:
-        cache.lengths += added
-    else:
-        cache.lengths.index_add_(0, rows, added)
-    cache.lengths_cpu[rows_cpu] += count
     result = x.clone()
-    result[row_ids, idx] = new
+    result[(torch.arange(batch, device=device) if every_row else rows).unsqueeze(1), idx] = new
     return result
 
 
 # ----------------------------------------------------------------------------- the decoder
 class Decoder:
-    """Prefill and decode for a batch of B sequences, with one sparse KV cache per layer."""
+    """Prefill and decode for a batch of B sequences, with one sparse KV cache per layer.
 
-    def __init__(self, model: LanguageModel, batch: int, max_len: int) -> None:
+    sdpa_backends: the attention backends the decoder allows (torch.nn.attention.SDPBackend),
+    in torch's order of preference; None leaves torch's own choice. The default leaves out
+    cuDNN attention, whose per-shape plan building dominates a decode step (see the module
+    docstring). Ignored on CPU.
+    The decoder snapshots each routed layer's router weights in float32 at construction (the
+    decision is computed in float32, as the router does); build a new one after changing them.
+    """
+
+    def __init__(
+        self, model: LanguageModel, batch: int, max_len: int,
+        sdpa_backends: Sequence[SDPBackend] | None = DECODE_SDPA_BACKENDS,
+    ) -> None:
         cfg = model.config.model
         if max_len > cfg.max_seq_len:
             raise ValueError(f"max_len ({max_len}) exceeds the model's context window model.max_seq_len ({cfg.max_seq_len})")
@@ -165,6 +252,37 @@ class Decoder:
         self.positions = torch.zeros(batch, dtype=torch.long)  # next absolute position per row (host)
         self.max_len = max_len
         self.device = param.device
+        self.sdpa_backends = None if sdpa_backends is None or self.device.type == "cpu" else list(sdpa_backends)
+        self._routers = [m for m in model.modules() if isinstance(m, (DepthRouter, ExpertChoiceRouter, TokenChoiceRouter))]
+        self._slot_ids = torch.arange(max_len + 1, device=self.device)
+        self._all_rows = torch.arange(batch, device=self.device)
+        # Per routed layer, the float32 router weights of method (a) (decision = router logit > 0),
+        # or None (method (b): the predictor decides, through the router module).
+        self._decision_weights: list[tuple[Tensor, Tensor | None] | None] = []
+        for block in model.blocks:
+            router = block.router if isinstance(block, MoDBlock) else None
+            if router is None or router.causal.predictor is not None:
+                self._decision_weights.append(None)
+                continue
+            proj = router.router.proj
+            self._decision_weights.append(
+                (proj.weight.detach().float(), None if proj.bias is None else proj.bias.detach().float())
+            )
+
+    @contextlib.contextmanager
+    def _inference(self) -> Iterator[None]:
+        """Causal routing for every router (what model.routing_mode("causal") does, without the
+        per-call walk over the model) and the decoder's attention backends."""
+        previous = [m.causal_mode for m in self._routers]
+        backends = sdpa_kernel(self.sdpa_backends) if self.sdpa_backends is not None else contextlib.nullcontext()
+        try:
+            for m in self._routers:
+                m.causal_mode = True
+            with backends:
+                yield
+        finally:
+            for m, old in zip(self._routers, previous):
+                m.causal_mode = old
 
     @torch.no_grad()
     def forward(self, tokens: Tensor, valid: Tensor) -> Tensor:
@@ -172,14 +290,16 @@ class Decoder:
         model = self.model
         batch, n = tokens.shape
         valid_cpu = valid.cpu()
+        if n == 1:
+            return self._decode(tokens.view(-1), valid_cpu.view(-1))
         counts = valid_cpu.sum(1)
         if int((self.positions + counts).max()) > self.max_len:
             raise ValueError(f"a sequence would exceed the decoder's max_len ({self.max_len})")
         positions = (self.positions.unsqueeze(1) + torch.arange(n)).clamp(max=model.config.model.max_seq_len - 1)
-        positions = positions.to(self.device)
-        valid = valid.to(self.device)
-        x = model.embed(tokens.to(self.device))
-        with model.routing_mode("causal"):
+        positions = _to_device(positions, self.device)
+        valid = _to_device(valid_cpu, self.device)
+        x = model.embed(_to_device(tokens, self.device))
+        with self._inference():
             for block, cache in zip(model.blocks, self.caches):
                 if isinstance(block, MoDBlock):
                     chosen, _ = block.router.decide(x)
@@ -188,6 +308,121 @@ class Decoder:
                     x = layer_step(block, cache, model.rotary, x, positions, valid, counts)
         self.positions += counts
         return x
+
+    def _decision(self, index: int, block: MoDBlock, x: Tensor) -> tuple[Tensor, Tensor]:
+        """x (B, 1, D) -> (decision logits (B,), router scores (B,)), float32 on the device.
+
+        A token goes through the layer when its decision logit is > 0 (DepthRouter.decide)."""
+        weights = self._decision_weights[index]
+        if weights is None or torch.is_autocast_enabled(x.device.type):
+            scores = block.router.router(x).view(-1)
+            return block.router.causal.logits(x, scores.view(-1, 1, 1)).view(-1), scores
+        scores = F.linear(x.view(x.shape[0], -1).float(), *weights).view(-1)  # Router.forward, weights kept in float32
+        return scores, scores
+
+    def _decode(self, tokens: Tensor, active: Tensor) -> Tensor:
+        """One token per row: tokens (B,) on any device, active (B,) bool on the host -> hidden (B, 1, D)."""
+        model = self.model
+        batch = tokens.shape[0]
+        all_active = bool(active.all())
+        act_rows = None if all_active else active.nonzero().squeeze(1)  # host
+        x = model.embed(_to_device(tokens, self.device)).view(batch, 1, -1)
+        if act_rows is not None and act_rows.numel() == 0:
+            return x
+        now = (self.positions if all_active else self.positions.index_select(0, act_rows)).tolist()
+        first, last = min(now), max(now)
+        if last + 1 > self.max_len:
+            raise ValueError(f"a sequence would exceed the decoder's max_len ({self.max_len})")
+        rotary = model.rotary
+        if first == last:  # every computed row is at one absolute position: one angle for all, as views
+            angles = RotaryAngles(rotary.cos_full[first].view(1, 1, 1, -1), rotary.sin_signed[first].view(1, 1, 1, -1))
+        else:
+            pos = _to_device(self.positions, self.device)
+            angles = RotaryAngles(
+                rotary.cos_full.index_select(0, pos).view(batch, 1, 1, -1),
+                rotary.sin_signed.index_select(0, pos).view(batch, 1, 1, -1),
+            )
+        with self._inference():
+            for index, (block, cache) in enumerate(zip(model.blocks, self.caches)):
+                if isinstance(block, MoDBlock):
+                    decision, scores = self._decision(index, block, x)
+                    chosen = decision.cpu() > 0  # the layer's one sync: (B,) decisions to the host
+                    if not all_active:
+                        chosen &= active
+                    rows = chosen.nonzero().squeeze(1)
+                    if rows.numel() == 0:
+                        continue  # no row chose this layer: nothing computed, nothing cached
+                    x = self._decode_layer(block, cache, x, None if rows.numel() == batch else rows, angles, scores)
+                else:
+                    x = self._decode_layer(block, cache, x, act_rows, angles, None)
+        self.positions += 1 if all_active else active.long()
+        return x
+
+    def _decode_layer(
+        self, block: nn.Module, cache: LayerCache, x: Tensor, rows_cpu: Tensor | None, angles: RotaryAngles,
+        scores: Tensor | None,
+    ) -> Tensor:
+        """One token per row through one layer, for the rows rows_cpu (host, sorted; None: every row).
+
+        x (B, 1, D); angles for every row (B, ...) or shared (1, ...); scores (B,) the router
+        scores of a routed layer (its gate), None for a dense one. Returns x with those rows updated.
+        """
+        batch, _, width = x.shape
+        inner = _inner_block(block)
+        attn = inner.attn
+        lengths = cache.lengths_cpu if rows_cpu is None else cache.lengths_cpu.index_select(0, rows_cpu)  # host
+        lengths_list = lengths.tolist()
+        shortest, longest = min(lengths_list), max(lengths_list)
+        aligned = shortest == longest  # every computed row appends at one slot
+        if rows_cpu is None:
+            rows, slots, xs, n = None, None, x, batch
+            if not aligned:
+                slots = _to_device(lengths, self.device)
+        else:
+            if aligned:
+                rows, slots = _to_device(rows_cpu, self.device), None
+            else:  # rows and write slots in one host -> device copy
+                rows, slots = _to_device(torch.stack((rows_cpu, lengths)), self.device).unbind(0)
+            xs = x.index_select(0, rows)  # (n, 1, D)
+            n = rows_cpu.numel()
+            if angles.cos_full.shape[0] > 1:
+                angles = RotaryAngles(angles.cos_full.index_select(0, rows), angles.sin_signed.index_select(0, rows))
+        qkv = attn.qkv(inner.attn_norm(xs)).view(n, 1, 3, attn.n_heads, attn.head_dim)
+        _rotate_qk_(qkv, angles)
+        q, kv = qkv[:, :, 0], qkv[:, 0, 1:].to(cache.kv.dtype)  # (n, 1, H, hd), (n, 2, H, hd)
+        if aligned:  # a slice write, no mask
+            slot, mask = shortest, None
+            if rows is None:
+                cache.kv[:, :, :, slot] = kv
+                window_kv = cache.kv[:, :, :, : slot + 1]  # (B, 2, H, L, hd) view
+            else:
+                cache.kv[:, :, :, slot].index_copy_(0, rows, kv)
+                window_kv = cache.kv[:, :, :, : slot + 1].index_select(0, rows)  # (n, 2, H, L, hd)
+        else:  # rows at different lengths: one indexed write at (row, length) and a length mask
+            cache.kv[self._all_rows if rows is None else rows, :, :, slots] = kv
+            window = min(-(-(longest + 1) // WINDOW_ALIGN) * WINDOW_ALIGN, cache.kv.shape[3])
+            window_kv = cache.kv[:, :, :, :window]
+            if rows is not None:
+                window_kv = window_kv.index_select(0, rows)
+            mask = (self._slot_ids[:window] <= slots.view(n, 1, 1, 1))  # (n, 1, 1, L): the row's cache and itself
+        keys, values = window_kv.to(q.dtype).unbind(1)  # (n, H, L, hd) each
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask)
+        a = attn.out(y.transpose(1, 2).reshape(n, 1, width))
+        h = xs + a
+        out, _ = inner._ffn(inner.ffn_norm(h))
+        if rows_cpu is None:
+            cache.lengths_cpu += 1
+        else:
+            cache.lengths_cpu[rows_cpu] = lengths + 1
+        if scores is None:  # dense: h + FFN(norm(h))
+            new = h + out
+            return new if rows is None else x.index_copy_(0, rows, new.to(x.dtype))
+        # routed: x + g(r) * f(x), as MoDBlock: f = a + out, times the float32 gate, rounded once
+        # to x's dtype (written over f), then added to the rows' residual.
+        update = a + out
+        gate = apply_gate(scores if rows is None else scores.index_select(0, rows), block.router.gate)
+        torch.mul(update, gate.view(n, 1, 1), out=update)
+        return xs + update if rows is None else x.index_add_(0, rows, update.to(x.dtype))
 
     def logits(self, hidden: Tensor) -> Tensor:
         return self.model.lm_head(self.model.norm(hidden)).float()
@@ -201,14 +436,14 @@ class Decoder:
             tokens[i, : len(p)] = torch.tensor(list(p), dtype=torch.long)
         valid = torch.arange(tokens.shape[1]) < lengths.unsqueeze(1)
         hidden = self.forward(tokens, valid)
-        last = (lengths - 1).to(self.device)
+        last = _to_device(lengths - 1, self.device)
         return self.logits(hidden[torch.arange(len(prompts), device=self.device), last])
 
     @torch.no_grad()
     def step(self, tokens: Tensor, active: Tensor | None = None) -> Tensor:
-        """One decode step: tokens (B,) -> logits (B, V). Inactive rows (finished) compute nothing."""
+        """One decode step: tokens (B,) (on any device) -> logits (B, V). Inactive rows (finished) compute nothing."""
         active = torch.ones(tokens.shape[0], dtype=torch.bool) if active is None else active.cpu()
-        hidden = self.forward(tokens.view(-1, 1), active.view(-1, 1))
+        hidden = self._decode(tokens.reshape(-1), active.view(-1))
         return self.logits(hidden[:, 0])
 
 
@@ -296,10 +531,11 @@ def generate(
         decoder = Decoder(model, len(token_prompts), max_len)
         outputs: list[list[int]] = [[] for _ in token_prompts]
         room = [min(max_new_tokens, cfg.max_seq_len - len(p)) for p in token_prompts]
-        active = torch.tensor([r > 0 for r in room])
+        active = [r > 0 for r in room]  # host bookkeeping in Python: no per-row tensor indexing
         logits = decoder.prefill(token_prompts) if max_new_tokens > 0 else None
-        while logits is not None and bool(active.any()):
-            chosen = sample(logits, temperature, top_k, top_p, generator).tolist()
+        while logits is not None and any(active):
+            sampled = sample(logits, temperature, top_k, top_p, generator)  # (B,) on the device
+            chosen = sampled.tolist()  # the step's host sync: stop tokens and outputs are host decisions
             for i, token in enumerate(chosen):
                 if not active[i]:
                     continue
@@ -309,9 +545,9 @@ def generate(
                 outputs[i].append(token)
                 if len(outputs[i]) >= room[i]:
                     active[i] = False
-            if not bool(active.any()):
+            if not any(active):
                 break
-            logits = decoder.step(torch.tensor(chosen, dtype=torch.long), active)
+            logits = decoder.step(sampled, torch.tensor(active))
     finally:
         model.train(was_training)
     return [decode_bytes(o) for o in outputs] if as_text else outputs

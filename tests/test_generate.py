@@ -146,6 +146,26 @@ def test_padded_batch_equals_prompts_one_by_one(pattern: str) -> None:
     assert together == apart
 
 
+def test_finished_rows_compute_nothing_and_leave_the_others_unchanged() -> None:
+    model = make_model("mod", "aux_loss", n_layers=4)
+    prompts = [torch.randint(0, 256, (n,)).tolist() for n in (4, 7, 7)]
+    follow = torch.randint(0, 256, (3, 6))
+    active = torch.tensor([True, False, True])
+    batch = Decoder(model, 3, 20)
+    batch.prefill(prompts)
+    before = [(int(c.lengths_cpu[1]), c.k[1].clone(), c.v[1].clone()) for c in batch.caches]
+    got = [batch.step(follow[:, i], active) for i in range(6)]
+    for row in (0, 2):
+        one = Decoder(model, 1, 20)
+        one.prefill([prompts[row]])
+        alone = [one.step(follow[row : row + 1, i]) for i in range(6)]
+        for a, b in zip(alone, got):
+            assert (a[0] - b[row]).abs().max() <= F64_TOL
+    for cache, (length, k, v) in zip(batch.caches, before):  # the finished row: no trace anywhere
+        assert int(cache.lengths_cpu[1]) == length and torch.equal(cache.k[1], k) and torch.equal(cache.v[1], v)
+    assert batch.positions.tolist() == [10, 7, 13]
+
+
 # ----------------------------------------------------------------------------- sparse caches
 def test_skipped_tokens_are_absent_from_the_layer_cache_and_invisible() -> None:
     model = make_model("mod", "aux_loss")
