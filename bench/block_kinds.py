@@ -13,7 +13,13 @@ import argparse
 
 import torch
 
-from bench.mod_step import measure
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/common.py, however this is started
+from common import add_model_args  # noqa: E402
+from mod_step import measure  # noqa: E402
+
 from mode.config import config_from_dict
 from mode.flops import model_flops
 
@@ -24,11 +30,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--ffn", type=int, default=2816)
-    parser.add_argument("--vocab", type=int, default=32768)
+    add_model_args(parser)
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--noop", type=int, default=8, help="no-op experts of Integrated MoDE")
     parser.add_argument("--warmup", type=int, default=3)

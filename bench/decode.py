@@ -28,6 +28,12 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/common.py, however this is started
+from common import add_model_args  # noqa: E402
+
 from mode.config import Config, config_from_dict
 from mode.generate import DECODE_SDPA_BACKENDS, Decoder
 from mode.layers.mod import MoDBlock
@@ -198,11 +204,7 @@ def print_profile(name: str, batch: int, result: dict, cuda: bool) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--ffn", type=int, default=2816)
-    parser.add_argument("--vocab", type=int, default=32768)
+    add_model_args(parser)
     parser.add_argument("--capacity", type=float, default=0.125)
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)

@@ -10,11 +10,14 @@ with fused AdamW, eager and torch.compile. Prints a markdown table.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import sys
+from pathlib import Path
 from typing import Callable
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/common.py, however this is started
+from common import add_model_args, timed  # noqa: E402
 
 from mode.config import Config, config_from_dict
 from mode.flops import model_flops
@@ -38,26 +41,6 @@ def make_config(pattern: list[str], args: argparse.Namespace) -> Config:
         },
         "bench/mod_step.py",
     )
-
-
-def timed(fn: Callable[[], None], warmup: int, iters: int, device: torch.device) -> float:
-    """Median milliseconds of fn over iters runs after warmup runs."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def measure(config: Config, compiled: bool, args: argparse.Namespace, device: torch.device) -> dict[str, float]:
@@ -97,11 +80,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--ffn", type=int, default=2816)
-    parser.add_argument("--vocab", type=int, default=32768)
+    add_model_args(parser)
     parser.add_argument("--capacity", type=float, default=0.125)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)

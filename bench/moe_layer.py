@@ -18,30 +18,20 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
+import sys
 import traceback
+from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/common.py, however this is started
+from common import timed  # noqa: E402
+
 from mode.config import MoEConfig
 from mode.layers.moe import MoEFFN
-
-
-def timed(fn: Callable[[], None], warmup: int, iters: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 class GeluMLP(nn.Module):
@@ -142,7 +132,7 @@ def main() -> None:
     for name, build in rows:
         try:
             layer = build()
-            ms = timed(fwd_bwd(layer, x), args.warmup, args.iters)
+            ms = timed(fwd_bwd(layer, x), args.warmup, args.iters, x.device)
         except Exception as e:  # a missing library is reported, never timed
             print(f"| {name} | not run: {type(e).__name__}: {str(e).splitlines()[0][:80]} | |")
             traceback.print_exc(limit=2)

@@ -38,6 +38,13 @@ class Routing:
     stats: dict[str, Tensor] = field(default_factory=dict)
 
 
+def untrained_for_sampling(routing: str) -> ValueError:
+    return ValueError(
+        f"this model was trained with routing.causal=none: its routing is {routing}, which looks at the "
+        "future and cannot sample; train with routing.causal=aux_loss or predictor"
+    )
+
+
 class Router(nn.Module):
     """r = w^T x: one linear projection D -> n_slots, computed in float32 for stable top-k."""
 
@@ -140,10 +147,7 @@ class DepthRouter(nn.Module):
     def decide(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """Causal decision: x (B, S, D) -> (chosen (B, S) bool, router scores (B, S) float32)."""
         if self.causal is None:
-            raise ValueError(
-                "this model was trained with routing.causal=none: its routing is top-k over the whole sequence, "
-                "which looks at the future and cannot sample; train with routing.causal=aux_loss or predictor"
-            )
+            raise untrained_for_sampling("top-k over the whole sequence")
         scores = self.router(x).squeeze(-1)
         return self.causal.logits(x, scores.unsqueeze(-1)).squeeze(-1) > 0, scores
 
@@ -250,10 +254,7 @@ class ExpertChoiceRouter(nn.Module):
     def decide(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """Causal decision: x (..., D) -> (chosen (..., E) bool per real expert, softmax probs (..., E))."""
         if self.causal is None:
-            raise ValueError(
-                "this model was trained with routing.causal=none: its expert-choice routing is top-C over the "
-                "whole group, which looks at the future and cannot sample; train with routing.causal=aux_loss or predictor"
-            )
+            raise untrained_for_sampling("expert-choice top-C over the whole group")
         logits = self.router(x)  # (..., E+N)
         probs = logits.softmax(-1)[..., : self.n_experts]
         return self.causal.logits(x, logits[..., : self.n_experts]) > 0, probs
