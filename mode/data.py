@@ -3,8 +3,8 @@
 Sources:
 - `stdlib` (default): the source files of the running Python's standard library, real text
   present on every machine, split into train and validation *by file*, deterministically.
-- `text`: a user's text file, or a folder of text files (split by file; one file is split
-  by position).
+- `text`: a user's text file, or a folder of text files (split by file; one file, or a
+  folder too small for the hash to put files on both sides, is split by position).
 - `tokens`: a pre-tokenized uint16/uint32 file in nanoGPT's `.bin` layout (a flat array of
   token ids); the last val_fraction of it is validation.
 
@@ -57,7 +57,9 @@ def _split_files(root: Path, files: list[Path], val_fraction: float, what: str) 
         rel = f.relative_to(root).as_posix()
         (val if _is_val_file(rel, val_fraction) else train).append(f.read_bytes())
     if not train or not val:
-        raise DataError(f"{what}: too few files ({len(files)}) to split into train and validation")
+        # Too few files for a split by file (every one hashed to one side): split the
+        # concatenated text by position instead, the last val_fraction held out.
+        return _split_tail(_bytes_to_tokens([f.read_bytes() for f in files]), val_fraction, BYTE_VOCAB, root)
     return TokenSplits(_bytes_to_tokens(train), _bytes_to_tokens(val), BYTE_VOCAB)
 
 
