@@ -40,6 +40,18 @@ def router_flops(d_model: int, n_slots: int) -> float:
     return 2 * d_model * n_slots
 
 
+def causal_predictor_flops(config: Config, n_out: int) -> float:
+    """Per token: the causal-routing predictor (routing.causal=predictor), D -> hidden -> n_out.
+
+    It runs on every token a router sees, at training and at sampling; method aux_loss
+    reuses the router's own logits and costs nothing more.
+    """
+    if config.routing.causal != "predictor":
+        return 0.0
+    hidden = config.routing.predictor_hidden
+    return 2 * config.model.d_model * hidden + 2 * hidden * n_out
+
+
 def dense_block_flops(cfg: ModelConfig, seq_len: int, causal: bool = True) -> float:
     return attention_flops(cfg, seq_len, causal) + mlp_flops(cfg.d_model, cfg.d_ff)
 
@@ -47,7 +59,7 @@ def dense_block_flops(cfg: ModelConfig, seq_len: int, causal: bool = True) -> fl
 def mod_block_flops(config: Config, seq_len: int, causal: bool = True) -> float:
     k = capacity_to_k(seq_len, config.routing.capacity)
     inner = dense_block_flops(config.model, k, causal)
-    return router_flops(config.model.d_model, 1) + (k / seq_len) * inner
+    return router_flops(config.model.d_model, 1) + causal_predictor_flops(config, 1) + (k / seq_len) * inner
 
 
 def moe_ffn_flops(config: Config, tokens_per_group: int) -> float:
@@ -62,12 +74,14 @@ def moe_ffn_flops(config: Config, tokens_per_group: int) -> float:
     slots = moe.n_experts + moe.n_noop
     d_expert = moe.d_expert or config.model.d_ff
     expert = mlp_flops(config.model.d_model, d_expert, moe.activation)
+    predictor = 0.0
     if moe.scheme == "expert_choice":
         capacity = expert_choice_capacity(config, tokens_per_group)
         assignments_per_token = moe.n_experts * capacity / tokens_per_group
+        predictor = causal_predictor_flops(config, moe.n_experts)  # token choice needs no causal decision
     else:
         assignments_per_token = moe.top_k * moe.n_experts / slots
-    return router_flops(config.model.d_model, slots) + assignments_per_token * expert
+    return router_flops(config.model.d_model, slots) + predictor + assignments_per_token * expert
 
 
 def expert_choice_capacity(config: Config, tokens_per_group: int) -> int:
@@ -88,7 +102,7 @@ def block_flops(kind: str, config: Config, seq_len: int, causal: bool = True) ->
     if kind == "mode_staged":
         k = capacity_to_k(seq_len, config.routing.capacity)
         inner = attention_flops(model, k, causal) + moe_ffn_flops(config, k * config.moe.group_size)
-        return router_flops(model.d_model, 1) + (k / seq_len) * inner
+        return router_flops(model.d_model, 1) + causal_predictor_flops(config, 1) + (k / seq_len) * inner
     raise ValueError(f"no FLOP formula for block kind {kind!r}")
 
 

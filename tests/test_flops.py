@@ -53,7 +53,28 @@ def explicit_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fa
     ],
 )
 def test_counter_matches_direct_count(monkeypatch, pattern, seq_len, capacity) -> None:
-    config = _config(pattern, seq_len=seq_len, capacity=capacity)
+    assert_counter_matches_direct_count(monkeypatch, _config(pattern, seq_len=seq_len, capacity=capacity), seq_len)
+
+
+@pytest.mark.parametrize(
+    "pattern, moe, causal",
+    [
+        (["dense", "moe"], {"n_experts": 4}, "none"),  # C = round(32 / 4) = 8 per expert
+        (["mode_integrated"], {"n_experts": 4, "n_noop": 4}, "none"),  # no-op experts compute nothing
+        (["mode_staged"], {"n_experts": 2, "n_noop": 1}, "none"),  # experts see only the k chosen tokens
+        (["mod", "mode_integrated"], {"n_experts": 4, "n_noop": 2}, "predictor"),  # predictors counted
+    ],
+)
+def test_counter_matches_direct_count_for_expert_choice(monkeypatch, pattern, moe, causal) -> None:
+    """Expert choice has static shapes, so its analytic count is exact, no-op experts included."""
+    raw = _config(["dense"], seq_len=32, capacity=0.25).to_dict()
+    raw["model"]["block_pattern"] = pattern
+    raw["moe"].update(moe, scheme="expert_choice")
+    raw["routing"].update(causal=causal, predictor_hidden=16)
+    assert_counter_matches_direct_count(monkeypatch, config_from_dict(raw), 32)
+
+
+def assert_counter_matches_direct_count(monkeypatch, config: Config, seq_len: int) -> None:
     model = LanguageModel(config).float().eval()
     tokens = torch.randint(0, 256, (4, seq_len))
     with torch.no_grad():
@@ -134,3 +155,18 @@ def test_hand_counted_example() -> None:
     assert report.per_block == [dense, mod] == [73856, 8912]
     assert report.lm_head == lm_head
     assert report.forward_per_token == 115536
+
+
+def test_causal_predictor_is_counted_and_aux_loss_is_free() -> None:
+    """routing.causal=predictor adds its MLP (D -> hidden -> slots) per token a router sees."""
+    base = {"model": {"d_model": 64, "n_heads": 4, "n_layers": 2, "d_ff": 128, "max_seq_len": 64,
+                      "block_pattern": ["mod", "mode_integrated"]},
+            "moe": {"n_experts": 4, "n_noop": 4}, "data": {"seq_len": 64}}
+    flops = {}
+    for causal in ("none", "aux_loss", "predictor"):
+        raw = {**base, "routing": {"causal": causal, "predictor_hidden": 16}}
+        flops[causal] = model_flops(config_from_dict(raw)).per_block
+    assert flops["aux_loss"] == flops["none"]
+    d, h = 64, 16
+    assert flops["predictor"][0] - flops["none"][0] == pytest.approx(2 * d * h + 2 * h * 1)
+    assert flops["predictor"][1] - flops["none"][1] == pytest.approx(2 * d * h + 2 * h * 4)
