@@ -113,7 +113,7 @@ class TorchOptimization:
 
 
 # ----------------------------------------------------------------------------- router statistics
-def routing_summary(routing: Routing, seq_len: int) -> dict[str, float]:
+def routing_summary(routing: Routing) -> dict[str, float]:
     """Fraction of tokens a routed layer processed, gate mean and spread, plus its own stats."""
     gates = routing.gates.detach().float()
     out = {
@@ -284,6 +284,12 @@ class Trainer:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens one optimizer step consumes over all ranks and micro-batches."""
+        t = self.config.train
+        return t.grad_accum * t.batch_size * self.config.data.seq_len * self.world_size
+
     def micro_batch(self, split: Tensor, step: int, micro: int) -> tuple[Tensor, Tensor]:
         """This rank's share of the global micro-batch: one sample for every world size."""
         t = self.config.train
@@ -305,11 +311,11 @@ class Trainer:
             self.optimization.backward(out.loss / t.grad_accum)
             for key in losses:
                 losses[key] += float(getattr(out, key).detach()) / t.grad_accum
-            summaries.append({name: routing_summary(r, x.shape[1]) for name, r in routed_layers(out)})
+            summaries.append({name: routing_summary(r) for name, r in routed_layers(out)})
         losses = self.mean_over_ranks(losses)
         lr = learning_rate(step, t)
         grad_norm = self.optimization.step(lr)
-        tokens = t.grad_accum * t.batch_size * self.config.data.seq_len * self.world_size
+        tokens = self.tokens_per_step
         self.state = RunState(step + 1, self.state.tokens + tokens, self.state.flops + tokens * self.flops_per_token)
         return {**losses, "lr": lr, "grad_norm": grad_norm, "routing": average_summaries(summaries) if summaries[0] else {}}
 
@@ -335,7 +341,7 @@ class Trainer:
             with self.autocast():
                 out = self.forward(x, y)
             total += float(out.lm_loss)
-            summaries.append({name: routing_summary(r, x.shape[1]) for name, r in routed_layers(out)})
+            summaries.append({name: routing_summary(r) for name, r in routed_layers(out)})
             for name, r in routed_layers(out):
                 if not isinstance(r, TokenChoiceRouting):
                     histograms[name] = histograms.get(name, 0) + position_histogram(r, POSITION_BINS)
@@ -380,7 +386,7 @@ class Trainer:
         while self.state.step < t.max_steps:
             metrics = self.train_step()
             step = self.state.step
-            window_tokens += t.grad_accum * t.batch_size * self.config.data.seq_len * self.world_size
+            window_tokens += self.tokens_per_step
             elapsed = time.perf_counter() - window_start
             record = {"step": step, "tokens": self.state.tokens, "flops": self.state.flops, **metrics}
             record["tokens_per_s"] = window_tokens / max(elapsed, 1e-9)

@@ -30,7 +30,7 @@ import torch
 import yaml
 
 from mode.config import ConfigError, config_from_dict, load_config
-from mode.data import batch_generator, load_splits, sample_batch, stdlib_root
+from mode.data import batch_generator, load_splits, sample_batch
 from mode.model import LanguageModel
 from mode.train import CHECKPOINT, METRICS, Trainer, load_checkpoint_file
 
@@ -44,15 +44,6 @@ WORLD = 2
 
 
 # ----------------------------------------------------------------------------- helpers
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    root = stdlib_root()
-    parts = [(root / name).read_bytes() for name in ("textwrap.py", "argparse.py", "shlex.py", "string.py")]
-    path = tmp_path_factory.mktemp("corpus") / "source.txt"
-    path.write_bytes(b"\n".join(parts))
-    return path
-
-
 def raw_config(corpus: Path, out_dir: Path, **sections: dict) -> dict[str, Any]:
     """A tiny model: 2 layers, width 32, 4 experts, 32-token sequences, 2 sequences per rank."""
     raw: dict[str, Any] = {

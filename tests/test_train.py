@@ -15,7 +15,7 @@ import torch
 import yaml
 
 from mode.config import Config, ConfigError, TrainConfig, config_from_dict, load_config
-from mode.data import batch_generator, sample_batch, stdlib_root
+from mode.data import batch_generator, sample_batch
 from mode.flops import train_step_flops
 from mode.model import LanguageModel
 from mode.train import CHECKPOINT, METRICS, POSITION_BINS, Trainer, learning_rate, load_checkpoint_file, main
@@ -27,16 +27,6 @@ RESUME_ATOL = 1e-6
 SHARE_SUM_ATOL = 2e-3
 # The loss must fall by a clear margin in 40 steps (from ~ln 256 = 5.5 nats per byte).
 LOSS_DROP = 0.3
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    """A single text file (~150 kB) of real Python source, split by position into train/val."""
-    root = stdlib_root()
-    parts = [(root / name).read_bytes() for name in ("textwrap.py", "argparse.py", "shlex.py", "string.py")]
-    path = tmp_path_factory.mktemp("corpus") / "source.txt"
-    path.write_bytes(b"\n".join(parts))
-    return path
 
 
 def _merge(base: dict, extra: dict) -> dict:
