@@ -77,10 +77,11 @@ def calibrate_routers(model: LanguageModel, prompts: torch.Tensor, share: float)
 @torch.no_grad()
 def decode_run(
     model: LanguageModel, prompts: torch.Tensor, new_tokens: int, device: torch.device, sdpa=DECODE_SDPA_BACKENDS,
-) -> tuple[float, float, float]:
-    """(prefill seconds, decode tokens/s, share of decode tokens the routed layers processed)."""
+    routed_rows: str = "auto",
+) -> tuple[float, float, float, str]:
+    """(prefill seconds, decode tokens/s, share of decode tokens the routed layers processed, routed_rows used)."""
     batch = prompts.shape[0]
-    decoder = Decoder(model, batch, prompts.shape[1] + new_tokens, sdpa_backends=sdpa)
+    decoder = Decoder(model, batch, prompts.shape[1] + new_tokens, sdpa_backends=sdpa, routed_rows=routed_rows)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
     t0 = time.perf_counter()
@@ -88,14 +89,14 @@ def decode_run(
     sync()
     t1 = time.perf_counter()
     routed = [c for b, c in zip(model.blocks, decoder.caches) if isinstance(b, MoDBlock)]
-    before = sum(int(c.lengths_cpu.sum()) for c in routed)
+    before = sum(int(c.lengths.sum()) for c in routed)
     for _ in range(new_tokens):
         logits = decoder.step(logits.argmax(-1))
     sync()
     t2 = time.perf_counter()
-    after = sum(int(c.lengths_cpu.sum()) for c in routed)
+    after = sum(int(c.lengths.sum()) for c in routed)  # exact (device) lengths, read after the timing
     share = (after - before) / (batch * new_tokens * len(routed)) if routed else 1.0
-    return t1 - t0, batch * new_tokens / (t2 - t1), share
+    return t1 - t0, batch * new_tokens / (t2 - t1), share, decoder.routed_rows
 
 
 # ----------------------------------------------------------------------------- --profile
@@ -105,6 +106,10 @@ class LabelledDecoder(Decoder):
     def _decode_layer(self, block, *args, **kwargs):
         with record_function("routed layer" if isinstance(block, MoDBlock) else "dense layer"):
             return super()._decode_layer(block, *args, **kwargs)
+
+    def _decode_layer_masked(self, *args, **kwargs):
+        with record_function("routed layer"):
+            return super()._decode_layer_masked(*args, **kwargs)
 
 
 VIEW_OPS = {
@@ -121,10 +126,10 @@ LABELS = ("decode step", "dense layer", "routed layer")
 
 
 @torch.no_grad()
-def profile_decode(model: LanguageModel, prompts: torch.Tensor, steps: int, device: torch.device, sdpa) -> dict:
+def profile_decode(model: LanguageModel, prompts: torch.Tensor, steps: int, device: torch.device, sdpa, routed_rows: str) -> dict:
     """Counts per decode step, split into the layers' calls and the rest of the step ("glue")."""
     batch = prompts.shape[0]
-    decoder = LabelledDecoder(model, batch, prompts.shape[1] + steps + 3, sdpa_backends=sdpa)
+    decoder = LabelledDecoder(model, batch, prompts.shape[1] + steps + 3, sdpa_backends=sdpa, routed_rows=routed_rows)
     logits = decoder.prefill(prompts.tolist())
     for _ in range(2):  # warm up
         logits = decoder.step(logits.argmax(-1))
@@ -218,6 +223,10 @@ def main() -> None:
         "--sdpa", default="decoder", choices=["decoder", "torch"],
         help="attention backends: the decoder's default (no cuDNN) or torch's own choice",
     )
+    parser.add_argument(
+        "--routed-rows", default="auto", choices=["auto", "gather", "masked"],
+        help="how a decode step runs a routed layer (mode.generate.Decoder's routed_rows)",
+    )
     args = parser.parse_args()
     if args.tiny:
         args.width, args.heads, args.layers, args.ffn, args.vocab = 64, 4, 4, 128, 256
@@ -240,7 +249,7 @@ def main() -> None:
               f"{args.layers} layers; aten ops are those called from Python, views excluded")
         for batch in args.batches:
             for name, model in models.items():
-                result = profile_decode(model, prompts[batch], args.profile_steps, device, sdpa)
+                result = profile_decode(model, prompts[batch], args.profile_steps, device, sdpa, args.routed_rows)
                 print_profile(name, batch, result, device.type == "cuda")
         return
 
@@ -248,13 +257,13 @@ def main() -> None:
     for batch in args.batches:
         results = {}
         for name, model in models.items():
-            decode_run(model, prompts[batch][:, :8], 4, device, sdpa)  # warm up kernels and allocator
-            runs = [decode_run(model, prompts[batch], args.new_tokens, device, sdpa) for _ in range(args.repeats)]
+            decode_run(model, prompts[batch][:, :8], 4, device, sdpa, args.routed_rows)  # warm up kernels and allocator
+            runs = [decode_run(model, prompts[batch], args.new_tokens, device, sdpa, args.routed_rows) for _ in range(args.repeats)]
             results[name] = max(runs, key=lambda r: r[1])
         speedup = results["MoD"][1] / results["dense"][1]
-        for name, (prefill, tps, share) in results.items():
+        for name, (prefill, tps, share, routed_rows) in results.items():
             rows.append(
-                f"| {batch} | {name} | {tps:,.0f} | {prefill * 1e3:.1f} | "
+                f"| {batch} | {name} | {'-' if name == 'dense' else routed_rows} | {tps:,.0f} | {prefill * 1e3:.1f} | "
                 f"{'-' if name == 'dense' else f'{share:.3f}'} | {'1.00' if name == 'dense' else f'{speedup:.2f}'} |"
             )
     print(
@@ -263,8 +272,8 @@ def main() -> None:
         f"MoD: every other block routed, causal method (a), target share {args.capacity}; "
         f"attention backends: {'decoder default (flash, efficient, math)' if sdpa is not None else 'torch default'}\n"
     )
-    print("| batch | model | decode tokens/s | prefill ms | routed share (decode) | x dense |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| batch | model | routed rows | decode tokens/s | prefill ms | routed share (decode) | x dense |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     print("\n".join(rows))
 
 

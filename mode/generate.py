@@ -67,6 +67,17 @@ DECODE_SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTI
 # Masked decode windows are rounded up to a multiple of this many slots: aligned mask rows for
 # the memory-efficient kernel (no padding copy) and one shape per 16 steps instead of one per step.
 WINDOW_ALIGN = 16
+# How a decode step runs a routed (MoD / Staged MoDE) layer (Decoder's routed_rows):
+# - "gather": only the rows whose token chose the layer are computed (index_select), the rest
+#   skip it entirely; the decisions go to the host first (one sync per routed layer).
+# - "masked": every active row is computed and only the chosen rows keep the update and write
+#   a cache slot that counts; the decisions never leave the device, so the host runs ahead.
+# Either way a skipped token leaves the layer's cache and its own hidden state untouched, and
+# attention reads only the layer's sparse cache. At a large batch almost every routed layer
+# has some chosen row, and its matmuls read the same weights for 8 rows as for 64: there the
+# sync costs more than the rows, so "auto" picks "masked" on a GPU from this batch size up.
+ROUTED_ROWS = ("auto", "gather", "masked")
+MASKED_MIN_BATCH = 16
 
 
 # ----------------------------------------------------------------------------- the cache
@@ -84,7 +95,10 @@ class LayerCache:
     """
 
     kv: Tensor
-    lengths_cpu: Tensor  # (B,) long, on the host
+    lengths_cpu: Tensor  # (B,) long, on the host: exact, or an upper bound while lengths_dev is set
+    # The exact lengths on the device, set while a routed layer decodes with routed_rows="masked"
+    # (its decisions stay on the device, so the host keeps only an upper bound).
+    lengths_dev: Tensor | None = None
 
     @classmethod
     def empty(cls, batch: int, max_len: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> "LayerCache":
@@ -108,8 +122,14 @@ class LayerCache:
 
     @property
     def lengths(self) -> Tensor:
-        """(B,) long on the cache's device: a copy of lengths_cpu."""
-        return self.lengths_cpu.to(self.kv.device)
+        """(B,) long on the cache's device: the exact lengths."""
+        return self.lengths_cpu.to(self.kv.device) if self.lengths_dev is None else self.lengths_dev
+
+    def sync_lengths(self) -> None:
+        """Make lengths_cpu exact again after masked decode steps (one device -> host copy)."""
+        if self.lengths_dev is not None:
+            self.lengths_cpu = self.lengths_dev.cpu()
+            self.lengths_dev = None
 
 
 def _inner_block(block: nn.Module) -> TransformerBlock:
@@ -238,10 +258,13 @@ class Decoder:
     def __init__(
         self, model: LanguageModel, batch: int, max_len: int,
         sdpa_backends: Sequence[SDPBackend] | None = DECODE_SDPA_BACKENDS,
+        routed_rows: str = "auto",
     ) -> None:
         cfg = model.config.model
         if max_len > cfg.max_seq_len:
             raise ValueError(f"max_len ({max_len}) exceeds the model's context window model.max_seq_len ({cfg.max_seq_len})")
+        if routed_rows not in ROUTED_ROWS:
+            raise ValueError(f"routed_rows must be one of {', '.join(ROUTED_ROWS)}, got {routed_rows!r}")
         model.check_causal()
         self.model = model
         param = model.embed.weight
@@ -252,6 +275,9 @@ class Decoder:
         self.positions = torch.zeros(batch, dtype=torch.long)  # next absolute position per row (host)
         self.max_len = max_len
         self.device = param.device
+        if routed_rows == "auto":
+            routed_rows = "masked" if self.device.type == "cuda" and batch >= MASKED_MIN_BATCH else "gather"
+        self.routed_rows = routed_rows
         self.sdpa_backends = None if sdpa_backends is None or self.device.type == "cpu" else list(sdpa_backends)
         self._routers = [m for m in model.modules() if isinstance(m, (DepthRouter, ExpertChoiceRouter, TokenChoiceRouter))]
         self._slot_ids = torch.arange(max_len + 1, device=self.device)
@@ -293,6 +319,8 @@ class Decoder:
         if n == 1:
             return self._decode(tokens.view(-1), valid_cpu.view(-1))
         counts = valid_cpu.sum(1)
+        for cache in self.caches:  # the prefill path decides on exact host lengths
+            cache.sync_lengths()
         if int((self.positions + counts).max()) > self.max_len:
             raise ValueError(f"a sequence would exceed the decoder's max_len ({self.max_len})")
         positions = (self.positions.unsqueeze(1) + torch.arange(n)).clamp(max=model.config.model.max_seq_len - 1)
@@ -342,9 +370,15 @@ class Decoder:
                 rotary.cos_full.index_select(0, pos).view(batch, 1, 1, -1),
                 rotary.sin_signed.index_select(0, pos).view(batch, 1, 1, -1),
             )
+        masked = self.routed_rows == "masked"
+        active_dev = None if all_active or not masked else _to_device(active, self.device)
         with self._inference():
             for index, (block, cache) in enumerate(zip(model.blocks, self.caches)):
-                if isinstance(block, MoDBlock):
+                if isinstance(block, MoDBlock) and masked:
+                    decision, scores = self._decision(index, block, x)
+                    chosen = decision > 0 if active_dev is None else (decision > 0) & active_dev  # (B,) on the device
+                    x = self._decode_layer_masked(block, cache, x, active, angles, scores, chosen)
+                elif isinstance(block, MoDBlock):
                     decision, scores = self._decision(index, block, x)
                     chosen = decision.cpu() > 0  # the layer's one sync: (B,) decisions to the host
                     if not all_active:
@@ -423,6 +457,43 @@ class Decoder:
         gate = apply_gate(scores if rows is None else scores.index_select(0, rows), block.router.gate)
         torch.mul(update, gate.view(n, 1, 1), out=update)
         return xs + update if rows is None else x.index_add_(0, rows, update.to(x.dtype))
+
+    def _decode_layer_masked(
+        self, block: MoDBlock, cache: LayerCache, x: Tensor, active: Tensor, angles: RotaryAngles, scores: Tensor,
+        chosen: Tensor,
+    ) -> Tensor:
+        """routed_rows="masked": one token per row through a routed layer, with no host sync.
+
+        Every row is computed; chosen (B,) on the device says which keep the update. A chosen
+        row writes its key and value at its length and its length grows by one; every other row
+        writes to the scratch slot (max_len), so the cache holds exactly the chosen tokens.
+        The host keeps an upper bound of the lengths (lengths_cpu + 1 per active row and step)
+        to size the attention window.
+        """
+        batch, _, width = x.shape
+        inner = block.block
+        attn = inner.attn
+        if cache.lengths_dev is None:
+            cache.lengths_dev = _to_device(cache.lengths_cpu, self.device)
+        lengths = cache.lengths_dev  # (B,) exact
+        qkv = attn.qkv(inner.attn_norm(x)).view(batch, 1, 3, attn.n_heads, attn.head_dim)
+        _rotate_qk_(qkv, angles)
+        q, kv = qkv[:, :, 0], qkv[:, 0, 1:].to(cache.kv.dtype)  # (B, 1, H, hd), (B, 2, H, hd)
+        cache.kv[self._all_rows, :, :, torch.where(chosen, lengths, cache.max_len)] = kv
+        longest = int(cache.lengths_cpu[active].max())  # host upper bound of every active row's length
+        window = min(-(-(longest + 1) // WINDOW_ALIGN) * WINDOW_ALIGN, cache.kv.shape[3])
+        # A chosen row sees its cache and itself; an unchosen row's output is discarded, and its
+        # mask (its cache and one stale slot) only keeps the softmax finite.
+        mask = self._slot_ids[:window] <= lengths.view(batch, 1, 1, 1)  # (B, 1, 1, L)
+        keys, values = cache.kv[:, :, :, :window].to(q.dtype).unbind(1)  # (B, H, L, hd) views
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask)
+        a = attn.out(y.transpose(1, 2).reshape(batch, 1, width))
+        out, _ = inner._ffn(inner.ffn_norm(x + a))
+        # x + g(r) * f(x) for the chosen rows, as MoDBlock (gate in float32, rounded once to x's dtype)
+        update = (a + out) * apply_gate(scores, block.router.gate).view(batch, 1, 1)
+        cache.lengths_dev = lengths + chosen
+        cache.lengths_cpu += active.long()
+        return x + torch.where(chosen.view(batch, 1, 1), update, 0).to(x.dtype)
 
     def logits(self, hidden: Tensor) -> Tensor:
         return self.model.lm_head(self.model.norm(hidden)).float()

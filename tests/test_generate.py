@@ -113,14 +113,15 @@ def test_causal_mode_routes_a_variable_number_of_tokens() -> None:
 
 
 # ----------------------------------------------------------------------------- cached decode
+@pytest.mark.parametrize("routed_rows", ["gather", "masked"])
 @pytest.mark.parametrize("causal", ["aux_loss", "predictor"])
 @pytest.mark.parametrize("pattern", list(PATTERNS))
-def test_cached_decode_matches_full_causal_forward(pattern: str, causal: str) -> None:
+def test_cached_decode_matches_full_causal_forward(pattern: str, causal: str, routed_rows: str) -> None:
     model = make_model(pattern, causal, n_layers=3)
     tokens = torch.randint(0, 256, (2, S))
     full = model(tokens, routing_mode="causal").logits.float()  # (B, S, V)
     prompt = 5
-    decoder = Decoder(model, 2, S)
+    decoder = Decoder(model, 2, S, routed_rows=routed_rows)
     logits = [decoder.prefill(tokens[:, :prompt].tolist())]
     for t in range(prompt, S):
         logits.append(decoder.step(tokens[:, t]))
@@ -128,12 +129,13 @@ def test_cached_decode_matches_full_causal_forward(pattern: str, causal: str) ->
     assert (got - full[:, prompt - 1:]).abs().max() <= F64_TOL
 
 
+@pytest.mark.parametrize("routed_rows", ["gather", "masked"])
 @pytest.mark.parametrize("pattern", ["mod", "mode_staged", "mode_integrated", "dense"])
-def test_padded_batch_equals_prompts_one_by_one(pattern: str) -> None:
+def test_padded_batch_equals_prompts_one_by_one(pattern: str, routed_rows: str) -> None:
     model = make_model(pattern, "aux_loss", n_layers=3)
     prompts = [torch.randint(0, 256, (n,)).tolist() for n in (3, 9, 6)]
     follow = torch.randint(0, 256, (3, 5))
-    batch = Decoder(model, 3, 20)
+    batch = Decoder(model, 3, 20, routed_rows=routed_rows)
     batched = [batch.prefill(prompts)] + [batch.step(follow[:, i]) for i in range(5)]
     for row, prompt in enumerate(prompts):
         one = Decoder(model, 1, 20)
@@ -146,14 +148,15 @@ def test_padded_batch_equals_prompts_one_by_one(pattern: str) -> None:
     assert together == apart
 
 
-def test_finished_rows_compute_nothing_and_leave_the_others_unchanged() -> None:
+@pytest.mark.parametrize("routed_rows", ["gather", "masked"])
+def test_finished_rows_compute_nothing_and_leave_the_others_unchanged(routed_rows: str) -> None:
     model = make_model("mod", "aux_loss", n_layers=4)
     prompts = [torch.randint(0, 256, (n,)).tolist() for n in (4, 7, 7)]
     follow = torch.randint(0, 256, (3, 6))
     active = torch.tensor([True, False, True])
-    batch = Decoder(model, 3, 20)
+    batch = Decoder(model, 3, 20, routed_rows=routed_rows)
     batch.prefill(prompts)
-    before = [(int(c.lengths_cpu[1]), c.k[1].clone(), c.v[1].clone()) for c in batch.caches]
+    before = [(int(c.lengths[1]), c.k[1].clone(), c.v[1].clone()) for c in batch.caches]
     got = [batch.step(follow[:, i], active) for i in range(6)]
     for row in (0, 2):
         one = Decoder(model, 1, 20)
@@ -161,8 +164,10 @@ def test_finished_rows_compute_nothing_and_leave_the_others_unchanged() -> None:
         alone = [one.step(follow[row : row + 1, i]) for i in range(6)]
         for a, b in zip(alone, got):
             assert (a[0] - b[row]).abs().max() <= F64_TOL
-    for cache, (length, k, v) in zip(batch.caches, before):  # the finished row: no trace anywhere
-        assert int(cache.lengths_cpu[1]) == length and torch.equal(cache.k[1], k) and torch.equal(cache.v[1], v)
+    for cache, (length, k, v) in zip(batch.caches, before):  # the finished row: no trace in the cache
+        # (masked: the row writes only its scratch slot, past every length; the test reads up to max_len)
+        k, v = k[:, : batch.max_len], v[:, : batch.max_len]
+        assert int(cache.lengths[1]) == length and torch.equal(cache.k[1, :, : batch.max_len], k) and torch.equal(cache.v[1, :, : batch.max_len], v)
     assert batch.positions.tolist() == [10, 7, 13]
 
 
@@ -338,3 +343,33 @@ def test_cli_errors_exit_2_and_cli_samples(tmp_path: Path, capsys) -> None:
     assert "empty" in capsys.readouterr().err
     assert main(["--checkpoint", str(tmp_path), "--prompt", "ab", "--max-new-tokens", "3", "--greedy", "--device", "cpu"]) == 0
     assert capsys.readouterr().out.startswith("ab")
+
+
+def test_masked_and_gathered_routed_rows_build_the_same_sparse_caches() -> None:
+    """routed_rows="masked" computes every row but caches only the chosen tokens, at the same
+    slots as "gather", which computes only the chosen rows."""
+    model = make_model("mod", "aux_loss", n_layers=4)
+    prompts = [torch.randint(0, 256, (n,)).tolist() for n in (4, 9, 7)]
+    follow = torch.randint(0, 256, (3, 8))
+    decoders = {rows: Decoder(model, 3, 20, routed_rows=rows) for rows in ("gather", "masked")}
+    for decoder in decoders.values():
+        decoder.prefill(prompts)
+        for i in range(8):
+            decoder.step(follow[:, i])
+    gather, masked = decoders["gather"], decoders["masked"]
+    skipped = False
+    for block, a, b in zip(model.blocks, gather.caches, masked.caches):
+        assert a.lengths.tolist() == b.lengths.tolist()
+        if isinstance(block, MoDBlock):
+            assert b.lengths_dev is not None and (b.lengths_cpu >= b.lengths).all()  # host bound, device exact
+            skipped |= bool((b.lengths < masked.positions).any())  # some decode or prompt token skipped it
+        for row, n in enumerate(a.lengths.tolist()):
+            assert (a.kv[row, :, :, :n] - b.kv[row, :, :, :n]).abs().max() <= F64_TOL
+    assert skipped
+    masked.prefill([[1, 2]] * 3)  # a later prefill first makes the host lengths exact again
+    assert all(c.lengths_dev is None for c in masked.caches)
+
+
+def test_routed_rows_policy_is_checked() -> None:
+    with pytest.raises(ValueError, match="routed_rows"):
+        Decoder(make_model("mod"), 1, 8, routed_rows="sometimes")

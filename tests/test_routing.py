@@ -137,6 +137,11 @@ def test_gather_scatter_gradients() -> None:
     idx = top_k_positions(torch.randn(2, 8), 3)
     assert torch.autograd.gradcheck(lambda t: gather_tokens(t, idx), (x,))
     assert torch.autograd.gradcheck(lambda t, v: scatter_add_tokens(t, idx, v), (x, u))
+    # repeated tokens (expert choice: several experts take one token): gradients sum over the repeats
+    rep = torch.randint(0, 8, (2, 3, 5))
+    u = torch.randn(2, 3, 5, 4, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: gather_tokens(t, rep), (x,))
+    assert torch.autograd.gradcheck(lambda t, v: scatter_add_tokens(t, rep, v), (x, u))
 
 
 def test_token_mask() -> None:

@@ -36,11 +36,49 @@ def _flat_indices(indices: Tensor, tokens_per_group: int) -> Tensor:
     return (indices + offsets.view(groups, *([1] * (indices.dim() - 1)))).reshape(-1)
 
 
+# Rows are moved with index_select one way and scatter_add the other, in both directions of
+# autograd: index_select's own backward (and index_add) accumulate through a slower atomic
+# kernel (on an H200, 16k rows of 1024 bf16: index_add 169 us, scatter_add 105 us, bench/_probe).
+def _row_index(flat: Tensor, width: int) -> Tensor:
+    """(N,) row ids -> (N, D) the same ids broadcast along the row (an expanded view, no copy)."""
+    return flat.unsqueeze(1).expand(-1, width)
+
+
+class _GatherRows(torch.autograd.Function):
+    """rows = x[flat]; the backward sums each row's gradient into its token (scatter_add)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, flat: Tensor) -> Tensor:
+        ctx.save_for_backward(flat)
+        ctx.num_rows = x.shape[0]
+        return x.index_select(0, flat)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        (flat,) = ctx.saved_tensors
+        out = grad.new_zeros(ctx.num_rows, grad.shape[1])
+        return out.scatter_add_(0, _row_index(flat, grad.shape[1]), grad), None
+
+
+class _ScatterAddRows(torch.autograd.Function):
+    """out = x with updates[i] added to row flat[i]; the updates' gradient is a gather (index_select)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, flat: Tensor, updates: Tensor) -> Tensor:
+        ctx.save_for_backward(flat)
+        return x.scatter_add(0, _row_index(flat, x.shape[1]), updates)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, Tensor]:
+        (flat,) = ctx.saved_tensors
+        return grad, None, grad.index_select(0, flat)
+
+
 def gather_tokens(x: Tensor, indices: Tensor) -> Tensor:
     """x (G, T, D), indices (G, ..., k) -> the chosen tokens (G, ..., k, D)."""
     groups, tokens, width = x.shape
     flat = _flat_indices(indices, tokens)
-    return x.reshape(groups * tokens, width).index_select(0, flat).view(*indices.shape, width)
+    return _GatherRows.apply(x.reshape(groups * tokens, width), flat).view(*indices.shape, width)
 
 
 def scatter_add_tokens(x: Tensor, indices: Tensor, updates: Tensor) -> Tensor:
@@ -50,7 +88,7 @@ def scatter_add_tokens(x: Tensor, indices: Tensor, updates: Tensor) -> Tensor:
     """
     groups, tokens, width = x.shape
     flat = _flat_indices(indices, tokens)
-    out = x.reshape(groups * tokens, width).index_add(0, flat, updates.reshape(-1, width).to(x.dtype))
+    out = _ScatterAddRows.apply(x.reshape(groups * tokens, width), flat, updates.reshape(-1, width).to(x.dtype))
     return out.view(groups, tokens, width)
 
 
