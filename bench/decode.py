@@ -7,8 +7,14 @@ Both models have the same shape. The MoD model routes every other block (capacit
 with causal method (a) (routing.causal=aux_loss: a token goes through a routed block when
 its router logit is > 0). The weights are random, so the router's bias is calibrated on the
 prompts so that its decision sends about 12.5% of the tokens through (the measured share is
-printed). Prefill (prompt 128) is timed apart; decode is 256 greedy steps with the cache,
-for batch 1 and batch 64, in the same process on the same card. Prints a markdown table.
+printed). Prefill (--prompt, default 128) is timed apart; decode is 256 greedy steps with
+the cache, for batch 1 and batch 64, in the same process on the same card, the settings
+interleaved over --repeats runs (best kept). Prints a markdown table.
+
+    python bench/decode.py --prompt 2048 --routed-rows gather masked   # both routed-layer policies
+
+--routed-rows: the Decoder's policy for routed layers (auto: masked on a GPU from batch 16,
+else gather); one MoD row per policy named.
 
     python bench/decode.py --profile [--tiny | --width 128 --heads 4 ...]
 
@@ -178,7 +184,8 @@ def profile_decode(model: LanguageModel, prompts: torch.Tensor, steps: int, devi
     calls = {label: len(ranges[label]) for label in LABELS}
     host_us = {label: sum(hi - lo for lo, hi in ranges[label]) for label in LABELS}
     gpu_us = sum(e.time_range.elapsed_us() for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
-    return {"calls": calls, "counts": counts, "steps": steps, "host_us": host_us, "gpu_us": gpu_us}
+    kernels = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12) if device.type == "cuda" else ""
+    return {"calls": calls, "counts": counts, "steps": steps, "host_us": host_us, "gpu_us": gpu_us, "kernels": kernels}
 
 
 def print_profile(name: str, batch: int, result: dict, cuda: bool) -> None:
@@ -205,6 +212,8 @@ def print_profile(name: str, batch: int, result: dict, cuda: bool) -> None:
     if cuda:
         line += f"; GPU kernel time per step {result['gpu_us'] / steps / 1e3:.2f} ms"
     print(line + " (under the profiler)")
+    if result["kernels"]:
+        print(f"top operators by GPU time over the {steps} steps:\n{result['kernels']}")
 
 
 def main() -> None:
@@ -214,7 +223,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64])
-    parser.add_argument("--repeats", type=int, default=2, help="runs per setting; the best is reported")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved runs per setting; the best is reported")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run at a small shape")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--profile", action="store_true", help="count ops, launches and syncs per decode step instead of timing")
@@ -224,8 +233,8 @@ def main() -> None:
         help="attention backends: the decoder's default (no cuDNN) or torch's own choice",
     )
     parser.add_argument(
-        "--routed-rows", default="auto", choices=["auto", "gather", "masked"],
-        help="how a decode step runs a routed layer (mode.generate.Decoder's routed_rows)",
+        "--routed-rows", nargs="+", default=["auto"], choices=["auto", "gather", "masked"],
+        help="how a decode step runs a routed layer (mode.generate.Decoder's routed_rows); one MoD row each",
     )
     args = parser.parse_args()
     if args.tiny:
@@ -249,22 +258,26 @@ def main() -> None:
               f"{args.layers} layers; aten ops are those called from Python, views excluded")
         for batch in args.batches:
             for name, model in models.items():
-                result = profile_decode(model, prompts[batch], args.profile_steps, device, sdpa, args.routed_rows)
+                result = profile_decode(model, prompts[batch], args.profile_steps, device, sdpa, args.routed_rows[0])
                 print_profile(name, batch, result, device.type == "cuda")
         return
 
     rows = []
+    setups = [("dense", "auto")] + [("MoD", policy) for policy in args.routed_rows]
     for batch in args.batches:
-        results = {}
-        for name, model in models.items():
-            decode_run(model, prompts[batch][:, :8], 4, device, sdpa, args.routed_rows)  # warm up kernels and allocator
-            runs = [decode_run(model, prompts[batch], args.new_tokens, device, sdpa, args.routed_rows) for _ in range(args.repeats)]
-            results[name] = max(runs, key=lambda r: r[1])
-        speedup = results["MoD"][1] / results["dense"][1]
-        for name, (prefill, tps, share, routed_rows) in results.items():
+        best: dict[tuple[str, str], tuple[float, float, float, str]] = {}
+        for name, policy in setups:  # warm up kernels and allocator
+            decode_run(models[name], prompts[batch][:, :8], 4, device, sdpa, policy)
+        for _ in range(args.repeats):  # interleaved, so a slow spell of the machine hits every row alike
+            for name, policy in setups:
+                run = decode_run(models[name], prompts[batch], args.new_tokens, device, sdpa, policy)
+                if (name, policy) not in best or run[1] > best[name, policy][1]:
+                    best[name, policy] = run
+        dense_tps = best["dense", "auto"][1]
+        for (name, _), (prefill, tps, share, used) in best.items():
             rows.append(
-                f"| {batch} | {name} | {'-' if name == 'dense' else routed_rows} | {tps:,.0f} | {prefill * 1e3:.1f} | "
-                f"{'-' if name == 'dense' else f'{share:.3f}'} | {'1.00' if name == 'dense' else f'{speedup:.2f}'} |"
+                f"| {batch} | {name} | {'-' if name == 'dense' else used} | {tps:,.0f} | {prefill * 1e3:.1f} | "
+                f"{'-' if name == 'dense' else f'{share:.3f}'} | {tps / dense_tps:.2f} |"
             )
     print(
         f"\nDecode, {card}, {str(dtype).removeprefix('torch.')}: D={args.width}, {args.heads} heads, {args.layers} layers, "

@@ -22,6 +22,7 @@ from common import add_model_args, timed  # noqa: E402
 from mode.config import Config, config_from_dict
 from mode.flops import model_flops
 from mode.model import LanguageModel
+from mode.routing import primitives
 
 
 def make_config(pattern: list[str], args: argparse.Namespace) -> Config:
@@ -87,7 +88,10 @@ def main() -> None:
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run at a small shape")
     parser.add_argument("--profile", action="store_true", help="also print the top kernels of eager fwd+bwd")
+    parser.add_argument("--row-add", choices=["scatter_add", "index_add"], default="scatter_add",
+                        help="the kernel routed blocks add rows back with (mode.routing.primitives.ROW_ADD)")
     args = parser.parse_args()
+    primitives.ROW_ADD = args.row_add
     if args.tiny:
         args.batch, args.seq, args.width, args.heads, args.layers, args.ffn, args.vocab = 2, 128, 64, 4, 4, 128, 256
         args.warmup, args.iters, args.no_compile = 1, 3, True
@@ -99,7 +103,7 @@ def main() -> None:
     flop_ratio = model_flops(mod_cfg).forward_per_token / model_flops(dense_cfg).forward_per_token
     modes = [False] if args.no_compile else [False, True]
     print(f"card: {card}; torch {torch.__version__}; B={args.batch} S={args.seq} D={args.width} "
-          f"layers={args.layers} ffn={args.ffn} vocab={args.vocab} capacity={args.capacity} on every other block, bf16")
+          f"layers={args.layers} ffn={args.ffn} vocab={args.vocab} capacity={args.capacity} on every other block, bf16, rows added back with {args.row_add}")
     print(f"analytic forward FLOPs/token: dense {model_flops(dense_cfg).forward_per_token / 1e6:.1f}M, "
           f"MoD {model_flops(mod_cfg).forward_per_token / 1e6:.1f}M, ratio {flop_ratio:.3f}\n")
     print("| mode | model | fwd+bwd ms | step ms (AdamW) | peak GiB | fwd+bwd ratio | step ratio | ratio / FLOP ratio (fwd+bwd, step) |")

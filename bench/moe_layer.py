@@ -32,6 +32,7 @@ from common import timed  # noqa: E402
 
 from mode.config import MoEConfig
 from mode.layers.moe import MoEFFN
+from mode.routing import primitives
 
 
 class GeluMLP(nn.Module):
@@ -103,7 +104,10 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="also time this project's layers under torch.compile")
     parser.add_argument("--profile", nargs="*", default=[], metavar="ROW",
                         help="print the top GPU kernels of the rows whose name contains ROW")
+    parser.add_argument("--row-add", choices=["scatter_add", "index_add"], default="scatter_add",
+                        help="the kernel this project's layers add rows back with (mode.routing.primitives.ROW_ADD)")
     args = parser.parse_args()
+    primitives.ROW_ADD = args.row_add
     torch.manual_seed(0)
     x = torch.randn(args.batch, args.seq, args.width, device="cuda", dtype=PARAM_DTYPE[args.params], requires_grad=True)
 
@@ -122,9 +126,12 @@ def main() -> None:
     if args.compile:
         rows.insert(3, ("mode expert choice, per sequence (torch, compiled)",
                         lambda: torch.compile(ours(args, scheme="expert_choice", group_size=1))))
+        rows.insert(5, ("mode token choice top-1 cf 1.0 (torch, compiled)",
+                        lambda: torch.compile(ours(args, scheme="token_choice", capacity_factor=1.0))))
         rows.insert(1, ("dense GELU MLP (compiled)", lambda: torch.compile(GeluMLP(args.width, args.ffn).cuda().to(PARAM_DTYPE[args.params]))))
     print(f"card: {torch.cuda.get_device_name()}; torch {torch.__version__}; tokens {args.batch} x {args.seq}, "
-          f"D={args.width}, expert hidden {args.ffn}, {args.experts} experts, {args.params} weights, bf16 autocast, fwd+bwd\n")
+          f"D={args.width}, expert hidden {args.ffn}, {args.experts} experts, {args.params} weights, bf16 autocast, fwd+bwd, "
+          f"rows added back with {args.row_add}\n")
     print("| implementation | ms | x dense |")
     print("| --- | --- | --- |")
     dense_ms = None

@@ -38,7 +38,18 @@ def _flat_indices(indices: Tensor, tokens_per_group: int) -> Tensor:
 
 # Rows are moved with index_select one way and scatter_add the other, in both directions of
 # autograd: index_select's own backward (and index_add) accumulate through a slower atomic
-# kernel (on an H200, 16k rows of 1024 bf16: index_add 169 us, scatter_add 105 us, bench/_probe).
+# kernel (on an H200, 16k rows of 1024 bf16: index_add 169 us, scatter_add 105 us; bench/row_ops.py).
+# "scatter_add" or "index_add": the kernel that adds rows back (bench/moe_layer.py --row-add compares them).
+ROW_ADD = "scatter_add"
+
+
+def _add_rows(out: Tensor, flat: Tensor, rows: Tensor) -> Tensor:
+    """out[flat[i]] += rows[i], in place."""
+    if ROW_ADD == "index_add":
+        return out.index_add_(0, flat, rows)
+    return out.scatter_add_(0, _row_index(flat, rows.shape[1]), rows)
+
+
 def _row_index(flat: Tensor, width: int) -> Tensor:
     """(N,) row ids -> (N, D) the same ids broadcast along the row (an expanded view, no copy)."""
     return flat.unsqueeze(1).expand(-1, width)
@@ -56,8 +67,7 @@ class _GatherRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
         (flat,) = ctx.saved_tensors
-        out = grad.new_zeros(ctx.num_rows, grad.shape[1])
-        return out.scatter_add_(0, _row_index(flat, grad.shape[1]), grad), None
+        return _add_rows(grad.new_zeros(ctx.num_rows, grad.shape[1]), flat, grad), None
 
 
 class _ScatterAddRows(torch.autograd.Function):
@@ -66,7 +76,7 @@ class _ScatterAddRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, flat: Tensor, updates: Tensor) -> Tensor:
         ctx.save_for_backward(flat)
-        return x.scatter_add(0, _row_index(flat, x.shape[1]), updates)
+        return _add_rows(x.clone(), flat, updates)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None, Tensor]:

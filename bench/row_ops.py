@@ -1,0 +1,78 @@
+"""The row moves routed layers are built on, and decode attention, one op at a time (GPU).
+
+    python bench/row_ops.py      # 16 x 1024 rows of width 1024 (bf16), decode at batch 64, cache 2048
+
+Rows (median microseconds, CUDA events, same process and card):
+- gathering the rows expert choice picks (8 experts x 2048 of 16384 tokens, a token taken
+  0 to 8 times), and the three ways to add them back: index_add (what index_select's
+  backward does), index_put with accumulate, scatter_add (what mode.routing uses);
+- the router's projection in float32 (as mode computes it) and in bf16;
+- single-query attention over a (64, 16, 2049, 64) bf16 KV cache on each SDPA backend, and
+  the memory-efficient backend with the (B, 1, 1, L) length mask a routed layer's decode uses,
+  beside the time to read the cache once at the card's nominal bandwidth (--bandwidth, TB/s).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/common.py, however this is started
+from common import timed  # noqa: E402
+
+
+def row(name: str, fn: Callable[[], object], device: torch.device) -> None:
+    try:
+        print(f"| {name} | {timed(fn, 5, 30, device) * 1e3:.1f} |", flush=True)
+    except RuntimeError as e:  # a backend that refuses these shapes is reported, never timed
+        print(f"| {name} | not run: {str(e).splitlines()[0][:90]} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--bandwidth", type=float, default=4.8, help="the card's memory bandwidth in TB/s (H200 4.8, H100 3.35)")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    tokens, width, experts, seq = 16384, 1024, 8, 2048
+    take = seq // experts
+    ids = torch.cat([  # expert-major: each expert takes `take` tokens of each sequence
+        torch.randperm(seq, device=device)[:take].sort().values + g * seq
+        for _ in range(experts) for g in range(tokens // seq)
+    ])  # (N,)
+    rows = torch.randn(ids.numel(), width, device=device, dtype=torch.bfloat16)
+    x = torch.randn(tokens, width, device=device, dtype=torch.bfloat16)
+    zeros = lambda: torch.zeros(tokens, width, device=device, dtype=torch.bfloat16)  # noqa: E731
+    print(f"card: {torch.cuda.get_device_name()}; torch {torch.__version__}\n")
+    print("| op | us |")
+    print("| --- | --- |")
+    row("gather rows: index_select", lambda: x.index_select(0, ids), device)
+    row("add rows back: index_add", lambda: zeros().index_add_(0, ids, rows), device)
+    row("add rows back: index_put accumulate", lambda: zeros().index_put_((ids,), rows, accumulate=True), device)
+    row("add rows back: scatter_add", lambda: zeros().scatter_add_(0, ids.unsqueeze(1).expand(-1, width), rows), device)
+    w = torch.randn(experts, width, device=device)
+    row("router projection, float32", lambda: F.linear(x.float(), w), device)
+    row("router projection, bf16", lambda: F.linear(x, w.bfloat16()), device)
+
+    batch, heads, head_dim, length = 64, 16, 64, 2049
+    kv = torch.randn(batch, 2, heads, length + 64, head_dim, device=device, dtype=torch.bfloat16)
+    q = torch.randn(batch, heads, 1, head_dim, device=device, dtype=torch.bfloat16)
+    k, v = kv[:, :, :, :length].unbind(1)  # the decoder's cache views
+    for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("memory-efficient", SDPBackend.EFFICIENT_ATTENTION),
+                          ("cuDNN", SDPBackend.CUDNN_ATTENTION), ("math", SDPBackend.MATH)):
+        with sdpa_kernel([backend]):
+            row(f"decode attention, {name}", lambda: F.scaled_dot_product_attention(q, k, v), device)
+    mask = torch.ones(batch, 1, 1, length, device=device, dtype=torch.bool)
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+        row("decode attention, memory-efficient + length mask", lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), device)
+    nominal = 2 * batch * heads * length * head_dim * 2 / (args.bandwidth * 1e12) * 1e6
+    print(f"| reading the cache once at {args.bandwidth} TB/s | {nominal:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
