@@ -29,7 +29,7 @@ from common import timed  # noqa: E402
 def row(name: str, fn: Callable[[], object], device: torch.device) -> None:
     try:
         print(f"| {name} | {timed(fn, 5, 30, device) * 1e3:.1f} |", flush=True)
-    except RuntimeError as e:  # a backend that refuses these shapes is reported, never timed
+    except (RuntimeError, TypeError) as e:  # a backend that refuses these shapes is reported, never timed
         print(f"| {name} | not run: {str(e).splitlines()[0][:90]} |")
 
 
@@ -70,6 +70,19 @@ def main() -> None:
     mask = torch.ones(batch, 1, 1, length, device=device, dtype=torch.bool)
     with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
         row("decode attention, memory-efficient + length mask", lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), device)
+    # The static decode step's kernel: flash attention's variable-length path over the packed cache,
+    # reading each row's used slots only (seqused_k); num_splits splits each row's keys over blocks.
+    slots = length + 128
+    packed = torch.randn(2, batch * slots, heads, head_dim, device=device, dtype=torch.bfloat16)
+    cu_q = torch.arange(batch + 1, device=device, dtype=torch.int32)
+    q_packed = q[:, :, 0].contiguous()  # (B, H, hd)
+    sparse = torch.randint(200, 400, (batch,), device=device, dtype=torch.int32)  # a routed layer's lengths
+    for label, used in (("every slot of 2049", torch.full((batch,), length, device=device, dtype=torch.int32)),
+                        ("200-400 used slots (a routed layer)", sparse)):
+        for splits in (None, 1, 4, 16):
+            kwargs = {} if splits is None else {"num_splits": splits}
+            row(f"decode attention, flash varlen, {label}, num_splits {splits}", lambda: torch.ops.aten._flash_attention_forward(
+                q_packed, packed[0], packed[1], cu_q, cu_q * slots, 1, slots, 0.0, False, False, seqused_k=used, **kwargs), device)
     nominal = 2 * batch * heads * length * head_dim * 2 / (args.bandwidth * 1e12) * 1e6
     print(f"| reading the cache once at {args.bandwidth} TB/s | {nominal:.1f} |")
 

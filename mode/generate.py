@@ -13,8 +13,10 @@ How a routed layer runs at inference:
   per-sequence length: a layer writes keys and values only for the tokens it processed, so a
   token routed around a layer is absent from that layer's cache and later tokens cannot
   attend to it there.
-- A decode token routed around a layer skips it entirely: the layer is computed only for the
-  batch rows whose token it chose (index_select of those rows), nothing for the others.
+- A decode token routed around a layer skips it: its hidden state comes out unchanged and the
+  layer's cache never sees it. With routed_rows="gather" the layer is computed only for the
+  rows whose token it chose; the static step ("masked") computes every row and keeps only the
+  chosen rows' results (at a large batch the layer's matmuls cost the same either way).
 - Prompts of different lengths are right-padded in one prefill; padding never enters a cache
   (it is masked out of every layer) and every token is rotated at its absolute position, so
   a padded batch gives what the prompts give one by one.
@@ -22,8 +24,10 @@ Dense layers (and MoE / Integrated MoDE layers, whose attention sees every token
 every valid token; their FFN routes causally (expert choice by its causal decision, token
 choice without capacity).
 
-A decode step (`Decoder.step`) is built so that its cost follows the rows computed, not the
-batch, and the host waits for the device once per routed layer, never per row:
+A decode step runs one of two ways (Decoder's routed_rows, see ROUTED_ROWS): the static step
+("masked", the default on a GPU), one fixed sequence of kernels with no host sync, captured as
+a CUDA graph; or "gather" (the default on CPU), described here, built so that its cost follows
+the rows computed, not the batch, and the host waits for the device once per routed layer:
 - the per-row lengths of every cache live on the host (LayerCache.lengths_cpu) and are exact,
   so attention windows, write slots and "do the rows line up?" are host decisions, not syncs;
 - a routed layer computes its causal decision for all B rows (one small matmul) and copies
@@ -55,6 +59,7 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mode.layers.block import TransformerBlock
+from mode.layers.mlp import SwiGLU
 from mode.layers.mod import MoDBlock
 from mode.layers.rotary import RotaryAngles, apply_rotary
 from mode.model import LanguageModel
@@ -69,13 +74,16 @@ DECODE_SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTI
 WINDOW_ALIGN = 16
 # How a decode step runs a routed (MoD / Staged MoDE) layer (Decoder's routed_rows):
 # - "gather": only the rows whose token chose the layer are computed (index_select), the rest
-#   skip it entirely; the decisions go to the host first (one sync per routed layer).
-# - "masked": every active row is computed and only the chosen rows keep the update and write
-#   a cache slot that counts; the decisions never leave the device, so the host runs ahead.
+#   skip it entirely; the decisions go to the host first (one sync per routed layer). Eager.
+# - "masked": the static step. Every active row is computed and only the chosen rows keep the
+#   update and write a cache slot that counts; decisions, lengths and positions never leave
+#   the device, attention reads each row's used slots through flash attention's variable-length
+#   kernel, and the whole step is one fixed sequence of kernels: on a GPU it is captured once as
+#   a CUDA graph (cuda_graph) and replayed, so the host no longer paces the step.
 # Either way a skipped token leaves the layer's cache and its own hidden state untouched, and
-# attention reads only the layer's sparse cache. At a large batch almost every routed layer
-# has some chosen row, and its matmuls read the same weights for 8 rows as for 64: there the
-# sync costs more than the rows, so "auto" picks "masked" on a GPU from this batch size up.
+# attention reads only the layer's sparse cache. "auto": "masked" on a GPU where the step can
+# be captured (every FFN dense) or from batch MASKED_MIN_BATCH (where almost every routed layer
+# has some chosen row and its matmuls read the same weights for 8 rows as for 64), else "gather".
 ROUTED_ROWS = ("auto", "gather", "masked")
 MASKED_MIN_BATCH = 16
 
@@ -83,11 +91,13 @@ MASKED_MIN_BATCH = 16
 # ----------------------------------------------------------------------------- the cache
 @dataclass
 class LayerCache:
-    """Keys and values of the tokens one layer processed, kv (B, 2, H, max_len + 1, hd), and lengths (B,).
+    """Keys and values of the tokens one layer processed, kv (2, B, max_len + 1, H, hd), and lengths (B,).
 
-    k = kv[:, 0] and v = kv[:, 1] are (B, H, max_len + 1, hd) views in the layout attention
-    reads, so a layer attends over views of its cache with no copy, and keys and values are
-    written (and gathered) together in one operation. Row b holds its first lengths[b] slots.
+    kv[0] / kv[1] hold keys / values token-major: viewed as (B * (max_len + 1), H, hd) they are
+    the packed layout of flash attention's variable-length kernel (the static decode step);
+    k and v are their (B, H, max_len + 1, hd) views, the layout SDPA reads, so a layer attends
+    over views of its cache with no copy, and keys and values are written (and gathered)
+    together in one operation. Row b holds its first lengths[b] slots.
     The extra last slot is scratch: a prefill chunk's padding (tokens a row did not choose,
     computed only to keep shapes rectangular) is written there or past the row's length,
     never over a cached token. The lengths live on the host (exact, updated as tokens are
@@ -95,30 +105,30 @@ class LayerCache:
     """
 
     kv: Tensor
-    lengths_cpu: Tensor  # (B,) long, on the host: exact, or an upper bound while lengths_dev is set
-    # The exact lengths on the device, set while a routed layer decodes with routed_rows="masked"
-    # (its decisions stay on the device, so the host keeps only an upper bound).
+    lengths_cpu: Tensor  # (B,) long, on the host: exact unless lengths_dev is set
+    # While the decoder runs its static step (routed_rows="masked") the exact lengths live on the
+    # device, updated there; lengths_cpu is then stale until sync_lengths().
     lengths_dev: Tensor | None = None
 
     @classmethod
     def empty(cls, batch: int, max_len: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> "LayerCache":
         # zeros, not empty: masked slots are read (weight 0) and must hold finite values.
-        kv = torch.zeros(batch, 2, heads, max_len + 1, head_dim, dtype=dtype, device=device)
+        kv = torch.zeros(2, batch, max_len + 1, heads, head_dim, dtype=dtype, device=device)
         return cls(kv, torch.zeros(batch, dtype=torch.long))
 
     @property
     def k(self) -> Tensor:
         """(B, H, max_len + 1, hd) view"""
-        return self.kv[:, 0]
+        return self.kv[0].transpose(1, 2)
 
     @property
     def v(self) -> Tensor:
         """(B, H, max_len + 1, hd) view"""
-        return self.kv[:, 1]
+        return self.kv[1].transpose(1, 2)
 
     @property
     def max_len(self) -> int:
-        return self.kv.shape[3] - 1
+        return self.kv.shape[2] - 1
 
     @property
     def lengths(self) -> Tensor:
@@ -128,7 +138,7 @@ class LayerCache:
     def sync_lengths(self) -> None:
         """Make lengths_cpu exact again after masked decode steps (one device -> host copy)."""
         if self.lengths_dev is not None:
-            self.lengths_cpu = self.lengths_dev.cpu()
+            self.lengths_cpu = self.lengths_dev.to("cpu", copy=True)
             self.lengths_dev = None
 
 
@@ -144,6 +154,21 @@ def _rotate_qk_(qkv: Tensor, angles: RotaryAngles) -> None:
     shape = (angles.cos_full.shape[0], x.shape[1], 1, 1, x.shape[-1])
     rotate_half = torch.cat((x[..., half:], x[..., :half]), dim=-1)  # (x2, x1)
     torch.add(x * angles.cos_full.view(shape), rotate_half * angles.sin_signed.view(shape), out=x)
+
+
+def _flash_varlen_available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether flash attention's variable-length kernel with seqused_k runs here (tried once, tiny)."""
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        return False
+    try:
+        q = torch.zeros(2, 1, head_dim, dtype=dtype, device=device)
+        kv = torch.zeros(4, 1, head_dim, dtype=dtype, device=device)
+        cu = torch.tensor([0, 1, 2], dtype=torch.int32, device=device)
+        used = torch.ones(2, dtype=torch.int32, device=device)
+        torch.ops.aten._flash_attention_forward(q, kv, kv, cu, cu * 2, 1, 2, 0.0, False, False, seqused_k=used)
+        return True
+    except (RuntimeError, TypeError):
+        return False
 
 
 def _to_device(t: Tensor, device: torch.device) -> Tensor:
@@ -259,6 +284,7 @@ class Decoder:
         self, model: LanguageModel, batch: int, max_len: int,
         sdpa_backends: Sequence[SDPBackend] | None = DECODE_SDPA_BACKENDS,
         routed_rows: str = "auto",
+        cuda_graph: bool | None = None,
     ) -> None:
         cfg = model.config.model
         if max_len > cfg.max_seq_len:
@@ -275,9 +301,27 @@ class Decoder:
         self.positions = torch.zeros(batch, dtype=torch.long)  # next absolute position per row (host)
         self.max_len = max_len
         self.device = param.device
+        # A CUDA graph needs a step without host syncs: the static step, with dense FFNs only (an
+        # MoE FFN routes causally through data-dependent row counts).
+        dense_ffns = all(isinstance(_inner_block(b).ffn, SwiGLU) for b in model.blocks)
+        graphable = self.device.type == "cuda" and dense_ffns
         if routed_rows == "auto":
-            routed_rows = "masked" if self.device.type == "cuda" and batch >= MASKED_MIN_BATCH else "gather"
-        self.routed_rows = routed_rows
+            big = self.device.type == "cuda" and batch >= MASKED_MIN_BATCH
+            routed_rows = "masked" if graphable or big else "gather"
+        if cuda_graph is None:
+            cuda_graph = graphable and routed_rows == "masked"
+        elif cuda_graph and not (graphable and routed_rows == "masked"):
+            raise ValueError(
+                "cuda_graph=True needs a CUDA model whose FFNs are all dense (no MoE FFN layers) and routed_rows='masked'"
+            )
+        self.routed_rows, self.cuda_graph = routed_rows, cuda_graph
+        self._positions_dev: Tensor | None = None  # (B,) next positions on the device, in the static step
+        self._graph: torch.cuda.CUDAGraph | None = None
+        slots = max_len + 1
+        self._row_base = torch.arange(batch, device=self.device) * slots  # row b's first slot in the packed cache
+        self._cu_q = torch.arange(batch + 1, device=self.device, dtype=torch.int32)  # one query per row
+        self._cu_k = self._cu_q * slots  # each row's cache region in the packed cache
+        self._flash_varlen = _flash_varlen_available(self.device, param.dtype, cfg.d_model // cfg.n_heads)
         self.sdpa_backends = None if sdpa_backends is None or self.device.type == "cpu" else list(sdpa_backends)
         self._routers = [m for m in model.modules() if isinstance(m, (DepthRouter, ExpertChoiceRouter, TokenChoiceRouter))]
         self._slot_ids = torch.arange(max_len + 1, device=self.device)
@@ -319,8 +363,7 @@ class Decoder:
         if n == 1:
             return self._decode(tokens.view(-1), valid_cpu.view(-1))
         counts = valid_cpu.sum(1)
-        for cache in self.caches:  # the prefill path decides on exact host lengths
-            cache.sync_lengths()
+        self._leave_static()  # the prefill path decides on exact host lengths
         if int((self.positions + counts).max()) > self.max_len:
             raise ValueError(f"a sequence would exceed the decoder's max_len ({self.max_len})")
         positions = (self.positions.unsqueeze(1) + torch.arange(n)).clamp(max=model.config.model.max_seq_len - 1)
@@ -350,6 +393,8 @@ class Decoder:
 
     def _decode(self, tokens: Tensor, active: Tensor) -> Tensor:
         """One token per row: tokens (B,) on any device, active (B,) bool on the host -> hidden (B, 1, D)."""
+        if self.routed_rows == "masked":
+            return self._static_decode(tokens, active, lambda t, a: self._static_step(t, a))
         model = self.model
         batch = tokens.shape[0]
         all_active = bool(active.all())
@@ -370,15 +415,9 @@ class Decoder:
                 rotary.cos_full.index_select(0, pos).view(batch, 1, 1, -1),
                 rotary.sin_signed.index_select(0, pos).view(batch, 1, 1, -1),
             )
-        masked = self.routed_rows == "masked"
-        active_dev = None if all_active or not masked else _to_device(active, self.device)
         with self._inference():
             for index, (block, cache) in enumerate(zip(model.blocks, self.caches)):
-                if isinstance(block, MoDBlock) and masked:
-                    decision, scores = self._decision(index, block, x)
-                    chosen = decision > 0 if active_dev is None else (decision > 0) & active_dev  # (B,) on the device
-                    x = self._decode_layer_masked(block, cache, x, active, angles, scores, chosen)
-                elif isinstance(block, MoDBlock):
+                if isinstance(block, MoDBlock):
                     decision, scores = self._decision(index, block, x)
                     chosen = decision.cpu() > 0  # the layer's one sync: (B,) decisions to the host
                     if not all_active:
@@ -423,23 +462,23 @@ class Decoder:
                 angles = RotaryAngles(angles.cos_full.index_select(0, rows), angles.sin_signed.index_select(0, rows))
         qkv = attn.qkv(inner.attn_norm(xs)).view(n, 1, 3, attn.n_heads, attn.head_dim)
         _rotate_qk_(qkv, angles)
-        q, kv = qkv[:, :, 0], qkv[:, 0, 1:].to(cache.kv.dtype)  # (n, 1, H, hd), (n, 2, H, hd)
+        q, kv = qkv[:, :, 0], qkv[:, 0, 1:].transpose(0, 1).to(cache.kv.dtype)  # (n, 1, H, hd), (2, n, H, hd)
         if aligned:  # a slice write, no mask
             slot, mask = shortest, None
             if rows is None:
-                cache.kv[:, :, :, slot] = kv
-                window_kv = cache.kv[:, :, :, : slot + 1]  # (B, 2, H, L, hd) view
+                cache.kv[:, :, slot] = kv
+                window_kv = cache.kv[:, :, : slot + 1]  # (2, B, L, H, hd) view
             else:
-                cache.kv[:, :, :, slot].index_copy_(0, rows, kv)
-                window_kv = cache.kv[:, :, :, : slot + 1].index_select(0, rows)  # (n, 2, H, L, hd)
+                cache.kv[:, :, slot].index_copy_(1, rows, kv)
+                window_kv = cache.kv[:, :, : slot + 1].index_select(1, rows)  # (2, n, L, H, hd)
         else:  # rows at different lengths: one indexed write at (row, length) and a length mask
-            cache.kv[self._all_rows if rows is None else rows, :, :, slots] = kv
-            window = min(-(-(longest + 1) // WINDOW_ALIGN) * WINDOW_ALIGN, cache.kv.shape[3])
-            window_kv = cache.kv[:, :, :, :window]
+            cache.kv[:, self._all_rows if rows is None else rows, slots] = kv
+            window = min(-(-(longest + 1) // WINDOW_ALIGN) * WINDOW_ALIGN, cache.kv.shape[2])
+            window_kv = cache.kv[:, :, :window]
             if rows is not None:
-                window_kv = window_kv.index_select(0, rows)
+                window_kv = window_kv.index_select(1, rows)
             mask = (self._slot_ids[:window] <= slots.view(n, 1, 1, 1))  # (n, 1, 1, L): the row's cache and itself
-        keys, values = window_kv.to(q.dtype).unbind(1)  # (n, H, L, hd) each
+        keys, values = window_kv.to(q.dtype).transpose(2, 3).unbind(0)  # (n, H, L, hd) each
         y = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask)
         a = attn.out(y.transpose(1, 2).reshape(n, 1, width))
         h = xs + a
@@ -458,42 +497,142 @@ class Decoder:
         torch.mul(update, gate.view(n, 1, 1), out=update)
         return xs + update if rows is None else x.index_add_(0, rows, update.to(x.dtype))
 
-    def _decode_layer_masked(
-        self, block: MoDBlock, cache: LayerCache, x: Tensor, active: Tensor, angles: RotaryAngles, scores: Tensor,
-        chosen: Tensor,
-    ) -> Tensor:
-        """routed_rows="masked": one token per row through a routed layer, with no host sync.
+    # ------------------------------------------------------------------ the static decode step
+    # routed_rows="masked": one decode step is a fixed sequence of kernels on device tensors,
+    # with no host sync and no host value (lengths and positions live on the device), so it
+    # can be captured once as a CUDA graph and replayed every step.
 
-        Every row is computed; chosen (B,) on the device says which keep the update. A chosen
-        row writes its key and value at its length and its length grows by one; every other row
-        writes to the scratch slot (max_len), so the cache holds exactly the chosen tokens.
-        The host keeps an upper bound of the lengths (lengths_cpu + 1 per active row and step)
-        to size the attention window.
+    def _enter_static(self) -> None:
+        """Hand the lengths and positions to the device (after a prefill, which keeps them on the host)."""
+        if self._positions_dev is not None:
+            return
+        for cache in self.caches:  # copies, never aliases (on CPU .to would return the host tensor itself)
+            cache.lengths_dev = cache.lengths_cpu.to(self.device, copy=True)
+        self._positions_dev = self.positions.to(self.device, copy=True)
+
+    def _leave_static(self) -> None:
+        """Bring the exact lengths back to the host (one copy); host positions are always exact."""
+        for cache in self.caches:
+            cache.sync_lengths()
+        self._positions_dev = None
+
+    def _static_decode(self, tokens: Tensor, active: Tensor, run) -> Tensor:
+        """Checks on the host, then run(tokens, active) on the device; positions advance by active."""
+        if not bool(active.any()):
+            return self._idle(tokens, run)
+        if int(self.positions[active].max()) + 1 > self.max_len:
+            raise ValueError(f"a sequence would exceed the decoder's max_len ({self.max_len})")
+        self._enter_static()
+        out = run(_to_device(tokens, self.device), _to_device(active, self.device))
+        self.positions += active.long()
+        return out
+
+    def _idle(self, tokens: Tensor, run) -> Tensor:
+        """No active row: nothing is computed; the hidden states (or logits) of the inputs."""
+        x = self.model.embed(_to_device(tokens, self.device)).view(tokens.shape[0], 1, -1)
+        return x if run is not self._static_logits else self.logits(x[:, 0])
+
+    def _static_logits(self, tokens: Tensor, active: Tensor) -> Tensor:
+        """tokens (B,), active (B,) on the device -> logits (B, V): replays the CUDA graph if there is one."""
+        if not self.cuda_graph:
+            return self.logits(self._static_step(tokens, active)[:, 0])
+        if self._graph is None:
+            self._capture()
+        self._graph_inputs[0].copy_(tokens)
+        self._graph_inputs[1].copy_(active)
+        self._graph.replay()
+        return self._graph_logits.clone()  # the next replay overwrites the graph's output
+
+    def _capture(self) -> None:
+        """Record one static step as a CUDA graph. The warm-up runs have no active row, so they
+        write only scratch slots and leave every length and position as it was."""
+        batch = self.positions.shape[0]
+        tokens = torch.zeros(batch, dtype=torch.long, device=self.device)
+        active = torch.zeros(batch, dtype=torch.bool, device=self.device)
+        run = lambda: self.logits(self._static_step(tokens, active)[:, 0])  # noqa: E731
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                run()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._graph_logits = run()
+        self._graph, self._graph_inputs = graph, (tokens, active)
+
+    def _static_step(self, tokens: Tensor, active: Tensor) -> Tensor:
+        """tokens (B,), active (B,) bool, on the device -> hidden (B, 1, D). Every row is computed;
+        a layer keeps the update (and caches the token) of the rows it chose, routed or active."""
+        model = self.model
+        batch = tokens.shape[0]
+        positions = self._positions_dev
+        x = model.embed(tokens).view(batch, 1, -1)
+        angles = RotaryAngles(
+            model.rotary.cos_full.index_select(0, positions).view(batch, 1, 1, -1),
+            model.rotary.sin_signed.index_select(0, positions).view(batch, 1, 1, -1),
+        )
+        with self._inference():
+            for index, (block, cache) in enumerate(zip(model.blocks, self.caches)):
+                if isinstance(block, MoDBlock):
+                    decision, scores = self._decision(index, block, x)
+                    x = self._static_layer(block, cache, x, angles, (decision > 0) & active, scores)
+                else:
+                    x = self._static_layer(block, cache, x, angles, active, None)
+        positions.add_(active)  # in place: the graph's own buffer
+        return x
+
+    def _static_layer(
+        self, block: nn.Module, cache: LayerCache, x: Tensor, angles: RotaryAngles, chosen: Tensor,
+        scores: Tensor | None,
+    ) -> Tensor:
+        """One token per row through one layer; chosen (B,) bool on the device: the rows that keep it.
+
+        A chosen row writes its key and value at its length, attends over its cache and itself,
+        and gets the update; every other row writes to its scratch slot (max_len) and comes out
+        unchanged, so the cache holds exactly the chosen tokens. scores: a routed layer's router
+        scores (its gate), None for a dense layer.
         """
         batch, _, width = x.shape
-        inner = block.block
+        inner = _inner_block(block)
         attn = inner.attn
-        if cache.lengths_dev is None:
-            cache.lengths_dev = _to_device(cache.lengths_cpu, self.device)
         lengths = cache.lengths_dev  # (B,) exact
         qkv = attn.qkv(inner.attn_norm(x)).view(batch, 1, 3, attn.n_heads, attn.head_dim)
         _rotate_qk_(qkv, angles)
-        q, kv = qkv[:, :, 0], qkv[:, 0, 1:].to(cache.kv.dtype)  # (B, 1, H, hd), (B, 2, H, hd)
-        cache.kv[self._all_rows, :, :, torch.where(chosen, lengths, cache.max_len)] = kv
-        longest = int(cache.lengths_cpu[active].max())  # host upper bound of every active row's length
-        window = min(-(-(longest + 1) // WINDOW_ALIGN) * WINDOW_ALIGN, cache.kv.shape[3])
-        # A chosen row sees its cache and itself; an unchosen row's output is discarded, and its
-        # mask (its cache and one stale slot) only keeps the softmax finite.
-        mask = self._slot_ids[:window] <= lengths.view(batch, 1, 1, 1)  # (B, 1, 1, L)
-        keys, values = cache.kv[:, :, :, :window].to(q.dtype).unbind(1)  # (B, H, L, hd) views
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask)
-        a = attn.out(y.transpose(1, 2).reshape(batch, 1, width))
-        out, _ = inner._ffn(inner.ffn_norm(x + a))
-        # x + g(r) * f(x) for the chosen rows, as MoDBlock (gate in float32, rounded once to x's dtype)
+        slot = torch.where(chosen, lengths, cache.max_len)
+        packed = cache.kv.view(2, -1, attn.n_heads, attn.head_dim)  # (2, B * (max_len + 1), H, hd)
+        packed.index_copy_(1, self._row_base + slot, qkv[:, 0, 1:].transpose(0, 1).to(cache.kv.dtype))
+        # An unchosen row's output is discarded; reading at least one (finite) slot keeps it finite.
+        used = torch.where(chosen, lengths + 1, lengths.clamp(min=1))
+        y = self._attend(qkv[:, 0, 0], cache, used)  # (B, H, hd)
+        a = attn.out(y.reshape(batch, 1, width))
+        h = x + a
+        out, _ = inner._ffn(inner.ffn_norm(h))
+        lengths.add_(chosen)
+        keep = chosen.view(batch, 1, 1)
+        if scores is None:  # dense: h + FFN(norm(h))
+            return torch.where(keep, h + out, x)
+        # routed: x + g(r) * f(x), as MoDBlock: f = a + out times the float32 gate, rounded once to x's dtype
         update = (a + out) * apply_gate(scores, block.router.gate).view(batch, 1, 1)
-        cache.lengths_dev = lengths + chosen
-        cache.lengths_cpu += active.long()
-        return x + torch.where(chosen.view(batch, 1, 1), update, 0).to(x.dtype)
+        return torch.where(keep, x + update.to(x.dtype), x)
+
+    def _attend(self, q: Tensor, cache: LayerCache, used: Tensor) -> Tensor:
+        """Single-query attention of row b over its first used[b] cache slots: q (B, H, hd) -> (B, H, hd).
+
+        With flash attention (CUDA, fp16 / bf16): its variable-length kernel on the packed cache,
+        which reads only the used slots (seqused_k) and takes no host value. Elsewhere: SDPA over
+        the whole cache with a length mask (the same result at full-length cost).
+        """
+        batch, heads, head_dim = q.shape
+        if self._flash_varlen:
+            slots = cache.kv.shape[2]
+            keys, values = cache.kv.view(2, -1, heads, head_dim).to(q.dtype).unbind(0)  # (B * slots, H, hd)
+            return torch.ops.aten._flash_attention_forward(
+                q.contiguous(), keys, values, self._cu_q, self._cu_k, 1, slots, 0.0, False, False, seqused_k=used.int(),
+            )[0]
+        mask = self._slot_ids < used.view(batch, 1, 1, 1)  # (B, 1, 1, max_len + 1)
+        y = F.scaled_dot_product_attention(q.unsqueeze(2), cache.k.to(q.dtype), cache.v.to(q.dtype), attn_mask=mask)
+        return y.squeeze(2)
 
     def logits(self, hidden: Tensor) -> Tensor:
         return self.model.lm_head(self.model.norm(hidden)).float()
@@ -514,6 +653,8 @@ class Decoder:
     def step(self, tokens: Tensor, active: Tensor | None = None) -> Tensor:
         """One decode step: tokens (B,) (on any device) -> logits (B, V). Inactive rows (finished) compute nothing."""
         active = torch.ones(tokens.shape[0], dtype=torch.bool) if active is None else active.cpu()
+        if self.routed_rows == "masked":
+            return self._static_decode(tokens.reshape(-1), active.view(-1), self._static_logits)
         hidden = self._decode(tokens.reshape(-1), active.view(-1))
         return self.logits(hidden[:, 0])
 
