@@ -81,14 +81,23 @@ def calibrate_routers(model: LanguageModel, prompts: torch.Tensor, share: float)
             x, _ = block(x, angles)
 
 
+def step_kind(policy: str) -> tuple[str, bool]:
+    """"masked+compile" -> ("masked", True); a routed_rows value -> (it, False)."""
+    return (policy.removesuffix("+compile"), policy.endswith("+compile"))
+
+
 @torch.no_grad()
 def decode_run(
     model: LanguageModel, prompts: torch.Tensor, new_tokens: int, device: torch.device, sdpa=DECODE_SDPA_BACKENDS,
-    routed_rows: str = "auto",
+    routed_rows: str = "auto", compile: bool = False,
 ) -> tuple[float, float, float, str]:
-    """(prefill seconds, decode tokens/s, share of decode tokens the routed layers processed, routed_rows used)."""
+    """(prefill seconds, decode tokens/s, share of decode tokens the routed layers processed, the step used).
+
+    The first decode step (where a CUDA graph is captured) is run before the clock starts;
+    new_tokens - 1 steps are timed."""
     batch = prompts.shape[0]
-    decoder = Decoder(model, batch, prompts.shape[1] + new_tokens, sdpa_backends=sdpa, routed_rows=routed_rows)
+    decoder = Decoder(model, batch, prompts.shape[1] + new_tokens, sdpa_backends=sdpa, routed_rows=routed_rows,
+                      compile=compile and routed_rows != "gather")
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
     t0 = time.perf_counter()
@@ -97,33 +106,31 @@ def decode_run(
     t1 = time.perf_counter()
     routed = [c for b, c in zip(model.blocks, decoder.caches) if isinstance(b, MoDBlock)]
     before = sum(int(c.lengths.sum()) for c in routed)
-    for _ in range(new_tokens):
-        logits = decoder.step(logits.argmax(-1))
+    logits = decoder.step(logits.argmax(-1))  # untimed: captures the CUDA graph (and compiles)
     sync()
     t2 = time.perf_counter()
+    for _ in range(new_tokens - 1):
+        logits = decoder.step(logits.argmax(-1))
+    sync()
+    t3 = time.perf_counter()
     after = sum(int(c.lengths.sum()) for c in routed)  # exact (device) lengths, read after the timing
     share = (after - before) / (batch * new_tokens * len(routed)) if routed else 1.0
-    used = decoder.routed_rows + (" + CUDA graph" if decoder.cuda_graph else "")
-    return t1 - t0, batch * new_tokens / (t2 - t1), share, used
+    used = decoder.routed_rows + (" + CUDA graph" if decoder.cuda_graph else "") + (" + compile" if decoder.compile else "")
+    return t1 - t0, batch * (new_tokens - 1) / (t3 - t2), share, used
 
 
 # ----------------------------------------------------------------------------- --profile
 class LabelledDecoder(Decoder):
-    """A Decoder whose decode-step layer calls are labelled for the profiler (its static step
-    runs eagerly: the same kernels as the CUDA graph, one launch each)."""
+    """A Decoder whose decode-step layer calls are labelled for the profiler (the gather step's;
+    the static step runs eagerly, the same kernels as its CUDA graph, and is profiled whole)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.cuda_graph = False
 
-    def _static_layer(self, block, *args, **kwargs):
-        with record_function("routed layer" if isinstance(block, MoDBlock) else "dense layer"):
-            return super()._static_layer(block, *args, **kwargs)
-
     def _decode_layer(self, block, *args, **kwargs):
         with record_function("routed layer" if isinstance(block, MoDBlock) else "dense layer"):
             return super()._decode_layer(block, *args, **kwargs)
-
 
 
 VIEW_OPS = {
@@ -240,6 +247,7 @@ def main() -> None:
         "--sdpa", default="decoder", choices=["decoder", "torch"],
         help="attention backends: the decoder's default (no cuDNN) or torch's own choice",
     )
+    parser.add_argument("--compile", action="store_true", help="also the static step with torch.compile (Decoder(compile=True))")
     parser.add_argument(
         "--routed-rows", nargs="+", default=["auto"], choices=["auto", "gather", "masked"],
         help="how a decode step runs a routed layer (mode.generate.Decoder's routed_rows); one MoD row each",
@@ -272,13 +280,15 @@ def main() -> None:
 
     rows = []
     setups = [(name, policy) for policy in args.routed_rows for name in ("dense", "MoD")]
+    if args.compile:
+        setups += [(name, "masked+compile") for name in ("dense", "MoD")]
     for batch in args.batches:
         best: dict[tuple[str, str], tuple[float, float, float, str]] = {}
         for name, policy in setups:  # warm up kernels and allocator
-            decode_run(models[name], prompts[batch][:, :8], 4, device, sdpa, policy)
+            decode_run(models[name], prompts[batch][:, :8], 4, device, sdpa, *step_kind(policy))
         for _ in range(args.repeats):  # interleaved, so a slow spell of the machine hits every row alike
             for name, policy in setups:
-                run = decode_run(models[name], prompts[batch], args.new_tokens, device, sdpa, policy)
+                run = decode_run(models[name], prompts[batch], args.new_tokens, device, sdpa, *step_kind(policy))
                 if (name, policy) not in best or run[1] > best[name, policy][1]:
                     best[name, policy] = run
         for (name, policy), (prefill, tps, share, used) in best.items():

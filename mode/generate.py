@@ -285,6 +285,7 @@ class Decoder:
         sdpa_backends: Sequence[SDPBackend] | None = DECODE_SDPA_BACKENDS,
         routed_rows: str = "auto",
         cuda_graph: bool | None = None,
+        compile: bool = False,
     ) -> None:
         cfg = model.config.model
         if max_len > cfg.max_seq_len:
@@ -314,7 +315,9 @@ class Decoder:
             raise ValueError(
                 "cuda_graph=True needs a CUDA model whose FFNs are all dense (no MoE FFN layers) and routed_rows='masked'"
             )
-        self.routed_rows, self.cuda_graph = routed_rows, cuda_graph
+        if compile and routed_rows != "masked":
+            raise ValueError("compile=True compiles the static step: it needs routed_rows='masked'")
+        self.routed_rows, self.cuda_graph, self.compile = routed_rows, cuda_graph, compile
         self._positions_dev: Tensor | None = None  # (B,) next positions on the device, in the static step
         self._graph: torch.cuda.CUDAGraph | None = None
         slots = max_len + 1
@@ -568,53 +571,34 @@ class Decoder:
         batch = tokens.shape[0]
         positions = self._positions_dev
         x = model.embed(tokens).view(batch, 1, -1)
-        angles = RotaryAngles(
-            model.rotary.cos_full.index_select(0, positions).view(batch, 1, 1, -1),
-            model.rotary.sin_signed.index_select(0, positions).view(batch, 1, 1, -1),
-        )
+        cos = model.rotary.cos_full.index_select(0, positions).view(batch, 1, 1, -1)
+        sin = model.rotary.sin_signed.index_select(0, positions).view(batch, 1, 1, -1)
+        pre, post = _static_pieces(self.compile)
         with self._inference():
             for index, (block, cache) in enumerate(zip(model.blocks, self.caches)):
-                if isinstance(block, MoDBlock):
-                    decision, scores = self._decision(index, block, x)
-                    x = self._static_layer(block, cache, x, angles, (decision > 0) & active, scores)
-                else:
-                    x = self._static_layer(block, cache, x, angles, active, None)
+                routed = isinstance(block, MoDBlock)
+                weights = self._decision_weights[index] if routed else None
+                q, kv, chosen, gate = pre(block, x, cos, sin, active, weights)
+                y = self._static_attention(cache, q, kv, chosen)
+                x = post(_inner_block(block), x, y, chosen, gate)
         positions.add_(active)  # in place: the graph's own buffer
         return x
 
-    def _static_layer(
-        self, block: nn.Module, cache: LayerCache, x: Tensor, angles: RotaryAngles, chosen: Tensor,
-        scores: Tensor | None,
-    ) -> Tensor:
-        """One token per row through one layer; chosen (B,) bool on the device: the rows that keep it.
+    def _static_attention(self, cache: LayerCache, q: Tensor, kv: Tensor, chosen: Tensor) -> Tensor:
+        """q (B, H, hd), kv (2, B, H, hd), chosen (B,) bool -> attention output (B, H, hd).
 
-        A chosen row writes its key and value at its length, attends over its cache and itself,
-        and gets the update; every other row writes to its scratch slot (max_len) and comes out
-        unchanged, so the cache holds exactly the chosen tokens. scores: a routed layer's router
-        scores (its gate), None for a dense layer.
+        A chosen row writes its key and value at its length and attends over its cache and
+        itself; every other row writes to its scratch slot (max_len), so the cache holds exactly
+        the chosen tokens, and its output is discarded by the caller.
         """
-        batch, _, width = x.shape
-        inner = _inner_block(block)
-        attn = inner.attn
         lengths = cache.lengths_dev  # (B,) exact
-        qkv = attn.qkv(inner.attn_norm(x)).view(batch, 1, 3, attn.n_heads, attn.head_dim)
-        _rotate_qk_(qkv, angles)
         slot = torch.where(chosen, lengths, cache.max_len)
-        packed = cache.kv.view(2, -1, attn.n_heads, attn.head_dim)  # (2, B * (max_len + 1), H, hd)
-        packed.index_copy_(1, self._row_base + slot, qkv[:, 0, 1:].transpose(0, 1).to(cache.kv.dtype))
+        packed = cache.kv.view(2, -1, *kv.shape[2:])  # (2, B * (max_len + 1), H, hd)
+        packed.index_copy_(1, self._row_base + slot, kv.to(cache.kv.dtype))
         # An unchosen row's output is discarded; reading at least one (finite) slot keeps it finite.
         used = torch.where(chosen, lengths + 1, lengths.clamp(min=1))
-        y = self._attend(qkv[:, 0, 0], cache, used)  # (B, H, hd)
-        a = attn.out(y.reshape(batch, 1, width))
-        h = x + a
-        out, _ = inner._ffn(inner.ffn_norm(h))
         lengths.add_(chosen)
-        keep = chosen.view(batch, 1, 1)
-        if scores is None:  # dense: h + FFN(norm(h))
-            return torch.where(keep, h + out, x)
-        # routed: x + g(r) * f(x), as MoDBlock: f = a + out times the float32 gate, rounded once to x's dtype
-        update = (a + out) * apply_gate(scores, block.router.gate).view(batch, 1, 1)
-        return torch.where(keep, x + update.to(x.dtype), x)
+        return self._attend(q, cache, used)
 
     def _attend(self, q: Tensor, cache: LayerCache, used: Tensor) -> Tensor:
         """Single-query attention of row b over its first used[b] cache slots: q (B, H, hd) -> (B, H, hd).
@@ -657,6 +641,64 @@ class Decoder:
             return self._static_decode(tokens.reshape(-1), active.view(-1), self._static_logits)
         hidden = self._decode(tokens.reshape(-1), active.view(-1))
         return self.logits(hidden[:, 0])
+
+
+# ----------------------------------------------------------------------------- static step pieces
+# The static decode step around each layer's cache write and attention: plain functions of
+# the layer's modules, so that with Decoder(compile=True) one torch.compile of each serves
+# every layer (regional compilation: the modules' parameters are inputs, not constants).
+def _static_pre(
+    block: nn.Module, x: Tensor, cos: Tensor, sin: Tensor, active: Tensor, weights: tuple[Tensor, Tensor | None] | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """x (B, 1, D) -> q (B, H, hd), kv (2, B, H, hd), chosen (B,) bool, gate (B,) float32 or None.
+
+    chosen: the active rows, and for a routed layer those whose causal decision took the token
+    (decision logit > 0: the float32 router weights when given, else the router / predictor);
+    gate: a routed layer's g(r)."""
+    batch = x.shape[0]
+    gate = None
+    chosen = active
+    if isinstance(block, MoDBlock):
+        if weights is not None:
+            scores = decision = F.linear(x.view(batch, -1).float(), *weights).view(-1)  # Router.forward in float32
+        else:
+            scores = block.router.router(x).view(-1)
+            decision = block.router.causal.logits(x, scores.view(-1, 1, 1)).view(-1)
+        chosen = (decision > 0) & active
+        gate = apply_gate(scores, block.router.gate)
+    inner = _inner_block(block)
+    attn = inner.attn
+    qkv = attn.qkv(inner.attn_norm(x)).view(batch, 1, 3, attn.n_heads, attn.head_dim)
+    qk = apply_rotary(qkv[:, :, :2], RotaryAngles(cos, sin))  # (B, 1, 2, H, hd)
+    kv = torch.stack((qk[:, 0, 1], qkv[:, 0, 2]))  # (2, B, H, hd)
+    return qk[:, 0, 0], kv, chosen, gate
+
+
+def _static_post(inner: TransformerBlock, x: Tensor, y: Tensor, chosen: Tensor, gate: Tensor | None) -> Tensor:
+    """The rest of the layer: the chosen rows' new hidden states, the others' unchanged. y (B, H, hd)."""
+    batch, _, width = x.shape
+    a = inner.attn.out(y.reshape(batch, 1, width))
+    h = x + a
+    out, _ = inner._ffn(inner.ffn_norm(h))
+    keep = chosen.view(batch, 1, 1)
+    if gate is None:  # dense: h + FFN(norm(h))
+        return torch.where(keep, h + out, x)
+    # routed: x + g(r) * f(x), as MoDBlock: f = a + out times the float32 gate, rounded once to x's dtype
+    update = (a + out) * gate.view(batch, 1, 1)
+    return torch.where(keep, x + update.to(x.dtype), x)
+
+
+_COMPILED_PIECES: tuple | None = None
+
+
+def _static_pieces(compiled: bool) -> tuple:
+    """(pre, post), compiled once per process when asked (every decoder and layer shares them)."""
+    global _COMPILED_PIECES
+    if not compiled:
+        return _static_pre, _static_post
+    if _COMPILED_PIECES is None:
+        _COMPILED_PIECES = (torch.compile(_static_pre, dynamic=False), torch.compile(_static_post, dynamic=False))
+    return _COMPILED_PIECES
 
 
 # ----------------------------------------------------------------------------- sampling

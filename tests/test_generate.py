@@ -413,3 +413,18 @@ def test_flash_varlen_attention_equals_masked_sdpa() -> None:
     masked = decoder._attend(q, cache, used)
     # bf16 inputs, float32 accumulation in both: outputs of size ~1 agree to a few bf16 ulps.
     torch.testing.assert_close(flash, masked, rtol=0, atol=2e-2)
+
+
+def test_compiled_static_step_matches_the_eager_one() -> None:
+    """Decoder(compile=True): one torch.compile of each static-step piece serves every layer."""
+    model = make_model("mod", "aux_loss", n_layers=3)
+    prompts = [torch.randint(0, 256, (n,)).tolist() for n in (4, 9)]
+    follow = torch.randint(0, 256, (2, 5))
+    runs = []
+    for compile in (False, True):
+        decoder = Decoder(model, 2, 20, routed_rows="masked", compile=compile)
+        runs.append([decoder.prefill(prompts)] + [decoder.step(follow[:, i]) for i in range(5)])
+    for eager, compiled in zip(*runs):
+        assert (eager - compiled).abs().max() <= F64_TOL
+    with pytest.raises(ValueError, match="compile"):
+        Decoder(model, 2, 20, routed_rows="gather", compile=True)
