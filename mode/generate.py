@@ -748,12 +748,14 @@ def generate(
     top_p: float = 1.0,
     stop_tokens: Sequence[int] = (),
     seed: int | None = None,
+    compile: bool = False,
 ) -> list[list[int]] | list[str]:
     """Sample continuations of a batch of prompts; returns the new tokens (or text for text prompts).
 
     Prompts are token lists or strings (byte-level tokens). Temperature 0 is greedy. A row
     stops at a stop token (not included in its output), after max_new_tokens, or when it
-    reaches the context window (model.max_seq_len).
+    reaches the context window (model.max_seq_len). compile: torch.compile the static decode
+    step (Decoder(compile=True); worth its compile time for long generations).
     """
     check_sampling(temperature, top_k, top_p, max_new_tokens)
     if isinstance(prompts, str) or len(prompts) == 0:
@@ -782,7 +784,7 @@ def generate(
     if seed is not None:
         generator = torch.Generator(device=device).manual_seed(seed)
     try:
-        decoder = Decoder(model, len(token_prompts), max_len)
+        decoder = Decoder(model, len(token_prompts), max_len, routed_rows="masked" if compile else "auto", compile=compile)
         outputs: list[list[int]] = [[] for _ in token_prompts]
         room = [min(max_new_tokens, cfg.max_seq_len - len(p)) for p in token_prompts]
         active = [r > 0 for r in room]  # host bookkeeping in Python: no per-row tensor indexing
@@ -834,6 +836,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--greedy", action="store_true", help="argmax decoding (temperature 0)")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--compile", action="store_true", help="torch.compile the decode step (pays off on long generations)")
     args = parser.parse_args(argv)
     from mode.utils import pick_device
 
@@ -846,7 +849,7 @@ def main(argv: list[str] | None = None) -> int:
         model = load_model(args.checkpoint, device)
         texts = generate(
             model, args.prompt, max_new_tokens=args.max_new_tokens, temperature=0.0 if args.greedy else args.temperature,
-            top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+            top_k=args.top_k, top_p=args.top_p, seed=args.seed, compile=args.compile,
         )
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
