@@ -214,7 +214,7 @@ def describe(config: Config, processes: Processes, impl: str, args: argparse.Nam
             f"{m.block_pattern} x {m.n_layers}, D={m.d_model}, heads {m.n_heads}, d_ff {m.d_ff}, vocab {m.vocab_size}; "
             f"MoE FFN: {ffn}, {moe.activation}; per GPU {t.batch_size} x {config.data.seq_len} tokens "
             f"(grad_accum {t.grad_accum}); ep {config.parallel.expert_parallel}, ZeRO {config.parallel.zero_stage}, "
-            f"{precision}; median of {args.steps} steps after {args.warmup}")
+            f"{precision}{', torch.compile' if t.compile else ', eager'}; median of {args.steps} steps after {args.warmup}")
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:

@@ -8,7 +8,8 @@
 # Environment (all optional):
 #   PYTHON=python3            the interpreter
 #   IMPLS="mode deepspeed"    impls to run, in this order at each N; "mode-moe" is --impl mode on
-#                             configs/moe_gpu.yaml (expert FLOPs equal to DeepSpeed's top-1 at capacity 1)
+#                             configs/moe_gpu.yaml (expert FLOPs equal to DeepSpeed's top-1 at capacity 1);
+#                             "mode-compiled" / "deepspeed-compiled": the same with --train.compile=true
 #   COUNTS="1 2 4"            process counts (default: 1 2 4 8, those <= the GPUs)
 #   GPUS=N                    the GPU count, instead of nvidia-smi -L (e.g. for a CPU smoke run with --tiny)
 #   RUN_TIMEOUT=120           seconds per launch (killed after, its row marked as such)
@@ -56,6 +57,7 @@ for n in $COUNTS; do
     t0=$SECONDS
     case "$impl" in
       mode-moe) impl_args=(--impl mode --config configs/moe_gpu.yaml --label mode-moe) ;;
+      *-compiled) impl_args=(--impl "${impl%-compiled}" --label "$impl" --train.compile=true) ;;
       *) impl_args=(--impl "$impl") ;;
     esac
     timeout -k 15 "$RUN_TIMEOUT" "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node "$n" \
@@ -107,15 +109,17 @@ for impl in impls:
         speed = f"{tok / base[0]:.2f} x" if isinstance(base, tuple) else "-"
         eff = f"{tok / base[0] / n:.0%}" if isinstance(base, tuple) else "-"
         out.append(f"| {impl} | {n} | {tok:,.0f} | {ms:.1f} | {peak} | {speed} | {eff} |")
-if len(impls) >= 2:
-    a, b = impls[0], impls[1]
-    out += ["", f"| GPUs | {a} M tokens/s | {b} M tokens/s | {a} / {b} |", "| --- | --- | --- | --- |"]
+# every project row against every DeepSpeed row of the same GPU count
+pairs = [(a, b) for a in impls if not a.startswith("deepspeed") for b in impls if b.startswith("deepspeed")]
+if pairs:
+    out += ["", "| GPUs | mode impl | M tokens/s | DeepSpeed impl | M tokens/s | ratio |", "| --- | --- | --- | --- | --- | --- |"]
     for n in counts:
-        ra, rb = rows.get((a, n)), rows.get((b, n))
-        fa = f"{ra[0] / 1e6:.3f}" if isinstance(ra, tuple) else "-"
-        fb = f"{rb[0] / 1e6:.3f}" if isinstance(rb, tuple) else "-"
-        ratio = f"{ra[0] / rb[0]:.2f} x" if isinstance(ra, tuple) and isinstance(rb, tuple) else "-"
-        out.append(f"| {n} | {fa} | {fb} | {ratio} |")
+        for a, b in pairs:
+            ra, rb = rows.get((a, n)), rows.get((b, n))
+            fa = f"{ra[0] / 1e6:.3f}" if isinstance(ra, tuple) else "-"
+            fb = f"{rb[0] / 1e6:.3f}" if isinstance(rb, tuple) else "-"
+            ratio = f"{ra[0] / rb[0]:.2f} x" if isinstance(ra, tuple) and isinstance(rb, tuple) else "-"
+            out.append(f"| {n} | {a} | {fa} | {b} | {fb} | {ratio} |")
 out += ["", "Targets (issue 4): >= 1.8 x at 2 GPUs and >= 3.4 x at 4 GPUs; mode / deepspeed >= 1.5 x."]
 text = "\n".join(out) + "\n"
 (log_dir / "table.md").write_text(text)
