@@ -174,6 +174,10 @@ EXPERT_CASES = {
                             moe={"n_experts": 4, "n_noop": 4}, parallel={"zero_stage": 2}),
     "mode_staged": dict(model={"block_pattern": ["dense", "mode_staged"]}, routing={"capacity": 0.5},
                         parallel={"zero_stage": 0}),
+    # torch.compile with expert parallelism: the all-to-all inside the compiled model.
+    "mode_integrated_compiled": dict(model={"block_pattern": ["dense", "mode_integrated"]},
+                                     moe={"n_experts": 4, "n_noop": 4}, train={"compile": True},
+                                     parallel={"zero_stage": 1}),
 }
 
 
