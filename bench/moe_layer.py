@@ -47,8 +47,22 @@ class GeluMLP(nn.Module):
 PARAM_DTYPE = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
+def parameters_of(layer: Callable[[Tensor], Tensor]) -> list[nn.Parameter]:
+    """A row's parameters: an nn.Module's, or those a wrapping lambda carries in .params."""
+    return list(layer.parameters()) if isinstance(layer, nn.Module) else list(getattr(layer, "params", []))
+
+
 def fwd_bwd(layer: Callable[[Tensor], Tensor], x: Tensor) -> Callable[[], None]:
+    params = parameters_of(layer)
+
     def run() -> None:
+        # Fresh gradients each pass, as training with zero_grad(set_to_none=True) (a CUDA-graphed
+        # backward also owns the tensors it returns), and a new step for torch.compile's CUDA
+        # graphs (mode="reduce-overhead").
+        x.grad = None
+        for p in params:
+            p.grad = None
+        torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast("cuda", dtype=torch.bfloat16):
             y = layer(x)
             y = y[0] if isinstance(y, tuple) else y
@@ -71,7 +85,9 @@ def megablocks_dmoe(args: argparse.Namespace) -> Callable[[Tensor], Tensor]:
         mlp_impl="grouped", mlp_type="mlp", bf16=True, fp16=False, device=torch.cuda.current_device(),
     )
     layer = dMoE(margs).cuda().to(PARAM_DTYPE[args.params])
-    return lambda x: layer(x.view(args.batch, args.seq, args.width))[0]
+    run = lambda x: layer(x.view(args.batch, args.seq, args.width))[0]  # noqa: E731
+    run.params = list(layer.parameters())
+    return run
 
 
 def deepspeed_moe(args: argparse.Namespace) -> Callable[[Tensor], Tensor]:
@@ -88,7 +104,9 @@ def deepspeed_moe(args: argparse.Namespace) -> Callable[[Tensor], Tensor]:
         hidden_size=args.width, expert=GeluMLP(args.width, args.ffn), num_experts=args.experts, ep_size=1, k=1,
         capacity_factor=1.0, eval_capacity_factor=1.0, min_capacity=0, drop_tokens=True, use_rts=False,
     ).cuda().to(PARAM_DTYPE[args.params])
-    return lambda x: layer(x.view(args.batch, args.seq, args.width))[0]
+    run = lambda x: layer(x.view(args.batch, args.seq, args.width))[0]  # noqa: E731
+    run.params = list(layer.parameters())
+    return run
 
 
 def main() -> None:
@@ -128,6 +146,15 @@ def main() -> None:
                         lambda: torch.compile(ours(args, scheme="expert_choice", group_size=1))))
         rows.insert(5, ("mode token choice top-1 cf 1.0 (torch, compiled)",
                         lambda: torch.compile(ours(args, scheme="token_choice", capacity_factor=1.0))))
+        # mode="reduce-overhead": the compiled step replayed as CUDA graphs (static shapes only:
+        # expert choice and token choice with a capacity; megablocks' dropless path syncs with the host).
+        graphs = dict(mode="reduce-overhead")
+        rows.insert(6, ("mode token choice top-1 cf 1.0 (torch, compiled + CUDA graphs)",
+                        lambda: torch.compile(ours(args, scheme="token_choice", capacity_factor=1.0), **graphs)))
+        rows.insert(4, ("mode expert choice, per sequence (torch, compiled + CUDA graphs)",
+                        lambda: torch.compile(ours(args, scheme="expert_choice", group_size=1), **graphs)))
+        rows.insert(1, ("dense GELU MLP (compiled + CUDA graphs)",
+                        lambda: torch.compile(GeluMLP(args.width, args.ffn).cuda().to(PARAM_DTYPE[args.params]), **graphs)))
         rows.insert(1, ("dense GELU MLP (compiled)", lambda: torch.compile(GeluMLP(args.width, args.ffn).cuda().to(PARAM_DTYPE[args.params]))))
     print(f"card: {torch.cuda.get_device_name()}; torch {torch.__version__}; tokens {args.batch} x {args.seq}, "
           f"D={args.width}, expert hidden {args.ffn}, {args.experts} experts, {args.params} weights, bf16 autocast, fwd+bwd, "
@@ -143,6 +170,7 @@ def main() -> None:
         except Exception as e:  # a missing library is reported, never timed
             print(f"| {name} | not run: {type(e).__name__}: {str(e).splitlines()[0][:80]} | |")
             traceback.print_exc(limit=2)
+            x.grad = None
             continue
         dense_ms = dense_ms or ms
         print(f"| {name} | {ms:.2f} | {ms / dense_ms:.2f} |", flush=True)
