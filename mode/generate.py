@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -540,7 +541,12 @@ class Decoder:
         if not self.cuda_graph:
             return self.logits(self._static_step(tokens, active)[:, 0])
         if self._graph is None:
-            self._capture()
+            try:
+                self._capture()
+            except RuntimeError as e:  # an op that cannot be captured: the same step, launched eagerly
+                warnings.warn(f"mode.generate: CUDA graph capture failed ({str(e).splitlines()[0]}); decoding without it")
+                self.cuda_graph = False
+                return self.logits(self._static_step(tokens, active)[:, 0])
         self._graph_inputs[0].copy_(tokens)
         self._graph_inputs[1].copy_(active)
         self._graph.replay()
