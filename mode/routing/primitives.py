@@ -181,11 +181,12 @@ def sort_by_expert(slots: Tensor, positions: Tensor, n_experts: int) -> tuple[Te
     """Token choice, uneven loads: computed assignment ids (t * k + j) sorted by expert, and counts.
 
     Returns (M,) assignment ids (stable: token order within an expert) and (E,) counts
-    (int64). M is data-dependent: this syncs with the device once.
+    (int64) on the host. M is data-dependent: this syncs with the device once, and the
+    grouped GEMMs, which read the group sizes on the host, need no second sync.
     """
     key = torch.where(positions >= 0, slots, n_experts).reshape(-1)
-    counts = torch.bincount(key, minlength=n_experts + 1)[:n_experts]
-    order = key.argsort(stable=True)
+    order = key.argsort(stable=True)  # queued before the sync
+    counts = torch.bincount(key, minlength=n_experts + 1)[:n_experts].cpu()
     return order[: int(counts.sum())], counts
 
 
