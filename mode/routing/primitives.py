@@ -36,9 +36,12 @@ def _flat_indices(indices: Tensor, tokens_per_group: int) -> Tensor:
     return (indices + offsets.view(groups, *([1] * (indices.dim() - 1)))).reshape(-1)
 
 
-# Rows are moved with index_select one way and scatter_add the other, in both directions of
-# autograd: index_select's own backward (and index_add) accumulate through a slower atomic
-# kernel (on an H200, 16k rows of 1024 bf16: index_add 169 us, scatter_add 105 us; bench/row_ops.py).
+# _eager_rows: in eager mode rows are moved with index_select one way and scatter_add the
+# other, in both directions of autograd: index_select's own backward (and index_add)
+# accumulate through a slower atomic kernel (on an H200, 16k rows of 1024 bf16: index_add
+# 169 us, scatter_add 105 us; bench/row_ops.py). Under torch.compile the plain ops are traced
+# instead: torch 2.11's compiled CPU backward of these autograd functions gave wrong
+# gradients (tests/test_model.py), and the compiler generates its own scatter kernels anyway.
 # "scatter_add" or "index_add": the kernel that adds rows back (bench/moe_layer.py --row-add compares them).
 ROW_ADD = "scatter_add"
 
@@ -88,7 +91,10 @@ def gather_tokens(x: Tensor, indices: Tensor) -> Tensor:
     """x (G, T, D), indices (G, ..., k) -> the chosen tokens (G, ..., k, D)."""
     groups, tokens, width = x.shape
     flat = _flat_indices(indices, tokens)
-    return _GatherRows.apply(x.reshape(groups * tokens, width), flat).view(*indices.shape, width)
+    rows = x.reshape(groups * tokens, width)
+    if torch.compiler.is_compiling():  # plain ops: torch.compile fuses them itself (see _eager_rows)
+        return rows.index_select(0, flat).view(*indices.shape, width)
+    return _GatherRows.apply(rows, flat).view(*indices.shape, width)
 
 
 def scatter_add_tokens(x: Tensor, indices: Tensor, updates: Tensor) -> Tensor:
@@ -98,8 +104,10 @@ def scatter_add_tokens(x: Tensor, indices: Tensor, updates: Tensor) -> Tensor:
     """
     groups, tokens, width = x.shape
     flat = _flat_indices(indices, tokens)
-    out = _ScatterAddRows.apply(x.reshape(groups * tokens, width), flat, updates.reshape(-1, width).to(x.dtype))
-    return out.view(groups, tokens, width)
+    rows, updates = x.reshape(groups * tokens, width), updates.reshape(-1, width).to(x.dtype)
+    if torch.compiler.is_compiling():  # plain ops: torch.compile fuses them itself (see _eager_rows)
+        return rows.index_add(0, flat, updates).view(groups, tokens, width)
+    return _ScatterAddRows.apply(rows, flat, updates).view(groups, tokens, width)
 
 
 def apply_gate(scores: Tensor, kind: str) -> Tensor:
