@@ -40,8 +40,9 @@ def _flat_indices(indices: Tensor, tokens_per_group: int) -> Tensor:
 # other, in both directions of autograd: index_select's own backward (and index_add)
 # accumulate through a slower atomic kernel (on an H200, 16k rows of 1024 bf16: index_add
 # 169 us, scatter_add 105 us; bench/row_ops.py). Under torch.compile the plain ops are traced
-# instead: torch 2.11's compiled CPU backward of these autograd functions gave wrong
-# gradients (tests/test_model.py), and the compiler generates its own scatter kernels anyway.
+# instead: torch 2.11's compiled backward of these autograd functions is wrong, on CPU and
+# CUDA (gradients off by up to 8e-2 against eager; torch 2.13 is right; caught by
+# tests/test_model.py on the GPU machine), and the compiler generates its own kernels anyway.
 # "scatter_add" or "index_add": the kernel that adds rows back (bench/moe_layer.py --row-add compares them).
 ROW_ADD = "scatter_add"
 
