@@ -398,7 +398,7 @@ class Decoder:
     def _decode(self, tokens: Tensor, active: Tensor) -> Tensor:
         """One token per row: tokens (B,) on any device, active (B,) bool on the host -> hidden (B, 1, D)."""
         if self.routed_rows == "masked":
-            return self._static_decode(tokens, active, lambda t, a: self._static_step(t, a))
+            return self._static_decode(tokens, active, logits=False)
         model = self.model
         batch = tokens.shape[0]
         all_active = bool(active.all())
@@ -520,33 +520,31 @@ class Decoder:
             cache.sync_lengths()
         self._positions_dev = None
 
-    def _static_decode(self, tokens: Tensor, active: Tensor, run) -> Tensor:
-        """Checks on the host, then run(tokens, active) on the device; positions advance by active."""
-        if not bool(active.any()):
-            return self._idle(tokens, run)
+    def _static_decode(self, tokens: Tensor, active: Tensor, logits: bool) -> Tensor:
+        """tokens (B,) on any device, active (B,) bool on the host -> logits (B, V), or hidden (B, 1, D).
+
+        Checks on the host, then the static step on the device; positions advance by active."""
+        if not bool(active.any()):  # nothing to compute: the inputs' embeddings, as the gather step
+            x = self.model.embed(_to_device(tokens, self.device)).view(tokens.shape[0], 1, -1)
+            return self.logits(x[:, 0]) if logits else x
         if int(self.positions[active].max()) + 1 > self.max_len:
             raise ValueError(f"a sequence would exceed the decoder's max_len ({self.max_len})")
         self._enter_static()
-        out = run(_to_device(tokens, self.device), _to_device(active, self.device))
+        tokens_dev, active_dev = _to_device(tokens, self.device), _to_device(active, self.device)
+        out = self._static_logits(tokens_dev, active_dev) if logits else self._static_step(tokens_dev, active_dev)
         self.positions += active.long()
         return out
 
-    def _idle(self, tokens: Tensor, run) -> Tensor:
-        """No active row: nothing is computed; the hidden states (or logits) of the inputs."""
-        x = self.model.embed(_to_device(tokens, self.device)).view(tokens.shape[0], 1, -1)
-        return x if run is not self._static_logits else self.logits(x[:, 0])
-
     def _static_logits(self, tokens: Tensor, active: Tensor) -> Tensor:
         """tokens (B,), active (B,) on the device -> logits (B, V): replays the CUDA graph if there is one."""
-        if not self.cuda_graph:
-            return self.logits(self._static_step(tokens, active)[:, 0])
-        if self._graph is None:
+        if self.cuda_graph and self._graph is None:
             try:
                 self._capture()
             except RuntimeError as e:  # an op that cannot be captured: the same step, launched eagerly
                 warnings.warn(f"mode.generate: CUDA graph capture failed ({str(e).splitlines()[0]}); decoding without it")
                 self.cuda_graph = False
-                return self.logits(self._static_step(tokens, active)[:, 0])
+        if not self.cuda_graph:
+            return self.logits(self._static_step(tokens, active)[:, 0])
         self._graph_inputs[0].copy_(tokens)
         self._graph_inputs[1].copy_(active)
         self._graph.replay()
@@ -644,7 +642,7 @@ class Decoder:
         """One decode step: tokens (B,) (on any device) -> logits (B, V). Inactive rows (finished) compute nothing."""
         active = torch.ones(tokens.shape[0], dtype=torch.bool) if active is None else active.cpu()
         if self.routed_rows == "masked":
-            return self._static_decode(tokens.reshape(-1), active.view(-1), self._static_logits)
+            return self._static_decode(tokens.reshape(-1), active.view(-1), logits=True)
         hidden = self._decode(tokens.reshape(-1), active.view(-1))
         return self.logits(hidden[:, 0])
 

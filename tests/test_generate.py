@@ -370,6 +370,19 @@ def test_masked_and_gathered_routed_rows_build_the_same_sparse_caches() -> None:
     assert all(c.lengths_dev is None for c in masked.caches)
 
 
+@pytest.mark.parametrize("routed_rows", ["gather", "masked"])
+def test_a_step_with_no_active_row_computes_nothing(routed_rows: str) -> None:
+    model = make_model("mod", "aux_loss", n_layers=2)
+    decoder = Decoder(model, 2, 12, routed_rows=routed_rows)
+    decoder.prefill([[1, 2, 3], [4, 5]])
+    caches = [c.kv.clone() for c in decoder.caches]
+    lengths = [c.lengths.clone() for c in decoder.caches]
+    logits = decoder.step(torch.tensor([7, 8]), torch.tensor([False, False]))
+    assert logits.shape == (2, 256) and decoder.positions.tolist() == [3, 2]
+    for cache, kv, n in zip(decoder.caches, caches, lengths):
+        assert torch.equal(cache.kv, kv) and torch.equal(cache.lengths, n)
+
+
 def test_routed_rows_policy_is_checked() -> None:
     with pytest.raises(ValueError, match="routed_rows"):
         Decoder(make_model("mod"), 1, 8, routed_rows="sometimes")
