@@ -276,7 +276,10 @@ class Decoder:
     sdpa_backends: the attention backends the decoder allows (torch.nn.attention.SDPBackend),
     in torch's order of preference; None leaves torch's own choice. The default leaves out
     cuDNN attention, whose per-shape plan building dominates a decode step (see the module
-    docstring). Ignored on CPU.
+    docstring). Ignored on CPU and by the static step, which calls flash attention directly.
+    routed_rows: "gather", "masked" (the static step) or "auto" (see ROUTED_ROWS).
+    cuda_graph: capture the static step as a CUDA graph (None: wherever it can be, that is on
+    a GPU with every FFN dense); compile: torch.compile the static step's pieces.
     The decoder snapshots each routed layer's router weights in float32 at construction (the
     decision is computed in float32, as the router does); build a new one after changing them.
     """
@@ -385,15 +388,8 @@ class Decoder:
         return x
 
     def _decision(self, index: int, block: MoDBlock, x: Tensor) -> tuple[Tensor, Tensor]:
-        """x (B, 1, D) -> (decision logits (B,), router scores (B,)), float32 on the device.
-
-        A token goes through the layer when its decision logit is > 0 (DepthRouter.decide)."""
-        weights = self._decision_weights[index]
-        if weights is None or torch.is_autocast_enabled(x.device.type):
-            scores = block.router.router(x).view(-1)
-            return block.router.causal.logits(x, scores.view(-1, 1, 1)).view(-1), scores
-        scores = F.linear(x.view(x.shape[0], -1).float(), *weights).view(-1)  # Router.forward, weights kept in float32
-        return scores, scores
+        """x (B, 1, D) -> (decision logits (B,), router scores (B,)) of routed layer `index`."""
+        return _decide(block, x, self._decision_weights[index])
 
     def _decode(self, tokens: Tensor, active: Tensor) -> Tensor:
         """One token per row: tokens (B,) on any device, active (B,) bool on the host -> hidden (B, 1, D)."""
@@ -648,6 +644,18 @@ class Decoder:
 
 
 # ----------------------------------------------------------------------------- static step pieces
+def _decide(block: MoDBlock, x: Tensor, weights: tuple[Tensor, Tensor | None] | None) -> tuple[Tensor, Tensor]:
+    """A routed layer's causal decision for one token per row: x (B, 1, D) -> (decision logits (B,),
+    router scores (B,)), float32. A token goes through the layer when its decision logit is > 0
+    (DepthRouter.decide). weights: the router's float32 weights (method a), used directly
+    outside autocast; None: the router and its predictor (method b) decide."""
+    if weights is None or torch.is_autocast_enabled(x.device.type):
+        scores = block.router.router(x).view(-1)
+        return block.router.causal.logits(x, scores.view(-1, 1, 1)).view(-1), scores
+    scores = F.linear(x.view(x.shape[0], -1).float(), *weights).view(-1)  # Router.forward, weights kept in float32
+    return scores, scores
+
+
 # The static decode step around each layer's cache write and attention: plain functions of
 # the layer's modules, so that with Decoder(compile=True) one torch.compile of each serves
 # every layer (regional compilation: the modules' parameters are inputs, not constants).
@@ -663,11 +671,7 @@ def _static_pre(
     gate = None
     chosen = active
     if isinstance(block, MoDBlock):
-        if weights is not None:
-            scores = decision = F.linear(x.view(batch, -1).float(), *weights).view(-1)  # Router.forward in float32
-        else:
-            scores = block.router.router(x).view(-1)
-            decision = block.router.causal.logits(x, scores.view(-1, 1, 1)).view(-1)
+        decision, scores = _decide(block, x, weights)
         chosen = (decision > 0) & active
         gate = apply_gate(scores, block.router.gate)
     inner = _inner_block(block)
