@@ -276,7 +276,7 @@ class Decoder:
     sdpa_backends: the attention backends the decoder allows (torch.nn.attention.SDPBackend),
     in torch's order of preference; None leaves torch's own choice. The default leaves out
     cuDNN attention, whose per-shape plan building dominates a decode step (see the module
-    docstring). Ignored on CPU and by the static step, which calls flash attention directly.
+    docstring). Ignored on CPU, and where the static step calls flash attention directly.
     routed_rows: "gather", "masked" (the static step) or "auto" (see ROUTED_ROWS).
     cuda_graph: capture the static step as a CUDA graph (None: wherever it can be, that is on
     a GPU with every FFN dense); compile: torch.compile the static step's pieces.
