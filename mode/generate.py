@@ -571,8 +571,11 @@ class Decoder:
         batch = tokens.shape[0]
         positions = self._positions_dev
         x = model.embed(tokens).view(batch, 1, -1)
-        cos = model.rotary.cos_full.index_select(0, positions).view(batch, 1, 1, -1)
-        sin = model.rotary.sin_signed.index_select(0, positions).view(batch, 1, 1, -1)
+        # A finished row may stand at the end of the context window: its (discarded) rotation is
+        # clamped to the table, as the prefill clamps its padding.
+        angle_ids = positions.clamp(max=model.config.model.max_seq_len - 1)
+        cos = model.rotary.cos_full.index_select(0, angle_ids).view(batch, 1, 1, -1)
+        sin = model.rotary.sin_signed.index_select(0, angle_ids).view(batch, 1, 1, -1)
         pre, post = _static_pieces(self.compile)
         with self._inference():
             for index, (block, cache) in enumerate(zip(model.blocks, self.caches)):

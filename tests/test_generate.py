@@ -441,3 +441,17 @@ def test_compiled_static_step_matches_the_eager_one() -> None:
         assert (eager - compiled).abs().max() <= F64_TOL
     with pytest.raises(ValueError, match="compile"):
         Decoder(model, 2, 20, routed_rows="gather", compile=True)
+
+
+def test_a_row_at_the_context_window_waits_while_the_others_decode() -> None:
+    """The static step computes every row: a finished row at the last position must not index
+    past the rotary table (positions are clamped), and the others go on unchanged."""
+    model = make_model("mod", "aux_loss")  # max_seq_len 48
+    outputs = {}
+    for rows in ("gather", "masked"):
+        decoder = Decoder(model, 2, 48, routed_rows=rows)
+        decoder.prefill([[5] * 47, [6] * 3])
+        decoder.step(torch.tensor([1, 2]))  # row 0 reaches position 48: the context is full
+        outputs[rows] = [decoder.step(torch.tensor([0, 3 + i]), torch.tensor([False, True]))[1] for i in range(4)]
+    for a, b in zip(outputs["gather"], outputs["masked"]):
+        assert (a - b).abs().max() <= F64_TOL
