@@ -323,6 +323,7 @@ class Decoder:
             raise ValueError("compile=True compiles the static step: it needs routed_rows='masked'")
         self.routed_rows, self.cuda_graph, self.compile = routed_rows, cuda_graph, compile
         self._positions_dev: Tensor | None = None  # (B,) next positions on the device, in the static step
+        self._static_buffers: tuple[list[Tensor], Tensor] | None = None  # the device lengths and positions
         self._graph: torch.cuda.CUDAGraph | None = None
         slots = max_len + 1
         self._row_base = torch.arange(batch, device=self.device) * slots  # row b's first slot in the packed cache
@@ -503,12 +504,21 @@ class Decoder:
     # can be captured once as a CUDA graph and replayed every step.
 
     def _enter_static(self) -> None:
-        """Hand the lengths and positions to the device (after a prefill, which keeps them on the host)."""
+        """Hand the lengths and positions to the device (after a prefill, which keeps them on the host).
+
+        Always into the same device buffers: a captured CUDA graph reads and updates them in place."""
         if self._positions_dev is not None:
             return
-        for cache in self.caches:  # copies, never aliases (on CPU .to would return the host tensor itself)
-            cache.lengths_dev = cache.lengths_cpu.to(self.device, copy=True)
-        self._positions_dev = self.positions.to(self.device, copy=True)
+        if self._static_buffers is None:  # copies, never aliases (on CPU .to would return the host tensor)
+            lengths = [cache.lengths_cpu.to(self.device, copy=True) for cache in self.caches]
+            self._static_buffers = (lengths, self.positions.to(self.device, copy=True))
+        else:
+            for buffer, cache in zip(self._static_buffers[0], self.caches):
+                buffer.copy_(cache.lengths_cpu)
+            self._static_buffers[1].copy_(self.positions)
+        for buffer, cache in zip(self._static_buffers[0], self.caches):
+            cache.lengths_dev = buffer
+        self._positions_dev = self._static_buffers[1]
 
     def _leave_static(self) -> None:
         """Bring the exact lengths back to the host (one copy); host positions are always exact."""

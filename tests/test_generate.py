@@ -351,7 +351,7 @@ def test_masked_and_gathered_routed_rows_build_the_same_sparse_caches() -> None:
     model = make_model("mod", "aux_loss", n_layers=4)
     prompts = [torch.randint(0, 256, (n,)).tolist() for n in (4, 9, 7)]
     follow = torch.randint(0, 256, (3, 8))
-    decoders = {rows: Decoder(model, 3, 20, routed_rows=rows) for rows in ("gather", "masked")}
+    decoders = {rows: Decoder(model, 3, 24, routed_rows=rows) for rows in ("gather", "masked")}
     for decoder in decoders.values():
         decoder.prefill(prompts)
         for i in range(8):
@@ -366,8 +366,17 @@ def test_masked_and_gathered_routed_rows_build_the_same_sparse_caches() -> None:
         for row, n in enumerate(a.lengths.tolist()):
             assert (a.kv[:, row, :n] - b.kv[:, row, :n]).abs().max() <= F64_TOL
     assert skipped
-    masked.prefill([[1, 2]] * 3)  # a later prefill first makes the host lengths exact again
+    buffers = [c.lengths_dev for c in masked.caches]
+    for decoder in decoders.values():  # a later prefill first makes the host lengths exact again
+        decoder.prefill([[1, 2]] * 3)
     assert all(c.lengths_dev is None for c in masked.caches)
+    for decoder in decoders.values():
+        for i in range(2):
+            decoder.step(follow[:, i])
+    # the static step goes on in the same device buffers (those a captured CUDA graph updates)
+    assert all(c.lengths_dev is b for c, b in zip(masked.caches, buffers))
+    for a, b in zip(gather.caches, masked.caches):
+        assert a.lengths.tolist() == b.lengths.tolist()
 
 
 @pytest.mark.parametrize("routed_rows", ["gather", "masked"])
