@@ -408,8 +408,8 @@ def test_cuda_graph_replays_the_static_step_exactly() -> None:
     prompts = [torch.randint(0, 256, (n,)).tolist() for n in (4, 9, 7)]
     follow = torch.randint(0, 256, (3, 8), device="cuda")
     active = torch.tensor([True, False, True])
-    graphed = Decoder(model, 3, 24, routed_rows="masked", cuda_graph=True)
-    eager = Decoder(model, 3, 24, routed_rows="masked", cuda_graph=False)
+    graphed = Decoder(model, 3, 32, routed_rows="masked", cuda_graph=True)
+    eager = Decoder(model, 3, 32, routed_rows="masked", cuda_graph=False)
     assert graphed._flash_varlen and eager._flash_varlen
     for decoder in (graphed, eager):
         decoder.prefill(prompts)
@@ -419,6 +419,15 @@ def test_cuda_graph_replays_the_static_step_exactly() -> None:
     assert graphed._graph is not None and eager._graph is None
     for a, b in zip(graphed.caches, eager.caches):
         assert torch.equal(a.lengths, b.lengths) and torch.equal(a.kv[:, :, :-1], b.kv[:, :, :-1])
+    # A second prefill, then the same graph again: it reads the lengths the prefill left.
+    graph = graphed._graph
+    for decoder in (graphed, eager):
+        decoder.prefill([[3, 1], [4, 1], [5, 9]])
+    for i in range(3):
+        assert torch.equal(graphed.step(follow[:, i]), eager.step(follow[:, i]))
+    assert graphed._graph is graph
+    for a, b in zip(graphed.caches, eager.caches):
+        assert torch.equal(a.lengths, b.lengths)
 
 
 @needs_gpu
