@@ -160,6 +160,9 @@ class TrainConfig(Section):
     out_dir: str = "runs/default"
     compile: bool = False
     progress: bool = True
+    init_from: str | None = Field(
+        None, description="a checkpoint (run folder or checkpoint.pt) whose weights start this new run; same model section"
+    )
 
     @model_validator(mode="after")
     def _lr_order(self) -> "TrainConfig":

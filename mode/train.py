@@ -196,7 +196,7 @@ class Trainer:
                 f"model.vocab_size ({config.model.vocab_size}) is smaller than the data's vocabulary "
                 f"({self.data.vocab_size} token ids)"
             )
-        self.model = model if model is not None else LanguageModel(config).to(self.device)
+        self.model = model if model is not None else build_model(config, self.device, resume)
         self.forward = torch.compile(self.model) if config.train.compile else self.model
         self.optimization = optimization or TorchOptimization(self.model, config, self.device)
         self.flops_per_token = model_flops(config).train_per_token
@@ -418,6 +418,31 @@ class Trainer:
 
 
 # ----------------------------------------------------------------------------- checkpoints & plots
+def build_model(config: Config, device: torch.device | str, resume: bool = False) -> LanguageModel:
+    """The model a run trains: initialised from train.seed's RNG as it stands, or, for a new run
+    with train.init_from, holding that checkpoint's weights (one-device layout: a one-process
+    run's, or a multi-process run's with every expert gathered). A resumed run loads its own."""
+    model = LanguageModel(config).to(device)
+    if config.train.init_from is not None and not resume:
+        load_init_weights(model, config)
+    return model
+
+
+def load_init_weights(model: LanguageModel, config: Config) -> None:
+    """train.init_from: copy a checkpoint's weights into model; its model section must be this run's."""
+    path = config.train.init_from
+    try:
+        payload = load_checkpoint_file(Path(path))
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(f"train.init_from: {e}") from None
+    saved, wanted = payload["config"]["model"], config.model.model_dump(mode="json")
+    differ = sorted(k for k in set(saved) | set(wanted) if saved.get(k) != wanted.get(k))
+    if differ:
+        fields = ", ".join(f"model.{k} ({saved.get(k)!r} there, {wanted.get(k)!r} here)" for k in differ)
+        raise ConfigError(f"train.init_from: {path} holds another model: {fields}")
+    model.load_state_dict(payload["model"])
+
+
 def load_checkpoint_file(path: Path, device: torch.device | str = "cpu") -> dict[str, Any]:
     """Read a checkpoint written by this project; a missing or foreign file is a clear error."""
     path = Path(path)

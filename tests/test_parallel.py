@@ -244,6 +244,21 @@ def test_resume_with_another_layout_is_a_clear_error(corpus, tmp_path_factory, e
         Trainer(config_from_dict(run["raw"] | {"parallel": {}}), resume=True)
 
 
+def test_multi_process_run_starts_from_one_device_weights(corpus, tmp_path):
+    """train.init_from a one-process checkpoint: 2 processes with ep=2 slice its experts and
+    train as one process started from the same weights does."""
+    source = raw_config(corpus, tmp_path / "source", train={"max_steps": 3})
+    Trainer(config_from_dict(source)).run()
+    raw = raw_config(corpus, tmp_path / "dist", train={"init_from": str(tmp_path / "source")},
+                     parallel={"zero_stage": 0, "expert_parallel": WORLD})
+    launch(write_config(raw, tmp_path / "config.yaml"))
+    reference = single_process(raw, tmp_path / "single")
+    assert_same_curves(reference, tmp_path / "dist", range(1, STEPS + 1))
+    from_scratch, _ = records(single_process(raw_config(corpus, tmp_path / "x"), tmp_path / "scratch"))
+    started, _ = records(reference)
+    assert abs(started[1]["loss"] - from_scratch[1]["loss"]) > 1e-2  # the saved weights, not a fresh init
+
+
 # ----------------------------------------------------------------------------- config and JSON
 def test_zero_stage_3_is_rejected_at_validation():
     with pytest.raises(ConfigError, match=r"parallel\.zero_stage.*ZeRO.*3.*MoE"):

@@ -209,6 +209,25 @@ def test_resume_with_another_model_is_refused(tmp_path: Path, corpus: Path) -> N
         Trainer(make_config(out, corpus, model={"d_ff": 96}, train={"max_steps": 2}), resume=True)
 
 
+def test_init_from_starts_a_new_run_from_saved_weights(tmp_path: Path, corpus: Path) -> None:
+    """train.init_from: step 0 of a new run holds the checkpoint's weights, with a fresh
+    optimizer; a missing file or another model is an error naming the field."""
+    source = make_config(tmp_path / "a", corpus)
+    Trainer(source).run()
+    saved = load_checkpoint_file(tmp_path / "a")
+    fresh = Trainer(make_config(tmp_path / "b", corpus, train={"init_from": str(tmp_path / "a")}))
+    assert fresh.state.step == 0
+    for name, value in fresh.model.state_dict().items():
+        assert torch.equal(value, saved["model"][name]), name
+    assert not fresh.optimization.optimizer.state  # AdamW starts empty: a new run, not a resume
+    untouched = Trainer(make_config(tmp_path / "c", corpus))
+    assert not torch.equal(untouched.model.embed.weight, fresh.model.embed.weight)
+    with pytest.raises(ConfigError, match=r"train\.init_from: checkpoint not found"):
+        Trainer(make_config(tmp_path / "d", corpus, train={"init_from": str(tmp_path / "nothing")}))
+    with pytest.raises(ConfigError, match=r"train\.init_from: .* holds another model: model\.d_model \(32 there, 64 here\)"):
+        Trainer(make_config(tmp_path / "e", corpus, model={"d_model": 64}, train={"init_from": str(tmp_path / "a")}))
+
+
 def test_foreign_checkpoint_files_name_the_path(tmp_path: Path) -> None:
     foreign = tmp_path / "foreign.pt"
     torch.save({"a": 1}, foreign)

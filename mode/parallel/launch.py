@@ -22,10 +22,9 @@ import torch.distributed as dist
 from mode.config import Config, ConfigError, load_config
 from mode.data import DataError
 from mode.flops import model_flops
-from mode.model import LanguageModel
 from mode.parallel.engine import DeepSpeedOptimization, Processes, init_distributed, quiet_deepspeed
 from mode.parallel.expert_parallel import apply_expert_parallel
-from mode.train import Trainer, parse_args
+from mode.train import Trainer, build_model, parse_args
 
 ERRORS = (ConfigError, DataError, FileExistsError, FileNotFoundError)
 
@@ -48,7 +47,7 @@ class LaunchTrainer(Trainer):
 def build_trainer(config: Config, processes: Processes, resume: bool = False) -> LaunchTrainer:
     """Model (whole, same seed on every rank) -> expert slices -> DeepSpeed engine -> Trainer."""
     torch.manual_seed(config.train.seed)
-    model = LanguageModel(config).to(processes.device)
+    model = build_model(config, processes.device, resume)  # whole, train.init_from's weights in the one-device layout
     rng = torch.get_rng_state()  # where a one-process run's RNG stands when training starts
     apply_expert_parallel(model, config.parallel.expert_parallel)
     optimization = DeepSpeedOptimization(model, config, processes)
