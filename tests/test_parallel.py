@@ -71,9 +71,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(config: Path, *args: str, expect_ok: bool = True) -> subprocess.CompletedProcess:
-    """launch/train.py on 2 CPU processes; the process group is killed on timeout."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={WORLD}", "--master_addr=127.0.0.1",
+def launch(config: Path, *args: str, expect_ok: bool = True, world: int = WORLD) -> subprocess.CompletedProcess:
+    """launch/train.py on `world` CPU processes; the process group is killed on timeout."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", "--master_addr=127.0.0.1",
            f"--master_port={free_port()}", str(ROOT / "launch" / "train.py"), "--config", str(config), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -98,10 +98,10 @@ def records(run_dir: Path) -> tuple[dict[int, dict], dict[int, dict]]:
     return ({r["step"]: r for r in lines if "loss" in r}, {r["step"]: r for r in lines if "val_loss" in r})
 
 
-def single_process(raw: dict[str, Any], out_dir: Path) -> Path:
-    """The reference: one process, the plain Trainer, the global batch of all ranks at once."""
+def single_process(raw: dict[str, Any], out_dir: Path, world: int = WORLD) -> Path:
+    """The reference: one process, the plain Trainer, the global batch of all `world` ranks at once."""
     raw = json.loads(json.dumps(raw))
-    raw["train"].update(batch_size=raw["train"]["batch_size"] * WORLD, out_dir=str(out_dir))
+    raw["train"].update(batch_size=raw["train"]["batch_size"] * world, out_dir=str(out_dir))
     raw.pop("parallel", None)
     Trainer(config_from_dict(raw)).run()
     return out_dir
@@ -242,6 +242,16 @@ def test_resume_with_another_layout_is_a_clear_error(corpus, tmp_path_factory, e
     assert result.returncode != 0 and "cannot follow" in result.stdout
     with pytest.raises(ConfigError, match="sharded over its processes"):
         Trainer(config_from_dict(run["raw"] | {"parallel": {}}), resume=True)
+
+
+def test_four_processes_with_ep_2_equal_one_process(corpus, tmp_path):
+    """4 processes, ep=2: every expert lives on 2 ranks (expert-data-parallel 2), its gradient
+    reduced over those 2 only, under ZeRO 2's sharded optimizer and DeepSpeed's clipping
+    (a wrong group or a norm over the wrong ranks moves the gradient norm from step 1)."""
+    raw = raw_config(corpus, tmp_path / "dist", parallel={"zero_stage": 2, "expert_parallel": 2})
+    launch(write_config(raw, tmp_path / "config.yaml"), world=4)
+    reference = single_process(raw, tmp_path / "single", world=4)
+    assert_same_curves(reference, tmp_path / "dist", range(1, STEPS + 1))
 
 
 def test_multi_process_run_starts_from_one_device_weights(corpus, tmp_path):
