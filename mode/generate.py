@@ -388,10 +388,6 @@ class Decoder:
         self.positions += counts
         return x
 
-    def _decision(self, index: int, block: MoDBlock, x: Tensor) -> tuple[Tensor, Tensor]:
-        """x (B, 1, D) -> (decision logits (B,), router scores (B,)) of routed layer `index`."""
-        return _decide(block, x, self._decision_weights[index])
-
     def _decode(self, tokens: Tensor, active: Tensor) -> Tensor:
         """One token per row: tokens (B,) on any device, active (B,) bool on the host -> hidden (B, 1, D)."""
         if self.routed_rows == "masked":
@@ -419,7 +415,7 @@ class Decoder:
         with self._inference():
             for index, (block, cache) in enumerate(zip(model.blocks, self.caches)):
                 if isinstance(block, MoDBlock):
-                    decision, scores = self._decision(index, block, x)
+                    decision, scores = _decide(block, x, self._decision_weights[index])
                     chosen = decision.cpu() > 0  # the layer's one sync: (B,) decisions to the host
                     if not all_active:
                         chosen &= active
@@ -589,9 +585,7 @@ class Decoder:
         pre, post = _static_pieces(self.compile)
         with self._inference():
             for index, (block, cache) in enumerate(zip(model.blocks, self.caches)):
-                routed = isinstance(block, MoDBlock)
-                weights = self._decision_weights[index] if routed else None
-                q, kv, chosen, gate = pre(block, x, cos, sin, active, weights)
+                q, kv, chosen, gate = pre(block, x, cos, sin, active, self._decision_weights[index])
                 y = self._static_attention(cache, q, kv, chosen)
                 x = post(_inner_block(block), x, y, chosen, gate)
         positions.add_(active)  # in place: the graph's own buffer

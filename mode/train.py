@@ -242,8 +242,9 @@ class Trainer:
 
     def load_checkpoint(self, path: Path) -> None:
         payload = load_checkpoint_file(path, self.device)
-        if payload["config"]["model"] != self.config.model.model_dump(mode="json"):
-            raise ConfigError(f"--resume: the model section differs from the one saved in {path}")
+        differ = model_differences(payload, self.config)
+        if differ:
+            raise ConfigError(f"--resume: the model section differs from the one saved in {path}: {differ}")
         if isinstance(self.optimization, DistributedOptimization):
             self.optimization.load_checkpoint(self.out_dir, payload)
         elif payload.get("sharded"):
@@ -435,12 +436,17 @@ def load_init_weights(model: LanguageModel, config: Config) -> None:
         payload = load_checkpoint_file(Path(path))
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(f"train.init_from: {e}") from None
+    differ = model_differences(payload, config)
+    if differ:
+        raise ConfigError(f"train.init_from: {path} holds another model: {differ}")
+    model.load_state_dict(payload["model"])
+
+
+def model_differences(payload: dict[str, Any], config: Config) -> str:
+    """The model fields where a checkpoint and config differ, e.g. "model.d_model (32 there, 64 here)"; "" if none."""
     saved, wanted = payload["config"]["model"], config.model.model_dump(mode="json")
     differ = sorted(k for k in set(saved) | set(wanted) if saved.get(k) != wanted.get(k))
-    if differ:
-        fields = ", ".join(f"model.{k} ({saved.get(k)!r} there, {wanted.get(k)!r} here)" for k in differ)
-        raise ConfigError(f"train.init_from: {path} holds another model: {fields}")
-    model.load_state_dict(payload["model"])
+    return ", ".join(f"model.{k} ({saved.get(k)!r} there, {wanted.get(k)!r} here)" for k in differ)
 
 
 def load_checkpoint_file(path: Path, device: torch.device | str = "cpu") -> dict[str, Any]:

@@ -205,7 +205,7 @@ def test_resume_without_checkpoint_is_clear_error(tmp_path: Path, corpus: Path, 
 def test_resume_with_another_model_is_refused(tmp_path: Path, corpus: Path) -> None:
     out = tmp_path / "run"
     Trainer(make_config(out, corpus, train={"max_steps": 1})).run()
-    with pytest.raises(ConfigError, match="model section"):
+    with pytest.raises(ConfigError, match=r"model section differs .*: model\.d_ff \(64 there, 96 here\)"):
         Trainer(make_config(out, corpus, model={"d_ff": 96}, train={"max_steps": 2}), resume=True)
 
 

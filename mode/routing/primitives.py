@@ -51,12 +51,7 @@ def _add_rows(out: Tensor, flat: Tensor, rows: Tensor) -> Tensor:
     """out[flat[i]] += rows[i], in place."""
     if ROW_ADD == "index_add":
         return out.index_add_(0, flat, rows)
-    return out.scatter_add_(0, _row_index(flat, rows.shape[1]), rows)
-
-
-def _row_index(flat: Tensor, width: int) -> Tensor:
-    """(N,) row ids -> (N, D) the same ids broadcast along the row (an expanded view, no copy)."""
-    return flat.unsqueeze(1).expand(-1, width)
+    return out.scatter_add_(0, flat.unsqueeze(1).expand_as(rows), rows)  # ids broadcast along the row: a view
 
 
 class _GatherRows(torch.autograd.Function):
