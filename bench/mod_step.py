@@ -134,9 +134,9 @@ def profile(name: str, config: Config, args: argparse.Namespace, device: torch.d
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
                 loss = model(tokens[:, :-1], tokens[:, 1:]).loss
             loss.backward()
-    sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
-    print(f"\n### {name}: top operators, one eager forward+backward")
-    print(prof.key_averages().table(sort_by=sort, row_limit=25))
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(f"\n### {name}: top operators by self time, one eager forward+backward")
+    print(prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=70))
 
 
 if __name__ == "__main__":

@@ -421,3 +421,15 @@ def test_causal_expert_choice_with_no_token_chosen_gives_zero_update() -> None:
     assert out.shape == x.shape and torch.equal(out, torch.zeros_like(out))
     assert not routing.indices.any()
     out.sum().backward()  # the empty path still has a gradient graph
+
+
+@pytest.mark.parametrize("scheme", ["expert_choice", "expert_choice_grouped", "token_choice_capacity"])
+def test_static_schemes_trace_as_one_graph(scheme: str) -> None:
+    """Expert choice and token choice with a capacity have static shapes: torch.compile traces each
+    as one graph (no data-dependent bincount splitting it), which CUDA graphs need. Dynamo tracing
+    only: no kernels are generated."""
+    layer = MoEFFN(16, 24, moe_cfg(n_noop=N_NOOP, **SCHEMES[scheme])).double()
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(layer)(inputs())
+    assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+    assert explained.graph_count == 1

@@ -10,6 +10,7 @@ from mode.routing import (
     DepthRouter,
     apply_gate,
     capacity_to_k,
+    count_ids,
     gather_tokens,
     scatter_add_tokens,
     token_mask,
@@ -144,6 +145,37 @@ def test_gather_scatter_gradients() -> None:
     assert torch.autograd.gradcheck(lambda t, v: scatter_add_tokens(t, rep, v), (x, u))
 
 
+def test_compiled_gather_scatter_match_eager() -> None:
+    """Under torch.compile the primitives trace plain gather / scatter_add: same values and gradients.
+
+    aot_eager runs the traced forward and backward graphs without generating kernels, so this
+    checks the traced ops and their derivatives (the compiled branch), quickly, on CPU.
+    """
+    x = torch.randn(2, S, D, dtype=torch.float64, requires_grad=True)
+    u = torch.randn(2, 3, 5, D, dtype=torch.float64, requires_grad=True)
+    idx = torch.randint(0, S, (2, 3, 5))  # repeats: several experts take one token
+
+    def routed(t: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return scatter_add_tokens(t * 2, idx, gather_tokens(t, idx).sin() * v)
+
+    w = torch.randn(2, S, D, dtype=torch.float64)
+    want = routed(x, u)
+    want_grads = torch.autograd.grad((want * w).sum(), (x, u))
+    torch._dynamo.reset()
+    got = torch.compile(routed, backend="aot_eager", fullgraph=True)(x, u)
+    got_grads = torch.autograd.grad((got * w).sum(), (x, u))
+    # float64, sums of at most 16 terms: the same up to the order of the additions.
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    for g, h in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, h, rtol=0, atol=1e-12)
+
+
+def test_count_ids_is_a_static_bincount() -> None:
+    ids = torch.randint(0, 7, (40, 3))
+    assert torch.equal(count_ids(ids, 9), torch.bincount(ids.reshape(-1), minlength=9))
+    assert count_ids(torch.zeros(0, dtype=torch.long), 4).tolist() == [0, 0, 0, 0]
+
+
 def test_token_mask() -> None:
     idx = top_k_positions(torch.randn(3, S), 5)
     mask = token_mask(idx, S)
@@ -219,3 +251,33 @@ def test_random_routing_switch(gate: str) -> None:
     (routing.gates * torch.randn_like(routing.gates)).sum().backward()
     grad = router.router.proj.weight.grad
     assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("causal", ["none", "predictor", "aux_loss"])
+@pytest.mark.parametrize("random", [False, True])
+def test_route_equals_forward_then_gather(causal: str, random: bool) -> None:
+    """DepthRouter.route (what MoDBlock uses) gives forward()'s routing and gather_tokens' rows,
+    and the same gradients for x and every router parameter, whether it takes its sparse path
+    (causal none / predictor: the gate is recomputed from the chosen rows) or not (aux_loss)."""
+    router = DepthRouter(D, 0.25, "sigmoid", random=random, causal=causal)
+    x = torch.randn(3, S, D, requires_grad=True)
+    update = torch.randn(3, capacity_to_k(S, 0.25), D)
+
+    def loss_of(routing, chosen: torch.Tensor) -> torch.Tensor:
+        return (routing.gates.unsqueeze(-1) * chosen * update).sum() + routing.aux_loss
+
+    torch.manual_seed(5)
+    ref = router(x)
+    ref_chosen = gather_tokens(x, ref.indices)
+    ref_grads = torch.autograd.grad(loss_of(ref, ref_chosen), [x, *router.parameters()])
+    torch.manual_seed(5)
+    got, got_chosen = router.route(x)
+    got_grads = torch.autograd.grad(loss_of(got, got_chosen), [x, *router.parameters()])
+
+    assert torch.equal(got.indices, ref.indices) and torch.equal(got_chosen, ref_chosen)
+    assert torch.equal(got.logits, ref.logits.detach())
+    # The recomputed gate scores are the same float32 dot products over fewer rows.
+    torch.testing.assert_close(got.gates, ref.gates, rtol=ROUTER_F32_TOL, atol=ROUTER_F32_TOL)
+    torch.testing.assert_close(got.aux_loss, ref.aux_loss, rtol=ROUTER_F32_TOL, atol=ROUTER_F32_TOL)
+    for g, h in zip(got_grads, ref_grads):
+        torch.testing.assert_close(g, h, rtol=ROUTER_F32_TOL, atol=ROUTER_F32_TOL)

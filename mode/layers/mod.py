@@ -9,7 +9,7 @@ from torch import Tensor, nn
 from mode.config import ModelConfig, RoutingConfig
 from mode.layers.block import BlockInfo, TransformerBlock
 from mode.layers.rotary import RotaryAngles
-from mode.routing import DepthRouter, gather_tokens, scatter_add_tokens
+from mode.routing import DepthRouter, scatter_add_tokens
 
 
 class MoDBlock(nn.Module):
@@ -22,8 +22,7 @@ class MoDBlock(nn.Module):
         self.block = block if block is not None else TransformerBlock(cfg)
 
     def forward(self, x: Tensor, angles: RotaryAngles) -> tuple[Tensor, BlockInfo]:
-        routing = self.router(x)  # indices (B, k), sorted: causal order kept
-        chosen = gather_tokens(x, routing.indices)  # (B, k, D)
+        routing, chosen = self.router.route(x)  # indices (B, k), sorted: causal order kept; chosen (B, k, D)
         # (B, k, D) at the original positions; ffn_routing is the MoE's in Staged MoDE, else None.
         update, ffn_routing = self.block.routed_update(chosen, angles.select(routing.indices))
         # The gate scales only the update; the residual of every token passes untouched.

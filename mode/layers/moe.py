@@ -18,6 +18,7 @@ from mode.routing import (
     Routing,
     TokenChoiceRouter,
     TokenChoiceRouting,
+    count_ids,
     expert_major_ids,
     gather_tokens,
     scatter_add_tokens,
@@ -70,7 +71,7 @@ class MoEFFN(nn.Module):
         """x (T, D); expert e computes exactly the tokens its causal decision chose (variable counts)."""
         chosen = routing.indices.reshape(-1, self.experts.n_experts)  # (T, E) bool
         experts, tokens = chosen.t().nonzero(as_tuple=True)  # expert-major, token order within an expert
-        counts = torch.bincount(experts, minlength=self.experts.n_experts)
+        counts = count_ids(experts, self.experts.n_experts)
         # No early return when nothing is chosen: under expert parallelism every rank must
         # still take part in the token exchange (the experts handle zero rows).
         flat, ids = x.unsqueeze(0), tokens.unsqueeze(0)  # (1, T, D), (1, M)

@@ -2,6 +2,7 @@
 from mode.routing.primitives import (
     apply_gate,
     capacity_to_k,
+    count_ids,
     expert_major_ids,
     gather_tokens,
     load_balancing_loss,
@@ -39,6 +40,7 @@ __all__ = [
     "TokenChoiceRouting",
     "apply_gate",
     "capacity_to_k",
+    "count_ids",
     "expert_major_ids",
     "gather_tokens",
     "load_balancing_loss",

@@ -36,13 +36,15 @@ def _flat_indices(indices: Tensor, tokens_per_group: int) -> Tensor:
     return (indices + offsets.view(groups, *([1] * (indices.dim() - 1)))).reshape(-1)
 
 
-# _eager_rows: in eager mode rows are moved with index_select one way and scatter_add the
-# other, in both directions of autograd: index_select's own backward (and index_add)
-# accumulate through a slower atomic kernel (on an H200, 16k rows of 1024 bf16: index_add
-# 169 us, scatter_add 105 us; bench/row_ops.py). Under torch.compile the plain ops are traced
-# instead: torch 2.11's compiled backward of these autograd functions is wrong, on CPU and
-# CUDA (gradients off by up to 8e-2 against eager; torch 2.13 is right; caught by
-# tests/test_model.py on the GPU machine), and the compiler generates its own kernels anyway.
+# Rows are moved with index_select one way and scatter_add the other, in both directions of
+# autograd: index_select's own backward (and index_add) accumulate through a slower atomic
+# kernel (on an H200, 16k rows of 1024 bf16: index_add 169 us, scatter_add 105 us;
+# bench/row_ops.py). In eager mode two small autograd functions do it. Under torch.compile
+# the same pair is traced as plain ops instead (gather with the ids broadcast along the row,
+# whose derivative is scatter_add, and scatter_add, whose derivative is gather): torch 2.11
+# compiles the backward of these autograd functions wrongly, on CPU and CUDA (gradients off
+# by up to 8e-2 against eager; torch 2.13 is right; caught by tests/test_model.py on the GPU
+# machine), and index_select / index_add traced there fall back to the slow atomic kernel.
 # "scatter_add" or "index_add": the kernel that adds rows back (bench/moe_layer.py --row-add compares them).
 ROW_ADD = "scatter_add"
 
@@ -88,8 +90,8 @@ def gather_tokens(x: Tensor, indices: Tensor) -> Tensor:
     groups, tokens, width = x.shape
     flat = _flat_indices(indices, tokens)
     rows = x.reshape(groups * tokens, width)
-    if torch.compiler.is_compiling():  # plain ops: torch.compile fuses them itself (see _eager_rows)
-        return rows.index_select(0, flat).view(*indices.shape, width)
+    if torch.compiler.is_compiling():  # plain ops (see ROW_ADD's comment)
+        return rows.gather(0, flat.unsqueeze(1).expand(-1, width)).view(*indices.shape, width)
     return _GatherRows.apply(rows, flat).view(*indices.shape, width)
 
 
@@ -101,8 +103,8 @@ def scatter_add_tokens(x: Tensor, indices: Tensor, updates: Tensor) -> Tensor:
     groups, tokens, width = x.shape
     flat = _flat_indices(indices, tokens)
     rows, updates = x.reshape(groups * tokens, width), updates.reshape(-1, width).to(x.dtype)
-    if torch.compiler.is_compiling():  # plain ops: torch.compile fuses them itself (see _eager_rows)
-        return rows.index_add(0, flat, updates).view(groups, tokens, width)
+    if torch.compiler.is_compiling():  # plain ops (see ROW_ADD's comment)
+        return rows.scatter_add(0, flat.unsqueeze(1).expand_as(updates), updates).view(groups, tokens, width)
     return _ScatterAddRows.apply(rows, flat, updates).view(groups, tokens, width)
 
 
@@ -190,8 +192,18 @@ def sort_by_expert(slots: Tensor, positions: Tensor, n_experts: int) -> tuple[Te
     """
     key = torch.where(positions >= 0, slots, n_experts).reshape(-1)
     order = key.argsort(stable=True)  # queued before the sync
-    counts = torch.bincount(key, minlength=n_experts + 1)[:n_experts].cpu()
+    counts = count_ids(key, n_experts + 1)[:n_experts].cpu()
     return order[: int(counts.sum())], counts
+
+
+def count_ids(ids: Tensor, n: int) -> Tensor:
+    """How often each of 0..n-1 occurs in ids: (n,) int64. bincount with a static shape (ids < n).
+
+    torch.bincount's output size depends on the data, which splits a torch.compile graph (and
+    its CUDA graphs) in two; here the size is n whatever the ids.
+    """
+    flat = ids.reshape(-1)
+    return torch.zeros(n, dtype=torch.long, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
 
 
 def router_z_loss(logits: Tensor) -> Tensor:
@@ -207,5 +219,5 @@ def load_balancing_loss(probs: Tensor, slots: Tensor) -> Tensor:
     Equals 1 under a perfectly uniform router.
     """
     n_slots = probs.shape[-1]
-    f = torch.bincount(slots.reshape(-1), minlength=n_slots).to(probs.dtype) / slots.numel()
+    f = count_ids(slots, n_slots).to(probs.dtype) / slots.numel()
     return n_slots * (f * probs.mean(0)).sum()

@@ -8,7 +8,9 @@ from torch import Tensor, nn
 
 from mode.routing.primitives import (
     apply_gate,
+    gather_tokens,
     capacity_to_k,
+    count_ids,
     load_balancing_loss,
     positions_in_expert,
     router_z_loss,
@@ -155,17 +157,47 @@ class DepthRouter(nn.Module):
         if self.causal_mode:
             return self.causal_routing(x)
         scores = self.router(x).squeeze(-1)  # (B, S)
-        k = capacity_to_k(x.shape[1], self.capacity)
+        indices = self._select(scores)
+        gates = apply_gate(scores.gather(1, indices), self.gate)  # (B, k)
+        aux, stats = self._causal_terms(x, scores, indices)
+        return Routing(indices=indices, gates=gates, logits=scores, aux_loss=aux, stats=stats)
+
+    def route(self, x: Tensor) -> tuple[Routing, Tensor]:
+        """forward() and the chosen tokens (B, k, D) of x, gathered once: what MoDBlock consumes.
+
+        The loss sees a token's score only through its gate, unless the causal decision is the
+        router's own logit (causal=aux_loss: a BCE over every token). Otherwise, with autograd
+        on, every token's score is computed without autograd, for the top-k alone, and the
+        chosen tokens' scores again from their gathered rows. The gradient is the same, but
+        the router's backward reads and writes k rows instead of the whole (B, S, D) residual
+        (per routed block a weight-gradient GEMV, an outer product and a sum into x's gradient).
+        """
+        dense_grad = self.causal is not None and self.causal.method == "aux_loss"
+        if self.causal_mode or dense_grad or not torch.is_grad_enabled():
+            routing = self(x)
+            return routing, gather_tokens(x, routing.indices)
+        with torch.no_grad():
+            scores = self.router(x).squeeze(-1)  # (B, S)
+        indices = self._select(scores)
+        chosen = gather_tokens(x, indices)  # (B, k, D)
+        gates = apply_gate(self.router(chosen).squeeze(-1), self.gate)  # (B, k), the gradient's path
+        aux, stats = self._causal_terms(x, scores, indices)
+        return Routing(indices=indices, gates=gates, logits=scores, aux_loss=aux, stats=stats), chosen
+
+    def _select(self, scores: Tensor) -> Tensor:
+        """(B, S) scores -> (B, k) chosen positions, sorted."""
+        k = capacity_to_k(scores.shape[1], self.capacity)
         # The stochastic-routing ablation changes only *which* tokens are chosen; the gate
         # still comes from the learned score, so learned vs random differs in one thing.
         selection = torch.rand_like(scores) if self.random else scores
-        indices = top_k_positions(selection.detach(), k)  # (B, k)
-        gates = apply_gate(scores.gather(1, indices), self.gate)  # (B, k)
-        aux, stats = scores.new_zeros(()), {}
-        if self.causal is not None:
-            member = token_mask(indices, x.shape[1])  # (B, S): the top-k targets
-            aux, stats = self.causal.loss_and_stats(self.causal.logits(x, scores.unsqueeze(-1)).squeeze(-1), member)
-        return Routing(indices=indices, gates=gates, logits=scores, aux_loss=aux, stats=stats)
+        return top_k_positions(selection.detach(), k)
+
+    def _causal_terms(self, x: Tensor, scores: Tensor, indices: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        """The causal decision's BCE towards top-k membership and its stats (zero and {} without one)."""
+        if self.causal is None:
+            return scores.new_zeros(()), {}
+        member = token_mask(indices, x.shape[1])  # (B, S): the top-k targets
+        return self.causal.loss_and_stats(self.causal.logits(x, scores.unsqueeze(-1)).squeeze(-1), member)
 
     def causal_routing(self, x: Tensor) -> Routing:
         """Route by the causal decision: indices (B, K), K = the most tokens any sequence chose (>= 1).
@@ -351,7 +383,7 @@ class TokenChoiceRouter(nn.Module):
         lb, z = load_balancing_loss(probs, slots), router_z_loss(logits)
         computed = positions >= 0
         real = slots < self.n_experts
-        counts = torch.bincount(torch.where(computed, slots, self.n_experts).reshape(-1), minlength=self.n_experts + 1)
+        counts = count_ids(torch.where(computed, slots, self.n_experts), self.n_experts + 1)
         stats = _expert_stats(
             counts[: self.n_experts], computed.any(-1).float().mean(), (~real).float().mean(),
             (real & ~computed).float().mean(), lb, z,
