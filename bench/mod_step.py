@@ -5,11 +5,15 @@
 
 Both models have the same shape; the MoD model routes 12.5% of each sequence through every
 other block. Measured in the same process, same card: forward+backward, and the whole step
-with fused AdamW, eager and torch.compile. Prints a markdown table.
+with fused AdamW; eager, torch.compile, and torch.compile with CUDA graphs
+(mode="reduce-overhead": the step replayed without launching kernels one by one from the
+host). Both models of a mode stay built and are timed in interleaved rounds (dense, MoD,
+dense, ...); each cell is the median over rounds of each round's median. Prints a markdown table.
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from pathlib import Path
 from typing import Callable
@@ -44,37 +48,63 @@ def make_config(pattern: list[str], args: argparse.Namespace) -> Config:
     )
 
 
-def measure(config: Config, compiled: bool, args: argparse.Namespace, device: torch.device) -> dict[str, float]:
-    torch.manual_seed(0)
-    model = LanguageModel(config).to(device)
-    forward = torch.compile(model) if compiled else model
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-    tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), device=device)
-    x, y = tokens[:, :-1], tokens[:, 1:]
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+COMPILE = {"eager": None, "compiled": {}, "compiled + CUDA graphs": {"mode": "reduce-overhead"}}
 
-    def fwd_bwd() -> None:
-        with autocast:
-            loss = forward(x, y).loss
+
+class Runner:
+    """One model, its fused AdamW and a fixed batch: timed forward+backward and whole steps."""
+
+    def __init__(self, config: Config, mode: str, args: argparse.Namespace, device: torch.device) -> None:
+        base = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+        torch.manual_seed(0)
+        self.model = LanguageModel(config).to(device)
+        options = COMPILE[mode]
+        self.forward = self.model if options is None else torch.compile(self.model, **options)
+        self.graphs = mode == "compiled + CUDA graphs"
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=device.type == "cuda")
+        tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), device=device)
+        self.x, self.y = tokens[:, :-1], tokens[:, 1:]
+        self.autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+        self.args, self.device = args, device
+        self.fwd_bwd_ms: list[float] = []
+        self.step_ms: list[float] = []
+        # Peak memory of this model alone: the other model of the pair holds no gradients while this runs.
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        self.time_round(self.args.warmup)
+        self.peak_gib = (torch.cuda.max_memory_allocated() - base) / 2**30 if device.type == "cuda" else float("nan")
+
+    def fwd_bwd(self) -> None:
+        # Fresh gradients each pass, as a training step has (a CUDA-graphed backward owns the
+        # tensors it returns until its next replay).
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        with self.autocast:
+            loss = self.forward(self.x, self.y).loss
         loss.backward()
 
-    def step() -> None:
-        fwd_bwd()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    def step(self) -> None:
+        self.fwd_bwd()
+        self.optimizer.step()
 
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    result = {
-        "fwd_bwd_ms": timed(fwd_bwd, args.warmup, args.iters, device),
-        "step_ms": timed(step, args.warmup, args.iters, device),
-        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan"),
-    }
-    del model, optimizer, forward
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return result
+    def time_round(self, warmup: int = 1) -> None:
+        """One round: the median forward+backward and step of --iters each, appended to the lists."""
+        self.fwd_bwd_ms.append(timed(self.fwd_bwd, warmup, self.args.iters, self.device))
+        self.step_ms.append(timed(self.step, warmup, self.args.iters, self.device))
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def measure_pair(dense_cfg: Config, mod_cfg: Config, mode: str, args: argparse.Namespace,
+                 device: torch.device) -> tuple[Runner, Runner]:
+    """Both models, their rounds interleaved (dense, MoD, dense, ...) so clock drift hits both alike."""
+    dense = Runner(dense_cfg, mode, args, device)
+    mod = Runner(mod_cfg, mode, args, device)
+    for _ in range(args.rounds - 1):
+        dense.time_round()
+        mod.time_round()
+    return dense, mod
 
 
 def main() -> None:
@@ -85,57 +115,66 @@ def main() -> None:
     parser.add_argument("--capacity", type=float, default=0.125)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of --iters per model; the median round is reported")
     parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--no-graphs", action="store_true", help="skip the compiled + CUDA graphs mode")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run at a small shape")
-    parser.add_argument("--profile", action="store_true", help="also print the top kernels of eager fwd+bwd")
+    parser.add_argument("--profile", nargs="*", choices=["eager", "compiled"], default=None,
+                        help="also print the top kernels of fwd+bwd (eager if no mode is named)")
     parser.add_argument("--row-add", choices=["scatter_add", "index_add"], default="scatter_add",
                         help="the kernel routed blocks add rows back with (mode.routing.primitives.ROW_ADD)")
     args = parser.parse_args()
     primitives.ROW_ADD = args.row_add
     if args.tiny:
         args.batch, args.seq, args.width, args.heads, args.layers, args.ffn, args.vocab = 2, 128, 64, 4, 4, 128, 256
-        args.warmup, args.iters, args.no_compile = 1, 3, True
+        args.warmup, args.iters, args.rounds, args.no_compile = 1, 3, 2, True
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     card = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     torch.backends.cuda.matmul.allow_tf32 = True
 
     dense_cfg, mod_cfg = make_config(["dense"], args), make_config(["dense", "mod"], args)
     flop_ratio = model_flops(mod_cfg).forward_per_token / model_flops(dense_cfg).forward_per_token
-    modes = [False] if args.no_compile else [False, True]
+    modes = ["eager"] + ([] if args.no_compile else ["compiled"])
+    modes += [] if args.no_compile or args.no_graphs or device.type != "cuda" else ["compiled + CUDA graphs"]
     print(f"card: {card}; torch {torch.__version__}; B={args.batch} S={args.seq} D={args.width} "
           f"layers={args.layers} ffn={args.ffn} vocab={args.vocab} capacity={args.capacity} on every other block, bf16, rows added back with {args.row_add}")
     print(f"analytic forward FLOPs/token: dense {model_flops(dense_cfg).forward_per_token / 1e6:.1f}M, "
           f"MoD {model_flops(mod_cfg).forward_per_token / 1e6:.1f}M, ratio {flop_ratio:.3f}\n")
     print("| mode | model | fwd+bwd ms | step ms (AdamW) | peak GiB | fwd+bwd ratio | step ratio | ratio / FLOP ratio (fwd+bwd, step) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for compiled in modes:
-        mode = "compiled" if compiled else "eager"
-        dense = measure(dense_cfg, compiled, args, device)
-        mod = measure(mod_cfg, compiled, args, device)
-        fb, st = mod["fwd_bwd_ms"] / dense["fwd_bwd_ms"], mod["step_ms"] / dense["step_ms"]
-        print(f"| {mode} | dense | {dense['fwd_bwd_ms']:.2f} | {dense['step_ms']:.2f} | {dense['peak_gib']:.2f} | | | |")
-        print(f"| {mode} | MoD | {mod['fwd_bwd_ms']:.2f} | {mod['step_ms']:.2f} | {mod['peak_gib']:.2f} "
-              f"| {fb:.3f} | {st:.3f} | {fb / flop_ratio:.3f} x, {st / flop_ratio:.3f} x |")
-    if args.profile:
+    for mode in modes:
+        dense, mod = measure_pair(dense_cfg, mod_cfg, mode, args, device)
+        rows = {name: (statistics.median(r.fwd_bwd_ms), statistics.median(r.step_ms), r.peak_gib) for name, r in (("dense", dense), ("MoD", mod))}
+        del dense, mod
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        (d_fb, d_st, d_peak), (m_fb, m_st, m_peak) = rows["dense"], rows["MoD"]
+        fb, st = m_fb / d_fb, m_st / d_st
+        print(f"| {mode} | dense | {d_fb:.2f} | {d_st:.2f} | {d_peak:.2f} | | | |")
+        print(f"| {mode} | MoD | {m_fb:.2f} | {m_st:.2f} | {m_peak:.2f} | {fb:.3f} | {st:.3f} | {fb / flop_ratio:.3f} x, {st / flop_ratio:.3f} x |", flush=True)
+    profile_modes = [] if args.profile is None else (args.profile or ["eager"])  # bare --profile: eager
+    for mode in profile_modes:
         for name, cfg in (("dense", dense_cfg), ("MoD", mod_cfg)):
-            profile(name, cfg, args, device)
+            profile(name, cfg, args, device, compiled=mode == "compiled")
 
 
-def profile(name: str, config: Config, args: argparse.Namespace, device: torch.device) -> None:
-    """Top kernels of three eager forward+backward passes, to see where the time goes."""
+def profile(name: str, config: Config, args: argparse.Namespace, device: torch.device, compiled: bool) -> None:
+    """Top kernels of one forward+backward pass, eager or compiled, to see where the time goes."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
+    torch.manual_seed(0)
     model = LanguageModel(config).to(device)
+    forward = torch.compile(model) if compiled else model
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), device=device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     for i in range(5):
         with torch_profile(activities=activities) if i == 4 else torch.autocast(device.type, enabled=False) as prof:
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-                loss = model(tokens[:, :-1], tokens[:, 1:]).loss
+                loss = forward(tokens[:, :-1], tokens[:, 1:]).loss
             loss.backward()
     sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    print(f"\n### {name}: top operators by self time, one eager forward+backward")
+    print(f"\n### {name}: top operators by self time, one {'compiled' if compiled else 'eager'} forward+backward")
     print(prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=70))
 
 

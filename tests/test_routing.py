@@ -13,6 +13,7 @@ from mode.routing import (
     count_ids,
     gather_tokens,
     scatter_add_tokens,
+    split_tokens,
     token_mask,
     top_k_positions,
 )
@@ -145,6 +146,23 @@ def test_gather_scatter_gradients() -> None:
     assert torch.autograd.gradcheck(lambda t, v: scatter_add_tokens(t, rep, v), (x, u))
 
 
+def test_split_tokens_is_gather_and_identity() -> None:
+    """split_tokens(x, idx) = (gather_tokens(x, idx), x), gradients included (repeats summed)."""
+    x = torch.randn(2, 8, 4, dtype=torch.float64, requires_grad=True)
+    rep = torch.randint(0, 8, (2, 3, 5))
+    rows, residual = split_tokens(x, rep)
+    assert torch.equal(rows, gather_tokens(x, rep)) and torch.equal(residual, x)
+
+    def routed(t: torch.Tensor) -> torch.Tensor:
+        chosen, rest = split_tokens(t, rep)
+        return scatter_add_tokens(rest, rep, chosen.sin())
+
+    assert torch.autograd.gradcheck(routed, (x,))
+    # Only one output used: the other's gradient is zero, not an error.
+    assert torch.autograd.gradcheck(lambda t: split_tokens(t, rep)[0], (x,))
+    assert torch.autograd.gradcheck(lambda t: split_tokens(t, rep)[1] * 3, (x,))
+
+
 def test_compiled_gather_scatter_match_eager() -> None:
     """Under torch.compile the primitives trace plain gather / scatter_add: same values and gradients.
 
@@ -156,7 +174,8 @@ def test_compiled_gather_scatter_match_eager() -> None:
     idx = torch.randint(0, S, (2, 3, 5))  # repeats: several experts take one token
 
     def routed(t: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return scatter_add_tokens(t * 2, idx, gather_tokens(t, idx).sin() * v)
+        chosen, rest = split_tokens(t * 2, idx)
+        return scatter_add_tokens(rest, idx, gather_tokens(t, idx).sin() * v * chosen)
 
     w = torch.randn(2, S, D, dtype=torch.float64)
     want = routed(x, u)
@@ -271,8 +290,10 @@ def test_route_equals_forward_then_gather(causal: str, random: bool) -> None:
     ref_chosen = gather_tokens(x, ref.indices)
     ref_grads = torch.autograd.grad(loss_of(ref, ref_chosen), [x, *router.parameters()])
     torch.manual_seed(5)
-    got, got_chosen = router.route(x)
-    got_grads = torch.autograd.grad(loss_of(got, got_chosen), [x, *router.parameters()])
+    got, got_chosen, residual = router.route(x)
+    got_grads = torch.autograd.grad(loss_of(got, got_chosen) + (residual * update.sum()).sum(), [x, *router.parameters()])
+    ref_grads = (ref_grads[0] + update.sum(), *ref_grads[1:])  # the residual's gradient reaches x unchanged
+    assert torch.equal(residual, x)
 
     assert torch.equal(got.indices, ref.indices) and torch.equal(got_chosen, ref_chosen)
     assert torch.equal(got.logits, ref.logits.detach())

@@ -22,10 +22,11 @@ class MoDBlock(nn.Module):
         self.block = block if block is not None else TransformerBlock(cfg)
 
     def forward(self, x: Tensor, angles: RotaryAngles) -> tuple[Tensor, BlockInfo]:
-        routing, chosen = self.router.route(x)  # indices (B, k), sorted: causal order kept; chosen (B, k, D)
+        # indices (B, k), sorted: causal order kept; chosen (B, k, D); residual: x, for the updates
+        routing, chosen, residual = self.router.route(x)
         # (B, k, D) at the original positions; ffn_routing is the MoE's in Staged MoDE, else None.
         update, ffn_routing = self.block.routed_update(chosen, angles.select(routing.indices))
         # The gate scales only the update; the residual of every token passes untouched.
         # (float32 gates times the update promote to the residual stream's precision.)
         gated = routing.gates.unsqueeze(-1) * update  # (B, k, D)
-        return scatter_add_tokens(x, routing.indices, gated), BlockInfo(routing=routing, ffn_routing=ffn_routing)
+        return scatter_add_tokens(residual, routing.indices, gated), BlockInfo(routing=routing, ffn_routing=ffn_routing)

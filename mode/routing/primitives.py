@@ -85,6 +85,37 @@ class _ScatterAddRows(torch.autograd.Function):
         return grad, None, grad.index_select(0, flat)
 
 
+class _SplitRows(torch.autograd.Function):
+    """(x[flat], x itself); the backward sums the rows' gradient into x's own in one pass."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, flat: Tensor) -> tuple[Tensor, Tensor]:
+        ctx.save_for_backward(flat)
+        return x.index_select(0, flat), x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad_rows: Tensor, grad_x: Tensor) -> tuple[Tensor, None]:
+        (flat,) = ctx.saved_tensors
+        # A copy, not in place: an incoming gradient may be shared (x + y hands one tensor to both).
+        return _add_rows(grad_x.clone(), flat, grad_rows), None
+
+
+def split_tokens(x: Tensor, indices: Tensor) -> tuple[Tensor, Tensor]:
+    """x (G, T, D) -> (the chosen tokens (G, ..., k, D), x itself), for routing around a block.
+
+    The same values as (gather_tokens(x, indices), x). Add the block's updates back to the
+    second with scatter_add_tokens: the chosen tokens' gradient is then added into the
+    residual's gradient in one copy, instead of a zero-filled full-size gradient that
+    autograd sums with it (one fewer pass over the (G, T, D) residual each way).
+    """
+    groups, tokens, width = x.shape
+    flat = _flat_indices(indices, tokens)
+    if torch.compiler.is_compiling():  # plain ops (see ROW_ADD's comment); the compiler fuses the sum
+        return gather_tokens(x, indices), x
+    rows, residual = _SplitRows.apply(x.reshape(groups * tokens, width), flat)
+    return rows.view(*indices.shape, width), residual.view(groups, tokens, width)
+
+
 def gather_tokens(x: Tensor, indices: Tensor) -> Tensor:
     """x (G, T, D), indices (G, ..., k) -> the chosen tokens (G, ..., k, D)."""
     groups, tokens, width = x.shape

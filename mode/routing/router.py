@@ -8,7 +8,7 @@ from torch import Tensor, nn
 
 from mode.routing.primitives import (
     apply_gate,
-    gather_tokens,
+    split_tokens,
     capacity_to_k,
     count_ids,
     load_balancing_loss,
@@ -162,8 +162,9 @@ class DepthRouter(nn.Module):
         aux, stats = self._causal_terms(x, scores, indices)
         return Routing(indices=indices, gates=gates, logits=scores, aux_loss=aux, stats=stats)
 
-    def route(self, x: Tensor) -> tuple[Routing, Tensor]:
-        """forward() and the chosen tokens (B, k, D) of x, gathered once: what MoDBlock consumes.
+    def route(self, x: Tensor) -> tuple[Routing, Tensor, Tensor]:
+        """forward(), the chosen tokens (B, k, D) of x and x itself, from split_tokens: what MoDBlock
+        consumes (the updates go back into the third with scatter_add_tokens).
 
         The loss sees a token's score only through its gate, unless the causal decision is the
         router's own logit (causal=aux_loss: a BCE over every token). Otherwise, with autograd
@@ -175,14 +176,14 @@ class DepthRouter(nn.Module):
         dense_grad = self.causal is not None and self.causal.method == "aux_loss"
         if self.causal_mode or dense_grad or not torch.is_grad_enabled():
             routing = self(x)
-            return routing, gather_tokens(x, routing.indices)
+            return (routing, *split_tokens(x, routing.indices))
         with torch.no_grad():
             scores = self.router(x).squeeze(-1)  # (B, S)
         indices = self._select(scores)
-        chosen = gather_tokens(x, indices)  # (B, k, D)
+        chosen, residual = split_tokens(x, indices)  # (B, k, D), (B, S, D)
         gates = apply_gate(self.router(chosen).squeeze(-1), self.gate)  # (B, k), the gradient's path
         aux, stats = self._causal_terms(x, scores, indices)
-        return Routing(indices=indices, gates=gates, logits=scores, aux_loss=aux, stats=stats), chosen
+        return Routing(indices=indices, gates=gates, logits=scores, aux_loss=aux, stats=stats), chosen, residual
 
     def _select(self, scores: Tensor) -> Tensor:
         """(B, S) scores -> (B, k) chosen positions, sorted."""
