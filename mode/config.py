@@ -159,6 +159,13 @@ class TrainConfig(Section):
     checkpoint_interval: int = Field(100, gt=0)
     out_dir: str = "runs/default"
     compile: bool = False
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune"] = Field(
+        "default",
+        description=(
+            "torch.compile's mode with compile=true; reduce-overhead replays each step as CUDA graphs "
+            "(one process, GPU), which routed layers' many small kernels gain most from"
+        ),
+    )
     progress: bool = True
     init_from: str | None = Field(
         None, description="a checkpoint (run folder or checkpoint.pt) whose weights start this new run; same model section"
@@ -168,6 +175,8 @@ class TrainConfig(Section):
     def _lr_order(self) -> "TrainConfig":
         if self.min_lr > self.lr:
             raise ValueError(f"min_lr ({self.min_lr}) must not exceed lr ({self.lr})")
+        if self.compile_mode != "default" and not self.compile:
+            raise ValueError(f"compile_mode={self.compile_mode!r} needs compile=true")
         return self
 
 

@@ -197,7 +197,8 @@ class Trainer:
                 f"({self.data.vocab_size} token ids)"
             )
         self.model = model if model is not None else build_model(config, self.device, resume)
-        self.forward = torch.compile(self.model) if config.train.compile else self.model
+        t = config.train
+        self.forward = torch.compile(self.model, mode=t.compile_mode) if t.compile else self.model
         self.optimization = optimization or TorchOptimization(self.model, config, self.device)
         self.flops_per_token = model_flops(config).train_per_token
         self.state = RunState()
@@ -307,6 +308,7 @@ class Trainer:
         self.model.train()
         for micro in range(t.grad_accum):
             x, y = self.micro_batch(self.data.train, step, micro)
+            self._new_step()
             with self.autocast():
                 out = self.forward(x, y)
             self.optimization.backward(out.loss / t.grad_accum)
@@ -319,6 +321,12 @@ class Trainer:
         tokens = self.tokens_per_step
         self.state = RunState(step + 1, self.state.tokens + tokens, self.state.flops + tokens * self.flops_per_token)
         return {**losses, "lr": lr, "grad_norm": grad_norm, "routing": average_summaries(summaries) if summaries[0] else {}}
+
+    def _new_step(self) -> None:
+        """Before each compiled forward: the last one's outputs have been read (a CUDA-graphed
+        model, compile_mode=reduce-overhead, reuses their memory on its next replay)."""
+        if self.config.train.compile:
+            torch.compiler.cudagraph_mark_step_begin()
 
     def evaluate(self) -> dict[str, Any]:
         """Validation loss and router statistics; leaves the global RNG as it found it.
@@ -339,6 +347,7 @@ class Trainer:
         for i in range(t.eval_batches):
             # Validation batches are the same at every evaluation: seeded apart from training's.
             x, y = self.micro_batch(self.data.val, -1, i)
+            self._new_step()
             with self.autocast():
                 out = self.forward(x, y)
             total += float(out.lm_loss)

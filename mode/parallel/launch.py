@@ -46,6 +46,11 @@ class LaunchTrainer(Trainer):
 
 def build_trainer(config: Config, processes: Processes, resume: bool = False) -> LaunchTrainer:
     """Model (whole, same seed on every rank) -> expert slices -> DeepSpeed engine -> Trainer."""
+    if config.train.compile_mode == "reduce-overhead" and processes.world_size > 1:
+        raise ConfigError(
+            "train.compile_mode=reduce-overhead (CUDA graphs) is tested on one process only; with "
+            f"{processes.world_size} processes use train.compile_mode=default"
+        )
     torch.manual_seed(config.train.seed)
     model = build_model(config, processes.device, resume)  # whole, train.init_from's weights in the one-device layout
     rng = torch.get_rng_state()  # where a one-process run's RNG stands when training starts
