@@ -15,7 +15,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Protocol, runtime_checkable
+from typing import Any, Iterator, Protocol, Sequence, runtime_checkable
 
 import torch
 from torch import Tensor, nn
@@ -113,24 +113,56 @@ class TorchOptimization:
 
 
 # ----------------------------------------------------------------------------- router statistics
-def routing_summary(routing: Routing) -> dict[str, float]:
-    """Fraction of tokens a routed layer processed, gate mean and spread, plus its own stats."""
-    gates = routing.gates.detach().float()
-    out = {
-        "processed": float(routing.stats["processed"]) if "processed" in routing.stats else processed_fraction(routing),
-        "gate_mean": float(gates.mean()),
-        "gate_std": float(gates.std()) if gates.numel() > 1 else 0.0,
-    }
-    for name, value in routing.stats.items():
-        value = value.detach().float()
-        out[name] = float(value) if value.numel() == 1 else [round(float(v), 5) for v in value.flatten()]
+def to_host(tensors: Sequence[Tensor]) -> list[list[float]]:
+    """Each tensor's values as floats, copied from the device in one transfer.
+
+    One synchronisation per call instead of one per value: a step reads its losses and some
+    ten statistics per routed layer, and each separate read would stall the GPU queue again.
+    """
+    if not tensors:
+        return []
+    flat = torch.cat([t.detach().float().reshape(-1) for t in tensors]).tolist()
+    out, start = [], 0
+    for t in tensors:
+        out.append(flat[start : start + t.numel()])
+        start += t.numel()
     return out
 
 
-def processed_fraction(routing: Routing) -> float:
-    """Share of tokens an expert-choice routing sent through (indices are positions in a group)."""
+def summary_tensors(routing: Routing) -> dict[str, Tensor]:
+    """What a step reports for one router, still on the device: the fraction of tokens
+    processed, the gate's mean and spread, then the router's own stats."""
+    gates = routing.gates.detach().float()
+    processed = routing.stats["processed"] if "processed" in routing.stats else processed_fraction(routing)
+    out = {"processed": processed, "gate_mean": gates.mean(), "gate_std": gates.std() if gates.numel() > 1 else gates.new_zeros(())}
+    for name, value in routing.stats.items():
+        out.setdefault(name, value)
+    return out
+
+
+def summaries_from(tensors: dict[str, dict[str, Tensor]], values: list[list[float]]) -> dict[str, dict[str, Any]]:
+    """Per layer and statistic: a float, or a list rounded to 5 decimals (tokens per expert), in the
+    order of `tensors`; values are to_host's of those tensors."""
+    out: dict[str, dict[str, Any]] = {}
+    entries = ((layer, name, t) for layer, stats in tensors.items() for name, t in stats.items())
+    for (layer, name, t), vals in zip(entries, values, strict=True):
+        out.setdefault(layer, {})[name] = vals[0] if t.numel() == 1 else [round(v, 5) for v in vals]
+    return out
+
+
+def processed_fraction(routing: Routing) -> Tensor:
+    """Share of tokens an expert-choice routing sent through (indices are positions in a group); 0-d."""
     groups, tokens_per_group = routing.logits.shape[:2]
-    return float(token_mask(routing.indices.reshape(groups, -1), tokens_per_group).float().mean())
+    return token_mask(routing.indices.reshape(groups, -1), tokens_per_group).float().mean()
+
+
+def read_output(out: ModelOutput, loss_keys: Sequence[str]) -> tuple[dict[str, float], dict[str, dict[str, Any]]]:
+    """The named losses and every routed layer's summary, copied from the device in one transfer."""
+    tensors = {layer: summary_tensors(r) for layer, r in routed_layers(out)}
+    stats = [t for per_layer in tensors.values() for t in per_layer.values()]
+    values = to_host([getattr(out, key) for key in loss_keys] + stats)
+    losses = {key: v[0] for key, v in zip(loss_keys, values)}
+    return losses, summaries_from(tensors, values[len(loss_keys) :])
 
 
 def routed_layers(output: ModelOutput) -> Iterator[tuple[str, Routing]]:
@@ -312,9 +344,10 @@ class Trainer:
             with self.autocast():
                 out = self.forward(x, y)
             self.optimization.backward(out.loss / t.grad_accum)
-            for key in losses:
-                losses[key] += float(getattr(out, key).detach()) / t.grad_accum
-            summaries.append({name: routing_summary(r) for name, r in routed_layers(out)})
+            micro_losses, summary = read_output(out, tuple(losses))
+            for key, value in micro_losses.items():
+                losses[key] += value / t.grad_accum
+            summaries.append(summary)
         losses = self.mean_over_ranks(losses)
         lr = learning_rate(step, t)
         grad_norm = self.optimization.step(lr)
@@ -350,8 +383,9 @@ class Trainer:
             self._new_step()
             with self.autocast():
                 out = self.forward(x, y)
-            total += float(out.lm_loss)
-            summaries.append({name: routing_summary(r) for name, r in routed_layers(out)})
+            micro_losses, summary = read_output(out, ("lm_loss",))
+            total += micro_losses["lm_loss"]
+            summaries.append(summary)
             for name, r in routed_layers(out):
                 if not isinstance(r, TokenChoiceRouting):
                     histograms[name] = histograms.get(name, 0) + position_histogram(r, POSITION_BINS)

@@ -392,3 +392,46 @@ def test_cuda_graphed_training_matches_eager(tmp_path: Path, corpus: Path, block
                 assert graphed[key] == pytest.approx(eager[key], abs=GRAPHED_LOSS_ATOL), (key, eager["step"])
         if "grad_norm" in eager:  # a norm of ~1: bf16 rounding moves it by a few per cent at most
             assert graphed["grad_norm"] == pytest.approx(eager["grad_norm"], rel=GRAPHED_GRAD_NORM_RTOL), eager["step"]
+
+
+# ------------------------------------------------------------------ reading a step's statistics
+def _reference_summary(routing) -> dict[str, Any]:
+    """Each value read on its own, the obvious way."""
+    from mode.train import processed_fraction
+
+    gates = routing.gates.detach().float()
+    out = {
+        "processed": float(routing.stats["processed"]) if "processed" in routing.stats else float(processed_fraction(routing)),
+        "gate_mean": float(gates.mean()),
+        "gate_std": float(gates.std()) if gates.numel() > 1 else 0.0,
+    }
+    for name, value in routing.stats.items():
+        value = value.detach().float()
+        out[name] = float(value) if value.numel() == 1 else [round(float(v), 5) for v in value.flatten()]
+    return out
+
+
+@pytest.mark.parametrize("block", ["mod", "moe", "mode_integrated"])
+def test_read_output_equals_reading_each_value(tmp_path: Path, corpus: Path, block: str,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step's losses and router statistics come from the device in one transfer per micro-batch,
+    with the values (and rounding) of reading each one on its own."""
+    import mode.train as train_module
+    from mode.train import read_output, routed_layers
+
+    config = make_config(tmp_path / "run", corpus, model={"block_pattern": ["dense", block]},
+                         moe={"n_noop": 2}, routing={"causal": "aux_loss"}, train={"grad_accum": 2})
+    model = LanguageModel(config)
+    x = torch.randint(0, 256, (4, 32))
+    out = model(x, x)
+    losses, summaries = read_output(out, ("loss", "lm_loss", "aux_loss"))
+    assert losses == {key: float(getattr(out, key)) for key in ("loss", "lm_loss", "aux_loss")}
+    layers = list(routed_layers(out))
+    assert layers and summaries == {name: _reference_summary(r) for name, r in layers}
+
+    transfers = []
+    real = train_module.to_host
+    monkeypatch.setattr(train_module, "to_host", lambda tensors: transfers.append(len(tensors)) or real(tensors))
+    record = Trainer(config).train_step()
+    assert len(transfers) == 2  # one per micro-batch, whatever the number of statistics
+    assert set(record["routing"]) == {name for name, _ in layers}
