@@ -15,7 +15,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Iterator, Protocol, Sequence, runtime_checkable
 
 import torch
 from torch import Tensor, nn
@@ -134,7 +134,8 @@ def summary_tensors(routing: Routing) -> dict[str, Tensor]:
     processed, the gate's mean and spread, then the router's own stats."""
     gates = routing.gates.detach().float()
     processed = routing.stats["processed"] if "processed" in routing.stats else processed_fraction(routing)
-    out = {"processed": processed, "gate_mean": gates.mean(), "gate_std": gates.std() if gates.numel() > 1 else gates.new_zeros(())}
+    # The population spread (no Bessel correction), so that several ranks' spreads pool exactly.
+    out = {"processed": processed, "gate_mean": gates.mean(), "gate_std": gates.std(correction=0)}
     for name, value in routing.stats.items():
         out.setdefault(name, value)
     return out
@@ -147,6 +148,40 @@ def summaries_from(tensors: dict[str, dict[str, Tensor]], values: list[list[floa
     entries = ((layer, name, t) for layer, stats in tensors.items() for name, t in stats.items())
     for (layer, name, t), vals in zip(entries, values, strict=True):
         out.setdefault(layer, {})[name] = vals[0] if t.numel() == 1 else [round(v, 5) for v in vals]
+    return out
+
+
+# Statistics that count tokens (summed over ranks); every other one is a mean over tokens.
+COUNT_STATS = ("tokens_per_expert",)
+
+
+def pool_summaries(summaries: list[dict[str, dict[str, Any]]], mean_over_ranks: Callable[[list[float]], list[float]],
+                   world_size: int) -> list[dict[str, dict[str, Any]]]:
+    """Each rank's per-micro-batch statistics -> those of the whole micro-batch over all ranks.
+
+    Every rank holds the same number of sequences, so each router has as many gates and
+    tokens on every rank: a mean over tokens pools as the mean over ranks, a count as the
+    sum, and the spread through the second moment (std^2 + mean^2). Collective: every rank
+    calls it, with summaries of the same layout; one all-reduce for all of them.
+    """
+    flat: list[float] = []
+    for summary in summaries:
+        for stats in summary.values():
+            for name, value in stats.items():
+                if name == "gate_std":
+                    value = value**2 + stats["gate_mean"] ** 2
+                flat.extend(value if isinstance(value, list) else [value])
+    pooled = iter(mean_over_ranks(flat))
+    out = []
+    for summary in summaries:
+        out.append({})
+        for layer, stats in summary.items():
+            new = out[-1][layer] = {}
+            for name, value in stats.items():
+                n = len(value) if isinstance(value, list) else 1
+                vals = [next(pooled) * (world_size if name in COUNT_STATS else 1) for _ in range(n)]
+                new[name] = [round(v, 5) for v in vals] if isinstance(value, list) else vals[0]
+            new["gate_std"] = math.sqrt(max(0.0, new["gate_std"] - new["gate_mean"] ** 2))
     return out
 
 
@@ -307,6 +342,24 @@ class Trainer:
             return self.optimization.mean_over_ranks(values)
         return values
 
+    def pool_over_ranks(self, summaries: list[dict[str, dict[str, Any]]]) -> list[dict[str, dict[str, Any]]]:
+        """Router statistics of each micro-batch over every rank's share of it (pool_summaries)."""
+        if not isinstance(self.optimization, DistributedOptimization) or not summaries[0]:
+            return summaries
+        return pool_summaries(summaries, lambda values: self.mean_of_lists([values])[0], self.world_size)
+
+    def mean_of_lists(self, lists: list[list[float]]) -> list[list[float]]:
+        """Element-wise means over ranks (one all-reduce); the lists themselves on one process."""
+        flat = [v for values in lists for v in values]
+        if not isinstance(self.optimization, DistributedOptimization) or not flat:  # same on every rank
+            return lists
+        pooled = self.optimization.mean_over_ranks({str(i): v for i, v in enumerate(flat)})
+        out, start = [], 0
+        for values in lists:
+            out.append([pooled[str(i)] for i in range(start, start + len(values))])
+            start += len(values)
+        return out
+
     def log(self, record: dict[str, Any]) -> None:
         if self.is_main:
             with open(self.out_dir / METRICS, "a") as f:
@@ -349,6 +402,7 @@ class Trainer:
                 losses[key] += value / t.grad_accum
             summaries.append(summary)
         losses = self.mean_over_ranks(losses)
+        summaries = self.pool_over_ranks(summaries)
         lr = learning_rate(step, t)
         grad_norm = self.optimization.step(lr)
         tokens = self.tokens_per_step
@@ -389,8 +443,9 @@ class Trainer:
             for name, r in routed_layers(out):
                 if not isinstance(r, TokenChoiceRouting):
                     histograms[name] = histograms.get(name, 0) + position_histogram(r, POSITION_BINS)
-        routing = average_summaries(summaries) if summaries[0] else {}
+        routing = average_summaries(self.pool_over_ranks(summaries)) if summaries[0] else {}
         for name, hist in histograms.items():
+            hist = torch.tensor(self.mean_of_lists([hist.tolist()])[0])  # every rank's positions
             routing[name]["position_share"] = [round(float(v), 4) for v in hist / hist.sum()]
         losses = {"val_loss": total / t.eval_batches}
         if self.config.routing.causal != "none":
@@ -413,9 +468,9 @@ class Trainer:
             for name, r in routed_layers(out):
                 if "processed" in r.stats:
                     processed[name] = processed.get(name, 0.0) + float(r.stats["processed"]) / t.eval_batches
-        for name, value in processed.items():
-            if name in routing:
-                routing[name]["causal_processed"] = round(value, 5)
+        names = [name for name in processed if name in routing]
+        for name, value in zip(names, self.mean_of_lists([[processed[n] for n in names]])[0]):
+            routing[name]["causal_processed"] = round(value, 5)
         return total / t.eval_batches
 
     # -- the loop

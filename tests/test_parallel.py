@@ -121,6 +121,25 @@ def assert_same_curves(reference: Path, distributed: Path, steps: range) -> None
     assert set(dist_val) == set(ref_val)
     for step in ref_val:
         assert dist_val[step]["val_loss"] == pytest.approx(ref_val[step]["val_loss"], rel=LOSS_RTOL), step
+    assert_same_routing(ref_train[1]["routing"], dist_train[1]["routing"])
+
+
+def assert_same_routing(reference: dict[str, dict[str, Any]], distributed: dict[str, dict[str, Any]]) -> None:
+    """Router statistics of step 1 (identical weights): every rank's share pooled equals the whole
+    batch in one process (means averaged, tokens_per_expert summed, the spread pooled).
+
+    Not lb_loss: each rank's load-balancing loss is a product of means over its own tokens (as
+    in DeepSpeed), so the pooled value is the mean of the ranks' losses, which the distributed
+    run optimises, not the loss of the whole batch at once.
+    """
+    assert set(distributed) == set(reference)
+    for layer, stats in reference.items():
+        assert set(distributed[layer]) == set(stats), layer
+        for name, value in stats.items():
+            if name == "lb_loss":
+                continue
+            # 5e-5: statistics are logged rounded to 5 decimals.
+            assert distributed[layer][name] == pytest.approx(value, rel=FIRST_RTOL, abs=5e-5), (layer, name)
 
 
 # ----------------------------------------------------------------------------- data parallel

@@ -403,7 +403,7 @@ def _reference_summary(routing) -> dict[str, Any]:
     out = {
         "processed": float(routing.stats["processed"]) if "processed" in routing.stats else float(processed_fraction(routing)),
         "gate_mean": float(gates.mean()),
-        "gate_std": float(gates.std()) if gates.numel() > 1 else 0.0,
+        "gate_std": float(gates.std(correction=0)),  # the population spread
     }
     for name, value in routing.stats.items():
         value = value.detach().float()
@@ -425,7 +425,7 @@ def test_read_output_equals_reading_each_value(tmp_path: Path, corpus: Path, blo
     x = torch.randint(0, 256, (4, 32))
     out = model(x, x)
     losses, summaries = read_output(out, ("loss", "lm_loss", "aux_loss"))
-    assert losses == {key: float(getattr(out, key)) for key in ("loss", "lm_loss", "aux_loss")}
+    assert losses == {key: float(getattr(out, key).detach()) for key in ("loss", "lm_loss", "aux_loss")}
     layers = list(routed_layers(out))
     assert layers and summaries == {name: _reference_summary(r) for name, r in layers}
 
@@ -435,3 +435,33 @@ def test_read_output_equals_reading_each_value(tmp_path: Path, corpus: Path, blo
     record = Trainer(config).train_step()
     assert len(transfers) == 2  # one per micro-batch, whatever the number of statistics
     assert set(record["routing"]) == {name for name, _ in layers}
+
+
+def test_pool_summaries_equals_the_statistics_of_the_whole_batch() -> None:
+    """Two ranks' statistics pooled = those of both ranks' tokens at once: means average, counts
+    add, and the spread pools through the second moment."""
+    from mode.train import pool_summaries
+
+    gates = [torch.rand(40, dtype=torch.float64), torch.rand(40, dtype=torch.float64)]
+    counts = [[3.0, 5.0], [4.0, 1.0]]
+
+    def summary(g: torch.Tensor, c: list[float], processed: float) -> dict:
+        return {"layer1": {"processed": processed, "gate_mean": float(g.mean()), "gate_std": float(g.std(correction=0)),
+                           "tokens_per_expert": c}}
+
+    ranks = [summary(g, c, p) for g, c, p in zip(gates, counts, (0.25, 0.75))]
+
+    def flat(s: dict) -> list[float]:  # what each rank sends: the spread as a second moment
+        st = s["layer1"]
+        return [st["processed"], st["gate_mean"], st["gate_std"] ** 2 + st["gate_mean"] ** 2, *st["tokens_per_expert"]]
+
+    def mean_over_two_ranks(values: list[float]) -> list[float]:
+        assert values == flat(ranks[0])  # called on rank 0 with its own values
+        return [(a + b) / 2 for a, b in zip(flat(ranks[0]), flat(ranks[1]))]
+
+    (pooled,) = pool_summaries([ranks[0]], mean_over_two_ranks, world_size=2)
+    whole = torch.cat(gates)
+    assert pooled["layer1"]["processed"] == pytest.approx(0.5, rel=1e-12)
+    assert pooled["layer1"]["gate_mean"] == pytest.approx(float(whole.mean()), rel=1e-12)
+    assert pooled["layer1"]["gate_std"] == pytest.approx(float(whole.std(correction=0)), rel=1e-9)
+    assert pooled["layer1"]["tokens_per_expert"] == [7.0, 6.0]
