@@ -48,7 +48,7 @@ class Optimization(Protocol):
 
     def backward(self, loss: Tensor) -> None: ...
 
-    def step(self, lr: float) -> float: ...  # returns the gradient norm before clipping
+    def step(self, lr: float) -> Tensor: ...  # returns the gradient norm before clipping, 0-d, on the device
 
     def state_dict(self) -> dict[str, Any]: ...
 
@@ -96,14 +96,14 @@ class TorchOptimization:
     def backward(self, loss: Tensor) -> None:
         loss.backward()
 
-    def step(self, lr: float) -> float:
+    def step(self, lr: float) -> Tensor:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
+        return norm.detach()
 
     def state_dict(self) -> dict[str, Any]:
         return self.optimizer.state_dict()
@@ -191,13 +191,29 @@ def processed_fraction(routing: Routing) -> Tensor:
     return token_mask(routing.indices.reshape(groups, -1), tokens_per_group).float().mean()
 
 
+def output_tensors(out: ModelOutput, loss_keys: Sequence[str]) -> tuple[list[Tensor], dict[str, dict[str, Tensor]]]:
+    """The named losses and every routed layer's summary_tensors, still on the device."""
+    return [getattr(out, key).detach() for key in loss_keys], {layer: summary_tensors(r) for layer, r in routed_layers(out)}
+
+
+def read_outputs(outputs: list[tuple[list[Tensor], dict[str, dict[str, Tensor]]]], loss_keys: Sequence[str],
+                 extra: Sequence[Tensor] = ()) -> tuple[list[dict[str, float]], list[dict[str, dict[str, Any]]], list[float]]:
+    """output_tensors of several micro-batches (and extra 0-d tensors), copied in one transfer:
+    per micro-batch its losses and its layers' summaries, then the extra values."""
+    flat = [t for losses, stats in outputs for t in [*losses, *(v for per_layer in stats.values() for v in per_layer.values())]]
+    values = iter(to_host(flat + list(extra)))
+    losses, summaries = [], []
+    for _, stats in outputs:
+        losses.append({key: next(values)[0] for key in loss_keys})
+        count = sum(len(per_layer) for per_layer in stats.values())
+        summaries.append(summaries_from(stats, [next(values) for _ in range(count)]))
+    return losses, summaries, [next(values)[0] for _ in extra]
+
+
 def read_output(out: ModelOutput, loss_keys: Sequence[str]) -> tuple[dict[str, float], dict[str, dict[str, Any]]]:
     """The named losses and every routed layer's summary, copied from the device in one transfer."""
-    tensors = {layer: summary_tensors(r) for layer, r in routed_layers(out)}
-    stats = [t for per_layer in tensors.values() for t in per_layer.values()]
-    values = to_host([getattr(out, key) for key in loss_keys] + stats)
-    losses = {key: v[0] for key, v in zip(loss_keys, values)}
-    return losses, summaries_from(tensors, values[len(loss_keys) :])
+    losses, summaries, _ = read_outputs([output_tensors(out, loss_keys)], loss_keys)
+    return losses[0], summaries[0]
 
 
 def routed_layers(output: ModelOutput) -> Iterator[tuple[str, Routing]]:
@@ -388,8 +404,8 @@ class Trainer:
     def train_step(self) -> dict[str, Any]:
         t = self.config.train
         step = self.state.step
-        losses: dict[str, float] = {"loss": 0.0, "lm_loss": 0.0, "aux_loss": 0.0}
-        summaries = []
+        loss_keys = ("loss", "lm_loss", "aux_loss")
+        outputs = []
         self.model.train()
         for micro in range(t.grad_accum):
             x, y = self.micro_batch(self.data.train, step, micro)
@@ -397,17 +413,16 @@ class Trainer:
             with self.autocast():
                 out = self.forward(x, y)
             self.optimization.backward(out.loss / t.grad_accum)
-            micro_losses, summary = read_output(out, tuple(losses))
-            for key, value in micro_losses.items():
-                losses[key] += value / t.grad_accum
-            summaries.append(summary)
-        losses = self.mean_over_ranks(losses)
-        summaries = self.pool_over_ranks(summaries)
+            outputs.append(output_tensors(out, loss_keys))  # read after the optimizer step
         lr = learning_rate(step, t)
         grad_norm = self.optimization.step(lr)
+        # One device-to-host transfer (one synchronisation) per step: losses, statistics, norm.
+        micro_losses, summaries, (norm,) = read_outputs(outputs, loss_keys, [grad_norm])
+        losses = self.mean_over_ranks({key: sum(m[key] for m in micro_losses) / t.grad_accum for key in loss_keys})
+        summaries = self.pool_over_ranks(summaries)
         tokens = self.tokens_per_step
         self.state = RunState(step + 1, self.state.tokens + tokens, self.state.flops + tokens * self.flops_per_token)
-        return {**losses, "lr": lr, "grad_norm": grad_norm, "routing": average_summaries(summaries) if summaries[0] else {}}
+        return {**losses, "lr": lr, "grad_norm": norm, "routing": average_summaries(summaries) if summaries[0] else {}}
 
     def _new_step(self) -> None:
         """Before each compiled forward: the last one's outputs have been read (a CUDA-graphed

@@ -44,7 +44,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 from deepspeed.moe.utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer
-from torch import nn
+from torch import Tensor, nn
 
 from mode.config import Config, ConfigError
 from mode.parallel.expert_parallel import ExpertParallelExperts, full_state_dict
@@ -165,7 +165,7 @@ class DeepSpeedOptimization:
         self.engine.set_gradient_accumulation_boundary(self._pending >= self.grad_accum)
         self.engine.backward(loss, scale_wrt_gas=False)  # the loop divided by grad_accum already
 
-    def step(self, lr: float) -> float:
+    def step(self, lr: float) -> Tensor:
         if self._pending != self.grad_accum:
             raise RuntimeError(f"step() after {self._pending} backward calls; train.grad_accum is {self.grad_accum}")
         self._pending = 0
@@ -175,9 +175,11 @@ class DeepSpeedOptimization:
         self.engine.step()
         if norm is None:
             norm = self.engine.get_global_grad_norm()
-        return float(norm) if norm is not None else float("nan")
+        if norm is None:
+            norm = float("nan")
+        return torch.as_tensor(norm, dtype=torch.float32, device=self.processes.device).detach()
 
-    def _clip_exact(self) -> float:
+    def _clip_exact(self) -> Tensor:
         """Global grad norm over every parameter once (experts summed over the ep group); clip by it."""
         params = [p for p in self.model.parameters() if p.grad is not None]
         zero = torch.zeros((), dtype=torch.float32, device=self.processes.device)
@@ -191,7 +193,7 @@ class DeepSpeedOptimization:
         if self.grad_clip > 0:
             coef = (self.grad_clip / (norm + 1e-6)).clamp(max=1.0)
             torch._foreach_mul_(grads, coef)
-        return float(norm)
+        return norm
 
     def state_dict(self) -> dict[str, Any]:
         raise RuntimeError("DeepSpeedOptimization saves through save_checkpoint (its state is sharded)")
