@@ -10,15 +10,15 @@ dense FFN costs), Integrated MoDE adds no-op experts, MoD and Staged MoDE route 
 from __future__ import annotations
 
 import argparse
-
-import torch
-
+import statistics
 import sys
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/common.py, however this is started
 from common import add_model_args  # noqa: E402
-from mod_step import measure  # noqa: E402
+from mod_step import Runner  # noqa: E402
 
 from mode.config import config_from_dict
 from mode.flops import model_flops
@@ -57,10 +57,14 @@ def main() -> None:
                     else (args.experts + args.noop) / args.experts * 0.5},
             "data": {"seq_len": args.seq},
         }, "bench/block_kinds.py")
-        r = measure(cfg, False, argparse.Namespace(**{**vars(args), "capacity": 0.125}), device)
-        dense_ms = dense_ms or r["step_ms"]
-        print(f"| {kind} | {r['fwd_bwd_ms']:.2f} | {r['step_ms']:.2f} | {r['peak_gib']:.2f} | "
-              f"{model_flops(cfg).forward_per_token / 1e6:.1f} | {r['step_ms'] / dense_ms:.3f} |", flush=True)
+        runner = Runner(cfg, "eager", args, device)  # one round of --iters after --warmup
+        fwd_bwd_ms, step_ms = statistics.median(runner.fwd_bwd_ms), statistics.median(runner.step_ms)
+        dense_ms = dense_ms or step_ms
+        print(f"| {kind} | {fwd_bwd_ms:.2f} | {step_ms:.2f} | {runner.peak_gib:.2f} | "
+              f"{model_flops(cfg).forward_per_token / 1e6:.1f} | {step_ms / dense_ms:.3f} |", flush=True)
+        del runner
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

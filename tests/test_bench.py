@@ -1,0 +1,64 @@
+"""The benchmark scripts' CPU smoke modes (--tiny) run and print their tables.
+
+Timings are never asserted (a test is not a benchmark); what is checked is that each script
+still runs against the library as it is now and prints every row it promises, with positive
+numbers. bench/moe_layer.py and bench/row_ops.py measure GPU kernels only and have no CPU mode.
+"""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT = 180  # seconds per script (each takes a few seconds on 2 cores)
+
+
+def run(*args: str) -> str:
+    out = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
+    assert out.returncode == 0, f"{' '.join(args)} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    return out.stdout
+
+
+def table_rows(text: str) -> list[list[str]]:
+    """The markdown table rows of a script's output: a header (the line before a separator line)
+    and the separators left out."""
+    lines = [line for line in text.splitlines() if line.startswith("| ")]
+    cells = [[c.strip() for c in line.strip().strip("|").split("|")] for line in lines]
+    separator = [set("".join(c)) <= set("- ") for c in cells]
+    header = [i + 1 < len(cells) and separator[i + 1] for i in range(len(cells))]
+    return [c for c, sep, head in zip(cells, separator, header) if not sep and not head]
+
+
+def number(cell: str) -> float:
+    return float(re.sub(r"[, x]", "", cell))
+
+
+def test_mod_step_tiny() -> None:
+    rows = table_rows(run("bench/mod_step.py", "--tiny"))
+    assert [r[:2] for r in rows] == [["eager", "dense"], ["eager", "MoD"]]
+    assert all(number(r[2]) > 0 and number(r[3]) > 0 for r in rows)  # fwd+bwd and step ms
+    assert number(rows[1][5]) > 0  # the MoD / dense ratio
+
+
+def test_block_kinds_tiny() -> None:
+    rows = table_rows(run("bench/block_kinds.py", "--tiny"))
+    assert [r[0] for r in rows] == ["dense", "mod", "moe", "mode_staged", "mode_integrated"]
+    assert all(number(r[1]) > 0 and number(r[2]) > 0 for r in rows)
+    assert number(rows[0][5]) == 1.0  # step time against dense: dense itself
+
+
+def test_decode_tiny() -> None:
+    rows = table_rows(run("bench/decode.py", "--tiny"))
+    assert {r[1] for r in rows} == {"dense", "MoD"}
+    assert all(number(r[3]) > 0 for r in rows)  # tokens/s
+
+
+def test_scaling_tiny_on_two_gloo_processes() -> None:
+    out = run("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "bench/scaling.py", "--tiny")
+    rows = table_rows(out)
+    assert len(rows) == 1 and rows[0][:2] == ["mode", "2"], out
+    assert number(rows[0][2]) > 0 and number(rows[0][3]) > 0  # tokens/s, ms/step
