@@ -121,11 +121,15 @@ def to_host(tensors: Sequence[Tensor]) -> list[list[float]]:
     """
     if not tensors:
         return []
-    flat = torch.cat([t.detach().float().reshape(-1) for t in tensors]).tolist()
+    return split_list(torch.cat([t.detach().float().reshape(-1) for t in tensors]).tolist(), [t.numel() for t in tensors])
+
+
+def split_list(flat: list[float], sizes: Sequence[int]) -> list[list[float]]:
+    """flat cut into consecutive pieces of the given sizes."""
     out, start = [], 0
-    for t in tensors:
-        out.append(flat[start : start + t.numel()])
-        start += t.numel()
+    for size in sizes:
+        out.append(flat[start : start + size])
+        start += size
     return out
 
 
@@ -370,11 +374,7 @@ class Trainer:
         if not isinstance(self.optimization, DistributedOptimization) or not flat:  # same on every rank
             return lists
         pooled = self.optimization.mean_over_ranks({str(i): v for i, v in enumerate(flat)})
-        out, start = [], 0
-        for values in lists:
-            out.append([pooled[str(i)] for i in range(start, start + len(values))])
-            start += len(values)
-        return out
+        return split_list([pooled[str(i)] for i in range(len(flat))], [len(values) for values in lists])
 
     def log(self, record: dict[str, Any]) -> None:
         if self.is_main:

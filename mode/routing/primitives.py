@@ -108,11 +108,10 @@ def split_tokens(x: Tensor, indices: Tensor) -> tuple[Tensor, Tensor]:
     residual's gradient in one copy, instead of a zero-filled full-size gradient that
     autograd sums with it (one fewer pass over the (G, T, D) residual each way).
     """
-    groups, tokens, width = x.shape
-    flat = _flat_indices(indices, tokens)
     if torch.compiler.is_compiling():  # plain ops (see ROW_ADD's comment); the compiler fuses the sum
         return gather_tokens(x, indices), x
-    rows, residual = _SplitRows.apply(x.reshape(groups * tokens, width), flat)
+    groups, tokens, width = x.shape
+    rows, residual = _SplitRows.apply(x.reshape(groups * tokens, width), _flat_indices(indices, tokens))
     return rows.view(*indices.shape, width), residual.view(groups, tokens, width)
 
 

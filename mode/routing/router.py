@@ -8,12 +8,12 @@ from torch import Tensor, nn
 
 from mode.routing.primitives import (
     apply_gate,
-    split_tokens,
     capacity_to_k,
     count_ids,
     load_balancing_loss,
     positions_in_expert,
     router_z_loss,
+    split_tokens,
     token_choice_capacity,
     token_mask,
     top_k_positions,
