@@ -159,7 +159,7 @@ class TrainConfig(Section):
     checkpoint_interval: int = Field(100, gt=0)
     out_dir: str = "runs/default"
     compile: bool = False
-    compile_mode: Literal["default", "reduce-overhead", "max-autotune"] = Field(
+    compile_mode: Literal["default", "reduce-overhead"] = Field(
         "default",
         description=(
             "torch.compile's mode with compile=true; reduce-overhead replays each step as CUDA graphs "
