@@ -52,9 +52,12 @@ def build_trainer(config: Config, processes: Processes, resume: bool = False) ->
             f"{processes.world_size} processes use train.compile_mode=default"
         )
     torch.manual_seed(config.train.seed)
-    model = build_model(config, processes.device, resume)  # whole, train.init_from's weights in the one-device layout
+    # Whole and on the host (where LanguageModel initialises anyway), with train.init_from's
+    # weights in the one-device layout; only this rank's experts then reach the device.
+    model = build_model(config, "cpu", resume)
     rng = torch.get_rng_state()  # where a one-process run's RNG stands when training starts
     apply_expert_parallel(model, config.parallel.expert_parallel)
+    model.to(processes.device)
     optimization = DeepSpeedOptimization(model, config, processes)
     trainer = LaunchTrainer(
         config, resume=resume, optimization=optimization, model=optimization.model,
