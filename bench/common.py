@@ -1,4 +1,4 @@
-"""What the benchmarks share: the model-shape flags and a median timer (CUDA events on GPU)."""
+"""What the benchmarks share: the model-shape flags, the GELU MLP and a median timer (CUDA events on GPU)."""
 from __future__ import annotations
 
 import argparse
@@ -7,6 +7,8 @@ import time
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -16,6 +18,17 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--ffn", type=int, default=2816, help="SwiGLU hidden width")
     parser.add_argument("--vocab", type=int, default=32768)
+
+
+class GeluMLP(nn.Module):
+    """The GELU expert (moe.activation: gelu) and dense baseline: fc2(gelu(fc1 x))."""
+
+    def __init__(self, d_model: int, d_ff: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d_model, d_ff, bias=False), nn.Linear(d_ff, d_model, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
 
 
 def timed(fn: Callable[[], None], warmup: int, iters: int, device: torch.device) -> float:

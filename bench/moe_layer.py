@@ -24,24 +24,14 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/common.py, however this is started
-from common import timed  # noqa: E402
+from common import GeluMLP, timed  # noqa: E402
 
 from mode.config import MoEConfig
 from mode.layers.moe import MoEFFN
 from mode.routing import primitives
-
-
-class GeluMLP(nn.Module):
-    def __init__(self, d: int, f: int) -> None:
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(d, f, bias=False), nn.Linear(f, d, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.fc2(F.gelu(self.fc1(x)))
 
 
 PARAM_DTYPE = {"bf16": torch.bfloat16, "fp32": torch.float32}

@@ -52,9 +52,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, 
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 
+from bench.common import GeluMLP  # noqa: E402
 from mode.config import Config, ConfigError, load_config  # noqa: E402
 from mode.layers.mlp import SwiGLU  # noqa: E402
 from mode.layers.moe import MoEFFN  # noqa: E402
@@ -72,17 +72,6 @@ TINY_OVERRIDES = ["--model.d_model=64", "--model.n_heads=4", "--model.n_layers=2
 
 
 # ----------------------------------------------------------------------------- --impl deepspeed
-class GeluMLP(nn.Module):
-    """The GELU expert (moe.activation: gelu): fc2(gelu(fc1 x))."""
-
-    def __init__(self, d_model: int, d_ff: int) -> None:
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(d_model, d_ff, bias=False), nn.Linear(d_ff, d_model, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.fc2(F.gelu(self.fc1(x)))
-
-
 class DeepSpeedFFN(nn.Module):
     """DeepSpeed's MoE in the place of an MoEFFN: returns the output alone, keeps the gate's loss."""
 
