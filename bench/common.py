@@ -1,4 +1,5 @@
-"""What the benchmarks share: the model-shape flags, the GELU MLP and a median timer (CUDA events on GPU)."""
+"""What the benchmarks share: the model-shape flags, the GELU MLP, a median timer (CUDA events on
+GPU) and a profiler report (wall time against GPU busy time, top kernels)."""
 from __future__ import annotations
 
 import argparse
@@ -49,3 +50,56 @@ def timed(fn: Callable[[], None], warmup: int, iters: int, device: torch.device)
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+def timed_back_to_back(fn: Callable[[], None], warmup: int, iters: int, device: torch.device) -> float:
+    """Mean milliseconds of fn over iters runs queued back to back, one synchronisation at the end.
+
+    What a pass costs inside a training step, where the host queues the next layer's kernels
+    while the GPU runs this one's; `timed` instead starts each pass on an idle GPU, so a pass
+    that launches many small kernels also pays their launch latency."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    sync(device)
+    return (time.perf_counter() - start) * 1e3 / iters
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def profile_report(run: Callable[[], None], iters: int, device: torch.device, title: str, rows: int = 30) -> str:
+    """run() iters times under torch.profiler: wall time per pass against the time some kernel ran
+    (GPU busy: the union of kernel intervals), kernels per pass, and the top operators."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync(device)
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for _ in range(iters):
+            run()
+        sync(device)
+    wall_ms = (time.perf_counter() - start) * 1e3 / iters
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    busy_ms = union_ms([(e.time_range.start, e.time_range.end) for e in kernels]) / iters
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    return (f"\n### {title}: {iters} passes under the profiler, {wall_ms:.2f} ms wall per pass, GPU busy "
+            f"{busy_ms:.2f} ms ({busy_ms / wall_ms:.0%}), {len(kernels) / iters:.0f} kernels per pass\n"
+            + prof.key_averages().table(sort_by=sort, row_limit=rows, max_name_column_width=70))
+
+
+def union_ms(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals given in microseconds, in milliseconds."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if a > end:
+            total, end = total + (b - a), b
+        elif b > end:
+            total, end = total + (b - end), b
+    return total / 1e3

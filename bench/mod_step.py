@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/common.py, however this is started
-from common import add_model_args, timed  # noqa: E402
+from common import add_model_args, profile_report, timed  # noqa: E402
 
 from mode.config import Config, config_from_dict
 from mode.flops import model_flops
@@ -159,23 +159,9 @@ def main() -> None:
 
 
 def profile(name: str, config: Config, args: argparse.Namespace, device: torch.device, compiled: bool) -> None:
-    """Top kernels of one forward+backward pass, eager or compiled, to see where the time goes."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
-    torch.manual_seed(0)
-    model = LanguageModel(config).to(device)
-    forward = torch.compile(model) if compiled else model
-    tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), device=device)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    for i in range(5):
-        with torch_profile(activities=activities) if i == 4 else torch.autocast(device.type, enabled=False) as prof:
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-                loss = forward(tokens[:, :-1], tokens[:, 1:]).loss
-            loss.backward()
-    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    print(f"\n### {name}: top operators by self time, one {'compiled' if compiled else 'eager'} forward+backward")
-    print(prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=70))
+    """Where forward+backward's time goes, eager or compiled: GPU busy against wall time, top kernels."""
+    runner = Runner(config, "compiled" if compiled else "eager", args, device)  # warmed up
+    print(profile_report(runner.fwd_bwd, 3, device, f"{name}, {'compiled' if compiled else 'eager'} forward+backward", 40))
 
 
 if __name__ == "__main__":

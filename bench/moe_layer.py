@@ -2,7 +2,10 @@
 
     python bench/moe_layer.py            # D=1024, expert hidden 4096, 8 experts, 8 x 2048 tokens, top-1 / capacity 1
 
-Rows, all measured in the same process on the same card (median of --iters after --warmup):
+Rows, all measured in the same process on the same card, two ways: each pass on its own (the
+median of --iters passes after --warmup, the GPU idle at the start of each, so a pass also pays
+the host's launch latency), and back to back (the mean of --iters passes queued without a
+synchronisation between them, as the layers of a training step run). Rows:
 - the dense GELU MLP of the same FLOPs (every token through one MLP of the expert's size): the limit;
 - this project's expert choice (per sequence and per batch group), `torch` backend;
 - this project's token choice, top-1, capacity factor 1 (torch) and dropless (grouped_gemm, megablocks);
@@ -27,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/common.py, however this is started
-from common import GeluMLP, timed  # noqa: E402
+from common import GeluMLP, profile_report, timed, timed_back_to_back  # noqa: E402
 
 from mode.config import MoEConfig
 from mode.layers.moe import MoEFFN
@@ -149,21 +152,22 @@ def main() -> None:
     print(f"card: {torch.cuda.get_device_name()}; torch {torch.__version__}; tokens {args.batch} x {args.seq}, "
           f"D={args.width}, expert hidden {args.ffn}, {args.experts} experts, {args.params} weights, bf16 autocast, fwd+bwd, "
           f"rows added back with {args.row_add}\n")
-    print("| implementation | ms | x dense |")
-    print("| --- | --- | --- |")
-    dense_ms = None
+    print("| implementation | ms, each pass synchronised | x dense | ms, back to back | x dense |")
+    print("| --- | --- | --- | --- | --- |")
+    dense_ms = dense_b2b = None
     profiles: list[tuple[str, Callable[[Tensor], Tensor]]] = []
     for name, build in rows:
         try:
             layer = build()
             ms = timed(fwd_bwd(layer, x), args.warmup, args.iters, x.device)
+            b2b = timed_back_to_back(fwd_bwd(layer, x), 2, args.iters, x.device)
         except Exception as e:  # a missing library is reported, never timed
-            print(f"| {name} | not run: {type(e).__name__}: {str(e).splitlines()[0][:80]} | |")
+            print(f"| {name} | not run: {type(e).__name__}: {str(e).splitlines()[0][:80]} | | | |")
             traceback.print_exc(limit=2)
             x.grad = None
             continue
-        dense_ms = dense_ms or ms
-        print(f"| {name} | {ms:.2f} | {ms / dense_ms:.2f} |", flush=True)
+        dense_ms, dense_b2b = dense_ms or ms, dense_b2b or b2b
+        print(f"| {name} | {ms:.2f} | {ms / dense_ms:.2f} | {b2b:.2f} | {b2b / dense_b2b:.2f} |", flush=True)
         x.grad = None
         if any(p in name for p in args.profile):
             profiles.append((name, layer))
@@ -172,16 +176,8 @@ def main() -> None:
 
 
 def print_profile(name: str, run: Callable[[], None]) -> None:
-    from torch.profiler import ProfilerActivity, profile
-
     run()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
-            run()
-        torch.cuda.synchronize()
-    print(f"\n### {name}: top operators over 3 forward+backward passes")
-    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=22, max_name_column_width=60))
+    print(profile_report(run, 3, torch.device("cuda"), f"{name}, forward+backward", 22))
 
 
 if __name__ == "__main__":

@@ -32,7 +32,10 @@ process's tokens (world x batch x seq / median step time). Peak GiB is the large
 torch.cuda.max_memory_allocated over ranks. Rank 0 prints one context line (`# ...`) and
 one markdown row: | impl | GPUs | tokens/s | ms/step | peak GiB |.
 
-Options: --config, --batch, --ep, --zero-stage, --warmup, --steps, --label (the row's first
+--profile N: after the row, N more steps under torch.profiler; rank 0 prints the wall time
+per step against the time a kernel was running (GPU busy) and the top kernels.
+
+Options: --config, --batch, --ep, --zero-stage, --warmup, --steps, --profile, --label (the row's first
 cell, e.g. `--config configs/moe_gpu.yaml --label mode-moe`), --tiny. Extra
 `--section.field=value` arguments override the config, as for launch/train.py.
 """
@@ -54,7 +57,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 
-from bench.common import GeluMLP  # noqa: E402
+from bench.common import GeluMLP, profile_report, sync  # noqa: E402
 from mode.config import Config, ConfigError, load_config  # noqa: E402
 from mode.layers.mlp import SwiGLU  # noqa: E402
 from mode.layers.moe import MoEFFN  # noqa: E402
@@ -157,11 +160,6 @@ def build_deepspeed_trainer(config: Config, processes: Processes) -> Trainer:
 
 
 # ----------------------------------------------------------------------------- measurement
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def time_steps(trainer: Trainer, warmup: int, steps: int, device: torch.device) -> tuple[list[float], list[float]]:
     """Seconds of each timed train_step (the slowest rank's), and every step's loss (mean over ranks)."""
     losses = [trainer.train_step()["loss"] for _ in range(warmup)]
@@ -177,6 +175,13 @@ def time_steps(trainer: Trainer, warmup: int, steps: int, device: torch.device) 
     t = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist(), losses
+
+
+def profile_steps(trainer: Trainer, steps: int, device: torch.device, rank: int) -> None:
+    """Every rank runs `steps` more training steps under torch.profiler; rank 0 prints where they went."""
+    report = profile_report(trainer.train_step, steps, device, f"training steps on rank 0 of {dist.get_world_size()}")
+    if rank == 0:
+        print(report, flush=True)
 
 
 def peak_gib(device: torch.device) -> float | None:
@@ -217,6 +222,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2), default=None, help="default: the config's")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3; 1 with --tiny)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 8; 3 with --tiny)")
+    parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                        help="after timing, profile STEPS more steps: GPU busy vs wall, top kernels (rank 0)")
     parser.add_argument("--label", default=None, help="the row's first cell (default: the impl)")
     parser.add_argument("--tiny", action="store_true",
                         help="CPU smoke shape: 2 layers, D=64, 2 x 64 tokens per process")
@@ -274,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
             peak_text = f"{peak:.2f}" if peak is not None else "-"
             print(f"| {args.label or args.impl} | {processes.world_size} | {tokens / step_s:,.0f} | "
                   f"{1e3 * step_s:.1f} | {peak_text} |", flush=True)
+        if args.profile:
+            profile_steps(trainer, args.profile, processes.device, processes.rank)
         return 0
     except Exception:
         print(f"[rank {processes.rank}] bench/scaling.py failed:\n{traceback.format_exc()}",

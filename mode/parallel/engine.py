@@ -182,10 +182,8 @@ class DeepSpeedOptimization:
     def _clip_exact(self) -> Tensor:
         """Global grad norm over every parameter once (experts summed over the ep group); clip by it."""
         params = [p for p in self.model.parameters() if p.grad is not None]
-        zero = torch.zeros((), dtype=torch.float32, device=self.processes.device)
-        squares = lambda ps: sum((p.grad.detach().float().square().sum() for p in ps), zero)  # noqa: E731
-        expert_sq = squares([p for p in params if is_moe_param(p)])
-        shared_sq = squares([p for p in params if not is_moe_param(p)])
+        expert_sq = self._squared_norm([p.grad for p in params if is_moe_param(p)])
+        shared_sq = self._squared_norm([p.grad for p in params if not is_moe_param(p)])
         grads = [p.grad for p in params]
         if self.ep_group is not None:
             dist.all_reduce(expert_sq, group=self.ep_group)
@@ -194,6 +192,13 @@ class DeepSpeedOptimization:
             coef = (self.grad_clip / (norm + 1e-6)).clamp(max=1.0)
             torch._foreach_mul_(grads, coef)
         return norm
+
+    def _squared_norm(self, grads: list[Tensor]) -> Tensor:
+        """Sum of squares of every gradient, float32, 0-d on the device: one multi-tensor norm
+        (a few kernels for all of them, instead of three per parameter)."""
+        if not grads:
+            return torch.zeros((), dtype=torch.float32, device=self.processes.device)
+        return torch.nn.utils.get_total_norm(grads, 2.0).float().square()
 
     def state_dict(self) -> dict[str, Any]:
         raise RuntimeError("DeepSpeedOptimization saves through save_checkpoint (its state is sharded)")
