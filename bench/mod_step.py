@@ -27,7 +27,6 @@ from mode.config import Config, config_from_dict
 from mode.flops import model_flops
 from mode.model import LanguageModel
 from mode.routing import primitives
-from mode.routing import router as router_module
 
 
 def make_config(pattern: list[str], args: argparse.Namespace) -> Config:
@@ -118,18 +117,14 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of --iters per model; the median round is reported")
     parser.add_argument("--no-compile", action="store_true")
-    parser.add_argument("--no-eager", action="store_true", help="skip the eager mode")
     parser.add_argument("--no-graphs", action="store_true", help="skip the compiled + CUDA graphs mode")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run at a small shape")
     parser.add_argument("--profile", nargs="*", choices=["eager", "compiled"], default=None,
                         help="also print the top kernels of fwd+bwd (eager if no mode is named)")
     parser.add_argument("--row-add", choices=["scatter_add", "index_add"], default="scatter_add",
                         help="the kernel routed blocks add rows back with (mode.routing.primitives.ROW_ADD)")
-    parser.add_argument("--router", choices=["reduction", "gemm"], default="reduction",
-                        help="how compiled routers compute their scores (mode.routing.router.COMPILED_SCORES)")
     args = parser.parse_args()
     primitives.ROW_ADD = args.row_add
-    router_module.COMPILED_SCORES = args.router
     if args.tiny:
         args.batch, args.seq, args.width, args.heads, args.layers, args.ffn, args.vocab = 2, 128, 64, 4, 4, 128, 256
         args.warmup, args.iters, args.rounds, args.no_compile = 1, 3, 2, True
@@ -139,10 +134,10 @@ def main() -> None:
 
     dense_cfg, mod_cfg = make_config(["dense"], args), make_config(["dense", "mod"], args)
     flop_ratio = model_flops(mod_cfg).forward_per_token / model_flops(dense_cfg).forward_per_token
-    modes = ([] if args.no_eager else ["eager"]) + ([] if args.no_compile else ["compiled"])
+    modes = ["eager"] + ([] if args.no_compile else ["compiled"])
     modes += [] if args.no_compile or args.no_graphs or device.type != "cuda" else ["compiled + CUDA graphs"]
     print(f"card: {card}; torch {torch.__version__}; B={args.batch} S={args.seq} D={args.width} "
-          f"layers={args.layers} ffn={args.ffn} vocab={args.vocab} capacity={args.capacity} on every other block, bf16, rows added back with {args.row_add}, compiled router scores by {args.router}")
+          f"layers={args.layers} ffn={args.ffn} vocab={args.vocab} capacity={args.capacity} on every other block, bf16, rows added back with {args.row_add}")
     print(f"analytic forward FLOPs/token: dense {model_flops(dense_cfg).forward_per_token / 1e6:.1f}M, "
           f"MoD {model_flops(mod_cfg).forward_per_token / 1e6:.1f}M, ratio {flop_ratio:.3f}\n")
     print("| mode | model | fwd+bwd ms | step ms (AdamW) | peak GiB | fwd+bwd ratio | step ratio | ratio / FLOP ratio (fwd+bwd, step) |")

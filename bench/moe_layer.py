@@ -35,7 +35,6 @@ from common import GeluMLP, profile_report, timed, timed_back_to_back  # noqa: E
 from mode.config import MoEConfig
 from mode.layers.moe import MoEFFN
 from mode.routing import primitives
-from mode.routing import router as router_module
 
 
 PARAM_DTYPE = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -118,11 +117,8 @@ def main() -> None:
                         help="print the top GPU kernels of the rows whose name contains ROW")
     parser.add_argument("--row-add", choices=["scatter_add", "index_add"], default="scatter_add",
                         help="the kernel this project's layers add rows back with (mode.routing.primitives.ROW_ADD)")
-    parser.add_argument("--router", choices=["reduction", "gemm"], default="reduction",
-                        help="how compiled routers compute their scores (mode.routing.router.COMPILED_SCORES)")
     args = parser.parse_args()
     primitives.ROW_ADD = args.row_add
-    router_module.COMPILED_SCORES = args.router
     torch.manual_seed(0)
     x = torch.randn(args.batch, args.seq, args.width, device="cuda", dtype=PARAM_DTYPE[args.params], requires_grad=True)
 
@@ -155,7 +151,7 @@ def main() -> None:
         rows.insert(1, ("dense GELU MLP (compiled)", lambda: torch.compile(GeluMLP(args.width, args.ffn).cuda().to(PARAM_DTYPE[args.params]))))
     print(f"card: {torch.cuda.get_device_name()}; torch {torch.__version__}; tokens {args.batch} x {args.seq}, "
           f"D={args.width}, expert hidden {args.ffn}, {args.experts} experts, {args.params} weights, bf16 autocast, fwd+bwd, "
-          f"rows added back with {args.row_add}, compiled router scores by {args.router}\n")
+          f"rows added back with {args.row_add}\n")
     print("| implementation | ms, each pass synchronised | x dense | ms, back to back | x dense |")
     print("| --- | --- | --- | --- | --- |")
     dense_ms = dense_b2b = None

@@ -47,15 +47,6 @@ def untrained_for_sampling(routing: str) -> ValueError:
     )
 
 
-# How a compiled Router computes its scores: "reduction" writes the projection as a broadcast
-# product summed over D, which Inductor turns into one reduction kernel per direction that
-# reads x in its own dtype; "gemm" is the eager path's matmul, for which a bf16 x is first
-# copied to float32 and cuBLAS runs a float32 GEMM with only n_slots (1 to 16) columns, and
-# whose weight gradient is a slow float32 GEMM too. Both compute in float32.
-# bench/moe_layer.py and bench/mod_step.py --router compare them.
-COMPILED_SCORES = "reduction"
-
-
 class Router(nn.Module):
     """r = w^T x: one linear projection D -> n_slots, computed in float32 for stable top-k."""
 
@@ -68,11 +59,7 @@ class Router(nn.Module):
         """x (G, T, D) -> scores (G, T, n_slots), float32 whatever the autocast dtype."""
         with torch.autocast(device_type=x.device.type, enabled=False):
             bias = None if self.proj.bias is None else self.proj.bias.float()
-            weight = self.proj.weight.float()  # (n_slots, D)
-            if torch.compiler.is_compiling() and COMPILED_SCORES == "reduction":
-                scores = (x.float().unsqueeze(-1) * weight.t()).sum(-2)  # (G, T, D, 1) * (D, n) -> (G, T, n)
-                return scores if bias is None else scores + bias
-            return nn.functional.linear(x.float(), weight, bias)
+            return nn.functional.linear(x.float(), self.proj.weight.float(), bias)
 
 
 CAUSAL_METHODS = ("none", "aux_loss", "predictor")
