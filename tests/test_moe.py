@@ -73,6 +73,18 @@ def run(module, x, *args):
     return y.detach(), x.grad.clone(), params, out[1] if isinstance(out, tuple) else None
 
 
+def run_pair(first, second, *args):
+    """run() both on one input (its gradient reset in between); asserts equal outputs and input
+    gradients, and returns both runs' (output, input gradient, parameter gradients, info)."""
+    x = inputs()
+    a = run(first, x, *args)
+    x.grad = None
+    b = run(second, x, *args)
+    close(a[0], b[0])
+    close(a[1], b[1])
+    return a, b
+
+
 # ----------------------------------------------------------------------------- ablation identities
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_integrated_mode_without_noop_equals_moe_block(scheme):
@@ -80,12 +92,7 @@ def test_integrated_mode_without_noop_equals_moe_block(scheme):
     integrated = IntegratedMoDEBlock(model_cfg(), moe).double()
     block = TransformerBlock(model_cfg(), ffn=MoEFFN(16, 24, moe)).double()
     block.load_state_dict(integrated.state_dict())
-    x = inputs()
-    y1, gx1, g1, _ = run(integrated, x, angles())
-    x.grad = None
-    y2, gx2, g2, _ = run(block, x, angles())
-    close(y1, y2)
-    close(gx1, gx2)
+    (_, _, g1, _), (_, _, g2, _) = run_pair(integrated, block, angles())
     assert g1.keys() == g2.keys() and len(g1) > 0
     for name in g1:
         close(g1[name], g2[name])
@@ -101,12 +108,7 @@ def test_staged_mode_at_full_capacity_with_unit_gate_equals_moe_block(scheme):
         staged.router.router.proj.bias.fill_(1.0)  # every score 1: g = 1 for every token
     block = TransformerBlock(model_cfg(), ffn=MoEFFN(16, 24, moe)).double()
     block.load_state_dict(staged.block.state_dict())
-    x = inputs()
-    y1, gx1, g1, info1 = run(staged, x, angles())
-    x.grad = None
-    y2, gx2, g2, info2 = run(block, x, angles())
-    close(y1, y2)
-    close(gx1, gx2)
+    (_, _, g1, info1), (_, _, g2, info2) = run_pair(staged, block, angles())
     for name, g in g2.items():
         close(g1[f"block.{name}"], g)
     assert info1.routing is not None and info1.ffn_routing is not None  # both routings reported
@@ -128,12 +130,7 @@ def test_one_expert_top1_without_dropping_equals_dense_mlp(kw):
     with torch.no_grad():  # softmax over one slot is 1.0, so the gate is exactly 1
         moe.experts.w_in[0].copy_(mlp.gate_up.weight.t())
         moe.experts.w_out[0].copy_(mlp.down.weight.t())
-    x = inputs()
-    y1, gx1, g1, routing = run(moe, x)
-    x.grad = None
-    y2, gx2, g2, _ = run(mlp, x)
-    close(y1, y2)
-    close(gx1, gx2)
+    (_, _, g1, routing), (_, _, g2, _) = run_pair(moe, mlp)
     close(g1["experts.w_in"][0], g2["gate_up.weight"].t())
     close(g1["experts.w_out"][0], g2["down.weight"].t())
     assert float(g1["router.router.proj.weight"].abs().max()) == 0.0  # a constant gate has no gradient
