@@ -7,6 +7,7 @@ packages are present; elsewhere pytest reports them as skipped, never as passed.
 from __future__ import annotations
 
 import math
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from mode.layers.block import TransformerBlock
 from mode.layers.mlp import SwiGLU
 from mode.layers.mode import IntegratedMoDEBlock, StagedMoDEBlock
 from mode.layers.moe import MoEFFN
-from mode.layers.rotary import RotaryEmbedding
+from mode.layers.rotary import RotaryAngles, RotaryEmbedding
 from mode.model import LanguageModel
 from mode.routing import TokenChoiceRouting, capacity_to_k, token_choice_capacity, top_k_positions
 
@@ -46,7 +47,7 @@ def moe_cfg(**kw) -> MoEConfig:
     return MoEConfig(**{"n_experts": E, **kw})
 
 
-def angles(seq: int = SEQ):
+def angles(seq: int = SEQ) -> RotaryAngles:
     cfg = model_cfg()
     return RotaryEmbedding(cfg.d_model // cfg.n_heads, cfg.max_seq_len, cfg.rope_base).prefix(seq)
 
@@ -63,7 +64,10 @@ def grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
 
 
-def run(module, x, *args):
+RunResult = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], Any]  # output, x.grad, param grads, info
+
+
+def run(module: Callable[..., Any], x: torch.Tensor, *args: Any) -> RunResult:
     """Forward, then backward of a fixed random projection of the output."""
     out = module(x, *args)
     y = out[0] if isinstance(out, tuple) else out
@@ -73,7 +77,7 @@ def run(module, x, *args):
     return y.detach(), x.grad.clone(), params, out[1] if isinstance(out, tuple) else None
 
 
-def run_pair(first, second, *args):
+def run_pair(first: Callable[..., Any], second: Callable[..., Any], *args: Any) -> tuple[RunResult, RunResult]:
     """run() both on one input (its gradient reset in between); asserts equal outputs and input
     gradients, and returns both runs' (output, input gradient, parameter gradients, info)."""
     x = inputs()
