@@ -162,8 +162,8 @@ class TrainConfig(Section):
     compile_mode: Literal["default", "reduce-overhead"] = Field(
         "default",
         description=(
-            "torch.compile's mode with compile=true; reduce-overhead replays each step as CUDA graphs "
-            "(one process, GPU, grad_accum 1), which routed layers' many small kernels gain most from"
+            "torch.compile's mode with compile=true; reduce-overhead replays each micro-batch as CUDA "
+            "graphs (one process, GPU), which routed layers' many small kernels gain most from"
         ),
     )
     progress: bool = True
@@ -177,11 +177,6 @@ class TrainConfig(Section):
             raise ValueError(f"min_lr ({self.min_lr}) must not exceed lr ({self.lr})")
         if self.compile_mode != "default" and not self.compile:
             raise ValueError(f"compile_mode={self.compile_mode!r} needs compile=true")
-        if self.compile_mode == "reduce-overhead" and self.grad_accum > 1:
-            # torch 2.11's CUDA graph trees overwrite a micro-batch's saved activations with the
-            # next one's (seen on an H200: "accessing tensor output of CUDAGraphs that has been
-            # overwritten by a subsequent run" in the second backward).
-            raise ValueError("compile_mode='reduce-overhead' needs grad_accum=1 (CUDA graphs replay one micro-batch per step)")
         return self
 
 

@@ -80,11 +80,21 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, An
 
 
 class TorchOptimization:
-    """AdamW with global-norm clipping, clipped *before* the optimizer step."""
+    """AdamW with global-norm clipping, clipped *before* the optimizer step.
 
-    def __init__(self, model: nn.Module, config: Config, device: torch.device) -> None:
+    keep_grads: gradients stay allocated and are zeroed in place between steps, instead of
+    being freed. Needed under CUDA graphs (compile_mode=reduce-overhead): a freed gradient is
+    replaced by the backward graph's own output tensor, which the next micro-batch's replay
+    overwrites; an allocated one has each micro-batch's gradient added into it. (A parameter
+    that got no gradient in a step then has a zero one: AdamW still decays it and moves it by
+    its momentum, where a freed gradient would skip it. Every parameter of these models gets
+    a gradient each step.)
+    """
+
+    def __init__(self, model: nn.Module, config: Config, device: torch.device, keep_grads: bool = False) -> None:
         t = config.train
         self.model = model
+        self.keep_grads = keep_grads
         self.grad_clip = t.grad_clip
         self.optimizer = torch.optim.AdamW(
             parameter_groups(model, t.weight_decay),
@@ -92,6 +102,10 @@ class TorchOptimization:
             betas=(t.beta1, t.beta2),
             fused=device.type == "cuda",
         )
+        if keep_grads:
+            for p in model.parameters():
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
 
     def backward(self, loss: Tensor) -> None:
         loss.backward()
@@ -102,7 +116,7 @@ class TorchOptimization:
         max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=not self.keep_grads)
         return norm.detach()
 
     def state_dict(self) -> dict[str, Any]:
@@ -200,6 +214,13 @@ def output_tensors(out: ModelOutput, loss_keys: Sequence[str]) -> tuple[list[Ten
     return [getattr(out, key).detach() for key in loss_keys], {layer: summary_tensors(r) for layer, r in routed_layers(out)}
 
 
+def copy_outputs(tensors: tuple[list[Tensor], dict[str, dict[str, Tensor]]]) -> tuple[list[Tensor], dict[str, dict[str, Tensor]]]:
+    """output_tensors' result with every tensor cloned (detached)."""
+    losses, summaries = tensors
+    return ([t.detach().clone() for t in losses],
+            {layer: {name: t.detach().clone() for name, t in stats.items()} for layer, stats in summaries.items()})
+
+
 def read_outputs(outputs: list[tuple[list[Tensor], dict[str, dict[str, Tensor]]]], loss_keys: Sequence[str],
                  extra: Sequence[Tensor] = ()) -> tuple[list[dict[str, float]], list[dict[str, dict[str, Any]]], list[float]]:
     """output_tensors of several micro-batches (and extra 0-d tensors), copied in one transfer:
@@ -286,7 +307,8 @@ class Trainer:
         self.model = model if model is not None else build_model(config, self.device, resume)
         t = config.train
         self.forward = torch.compile(self.model, mode=t.compile_mode) if t.compile else self.model
-        self.optimization = optimization or TorchOptimization(self.model, config, self.device)
+        self.graphed = t.compile and t.compile_mode == "reduce-overhead"  # CUDA graphs own their outputs
+        self.optimization = optimization or TorchOptimization(self.model, config, self.device, keep_grads=self.graphed)
         self.flops_per_token = model_flops(config).train_per_token
         self.state = RunState()
         self._prepare_run_folder(resume)
@@ -413,7 +435,10 @@ class Trainer:
             with self.autocast():
                 out = self.forward(x, y)
             self.optimization.backward(out.loss / t.grad_accum)
-            outputs.append(output_tensors(out, loss_keys))  # read after the optimizer step
+            tensors = output_tensors(out, loss_keys)  # read after the optimizer step
+            # A CUDA-graphed forward's outputs live in memory its next replay (the next
+            # micro-batch) overwrites: keep copies (a few scalars and small vectors).
+            outputs.append(copy_outputs(tensors) if self.graphed else tensors)
         lr = learning_rate(step, t)
         grad_norm = self.optimization.step(lr)
         # One device-to-host transfer (one synchronisation) per step: losses, statistics, norm.

@@ -18,7 +18,17 @@ from mode.config import Config, ConfigError, TrainConfig, config_from_dict, load
 from mode.data import batch_generator, sample_batch
 from mode.flops import train_step_flops
 from mode.model import LanguageModel
-from mode.train import CHECKPOINT, METRICS, POSITION_BINS, Trainer, learning_rate, load_checkpoint_file, main
+from mode.train import (
+    CHECKPOINT,
+    METRICS,
+    POSITION_BINS,
+    TorchOptimization,
+    Trainer,
+    build_model,
+    learning_rate,
+    load_checkpoint_file,
+    main,
+)
 
 # Resumed and uninterrupted runs do the same float32 operations on CPU in the same order;
 # the constant only absorbs printing/JSON round trips (json keeps full float precision).
@@ -361,8 +371,27 @@ def test_compile_mode_needs_compile(tmp_path: Path, corpus: Path) -> None:
         make_config(tmp_path / "run", corpus, train={"compile_mode": "reduce-overhead"})
     with pytest.raises(ConfigError, match="compile_mode"):
         make_config(tmp_path / "run", corpus, train={"compile": True, "compile_mode": "fast"})
-    with pytest.raises(ConfigError, match="grad_accum"):
-        make_config(tmp_path / "run", corpus, train={"compile": True, "compile_mode": "reduce-overhead", "grad_accum": 2})
+
+
+def test_kept_gradients_train_like_freed_ones(tmp_path: Path, corpus: Path) -> None:
+    """TorchOptimization(keep_grads=True), as CUDA graphs use it: gradients allocated from the
+    start and zeroed in place, micro-batches added into them; the same steps as freeing them."""
+    params = {}
+    for keep in (False, True):
+        config = make_config(tmp_path / f"keep{keep}", corpus, train={"grad_accum": 2, "max_steps": 3})
+        torch.manual_seed(0)
+        model = build_model(config, "cpu")
+        optimization = TorchOptimization(model, config, torch.device("cpu"), keep_grads=keep)
+        trainer = Trainer(config, optimization=optimization, model=model)
+        trainer.run()
+        grads = [p.grad for p in model.parameters()]
+        if keep:
+            assert all(g is not None and not g.any() for g in grads)  # zeroed after the step, still there
+        else:
+            assert all(g is None for g in grads)
+        params[keep] = [p.detach().clone() for p in model.parameters()]
+    for a, b in zip(params[False], params[True], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 # Eager and compiled bf16 steps round differently (fused, reordered arithmetic); over six
@@ -373,16 +402,17 @@ GRAPHED_GRAD_NORM_RTOL = 5e-2
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("grad_accum", [1, 2])
 @pytest.mark.parametrize("block", ["mod", "moe"])
-def test_cuda_graphed_training_matches_eager(tmp_path: Path, corpus: Path, block: str) -> None:
-    """train.compile_mode=reduce-overhead: the same losses, gradient norms and evaluation as eager
-    (each step's outputs are read before the next replay)."""
+def test_cuda_graphed_training_matches_eager(tmp_path: Path, corpus: Path, block: str, grad_accum: int) -> None:
+    """train.compile_mode=reduce-overhead: the same losses, gradient norms and evaluation as eager,
+    also with gradient accumulation (each micro-batch's replay overwrites the last one's outputs)."""
     runs = {}
     for name, train in (("eager", {}), ("graphs", {"compile": True, "compile_mode": "reduce-overhead"})):
         config = make_config(
             tmp_path / name, corpus, model={"block_pattern": ["dense", block]},
             moe={"scheme": "token_choice", "capacity_factor": 1.0},
-            train={"device": "cuda", "max_steps": 6, "eval_interval": 3, **train},
+            train={"device": "cuda", "max_steps": 6, "eval_interval": 3, "grad_accum": grad_accum, **train},
         )
         runs[name] = Trainer(config).run()
     for eager, graphed in zip(runs["eager"], runs["graphs"], strict=True):
