@@ -313,3 +313,17 @@ def test_deepspeed_config_is_derived_from_the_project_config():
     for device in ("cpu", "cuda"):
         zero0 = deepspeed_config(config, world_size=2, device_type=device)
         assert zero0["gradient_clipping"] == 0.0 and zero0["bf16"] == {"enabled": False}
+
+
+def test_cuda_graphs_are_refused_through_deepspeed(tmp_path: Path) -> None:
+    """launch/train.py refuses train.compile_mode=reduce-overhead, naming the field, before it
+    builds anything (CUDA graphs run through python -m mode.train only)."""
+    from mode.parallel.engine import Processes
+    from mode.parallel.launch import build_trainer
+
+    config = load_config(None, ["--train.compile=true", "--train.compile_mode=reduce-overhead",
+                                f"--train.out_dir={tmp_path / 'run'}"])
+    processes = Processes(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
+    with pytest.raises(ConfigError, match="compile_mode"):
+        build_trainer(config, processes)
+    assert not (tmp_path / "run").exists()

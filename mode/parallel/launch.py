@@ -46,10 +46,12 @@ class LaunchTrainer(Trainer):
 
 def build_trainer(config: Config, processes: Processes, resume: bool = False) -> LaunchTrainer:
     """Model (whole, same seed on every rank) -> expert slices -> DeepSpeed engine -> Trainer."""
-    if config.train.compile_mode == "reduce-overhead" and processes.world_size > 1:
+    if config.train.compile_mode == "reduce-overhead":
+        # CUDA graphs own their output tensors, gradients included; python -m mode.train keeps
+        # its gradients allocated for them, DeepSpeed's engine manages its own (never tested).
         raise ConfigError(
-            "train.compile_mode=reduce-overhead (CUDA graphs) is tested on one process only; with "
-            f"{processes.world_size} processes use train.compile_mode=default"
+            "train.compile_mode=reduce-overhead (CUDA graphs) runs with python -m mode.train (one "
+            "process) only; through launch/train.py (DeepSpeed) use train.compile_mode=default"
         )
     torch.manual_seed(config.train.seed)
     # Whole and on the host (where LanguageModel initialises anyway), with train.init_from's
