@@ -87,8 +87,8 @@ class TorchOptimization:
     replaced by the backward graph's own output tensor, which the next micro-batch's replay
     overwrites; an allocated one has each micro-batch's gradient added into it. (A parameter
     that got no gradient in a step then has a zero one: AdamW still decays it and moves it by
-    its momentum, where a freed gradient would skip it. Every parameter of these models gets
-    a gradient each step.)
+    its momentum, where a freed gradient would skip it; in every shipped config each
+    parameter gets a gradient each step: tests/test_configs.py.)
     """
 
     def __init__(self, model: nn.Module, config: Config, device: torch.device, keep_grads: bool = False) -> None:

@@ -43,3 +43,20 @@ def test_config_loads_and_builds(path: Path) -> None:
         out = model(tokens, tokens)
         assert torch.isfinite(out.loss)
         assert len(out.routings) == len(out.ffn_routings) == len(kinds)
+
+
+TINY = [p for p in CONFIGS if p.stem.endswith("_tiny")]
+
+
+@pytest.mark.parametrize("causal", ["none", "aux_loss", "predictor"])
+@pytest.mark.parametrize("path", TINY, ids=[p.stem for p in TINY])
+def test_every_parameter_gets_a_gradient(path: Path, causal: str) -> None:
+    """One training step reaches every parameter of every block kind and causal method. CUDA-graphed
+    training (train.compile_mode=reduce-overhead) keeps gradients allocated, so a parameter
+    without a gradient would see AdamW move it by a zero gradient instead of being skipped."""
+    config = load_config(path, [f"--routing.causal={causal}"])
+    torch.manual_seed(0)
+    model = LanguageModel(config)
+    tokens = torch.randint(0, config.model.vocab_size, (2, config.data.seq_len + 1))
+    model(tokens[:, :-1], tokens[:, 1:]).loss.backward()
+    assert [n for n, p in model.named_parameters() if p.grad is None] == []
