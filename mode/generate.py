@@ -250,7 +250,7 @@ def layer_step(
         y = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=visible.unsqueeze(1))
     a = attn.out(y.transpose(1, 2).reshape(m, width_k, width))
     h = xs + a
-    out, _ = inner._ffn(inner.ffn_norm(h))
+    out, _ = inner._ffn(inner.ffn_norm(h), valid)  # an MoE FFN skips the padding rows
     if isinstance(block, MoDBlock):
         gates = apply_gate(block.router.router(xs).squeeze(-1), block.router.gate)  # (m, K): g(r) of the chosen tokens
         new = xs + (gates.unsqueeze(-1) * (a + out)).to(xs.dtype)  # as MoDBlock: x + (g * f(x)) in x's dtype

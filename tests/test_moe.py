@@ -434,3 +434,30 @@ def test_static_schemes_trace_as_one_graph(scheme: str) -> None:
     explained = torch._dynamo.explain(layer)(inputs())
     assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
     assert explained.graph_count == 1
+
+
+@pytest.mark.parametrize("scheme", ["expert_choice", "token_choice_capacity", "token_choice_dropless"])
+def test_staged_mode_causal_routing_keeps_padding_out_of_the_inner_moe(scheme: str) -> None:
+    """Under causal routing a Staged MoDE block pads each sequence's chosen tokens to the batch's
+    longest. The inner MoE computes and counts the chosen tokens only: its output and statistics
+    equal the MoE's on those tokens alone, and the padding rows get an exact zero update."""
+    torch.manual_seed(3)
+    staged = StagedMoDEBlock(model_cfg(), RoutingConfig(causal="aux_loss"), moe_cfg(n_noop=N_NOOP, **SCHEMES[scheme])).double()
+    for module in staged.modules():
+        if hasattr(module, "causal_mode"):
+            module.causal_mode = True
+    seen = {}
+    hook = staged.block.ffn.register_forward_hook(lambda m, args, out: seen.update(x=args[0], valid=args[1], out=out[0]))
+    _, info = staged(inputs(batch=6), angles())
+    hook.remove()
+    valid = info.routing.valid  # (B, K)
+    assert valid is seen["valid"] and not valid.all() and valid.any(-1).all()  # padding in some rows
+    rows = seen["x"][valid].unsqueeze(0)  # (1, M, D): the chosen tokens alone
+    want_out, want = staged.block.ffn(rows)
+    close(seen["out"][valid], want_out[0])
+    assert torch.equal(seen["out"][~valid], torch.zeros_like(seen["out"][~valid]))
+    got = info.ffn_routing.stats
+    for name in ("processed", "noop_fraction", "dropped_fraction", "tokens_per_expert"):
+        if name in want.stats:
+            close(got[name], want.stats[name])
+    assert got["tokens_per_expert"].sum() > 0  # the experts took some tokens

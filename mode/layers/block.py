@@ -8,6 +8,7 @@ from torch import Tensor, nn
 from mode.config import ModelConfig
 from mode.layers.attention import CausalSelfAttention
 from mode.layers.mlp import SwiGLU
+from mode.layers.moe import MoEFFN
 from mode.layers.rotary import RotaryAngles
 from mode.routing import Routing
 
@@ -43,13 +44,14 @@ class TransformerBlock(nn.Module):
         """f(x) = out - x, computed without the subtraction: Attn(...) + FFN(...)."""
         return self.routed_update(x, angles)[0]
 
-    def routed_update(self, x: Tensor, angles: RotaryAngles) -> tuple[Tensor, Routing | None]:
-        """f(x) and the FFN's Routing (None for a dense FFN)."""
+    def routed_update(self, x: Tensor, angles: RotaryAngles, valid: Tensor | None = None) -> tuple[Tensor, Routing | None]:
+        """f(x) and the FFN's Routing (None for a dense FFN). valid (B, k): the rows that are
+        chosen tokens, where causal routing padded them (an MoE FFN then skips the padding)."""
         a = self.attn(self.attn_norm(x), angles)
-        out, ffn_routing = self._ffn(self.ffn_norm(x + a))
+        out, ffn_routing = self._ffn(self.ffn_norm(x + a), valid)
         return a + out, ffn_routing
 
-    def _ffn(self, x: Tensor) -> tuple[Tensor, Routing | None]:
+    def _ffn(self, x: Tensor, valid: Tensor | None = None) -> tuple[Tensor, Routing | None]:
         """A routed FFN (MoEFFN) returns (output, Routing); a dense one its output alone."""
-        out = self.ffn(x)
+        out = self.ffn(x, valid) if isinstance(self.ffn, MoEFFN) else self.ffn(x)
         return out if isinstance(out, tuple) else (out, None)

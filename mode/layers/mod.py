@@ -25,7 +25,7 @@ class MoDBlock(nn.Module):
         # indices (B, k), sorted: causal order kept; chosen (B, k, D); residual: x, for the updates
         routing, chosen, residual = self.router.route(x)
         # (B, k, D) at the original positions; ffn_routing is the MoE's in Staged MoDE, else None.
-        update, ffn_routing = self.block.routed_update(chosen, angles.select(routing.indices))
+        update, ffn_routing = self.block.routed_update(chosen, angles.select(routing.indices), routing.valid)
         # The gate scales only the update; the residual of every token passes untouched.
         # (float32 gates times the update promote to the residual stream's precision.)
         gated = routing.gates.unsqueeze(-1) * update  # (B, k, D)

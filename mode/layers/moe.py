@@ -47,8 +47,10 @@ class MoEFFN(nn.Module):
             )
         self.experts = Experts(moe.n_experts, d_model, moe.d_expert or d_ff, moe.activation, moe.backend)
 
-    def forward(self, x: Tensor) -> tuple[Tensor, Routing]:
-        routing = self.router(x)
+    def forward(self, x: Tensor, valid: Tensor | None = None) -> tuple[Tensor, Routing]:
+        """valid (B, S) bool: under causal routing, False rows are padding: no expert computes
+        them (their output is 0) and the statistics leave them out. None: every row is a token."""
+        routing = self.router(x, valid)
         if isinstance(routing, CausalExpertRouting):
             out = self._causal_experts(x.reshape(-1, x.shape[-1]), routing)
         elif isinstance(routing, TokenChoiceRouting):

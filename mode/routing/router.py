@@ -31,6 +31,9 @@ class Routing:
     logits:  the raw router scores for every token, (G, T) or (G, T, n_slots), float32;
              kept for auxiliary losses and statistics.
     aux_loss: scalar auxiliary loss this routing adds to the objective (0 when none).
+    valid:   (G, k) bool, False on padding rows: a depth router's causal routing pads each
+             sequence's chosen tokens to the batch's longest (see DepthRouter.causal_routing);
+             None when every row is a chosen token.
     """
 
     indices: Tensor
@@ -38,6 +41,16 @@ class Routing:
     logits: Tensor
     aux_loss: Tensor
     stats: dict[str, Tensor] = field(default_factory=dict)
+    valid: Tensor | None = None
+
+
+def masked_mean(values: Tensor, valid: Tensor | None) -> Tensor:
+    """Mean of values (bool or float) over the entries valid marks (broadcast), or over all."""
+    values = values.float()
+    if valid is None:
+        return values.mean()
+    mask = valid.expand_as(values)
+    return (values * mask).sum() / mask.sum().clamp(min=1)
 
 
 def untrained_for_sampling(routing: str) -> ValueError:
@@ -216,7 +229,7 @@ class DepthRouter(nn.Module):
         valid = chosen.gather(1, indices)
         gates = torch.where(valid, apply_gate(scores.gather(1, indices), self.gate), 0.0)
         stats = {"processed": chosen.float().mean()}
-        return Routing(indices=indices, gates=gates, logits=scores, aux_loss=scores.new_zeros(()), stats=stats)
+        return Routing(indices=indices, gates=gates, logits=scores, aux_loss=scores.new_zeros(()), stats=stats, valid=valid)
 
 
 # ----------------------------------------------------------------------------- expert routers
@@ -292,17 +305,11 @@ class ExpertChoiceRouter(nn.Module):
         probs = logits.softmax(-1)[..., : self.n_experts]
         return self.causal.logits(x, logits[..., : self.n_experts]) > 0, probs
 
-    def forward(self, x: Tensor) -> Routing:
+    def forward(self, x: Tensor, valid: Tensor | None = None) -> Routing:
+        """x (B, S, D). valid (B, S) bool, causal mode only: rows that are padding (False) go to
+        no expert and count in no statistic (Staged MoDE under causal routing passes its own)."""
         if self.causal_mode:
-            chosen, probs = self.decide(x)
-            processed = chosen.any(-1).float().mean()
-            stats = _expert_stats(
-                chosen.reshape(-1, self.n_experts).sum(0), processed, 1 - processed,
-                processed.new_zeros(()), processed.new_zeros(()), processed.new_zeros(()),
-            )
-            return CausalExpertRouting(
-                indices=chosen, gates=probs, logits=self.router(x), aux_loss=probs.new_zeros(()), stats=stats
-            )
+            return self._causal_forward(x, valid)
         batch, seq, _ = x.shape
         if batch % self.group_size != 0:
             raise ValueError(f"moe.group_size ({self.group_size}) must divide the batch size ({batch})")
@@ -329,6 +336,20 @@ class ExpertChoiceRouter(nn.Module):
             # Per token: the share of tokens the causal decision sends to at least one expert.
             stats["causal_fraction"] = (causal_logits.detach() > 0).any(-1).float().mean()
         return Routing(indices=indices, gates=gates, logits=logits, aux_loss=aux, stats=stats)
+
+    def _causal_forward(self, x: Tensor, valid: Tensor | None) -> "CausalExpertRouting":
+        """Each real expert takes the rows its causal decision chose (variable counts)."""
+        chosen, probs = self.decide(x)  # (B, S, E) each
+        if valid is not None:
+            chosen = chosen & valid.unsqueeze(-1)
+        processed = masked_mean(chosen.any(-1), valid)
+        stats = _expert_stats(
+            chosen.reshape(-1, self.n_experts).sum(0), processed, 1 - processed,
+            processed.new_zeros(()), processed.new_zeros(()), processed.new_zeros(()),
+        )
+        return CausalExpertRouting(
+            indices=chosen, gates=probs, logits=self.router(x), aux_loss=probs.new_zeros(()), stats=stats
+        )
 
 
 @dataclass
@@ -372,7 +393,9 @@ class TokenChoiceRouter(nn.Module):
         self.z_loss_weight = z_loss_weight
         self.causal_mode = False  # token choice is causal already; causal mode only drops the capacity
 
-    def forward(self, x: Tensor) -> TokenChoiceRouting:
+    def forward(self, x: Tensor, valid: Tensor | None = None) -> TokenChoiceRouting:
+        """x (B, S, D). valid (B, S) bool, causal mode only: rows that are padding (False) are
+        computed by no expert and count in no statistic (Staged MoDE under causal routing)."""
         logits = self.router(x).reshape(1, -1, self.router.n_slots)  # (1, T, E+N), float32
         tokens, n_slots = logits.shape[1:]
         probs = logits[0].softmax(-1)  # (T, E+N)
@@ -381,13 +404,17 @@ class TokenChoiceRouter(nn.Module):
         # the batch, is switched off: every token gets its top-k slots.
         capacity = None if (self.dropless or self.causal_mode) else token_choice_capacity(tokens, n_slots, self.top_k, self.capacity_factor)
         positions = positions_in_expert(slots, self.n_experts, capacity)  # (T, k)
+        rows = None
+        if valid is not None and self.causal_mode:
+            rows = valid.reshape(-1, 1)  # (T, 1)
+            positions = torch.where(rows, positions, -1)  # padding: no expert computes it
         lb, z = load_balancing_loss(probs, slots), router_z_loss(logits)
         computed = positions >= 0
         real = slots < self.n_experts
         counts = count_ids(torch.where(computed, slots, self.n_experts), self.n_experts + 1)
         stats = _expert_stats(
-            counts[: self.n_experts], computed.any(-1).float().mean(), (~real).float().mean(),
-            (real & ~computed).float().mean(), lb, z,
+            counts[: self.n_experts], masked_mean(computed.any(-1, keepdim=True), rows), masked_mean(~real, rows),
+            masked_mean(real & ~computed, rows), lb, z,
         )
         aux = self.lb_loss_weight * lb + self.z_loss_weight * z
         return TokenChoiceRouting(
