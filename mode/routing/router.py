@@ -395,7 +395,8 @@ class TokenChoiceRouter(nn.Module):
 
     def forward(self, x: Tensor, valid: Tensor | None = None) -> TokenChoiceRouting:
         """x (B, S, D). valid (B, S) bool, causal mode only: rows that are padding (False) are
-        computed by no expert and count in no statistic (Staged MoDE under causal routing)."""
+        computed by no expert and left out of the shares and counts in the statistics (Staged
+        MoDE under causal routing); the auxiliary losses still see every row."""
         logits = self.router(x).reshape(1, -1, self.router.n_slots)  # (1, T, E+N), float32
         tokens, n_slots = logits.shape[1:]
         probs = logits[0].softmax(-1)  # (T, E+N)
