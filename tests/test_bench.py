@@ -37,9 +37,18 @@ def number(cell: str) -> float:
     return float(re.sub(r"[, x]", "", cell))
 
 
+PROFILE_LINE = re.compile(r"### (.+): (\d+) passes under the profiler, ([\d.]+) ms wall per pass, GPU busy")
+
+
 def test_mod_step_tiny() -> None:
-    rows = table_rows(run("bench/mod_step.py", "--tiny"))
-    assert [r[:2] for r in rows] == [["eager", "dense"], ["eager", "MoD"]]
+    out = run("bench/mod_step.py", "--tiny", "--profile")
+    rows = table_rows(out)
+    assert [r[:2] for r in rows[:2]] == [["eager", "dense"], ["eager", "MoD"]]
+    rows = [r for r in rows if r[0] == "eager"]  # the profiles' operator tables are not markdown
+    # --profile: one report per model, with its wall time per pass
+    reports = PROFILE_LINE.findall(out)
+    assert [r[0] for r in reports] == ["dense, eager forward+backward", "MoD, eager forward+backward"]
+    assert all(float(r[2]) > 0 for r in reports)
     assert all(number(r[2]) > 0 and number(r[3]) > 0 for r in rows)  # fwd+bwd and step ms
     assert number(rows[1][5]) > 0  # the MoD / dense ratio
 
@@ -58,7 +67,9 @@ def test_decode_tiny() -> None:
 
 
 def test_scaling_tiny_on_two_gloo_processes() -> None:
-    out = run("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "bench/scaling.py", "--tiny")
+    out = run("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "bench/scaling.py", "--tiny",
+              "--profile", "1")
     rows = table_rows(out)
     assert len(rows) == 1 and rows[0][:2] == ["mode", "2"], out
+    assert PROFILE_LINE.findall(out)[0][:2] == ("training steps on rank 0 of 2", "1")  # --profile 1: rank 0 only
     assert number(rows[0][2]) > 0 and number(rows[0][3]) > 0  # tokens/s, ms/step
