@@ -36,6 +36,7 @@ PATTERNS = {
     "mode_staged": (["mode_staged", "dense"], {"moe": {"n_experts": 4}}),
     "mode_integrated": (["mode_integrated"], {"moe": {"n_experts": 4, "n_noop": 2}}),
     "moe_token_choice": (["moe", "mod"], {"moe": {"n_experts": 4, "scheme": "token_choice", "top_k": 2}}),
+    "mode_staged_token_choice": (["mode_staged", "dense"], {"moe": {"n_experts": 4, "scheme": "token_choice", "top_k": 2}}),
     "dense": (["dense"], {}),
 }
 
