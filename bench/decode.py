@@ -39,7 +39,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/common.py, however this is started
-from common import add_model_args  # noqa: E402
+from common import add_model_args, sync  # noqa: E402
 
 from mode.config import Config, config_from_dict
 from mode.generate import DECODE_SDPA_BACKENDS, Decoder
@@ -98,20 +98,19 @@ def decode_run(
     batch = prompts.shape[0]
     decoder = Decoder(model, batch, prompts.shape[1] + new_tokens, sdpa_backends=sdpa, routed_rows=routed_rows,
                       compile=compile and routed_rows != "gather")
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    sync()
+    sync(device)
     t0 = time.perf_counter()
     logits = decoder.prefill(prompts.tolist())
-    sync()
+    sync(device)
     t1 = time.perf_counter()
     routed = [c for b, c in zip(model.blocks, decoder.caches) if isinstance(b, MoDBlock)]
     before = sum(int(c.lengths.sum()) for c in routed)
     logits = decoder.step(logits.argmax(-1))  # untimed: captures the CUDA graph (and compiles)
-    sync()
+    sync(device)
     t2 = time.perf_counter()
     for _ in range(new_tokens - 1):
         logits = decoder.step(logits.argmax(-1))
-    sync()
+    sync(device)
     t3 = time.perf_counter()
     after = sum(int(c.lengths.sum()) for c in routed)  # exact (device) lengths, read after the timing
     share = (after - before) / (batch * new_tokens * len(routed)) if routed else 1.0
@@ -154,14 +153,13 @@ def profile_decode(model: LanguageModel, prompts: torch.Tensor, steps: int, devi
     logits = decoder.prefill(prompts.tolist())
     for _ in range(2):  # warm up
         logits = decoder.step(logits.argmax(-1))
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    sync()
+    sync(device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         for _ in range(steps):
             with record_function("decode step"):
                 logits = decoder.step(logits.argmax(-1))
-        sync()
+        sync(device)
     events = list(prof.events())  # host-side events: ops, ranges and CUDA runtime calls (the decoder is one thread)
     ranges = {label: [(e.time_range.start, e.time_range.end) for e in events if e.name == label] for label in LABELS}
 
