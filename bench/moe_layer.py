@@ -117,8 +117,12 @@ def main() -> None:
                         help="print the top GPU kernels of the rows whose name contains ROW")
     parser.add_argument("--row-add", choices=["scatter_add", "index_add"], default="scatter_add",
                         help="the kernel this project's layers add rows back with (mode.routing.primitives.ROW_ADD)")
+    parser.add_argument("--router", choices=["bf16", "fp32"], default="bf16",
+                        help="bf16: float32 scores from a bf16 GEMM; fp32: from a float32 copy of x "
+                             "(mode.routing.primitives.HALF_ROUTER)")
     args = parser.parse_args()
     primitives.ROW_ADD = args.row_add
+    primitives.HALF_ROUTER = args.router == "bf16"
     torch.manual_seed(0)
     x = torch.randn(args.batch, args.seq, args.width, device="cuda", dtype=PARAM_DTYPE[args.params], requires_grad=True)
 
@@ -151,7 +155,7 @@ def main() -> None:
         rows.insert(1, ("dense GELU MLP (compiled)", lambda: torch.compile(GeluMLP(args.width, args.ffn).cuda().to(PARAM_DTYPE[args.params]))))
     print(f"card: {torch.cuda.get_device_name()}; torch {torch.__version__}; tokens {args.batch} x {args.seq}, "
           f"D={args.width}, expert hidden {args.ffn}, {args.experts} experts, {args.params} weights, bf16 autocast, fwd+bwd, "
-          f"rows added back with {args.row_add}\n")
+          f"rows added back with {args.row_add}, router {args.router}\n")
     print("| implementation | ms, each pass synchronised | x dense | ms, back to back | x dense |")
     print("| --- | --- | --- | --- | --- |")
     dense_ms = dense_b2b = None

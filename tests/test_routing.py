@@ -8,6 +8,7 @@ from mode.config import ModelConfig, RoutingConfig
 from mode.layers.mod import MoDBlock
 from mode.routing import (
     DepthRouter,
+    Router,
     apply_gate,
     capacity_to_k,
     count_ids,
@@ -302,3 +303,61 @@ def test_route_equals_forward_then_gather(causal: str, random: bool) -> None:
     torch.testing.assert_close(got.aux_loss, ref.aux_loss, rtol=ROUTER_F32_TOL, atol=ROUTER_F32_TOL)
     for g, h in zip(got_grads, ref_grads):
         torch.testing.assert_close(g, h, rtol=ROUTER_F32_TOL, atol=ROUTER_F32_TOL)
+
+
+# ------------------------------------------------------------------------- bf16 router scores
+
+def _fp32_router_reference(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Scores, dx, dw of the float32 path for the loss sum(scores * probe): autograd through x.float()."""
+    x, weight = x.detach().requires_grad_(), weight.detach().requires_grad_()
+    scores = torch.nn.functional.linear(x.float(), weight.float())
+    probe = torch.linspace(-1, 1, scores.numel()).view_as(scores)
+    (scores * probe).sum().backward()
+    return scores.detach(), x.grad, weight.grad
+
+
+def test_half_router_scores_match_the_float32_path() -> None:
+    """The bf16-in / float32-out router GEMM gives the float32 path's scores (the same exact
+    products, summed in float32) and its gradients up to the bf16 rounding of the score gradient."""
+    from mode.routing.primitives import _HalfRouterScores
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, D, generator=gen).bfloat16()
+    weight = (0.1 * torch.randn(5, D, generator=gen)).bfloat16()
+    ref_scores, ref_dx, ref_dw = _fp32_router_reference(x, weight)
+
+    xh, wh = x.clone().requires_grad_(), weight.clone().requires_grad_()
+    scores = _HalfRouterScores.apply(xh, wh)
+    assert scores.dtype == torch.float32
+    torch.testing.assert_close(scores, ref_scores, rtol=0, atol=ROUTER_F32_TOL)
+    probe = torch.linspace(-1, 1, scores.numel()).view_as(scores)
+    (scores * probe).sum().backward()
+    assert xh.grad.dtype == wh.grad.dtype == torch.bfloat16
+    # Both paths end in bf16 gradients; this one also rounds the score gradient to bf16 first:
+    # a few bf16 ulps (2^-8 relative each) on a sum of 5 (dx) or 64 (dw) terms.
+    torch.testing.assert_close(xh.grad.float(), ref_dx.float(), rtol=2e-2, atol=2e-3)
+    torch.testing.assert_close(wh.grad.float(), ref_dw.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the bf16 router GEMM runs on CUDA only")
+@pytest.mark.parametrize("bias", [False, True])
+def test_router_scores_on_cuda_take_the_bf16_gemm_and_match_float32(bias: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mode.routing import primitives
+
+    router = Router(D, 4, bias=bias).cuda().bfloat16()
+    x = torch.randn(2, 48, D, device="cuda", dtype=torch.bfloat16)
+    assert primitives._half_router_applies(x, router.proj.weight)
+    runs = {}
+    for half in (True, False):
+        monkeypatch.setattr(primitives, "HALF_ROUTER", half)
+        router.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            scores = router(xi)
+        assert scores.dtype == torch.float32
+        probe = torch.linspace(-1, 1, scores.numel(), device="cuda").view_as(scores)
+        (scores * probe).sum().backward()
+        runs[half] = (scores.detach(), xi.grad.float(), router.proj.weight.grad.float())
+    torch.testing.assert_close(runs[True][0], runs[False][0], rtol=0, atol=ROUTER_F32_TOL)
+    torch.testing.assert_close(runs[True][1], runs[False][1], rtol=2e-2, atol=2e-3)
+    torch.testing.assert_close(runs[True][2], runs[False][2], rtol=2e-2, atol=2e-2)

@@ -138,6 +138,52 @@ def scatter_add_tokens(x: Tensor, indices: Tensor, updates: Tensor) -> Tensor:
     return _ScatterAddRows.apply(rows, flat, updates).view(groups, tokens, width)
 
 
+# ----------------------------------------------------------------------------- router scores
+# Routers score in float32 so that top-k and the gates see unrounded scores. When the input and
+# the weight are already bfloat16 (bf16 parameters, as DeepSpeed's bf16 training keeps them), the
+# float32 product of the two equals a bf16 GEMM that accumulates and writes float32: the same
+# exact products, summed in float32. On CUDA that GEMM (torch.mm with out_dtype) reads x once,
+# instead of writing a float32 copy of the whole (tokens, D) activation and reading it back,
+# which in the backward also meant a float32 (tokens, D) input gradient cast down to bf16.
+# False: always the float32 copy (bench/moe_layer.py --router fp32 compares the two).
+HALF_ROUTER = True
+
+
+def _half_router_applies(x: Tensor, weight: Tensor) -> bool:
+    return HALF_ROUTER and x.is_cuda and x.dtype == weight.dtype == torch.bfloat16
+
+
+class _HalfRouterScores(torch.autograd.Function):
+    """scores = x @ w.T in float32 from bf16 x (M, D) and w (n, D), without a float32 copy of x.
+
+    Backward: the float32 score gradient (M, n) is rounded to bf16 (a relative 2^-9 per entry, the
+    rounding bf16 autocast gives any linear layer's backward) and both gradients come out of bf16
+    GEMMs in the inputs' dtype: dx (M, D) = dscores @ w, dw (n, D) = dscores.T @ x.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        if x.is_cuda:
+            return torch.mm(x, weight.t(), out_dtype=torch.float32)
+        return x.float() @ weight.float().t()  # the same sums: CPU has no mm out_dtype kernel (tests run this)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor]:
+        x, weight = ctx.saved_tensors
+        grad = grad.to(x.dtype)
+        return grad @ weight, grad.t() @ x
+
+
+def router_scores(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x (..., D), weight (n, D), bias (n,) or None -> float32 scores (..., n), whatever the autocast."""
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        if _half_router_applies(x, weight):
+            scores = _HalfRouterScores.apply(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], -1)
+            return scores if bias is None else scores + bias.float()
+        return torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
+
+
 def apply_gate(scores: Tensor, kind: str) -> Tensor:
     """g(r): the paper multiplies the update by the raw router score; sigmoid keeps it bounded."""
     if kind == "identity":

@@ -12,6 +12,7 @@ from mode.routing.primitives import (
     count_ids,
     load_balancing_loss,
     positions_in_expert,
+    router_scores,
     router_z_loss,
     split_tokens,
     token_choice_capacity,
@@ -70,9 +71,7 @@ class Router(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """x (G, T, D) -> scores (G, T, n_slots), float32 whatever the autocast dtype."""
-        with torch.autocast(device_type=x.device.type, enabled=False):
-            bias = None if self.proj.bias is None else self.proj.bias.float()
-            return nn.functional.linear(x.float(), self.proj.weight.float(), bias)
+        return router_scores(x, self.proj.weight, self.proj.bias)
 
 
 CAUSAL_METHODS = ("none", "aux_loss", "predictor")
