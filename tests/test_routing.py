@@ -11,6 +11,7 @@ from mode.routing import (
     Router,
     apply_gate,
     capacity_to_k,
+    combine_tokens,
     count_ids,
     gather_tokens,
     scatter_add_tokens,
@@ -145,6 +146,25 @@ def test_gather_scatter_gradients() -> None:
     u = torch.randn(2, 3, 5, 4, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda t: gather_tokens(t, rep), (x,))
     assert torch.autograd.gradcheck(lambda t, v: scatter_add_tokens(t, rep, v), (x, u))
+
+
+def test_combine_tokens_is_scatter_add_into_zeros() -> None:
+    """combine_tokens = scatter_add_tokens on zeros (repeats summed), in eager and traced form, gradients included."""
+    rep = torch.randint(0, 8, (2, 3, 5))  # (G, E, C): expert choice, repeats allowed
+    u = torch.randn(2, 3, 5, 4, dtype=torch.float64, requires_grad=True)
+    want = scatter_add_tokens(torch.zeros(2, 8, 4, dtype=torch.float64), rep, u)
+    got = combine_tokens(rep, u, 8)
+    assert got.shape == (2, 8, 4) and got.dtype == u.dtype
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)  # float64 sums of <= 15 terms
+    assert torch.autograd.gradcheck(lambda v: combine_tokens(rep, v, 8), (u,))
+    w = torch.randn(2, 8, 4, dtype=torch.float64)
+    (want_grad,) = torch.autograd.grad((combine_tokens(rep, u, 8) * w).sum(), (u,))
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda v: combine_tokens(rep, v, 8), backend="aot_eager", fullgraph=True)
+    traced = compiled(u)
+    (traced_grad,) = torch.autograd.grad((traced * w).sum(), (u,))
+    torch.testing.assert_close(traced, want, rtol=0, atol=1e-12)
+    torch.testing.assert_close(traced_grad, want_grad, rtol=0, atol=1e-12)
 
 
 def test_split_tokens_is_gather_and_identity() -> None:

@@ -18,10 +18,10 @@ from mode.routing import (
     Routing,
     TokenChoiceRouter,
     TokenChoiceRouting,
+    combine_tokens,
     count_ids,
     expert_major_ids,
     gather_tokens,
-    scatter_add_tokens,
     slot_table,
     sort_by_expert,
 )
@@ -67,7 +67,7 @@ class MoEFFN(nn.Module):
         ys = self.experts.padded(gather_tokens(flat, ids)[0])  # (E, G*C, D)
         gates = routing.gates.transpose(0, 1).reshape(n_experts, -1, 1)  # (E, G*C, 1), same order as ids
         # Combined in the experts' compute dtype (bf16 under autocast), like a dense FFN's output.
-        return scatter_add_tokens(torch.zeros_like(flat, dtype=ys.dtype), ids, (gates.to(ys.dtype) * ys).unsqueeze(0))
+        return combine_tokens(ids, (gates.to(ys.dtype) * ys).unsqueeze(0), flat.shape[1])  # (1, B*S, D)
 
     def _causal_experts(self, x: Tensor, routing: CausalExpertRouting) -> Tensor:
         """x (T, D); expert e computes exactly the tokens its causal decision chose (variable counts)."""
@@ -79,7 +79,7 @@ class MoEFFN(nn.Module):
         flat, ids = x.unsqueeze(0), tokens.unsqueeze(0)  # (1, T, D), (1, M)
         ys = self.experts.grouped(gather_tokens(flat, ids)[0], counts)  # (M, D)
         gates = routing.gates.reshape(-1, self.experts.n_experts)[tokens, experts].unsqueeze(-1)
-        return scatter_add_tokens(torch.zeros_like(flat, dtype=ys.dtype), ids, (gates.to(ys.dtype) * ys).unsqueeze(0))[0]
+        return combine_tokens(ids, (gates.to(ys.dtype) * ys).unsqueeze(0), flat.shape[1])[0]  # (T, D)
 
     def _token_choice(self, x: Tensor, routing: TokenChoiceRouting) -> Tensor:
         """x (T, D). With a capacity on torch: a static (E, C, D) layout; otherwise sorted by expert."""
@@ -97,4 +97,4 @@ class MoEFFN(nn.Module):
             ids = table // top_k
             ys = self.experts.grouped(gather_tokens(flat, ids.unsqueeze(0))[0], counts)  # (M, D)
         weighted = gates[table].unsqueeze(-1).to(ys.dtype) * ys
-        return scatter_add_tokens(torch.zeros_like(flat, dtype=ys.dtype), ids.unsqueeze(0), weighted.unsqueeze(0))[0]
+        return combine_tokens(ids.unsqueeze(0), weighted.unsqueeze(0), tokens)[0]  # (T, D)

@@ -2,6 +2,7 @@
 from mode.routing.primitives import (
     apply_gate,
     capacity_to_k,
+    combine_tokens,
     count_ids,
     expert_major_ids,
     gather_tokens,
@@ -42,6 +43,7 @@ __all__ = [
     "TokenChoiceRouting",
     "apply_gate",
     "capacity_to_k",
+    "combine_tokens",
     "count_ids",
     "expert_major_ids",
     "gather_tokens",

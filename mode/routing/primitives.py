@@ -100,6 +100,20 @@ class _SplitRows(torch.autograd.Function):
         return _add_rows(grad_x.clone(), flat, grad_rows), None
 
 
+class _CombineRows(torch.autograd.Function):
+    """out (num_rows, D) = zeros with updates[i] added to row flat[i]; the updates' gradient is a gather."""
+
+    @staticmethod
+    def forward(ctx, updates: Tensor, flat: Tensor, num_rows: int) -> Tensor:
+        ctx.save_for_backward(flat)
+        return _add_rows(updates.new_zeros(num_rows, updates.shape[1]), flat, updates)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
+        (flat,) = ctx.saved_tensors
+        return grad.index_select(0, flat), None, None
+
+
 def split_tokens(x: Tensor, indices: Tensor) -> tuple[Tensor, Tensor]:
     """x (G, T, D) -> (the chosen tokens (G, ..., k, D), x itself), for routing around a block.
 
@@ -136,6 +150,21 @@ def scatter_add_tokens(x: Tensor, indices: Tensor, updates: Tensor) -> Tensor:
     if torch.compiler.is_compiling():  # plain ops (see ROW_ADD's comment)
         return rows.scatter_add(0, flat.unsqueeze(1).expand_as(updates), updates).view(groups, tokens, width)
     return _ScatterAddRows.apply(rows, flat, updates).view(groups, tokens, width)
+
+
+def combine_tokens(indices: Tensor, updates: Tensor, tokens_per_group: int) -> Tensor:
+    """The updates (G, ..., k, D) summed into a zero (G, T, D) at indices (G, ..., k): an MoE's output.
+
+    scatter_add_tokens on a zero tensor, without the copy of that zero tensor which keeps
+    scatter_add_tokens' input unmodified (one pass over (G, T, D) fewer). Output in updates' dtype.
+    """
+    groups, width = indices.shape[0], updates.shape[-1]
+    flat = _flat_indices(indices, tokens_per_group)
+    rows = updates.reshape(-1, width)
+    if torch.compiler.is_compiling():  # plain ops (see ROW_ADD's comment)
+        zeros = rows.new_zeros(groups * tokens_per_group, width)
+        return zeros.scatter_add(0, flat.unsqueeze(1).expand_as(rows), rows).view(groups, tokens_per_group, width)
+    return _CombineRows.apply(rows, flat, groups * tokens_per_group).view(groups, tokens_per_group, width)
 
 
 # ----------------------------------------------------------------------------- router scores
