@@ -32,7 +32,9 @@ def top_k_positions(scores: Tensor, k: int) -> Tensor:
 def _flat_indices(indices: Tensor, tokens_per_group: int) -> Tensor:
     """(G, ..., k) positions within each group -> positions in the flattened (G*T) token axis."""
     groups = indices.shape[0]
-    offsets = torch.arange(groups, device=indices.device) * tokens_per_group  # (G,)
+    if groups == 1:  # one group (MoE layers route the flattened batch): positions already flat
+        return indices.reshape(-1)
+    offsets = torch.arange(0, groups * tokens_per_group, tokens_per_group, device=indices.device)  # (G,)
     return (indices + offsets.view(groups, *([1] * (indices.dim() - 1)))).reshape(-1)
 
 
@@ -236,8 +238,8 @@ def expert_major_ids(indices: Tensor, tokens_per_group: int) -> Tensor:
     every expert's rows are contiguous, ready for one batched matmul.
     """
     groups = indices.shape[0]
-    offsets = torch.arange(groups, device=indices.device).view(groups, 1, 1) * tokens_per_group
-    return (indices + offsets).transpose(0, 1).reshape(indices.shape[1], -1)
+    offsets = torch.arange(0, groups * tokens_per_group, tokens_per_group, device=indices.device)  # (G,)
+    return (indices + offsets.view(groups, 1, 1)).transpose(0, 1).reshape(indices.shape[1], -1)
 
 
 def top_k_slots(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
