@@ -26,6 +26,7 @@ from common import add_model_args, profile_report, timed  # noqa: E402
 from mode.config import Config, config_from_dict
 from mode.flops import model_flops
 from mode.model import LanguageModel
+from mode import kernels
 from mode.routing import primitives
 
 
@@ -123,8 +124,11 @@ def main() -> None:
                         help="also print the top kernels of fwd+bwd (eager if no mode is named)")
     parser.add_argument("--row-add", choices=["scatter_add", "index_add"], default="scatter_add",
                         help="the kernel routed blocks add rows back with (mode.routing.primitives.ROW_ADD)")
+    parser.add_argument("--kernels", choices=["triton", "torch"], default="triton",
+                        help="eager rotary / SwiGLU: Triton kernels or PyTorch ops (mode.kernels.ENABLED)")
     args = parser.parse_args()
     primitives.ROW_ADD = args.row_add
+    kernels.ENABLED = args.kernels == "triton"
     if args.tiny:
         args.batch, args.seq, args.width, args.heads, args.layers, args.ffn, args.vocab = 2, 128, 64, 4, 4, 128, 256
         args.warmup, args.iters, args.rounds, args.no_compile = 1, 3, 2, True
@@ -137,7 +141,7 @@ def main() -> None:
     modes = ["eager"] + ([] if args.no_compile else ["compiled"])
     modes += [] if args.no_compile or args.no_graphs or device.type != "cuda" else ["compiled + CUDA graphs"]
     print(f"card: {card}; torch {torch.__version__}; B={args.batch} S={args.seq} D={args.width} "
-          f"layers={args.layers} ffn={args.ffn} vocab={args.vocab} capacity={args.capacity} on every other block, bf16, rows added back with {args.row_add}")
+          f"layers={args.layers} ffn={args.ffn} vocab={args.vocab} capacity={args.capacity} on every other block, bf16, rows added back with {args.row_add}, eager kernels {args.kernels}")
     print(f"analytic forward FLOPs/token: dense {model_flops(dense_cfg).forward_per_token / 1e6:.1f}M, "
           f"MoD {model_flops(mod_cfg).forward_per_token / 1e6:.1f}M, ratio {flop_ratio:.3f}\n")
     print("| mode | model | fwd+bwd ms | step ms (AdamW) | peak GiB | fwd+bwd ratio | step ratio | ratio / FLOP ratio (fwd+bwd, step) |")

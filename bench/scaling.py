@@ -58,6 +58,7 @@ import torch.distributed as dist  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 
 from bench.common import GeluMLP, profile_report, sync  # noqa: E402
+from mode import kernels  # noqa: E402
 from mode.config import Config, ConfigError, load_config  # noqa: E402
 from mode.layers.mlp import SwiGLU  # noqa: E402
 from mode.layers.moe import MoEFFN  # noqa: E402
@@ -201,6 +202,9 @@ def describe(config: Config, processes: Processes, impl: str, args: argparse.Nam
     else:
         ffn = f"DeepSpeed MoE: {moe.n_experts} experts, top-1, capacity factor 1.0"
     precision = "bf16 autocast" if processes.device.type == "cuda" else "fp32"
+    # Eager runs on CUDA use mode/kernels/ (rotary, SwiGLU, loss) unless MODE_KERNELS=torch.
+    eager_kernels = "" if t.compile or processes.device.type != "cuda" else (
+        " (Triton kernels)" if kernels.ENABLED else " (MODE_KERNELS=torch: no Triton kernels)")
     if processes.device.type == "cuda" and config.parallel.zero_stage > 0:
         precision += " + DeepSpeed bf16 weights"
     return (f"# {args.label or impl}: {card} x {processes.world_size} ({processes.backend}); --impl {impl}, "
@@ -208,7 +212,8 @@ def describe(config: Config, processes: Processes, impl: str, args: argparse.Nam
             f"{m.block_pattern} x {m.n_layers}, D={m.d_model}, heads {m.n_heads}, d_ff {m.d_ff}, vocab {m.vocab_size}; "
             f"MoE FFN: {ffn}, {moe.activation}; per GPU {t.batch_size} x {config.data.seq_len} tokens "
             f"(grad_accum {t.grad_accum}); ep {config.parallel.expert_parallel}, ZeRO {config.parallel.zero_stage}, "
-            f"{precision}{', torch.compile' if t.compile else ', eager'}; median of {args.steps} steps after {args.warmup}")
+            f"{precision}{', torch.compile' if t.compile else ', eager'}{eager_kernels}; "
+            f"median of {args.steps} steps after {args.warmup}")
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:

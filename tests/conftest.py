@@ -1,10 +1,17 @@
 """Shared test setup: every test starts from the same random state, on CPU."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+# Without a GPU, Triton kernels (mode/kernels/) run in Triton's interpreter on CPU tensors, so
+# tests/test_kernels.py checks them here too. Read when a kernel is defined: set before mode.kernels
+# is imported. On a CUDA machine they compile and run on the GPU.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from mode.data import stdlib_root
 

@@ -2,7 +2,8 @@
 
 Timings are never asserted (a test is not a benchmark); what is checked is that each script
 still runs against the library as it is now and prints every row it promises, with positive
-numbers. bench/moe_layer.py and bench/row_ops.py measure GPU kernels only and have no CPU mode.
+numbers. bench/moe_layer.py, bench/row_ops.py and bench/kernels.py measure GPU kernels only
+and have no CPU mode.
 """
 from __future__ import annotations
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mode.kernels import use_triton
 from mode.layers.rotary import RotaryAngles, apply_rotary
 
 
@@ -19,9 +20,19 @@ class CausalSelfAttention(nn.Module):
         """x (B, S, D) in causal order; angles hold each token's (original) position."""
         batch, seq, width = x.shape
         qkv = self.qkv(x).view(batch, seq, 3, self.n_heads, self.head_dim)  # (B, S, 3, H, hd)
-        q, k = apply_rotary(qkv[:, :, :2], angles).unbind(2)  # 2 x (B, S, H, hd), rotated together
-        v = qkv[:, :, 2]  # (B, S, H, hd)
+        q, k, v = self._rotate(qkv, angles)  # 3 x (B, S, H, hd)
         y = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
         )  # (B, H, S, hd)
         return self.out(y.transpose(1, 2).reshape(batch, seq, width))  # (B, S, D)
+
+    @staticmethod
+    def _rotate(qkv: Tensor, angles: RotaryAngles) -> tuple[Tensor, Tensor, Tensor]:
+        """qkv (B, S, 3, H, hd) -> q, k rotated (together) and v. Eager on CUDA: one Triton kernel
+        each way (mode/kernels/rotary.py); otherwise PyTorch ops, which torch.compile fuses."""
+        if use_triton(qkv):
+            from mode.kernels.rotary import rotary_qkv
+
+            return rotary_qkv(qkv, angles.cos_full, angles.sin_signed)
+        q, k = apply_rotary(qkv[:, :, :2], angles).unbind(2)  # 2 x (B, S, H, hd)
+        return q, k, qkv[:, :, 2]

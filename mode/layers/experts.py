@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mode.config import ConfigError
+from mode.layers.mlp import swiglu
 from mode.routing import TokenChoiceRouting
 
 BACKENDS = ("torch", "grouped_gemm", "megablocks")
@@ -66,8 +67,7 @@ class Experts(nn.Module):
 
     def act(self, h: Tensor) -> Tensor:
         if self.activation == "swiglu":
-            gate, up = h.chunk(2, dim=-1)
-            return F.silu(gate) * up
+            return swiglu(h)
         return F.gelu(h)
 
     def padded(self, xs: Tensor) -> Tensor:

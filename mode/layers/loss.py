@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from mode.kernels import use_triton
+
 CHUNK_ELEMENTS = 2**26  # logits per chunk: 256 MiB in float32
 
 
@@ -28,6 +30,8 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         Per chunk: one matmul for the logits, one softmax pass (reading the logits in their
         compute dtype, writing float32 probabilities), the loss from the target's
         probability, and p - one_hot (the summed loss's gradient) cast back for two matmuls.
+        Eager on CUDA, the softmax, loss and p - one_hot are one Triton kernel instead
+        (mode/kernels/cross_entropy.py: float32 arithmetic, the gradient written once).
         The 1/N of the mean is applied to the (N, D) and (V, D) results, not to the logits.
         """
         n = hidden.shape[0]
@@ -37,11 +41,19 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         grad_weight = torch.zeros_like(weight, dtype=acc)
         total = hidden.new_zeros((), dtype=acc)
         step = _chunk_size(n, weight.shape[0])
+        fused = use_triton(hidden) and hidden.dtype != torch.float64
         for start in range(0, n, step):
             h, t = hidden[start : start + step], targets[start : start + step].unsqueeze(1)
-            probs = torch.softmax(h @ weight.t(), dim=-1, dtype=acc)  # (n_chunk, V)
-            total -= probs.gather(1, t).clamp_min(tiny).log().sum()
-            grad_logits = probs.scatter_add_(1, t, probs.new_full(t.shape, -1.0)).to(hidden.dtype)  # p - one_hot
+            logits = h @ weight.t()  # (n_chunk, V)
+            if fused:  # eager on CUDA: one Triton kernel for the loss and p - one_hot (mode/kernels)
+                from mode.kernels.cross_entropy import cross_entropy_and_grad
+
+                row_loss, grad_logits = cross_entropy_and_grad(logits, t.squeeze(1))
+                total += row_loss.sum()
+            else:
+                probs = torch.softmax(logits, dim=-1, dtype=acc)  # (n_chunk, V)
+                total -= probs.gather(1, t).clamp_min(tiny).log().sum()
+                grad_logits = probs.scatter_add_(1, t, probs.new_full(t.shape, -1.0)).to(hidden.dtype)  # p - one_hot
             grad_hidden[start : start + step] = grad_logits @ weight
             grad_weight += grad_logits.t() @ h
         grad_hidden.div_(n)

@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mode.kernels import use_triton
+
 
 class SwiGLU(nn.Module):
     """down(silu(x W_gate) * (x W_up)); gate and up projections fused into one matmul."""
@@ -14,5 +16,15 @@ class SwiGLU(nn.Module):
         self.down = nn.Linear(d_ff, d_model, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)  # 2 x (..., F)
-        return self.down(F.silu(gate) * up)
+        return self.down(swiglu(self.gate_up(x)))
+
+
+def swiglu(h: Tensor) -> Tensor:
+    """h (..., 2F) = [gate | up] -> silu(gate) * up (..., F). Eager on CUDA: one Triton kernel each
+    way (mode/kernels/swiglu.py); otherwise PyTorch ops, which torch.compile fuses."""
+    if use_triton(h):
+        from mode.kernels.swiglu import swiglu as fused
+
+        return fused(h)
+    gate, up = h.chunk(2, dim=-1)  # 2 x (..., F)
+    return F.silu(gate) * up

@@ -1,0 +1,103 @@
+"""The Triton kernels of mode/kernels/ against the PyTorch ops they replace, forward+backward, on one GPU.
+
+    python bench/kernels.py   # rotary on qkv (B=8, S=2048, 16 heads of 64), SwiGLU (16k rows, F=4096),
+                              # the loss's softmax cross-entropy + gradient on one chunk (2048 x 32k)
+
+Rows, measured in the same process: the eager PyTorch ops the model runs without the kernels,
+the same ops under torch.compile (what a compiled model gets), and the Triton kernel. Each
+cell is the median of --iters synchronised passes (bf16 inputs): forward+backward for rotary
+and SwiGLU; for the loss, its chunk step (loss and p - one_hot, no autograd). TB/s: the memory
+traffic the pass needs at minimum (read inputs and incoming gradients once, write outputs and
+input gradients once) divided by the time.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/common.py, however this is started
+from common import timed  # noqa: E402
+
+from mode.kernels.cross_entropy import cross_entropy_and_grad
+from mode.kernels.rotary import rotary_qkv
+from mode.kernels.swiglu import swiglu as swiglu_kernel
+from mode.layers.rotary import RotaryAngles, RotaryEmbedding, apply_rotary
+
+
+def torch_rotary(qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    q, k = apply_rotary(qkv[:, :, :2], RotaryAngles(cos, sin)).unbind(2)
+    return q, k, qkv[:, :, 2]
+
+
+def torch_swiglu(h: Tensor) -> Tensor:
+    gate, up = h.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def torch_cross_entropy(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+    """The PyTorch path of mode/layers/loss.py for one chunk: float32 softmax, loss, p - one_hot cast back."""
+    t = targets.unsqueeze(1)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    loss = -probs.gather(1, t).clamp_min(torch.finfo(torch.float32).tiny).log().squeeze(1)
+    return loss, probs.scatter_add_(1, t, probs.new_full(t.shape, -1.0)).to(logits.dtype)
+
+
+def fwd_bwd(fn: Callable[..., object], inputs: list[Tensor], extra: tuple[Tensor, ...] = ()) -> Callable[[], None]:
+    def run() -> None:
+        for t in inputs:
+            t.grad = None
+        outs = fn(*inputs, *extra)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        if outs[0].requires_grad:
+            torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--ffn", type=int, default=4096, help="SwiGLU hidden width F (h is 2F wide)")
+    parser.add_argument("--vocab", type=int, default=32768, help="loss chunk: 2048 rows of this many logits")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=50)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    tokens = args.batch * args.seq
+    qkv = torch.randn(args.batch, args.seq, 3, args.heads, args.head_dim, device=device, dtype=torch.bfloat16, requires_grad=True)
+    angles = RotaryEmbedding(args.head_dim, args.seq, 10000.0).to(device).prefix(args.seq)
+    h = torch.randn(tokens, 2 * args.ffn, device=device, dtype=torch.bfloat16, requires_grad=True)
+    logits = torch.randn(2048, args.vocab, device=device, dtype=torch.bfloat16)
+    targets = torch.randint(0, args.vocab, (2048,), device=device)
+    qkv_bytes = qkv.numel() * 2 * 4  # qkv and the outputs, then their gradients
+    h_bytes = (h.numel() + h.numel() // 2) * 2 * 2 + h.numel() * 2  # h, out, grads (+ h again in the backward)
+    cases = [
+        ("rotary q, k (+ v) on qkv", qkv_bytes, [qkv], (angles.cos_full, angles.sin_signed),
+         [("PyTorch eager", torch_rotary), ("PyTorch compiled", torch.compile(torch_rotary)), ("Triton kernel", rotary_qkv)]),
+        ("SwiGLU on [gate | up]", h_bytes, [h], (),
+         [("PyTorch eager", torch_swiglu), ("PyTorch compiled", torch.compile(torch_swiglu)), ("Triton kernel", swiglu_kernel)]),
+        ("loss chunk: cross-entropy and p - one_hot", logits.numel() * 2 * 2, [logits], (targets,),
+         [("PyTorch eager", torch_cross_entropy), ("PyTorch compiled", torch.compile(torch_cross_entropy)),
+          ("Triton kernel", cross_entropy_and_grad)]),
+    ]
+    print(f"card: {torch.cuda.get_device_name()}; torch {torch.__version__}; bf16; rotary on ({args.batch}, {args.seq}, 3, "
+          f"{args.heads}, {args.head_dim}); SwiGLU on ({tokens}, {2 * args.ffn}); loss chunk (2048, {args.vocab}); "
+          f"median of {args.iters}\n")
+    print("| op | implementation | ms | x Triton | TB/s (minimum traffic) |")
+    print("| --- | --- | --- | --- | --- |")
+    for op, traffic, inputs, extra, impls in cases:
+        times = {name: timed(fwd_bwd(fn, inputs, extra), args.warmup, args.iters, device) for name, fn in impls}
+        for name, ms in times.items():
+            print(f"| {op} | {name} | {ms:.3f} | {ms / times['Triton kernel']:.2f} | {traffic / ms / 1e9:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,20 @@
+"""Pieces the Triton kernels share."""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def store_rounded(ptr, x, mask):
+    """Store float32 x at ptr in ptr's dtype, rounding to nearest even.
+
+    For bf16 the rounding is done on the bits: on the GPU `.to(bfloat16)` rounds to nearest
+    even already (this is then exact), but Triton's interpreter, which runs the kernels on CPU
+    in the tests, truncates.
+    """
+    if ptr.dtype.element_ty == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    tl.store(ptr, x.to(ptr.dtype.element_ty), mask=mask)

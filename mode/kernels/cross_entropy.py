@@ -1,0 +1,61 @@
+"""Softmax cross-entropy and its logit gradient for a chunk of rows, as one Triton kernel.
+
+mode/layers/loss.py computes, per chunk of tokens, the loss and p - one_hot(target) (the
+summed loss's gradient with respect to the logits). In PyTorch that is a float32 softmax
+written out in full, a gather, a scatter and a cast of the whole (rows, V) gradient back to
+the logits' dtype: about three times the logits' size in traffic beyond reading them. Here
+each row is read twice (its max and sum of exponentials online, then the gradient) and the
+gradient written once in the logits' dtype, with float32 arithmetic throughout.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from mode.kernels.common import store_rounded
+
+BLOCK = 2048
+
+
+@triton.jit
+def _cross_entropy_fwd_grad(logits_ptr, targets_ptr, grad_ptr, loss_ptr, vocab, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = logits_ptr + row * vocab
+    cols = tl.arange(0, BLOCK)
+    # Pass 1: running max and sum of exp(x - max), one block of the row at a time.
+    # The running max starts finite, below any logit, so padding lanes (-inf) add exp(-inf) = 0
+    # and never compute inf - inf.
+    run_max = tl.full((BLOCK,), -3.0e38, tl.float32)
+    run_sum = tl.zeros((BLOCK,), tl.float32)
+    for start in range(0, vocab, BLOCK):
+        x = tl.load(base + start + cols, mask=start + cols < vocab, other=float("-inf")).to(tl.float32)
+        new_max = tl.maximum(run_max, x)
+        run_sum = run_sum * tl.exp(run_max - new_max) + tl.exp(x - new_max)
+        run_max = new_max
+    row_max = tl.max(run_max, 0)
+    total = tl.sum(run_sum * tl.exp(run_max - row_max), 0)
+    lse = row_max + tl.log(total)
+    target = tl.load(targets_ptr + row)
+    tl.store(loss_ptr + row, lse - tl.load(base + target).to(tl.float32))
+    # Pass 2: the gradient softmax(x) - one_hot(target), in the logits' dtype.
+    for start in range(0, vocab, BLOCK):
+        mask = start + cols < vocab
+        x = tl.load(base + start + cols, mask=mask, other=0.0).to(tl.float32)
+        grad = tl.exp(x - lse) - tl.where(start + cols == target, 1.0, 0.0)
+        store_rounded(grad_ptr + row * vocab + start + cols, grad, mask)
+
+
+def cross_entropy_and_grad(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+    """logits (N, V), targets (N,) -> (loss per row (N,) float32, softmax(logits) - one_hot (N, V)
+    in logits' dtype). No autograd: the caller (the fused loss) uses the gradient itself."""
+    if logits.dim() != 2 or targets.shape != logits.shape[:1]:
+        raise ValueError(f"cross_entropy_and_grad: logits (N, V) and targets (N,), got {tuple(logits.shape)}, {tuple(targets.shape)}")
+    logits, targets = logits.contiguous(), targets.contiguous()
+    rows, vocab = logits.shape
+    grad = torch.empty_like(logits)
+    loss = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    if rows:
+        _cross_entropy_fwd_grad[(rows,)](logits, targets, grad, loss, vocab, BLOCK=min(BLOCK, triton.next_power_of_2(vocab)))
+    return loss, grad

@@ -1,0 +1,167 @@
+"""The Triton kernels of mode/kernels/ against the PyTorch code they replace in eager mode.
+
+On a CUDA machine they run compiled on the GPU; without one, in Triton's interpreter on CPU
+tensors (tests/conftest.py sets TRITON_INTERPRET), so CI checks the same kernel code.
+With bf16 inputs (as under autocast) the kernels keep float32 until one final rounding to
+bf16, so they are compared with a float64 computation from the same bf16 inputs (and the
+same bf16 incoming gradients) at one bf16 rounding: rtol 2^-8 = 3.9e-3, plus an atol of
+1e-5 for float32 arithmetic on results that cancel to near 0.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mode.kernels import use_triton
+from mode.kernels.rotary import rotary_qkv
+from mode.kernels.swiglu import swiglu
+from mode.layers.rotary import RotaryEmbedding, apply_rotary
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ONE_BF16_ROUNDING = dict(rtol=2**-8, atol=1e-5)
+
+
+def _reference_rotary(qkv: torch.Tensor, cos_full: torch.Tensor, sin_signed: torch.Tensor):
+    from mode.layers.rotary import RotaryAngles
+
+    q, k = apply_rotary(qkv[:, :, :2], RotaryAngles(cos_full, sin_signed)).unbind(2)
+    return q, k, qkv[:, :, 2]
+
+
+def _grads(fn, inputs: tuple[torch.Tensor, ...], probes: tuple[torch.Tensor, ...]):
+    inputs = tuple(t.detach().clone().requires_grad_() for t in inputs)
+    outs = fn(*inputs)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    sum((o.float() * p).sum() for o, p in zip(outs, probes)).backward()
+    return [o.detach() for o in outs], [t.grad for t in inputs]
+
+
+@pytest.mark.parametrize("per_sequence", [False, True], ids=["prefix angles", "routed angles (B, k)"])
+def test_rotary_qkv_matches_apply_rotary(per_sequence: bool) -> None:
+    batch, seq, heads, head_dim = 2, 12, 3, 8  # heads and half-dim not powers of two: masked lanes
+    rotary = RotaryEmbedding(head_dim, 64, 10000.0).to(DEVICE)
+    if per_sequence:  # MoD: each sequence's chosen tokens at their original positions
+        positions = torch.stack([torch.randperm(64)[:seq].sort().values for _ in range(batch)]).to(DEVICE)
+        angles = rotary.angles(positions)
+    else:
+        angles = rotary.prefix(seq)
+    qkv = torch.randn(batch, seq, 3, heads, head_dim, device=DEVICE).bfloat16()
+    # Incoming gradients as bf16 values, as the kernel receives them.
+    probes = tuple(torch.randn(batch, seq, heads, head_dim, device=DEVICE).bfloat16().float() for _ in range(3))
+    cos64, sin64 = angles.cos_full.double(), angles.sin_signed.double()
+    want, (want_grad,) = _grads(lambda t: _reference_rotary(t, cos64, sin64), (qkv.double(),), probes)
+    got, (got_grad,) = _grads(lambda t: rotary_qkv(t, angles.cos_full, angles.sin_signed), (qkv,), probes)
+    for g, w in zip(got, want):
+        assert g.dtype == torch.bfloat16 and g.shape == w.shape
+        torch.testing.assert_close(g.double(), w, **ONE_BF16_ROUNDING)
+    assert torch.equal(got[2], qkv[:, :, 2])  # v is copied, bit for bit
+    torch.testing.assert_close(got_grad.double(), want_grad, **ONE_BF16_ROUNDING)
+    # The model's own eager path (float32 arithmetic, one rounding) gives the same forward.
+    model_path = _reference_rotary(qkv, angles.cos_full, angles.sin_signed)
+    for g, w in zip(got, model_path):
+        torch.testing.assert_close(g.float(), w.float(), rtol=2**-8, atol=1e-5)
+
+
+def test_rotary_qkv_backward_reads_strided_gradients() -> None:
+    """Attention hands back dq, dk, dv as transposed (B, H, S, hd) tensors: any strides are read right."""
+    batch, seq, heads, head_dim = 2, 5, 4, 16
+    angles = RotaryEmbedding(head_dim, 8, 10000.0).to(DEVICE).prefix(seq)
+    qkv = torch.randn(batch, seq, 3, heads, head_dim, device=DEVICE, dtype=torch.float32, requires_grad=True)
+    q, k, v = rotary_qkv(qkv, angles.cos_full, angles.sin_signed)
+    grads = [torch.randn(batch, heads, seq, head_dim, device=DEVICE).transpose(1, 2) for _ in range(3)]
+    (got,) = torch.autograd.grad((q, k, v), qkv, grads)
+    ref = qkv.detach().clone().requires_grad_()
+    (want,) = torch.autograd.grad(_reference_rotary(ref, angles.cos_full, angles.sin_signed), ref, grads)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)  # float32 throughout: rounding order only
+
+
+def test_rotary_qkv_rejects_tables_that_do_not_fit() -> None:
+    qkv = torch.randn(2, 5, 3, 2, 8, device=DEVICE)
+    angles = RotaryEmbedding(8, 16, 10000.0).to(DEVICE).prefix(6)
+    with pytest.raises(ValueError, match="angle tables"):
+        rotary_qkv(qkv, angles.cos_full, angles.sin_signed)
+
+
+@pytest.mark.parametrize("shape", [(7, 2 * 24), (3, 5, 2 * 1500)], ids=["rows", "experts, width over one block"])
+def test_swiglu_matches_silu_times_up(shape: tuple[int, ...]) -> None:
+    h = torch.randn(*shape, device=DEVICE).bfloat16()
+    probe = (torch.randn(*shape[:-1], shape[-1] // 2, device=DEVICE).bfloat16().float(),)
+
+    def reference(t: torch.Tensor) -> torch.Tensor:
+        gate, up = t.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    (want,), (want_grad,) = _grads(reference, (h.double(),), probe)
+    (got,), (got_grad,) = _grads(swiglu, (h,), probe)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    torch.testing.assert_close(got.double(), want, **ONE_BF16_ROUNDING)
+    torch.testing.assert_close(got_grad.double(), want_grad, **ONE_BF16_ROUNDING)
+
+
+def test_swiglu_float32_matches_to_float32_rounding() -> None:
+    h = torch.randn(4, 2 * 40, device=DEVICE, dtype=torch.float32)
+    probe = (torch.randn(4, 40, device=DEVICE),)
+    (want,), (want_grad,) = _grads(lambda t: F.silu(t[..., :40]) * t[..., 40:], (h,), probe)
+    (got,), (got_grad,) = _grads(swiglu, (h,), probe)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_grad, want_grad, rtol=1e-5, atol=1e-6)
+
+
+def test_use_triton_only_for_cuda_tensors_in_eager_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    import mode.kernels as kernels
+
+    assert not use_triton(torch.zeros(2))  # CPU tensors: the PyTorch path
+    if torch.cuda.is_available():
+        x = torch.zeros(2, device="cuda")
+        assert use_triton(x)
+        monkeypatch.setattr(kernels, "ENABLED", False)
+        assert not use_triton(x)
+
+
+def test_mode_kernels_environment_variable_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    import mode.kernels as kernels
+
+    monkeypatch.setenv("MODE_KERNELS", "cuda")
+    with pytest.raises(ValueError, match="MODE_KERNELS"):
+        kernels._enabled_from_env()
+    monkeypatch.setenv("MODE_KERNELS", "torch")
+    assert kernels._enabled_from_env() is False
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cross_entropy_and_grad_matches_float64(dtype: torch.dtype) -> None:
+    """Per-row loss and softmax - one_hot, with V over one block (masked tail) and extreme targets."""
+    from mode.kernels.cross_entropy import cross_entropy_and_grad
+
+    rows, vocab = 6, 3000
+    logits = (4 * torch.randn(rows, vocab, device=DEVICE)).to(dtype)
+    targets = torch.tensor([0, vocab - 1, 5, 2047, 2048, 17], device=DEVICE)
+    loss, grad = cross_entropy_and_grad(logits, targets)
+    exact = logits.double()
+    want_loss = F.cross_entropy(exact, targets, reduction="none")
+    want_grad = exact.softmax(-1) - F.one_hot(targets, vocab).double()
+    assert loss.dtype == torch.float32 and grad.dtype == dtype
+    torch.testing.assert_close(loss.double(), want_loss, rtol=1e-5, atol=1e-5)  # float32 log-sum-exp
+    tol = ONE_BF16_ROUNDING if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(grad.double(), want_grad, **tol)
+
+
+def test_fused_loss_takes_the_kernel_path_on_cuda_and_matches_pytorch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """linear_cross_entropy with the kernel (CUDA) against its PyTorch path; on CPU the kernel path
+    is forced through the interpreter, so the branch itself is exercised too."""
+    import mode.layers.loss as loss_module
+    from mode.layers.loss import linear_cross_entropy
+
+    hidden = torch.randn(40, 16, device=DEVICE, requires_grad=True)
+    weight = torch.randn(300, 16, device=DEVICE, requires_grad=True)
+    targets = torch.randint(0, 300, (40,), device=DEVICE)
+    results = {}
+    for fused in (True, False):
+        monkeypatch.setattr(loss_module, "use_triton", lambda x, fused=fused: fused)
+        hidden.grad = weight.grad = None
+        loss = linear_cross_entropy(hidden, weight, targets)
+        loss.backward()
+        results[fused] = (loss.detach(), hidden.grad.clone(), weight.grad.clone())
+    for got, want in zip(results[True], results[False]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)  # float32 both ways
