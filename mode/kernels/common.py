@@ -1,8 +1,18 @@
 """Pieces the Triton kernels share."""
 from __future__ import annotations
 
+import contextlib
+
+import torch
 import triton
 import triton.language as tl
+from torch import Tensor
+
+
+def on_device_of(t: Tensor) -> contextlib.AbstractContextManager:
+    """Launch on t's GPU: Triton launches on the current CUDA device, which need not be t's (a
+    process driving several GPUs). CPU tensors (Triton's interpreter, in the tests) need nothing."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 @triton.jit

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from mode.kernels.common import store_rounded
+from mode.kernels.common import on_device_of, store_rounded
 
 BLOCK = 2048
 
@@ -57,5 +57,6 @@ def cross_entropy_and_grad(logits: Tensor, targets: Tensor) -> tuple[Tensor, Ten
     grad = torch.empty_like(logits)
     loss = torch.empty(rows, dtype=torch.float32, device=logits.device)
     if rows:
-        _cross_entropy_fwd_grad[(rows,)](logits, targets, grad, loss, vocab, BLOCK=min(BLOCK, triton.next_power_of_2(vocab)))
+        with on_device_of(logits):
+            _cross_entropy_fwd_grad[(rows,)](logits, targets, grad, loss, vocab, BLOCK=min(BLOCK, triton.next_power_of_2(vocab)))
     return loss, grad

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from mode.kernels.common import store_rounded
+from mode.kernels.common import on_device_of, store_rounded
 
 
 @triton.jit
@@ -105,7 +105,8 @@ class _RotaryQKV(torch.autograd.Function):
         out = torch.empty_like(qkv)  # (B, S, 3, H, hd)
         tokens, meta = _launch_shape(qkv)
         if tokens:
-            _rotary_qkv_fwd[(tokens,)](qkv, out, cos_full, sin_signed, qkv.shape[1], *_angle_strides(cos_full), **meta)
+            with on_device_of(qkv):
+                _rotary_qkv_fwd[(tokens,)](qkv, out, cos_full, sin_signed, qkv.shape[1], *_angle_strides(cos_full), **meta)
         ctx.save_for_backward(cos_full, sin_signed)
         ctx.shape = qkv.shape
         return out.unbind(2)  # q, k, v: (B, S, H, hd) each
@@ -117,10 +118,11 @@ class _RotaryQKV(torch.autograd.Function):
         dqkv = dq.new_empty(ctx.shape)
         tokens, meta = _launch_shape(dqkv)
         if tokens:
-            _rotary_qkv_bwd[(tokens,)](
-                dq, dk, dv, dqkv, cos_full, sin_signed, dqkv.shape[1], *_angle_strides(cos_full),
-                *_row_strides(dq), *_row_strides(dk), *_row_strides(dv), **meta,
-            )
+            with on_device_of(dqkv):
+                _rotary_qkv_bwd[(tokens,)](
+                    dq, dk, dv, dqkv, cos_full, sin_signed, dqkv.shape[1], *_angle_strides(cos_full),
+                    *_row_strides(dq), *_row_strides(dk), *_row_strides(dv), **meta,
+                )
         return dqkv, None, None
 
 

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from mode.kernels.common import store_rounded
+from mode.kernels.common import on_device_of, store_rounded
 
 BLOCK = 1024
 
@@ -51,7 +51,8 @@ class _SwiGLU(torch.autograd.Function):
         rows = h.numel() // max(1, h.shape[-1])
         out = h.new_empty(*h.shape[:-1], width)
         if rows and width:
-            _swiglu_fwd[(rows, triton.cdiv(width, BLOCK))](h, out, width, BLOCK=BLOCK)
+            with on_device_of(h):
+                _swiglu_fwd[(rows, triton.cdiv(width, BLOCK))](h, out, width, BLOCK=BLOCK)
         ctx.save_for_backward(h)
         return out
 
@@ -63,7 +64,8 @@ class _SwiGLU(torch.autograd.Function):
         grad = grad.contiguous()
         dh = torch.empty_like(h)
         if rows and width:
-            _swiglu_bwd[(rows, triton.cdiv(width, BLOCK))](h, grad, dh, width, BLOCK=BLOCK)
+            with on_device_of(h):
+                _swiglu_bwd[(rows, triton.cdiv(width, BLOCK))](h, grad, dh, width, BLOCK=BLOCK)
         return dh
 
 
