@@ -79,6 +79,31 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, An
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+@contextlib.contextmanager
+def clipped_gradients(optimizer: torch.optim.Optimizer, grads: list[Tensor], norm: Tensor, max_norm: float) -> Iterator[None]:
+    """Inside, optimizer.step() steps on the gradients times min(1, max_norm / (norm + 1e-6)),
+    clip_grad_norm_'s factor; max_norm <= 0 clips nothing.
+
+    A fused AdamW applies the factor inside its own pass over the gradients (its grad_scale,
+    with which GradScaler unscales, divides them by 1 / factor): one read and write of every
+    gradient fewer than scaling them first (730M float32 gradients: about 1.5 ms on an H100).
+    Other optimizers get the factor multiplied into the gradients on entry.
+    """
+    if max_norm <= 0:
+        yield
+        return
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    if not optimizer.defaults.get("fused"):
+        torch._foreach_mul_(grads, coef)
+        yield
+        return
+    optimizer.grad_scale = coef.reciprocal()  # read by Adam(W).step()
+    try:
+        yield
+    finally:
+        del optimizer.grad_scale  # this step only
+
+
 class TorchOptimization:
     """AdamW with global-norm clipping, clipped *before* the optimizer step.
 
@@ -113,9 +138,10 @@ class TorchOptimization:
     def step(self, lr: float) -> Tensor:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        self.optimizer.step()
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads, 2.0)
+        with clipped_gradients(self.optimizer, grads, norm, self.grad_clip):
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=not self.keep_grads)
         return norm.detach()
 

@@ -288,7 +288,26 @@ def test_multi_process_run_starts_from_one_device_weights(corpus, tmp_path):
     assert abs(started[1]["loss"] - from_scratch[1]["loss"]) > 1e-2  # the saved weights, not a fresh init
 
 
+def test_one_process_through_deepspeed_equals_the_plain_trainer(corpus, tmp_path):
+    """ZeRO 0 on one process skips DeepSpeed's gradient reduction (an identity there) and clips
+    through the optimizer: the curve is the plain Trainer's, MoD and expert-choice MoE blocks."""
+    raw = raw_config(corpus, tmp_path / "dist", model={"block_pattern": ["mod", "moe"]},
+                     parallel={"zero_stage": 0, "expert_parallel": 1})
+    launch(write_config(raw, tmp_path / "config.yaml"), world=1)
+    reference = single_process(raw, tmp_path / "single", world=1)
+    assert_same_curves(reference, tmp_path / "dist", range(1, STEPS + 1))
+
+
 # ----------------------------------------------------------------------------- config and JSON
+def test_gradients_are_reduced_except_under_zero_0_on_one_process():
+    from mode.parallel.engine import reduces_gradients
+
+    config = load_config(None, [])
+    for stage, world, expected in ((0, 1, False), (0, 2, True), (1, 1, True), (2, 1, True), (2, 4, True)):
+        config.parallel.zero_stage = stage
+        assert reduces_gradients(config, world) is expected, (stage, world)
+
+
 def test_zero_stage_3_is_rejected_at_validation():
     with pytest.raises(ConfigError, match=r"parallel\.zero_stage.*ZeRO.*3.*MoE"):
         load_config(None, ["--parallel.zero_stage=3"])

@@ -25,6 +25,7 @@ from mode.train import (
     TorchOptimization,
     Trainer,
     build_model,
+    clipped_gradients,
     learning_rate,
     load_checkpoint_file,
     main,
@@ -392,6 +393,43 @@ def test_kept_gradients_train_like_freed_ones(tmp_path: Path, corpus: Path) -> N
         params[keep] = [p.detach().clone() for p in model.parameters()]
     for a, b in zip(params[False], params[True], strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def adamw_steps(fused: bool, max_norm: float, how: str) -> list[torch.Tensor]:
+    """Three AdamW steps on fixed random gradients (norm about 1), clipped `how`: "inside"
+    (clipped_gradients), "clip_grad_norm_" (first, then step), or "none"."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(5, 7)), torch.nn.Parameter(torch.randn(7))]
+    optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=fused)
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.randn_like(p) * 0.2
+        grads = [p.grad for p in params]
+        if how == "inside":
+            norm = torch.nn.utils.get_total_norm(grads, 2.0)
+            with clipped_gradients(optimizer, grads, norm, max_norm):
+                optimizer.step()
+            assert not hasattr(optimizer, "grad_scale")  # one step only
+        else:
+            if how == "clip_grad_norm_":
+                torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+            optimizer.step()
+    return [p.detach().clone() for p in params]
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("max_norm", [0.0, 0.05, 1e3])
+def test_clipped_gradients_step_like_clip_grad_norm(fused: bool, max_norm: float) -> None:
+    """clipped_gradients around optimizer.step() equals clip_grad_norm_ then step(): a fused AdamW
+    takes the factor as its grad_scale (CPU runs the fused kernel too), others get it multiplied
+    in. 0.05 clips, 1e3 does not, 0 means no clipping."""
+    inside = adamw_steps(fused, max_norm, "inside")
+    # float32: the fused kernel divides by 1 / factor where clip_grad_norm_ multiplies by it
+    for a, b in zip(inside, adamw_steps(fused, max_norm, "clip_grad_norm_"), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    unclipped = adamw_steps(fused, max_norm, "none")
+    clipped = max_norm == 0.05
+    assert any(not torch.allclose(a, b, rtol=0, atol=1e-4) for a, b in zip(inside, unclipped)) is clipped
 
 
 # Eager and compiled bf16 steps round differently (fused, reordered arithmetic); over six
