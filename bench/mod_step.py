@@ -9,6 +9,8 @@ with fused AdamW; eager, torch.compile, and torch.compile with CUDA graphs
 (mode="reduce-overhead": the step replayed without launching kernels one by one from the
 host). Both models of a mode stay built and are timed in interleaved rounds (dense, MoD,
 dense, ...); each cell is the median over rounds of each round's median. Prints a markdown table.
+"eager + CUDA graphs" is the eager model as train.cuda_graphs trains it (mode.train.GraphedMicroStep:
+forward and backward captured once, replayed; no torch.compile).
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from mode.flops import model_flops
 from mode.model import LanguageModel
 from mode import kernels
 from mode.routing import primitives
+from mode.train import GraphedMicroStep
 
 
 def make_config(pattern: list[str], args: argparse.Namespace) -> Config:
@@ -49,7 +52,7 @@ def make_config(pattern: list[str], args: argparse.Namespace) -> Config:
     )
 
 
-COMPILE = {"eager": None, "compiled": {}, "compiled + CUDA graphs": {"mode": "reduce-overhead"}}
+COMPILE = {"eager": None, "eager + CUDA graphs": None, "compiled": {}, "compiled + CUDA graphs": {"mode": "reduce-overhead"}}
 
 
 class Runner:
@@ -63,6 +66,11 @@ class Runner:
         self.forward = self.model if options is None else torch.compile(self.model, **options)
         self.graphs = mode == "compiled + CUDA graphs"
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=device.type == "cuda")
+        self.micro_step: GraphedMicroStep | None = None
+        if mode == "eager + CUDA graphs":  # as train.cuda_graphs: gradients kept, the graph adds into them
+            for p in self.model.parameters():
+                p.grad = torch.zeros_like(p)
+            self.micro_step = GraphedMicroStep(self.model, lambda loss: loss.backward(), 1)
         tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), device=device)
         self.x, self.y = tokens[:, :-1], tokens[:, 1:]
         self.autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
@@ -79,6 +87,10 @@ class Runner:
     def fwd_bwd(self) -> None:
         # Fresh gradients each pass, as a training step has (a CUDA-graphed backward owns the
         # tensors it returns until its next replay).
+        if self.micro_step is not None:
+            self.optimizer.zero_grad(set_to_none=False)
+            self.micro_step(self.x, self.y)
+            return
         self.optimizer.zero_grad(set_to_none=True)
         if self.graphs:
             torch.compiler.cudagraph_mark_step_begin()
@@ -94,7 +106,8 @@ class Runner:
         """One round: the median forward+backward and step of --iters each, appended to the lists."""
         self.fwd_bwd_ms.append(timed(self.fwd_bwd, warmup, self.args.iters, self.device))
         self.step_ms.append(timed(self.step, warmup, self.args.iters, self.device))
-        self.optimizer.zero_grad(set_to_none=True)
+        # A captured graph writes into its gradients' memory: those stay allocated.
+        self.optimizer.zero_grad(set_to_none=self.micro_step is None)
 
 
 def measure_pair(dense_cfg: Config, mod_cfg: Config, mode: str, args: argparse.Namespace,
@@ -118,7 +131,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of --iters per model; the median round is reported")
     parser.add_argument("--no-compile", action="store_true")
-    parser.add_argument("--no-graphs", action="store_true", help="skip the compiled + CUDA graphs mode")
+    parser.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph modes (eager and compiled)")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run at a small shape")
     parser.add_argument("--profile", nargs="*", choices=["eager", "compiled"], default=None,
                         help="also print the top kernels of fwd+bwd (eager if no mode is named)")
@@ -138,7 +151,8 @@ def main() -> None:
 
     dense_cfg, mod_cfg = make_config(["dense"], args), make_config(["dense", "mod"], args)
     flop_ratio = model_flops(mod_cfg).forward_per_token / model_flops(dense_cfg).forward_per_token
-    modes = ["eager"] + ([] if args.no_compile else ["compiled"])
+    modes = ["eager"] + ([] if args.no_graphs or device.type != "cuda" else ["eager + CUDA graphs"])
+    modes += [] if args.no_compile else ["compiled"]
     modes += [] if args.no_compile or args.no_graphs or device.type != "cuda" else ["compiled + CUDA graphs"]
     print(f"card: {card}; torch {torch.__version__}; B={args.batch} S={args.seq} D={args.width} "
           f"layers={args.layers} ffn={args.ffn} vocab={args.vocab} capacity={args.capacity} on every other block, bf16, rows added back with {args.row_add}, eager kernels {args.kernels}")

@@ -166,6 +166,13 @@ class TrainConfig(Section):
             "graphs (one process, GPU), which routed layers' many small kernels gain most from"
         ),
     )
+    cuda_graphs: bool = Field(
+        False,
+        description=(
+            "eager CUDA graphs, without torch.compile: each micro-batch's forward and backward captured once "
+            "and replayed (one process, GPU; static shapes: no dropless or grouped token choice)"
+        ),
+    )
     progress: bool = True
     init_from: str | None = Field(
         None, description="a checkpoint (run folder or checkpoint.pt) whose weights start this new run; same model section"
@@ -177,6 +184,10 @@ class TrainConfig(Section):
             raise ValueError(f"min_lr ({self.min_lr}) must not exceed lr ({self.lr})")
         if self.compile_mode != "default" and not self.compile:
             raise ValueError(f"compile_mode={self.compile_mode!r} needs compile=true")
+        if self.cuda_graphs and self.compile:
+            raise ValueError(
+                "cuda_graphs=true graphs the eager model; with compile=true use compile_mode=reduce-overhead instead"
+            )
         return self
 
 
@@ -219,6 +230,19 @@ class Config(Section):
             raise ValueError(
                 "moe.n_noop must be > 0 when model.block_pattern has mode_integrated "
                 "(its FFN routes some tokens to no-op experts)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _graphs_need_static_shapes(self) -> "Config":
+        """A CUDA graph replays fixed shapes with no host synchronisation: token choice sorted by
+        expert (dropless, or a grouped backend) sizes its groups on the host, from the routing."""
+        has_experts = any(kind in ("moe", "mode_staged", "mode_integrated") for kind in self.model.block_pattern)
+        m = self.moe
+        if self.train.cuda_graphs and has_experts and m.scheme == "token_choice" and (m.dropless or m.backend != "torch"):
+            raise ValueError(
+                "train.cuda_graphs needs static shapes: token choice runs with moe.dropless=false and "
+                f"moe.backend=torch under CUDA graphs (got dropless={m.dropless}, backend={m.backend})"
             )
         return self
 

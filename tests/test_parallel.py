@@ -345,4 +345,7 @@ def test_cuda_graphs_are_refused_through_deepspeed(tmp_path: Path) -> None:
     processes = Processes(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
     with pytest.raises(ConfigError, match="compile_mode"):
         build_trainer(config, processes)
+    config = load_config(None, ["--train.cuda_graphs=true", f"--train.out_dir={tmp_path / 'run'}"])
+    with pytest.raises(ConfigError, match=r"train\.cuda_graphs"):
+        build_trainer(config, processes)
     assert not (tmp_path / "run").exists()

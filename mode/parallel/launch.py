@@ -46,12 +46,17 @@ class LaunchTrainer(Trainer):
 
 def build_trainer(config: Config, processes: Processes, resume: bool = False) -> LaunchTrainer:
     """Model (whole, same seed on every rank) -> expert slices -> DeepSpeed engine -> Trainer."""
+    # CUDA graphs own their output tensors, gradients included; python -m mode.train keeps its
+    # gradients allocated for them, DeepSpeed's engine manages its own (never tested).
     if config.train.compile_mode == "reduce-overhead":
-        # CUDA graphs own their output tensors, gradients included; python -m mode.train keeps
-        # its gradients allocated for them, DeepSpeed's engine manages its own (never tested).
         raise ConfigError(
             "train.compile_mode=reduce-overhead (CUDA graphs) runs with python -m mode.train (one "
             "process) only; through launch/train.py (DeepSpeed) use train.compile_mode=default"
+        )
+    if config.train.cuda_graphs:
+        raise ConfigError(
+            "train.cuda_graphs (CUDA graphs) runs with python -m mode.train (one process) only; "
+            "through launch/train.py (DeepSpeed) set train.cuda_graphs=false"
         )
     torch.manual_seed(config.train.seed)
     # Whole and on the host (where LanguageModel initialises anyway), with train.init_from's
