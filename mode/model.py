@@ -54,6 +54,9 @@ class LanguageModel(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.rotary = RotaryEmbedding(cfg.d_model // cfg.n_heads, cfg.max_seq_len, cfg.rope_base)
         self.blocks = nn.ModuleList(build_block(kind, config) for kind in cfg.block_kinds())
+        for block in self.blocks:  # the residual stream is this model's own: routed updates go in place
+            if isinstance(block, MoDBlock):
+                block.add_in_place = True
         self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:

@@ -1,17 +1,21 @@
 """Whole-model checks: every routed layer owns its router, and torch.compile matches eager."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from mode.config import config_from_dict
+from mode.layers.mod import MoDBlock
 from mode.model import LanguageModel
+from mode.routing import primitives
 
 COMPILE_TOL = 1e-5  # float32 on CPU: inductor fuses and reorders elementwise arithmetic
 
 
-def tiny(pattern: list[str]) -> LanguageModel:
+def tiny(pattern: list[str], routing: dict | None = None) -> LanguageModel:
     cfg = config_from_dict({
         "model": {"d_model": 32, "n_heads": 4, "n_layers": 4, "d_ff": 64, "max_seq_len": 32, "block_pattern": pattern},
+        "routing": routing or {},
         "moe": {"n_experts": 2, "n_noop": 1},
         "data": {"seq_len": 32},
     })
@@ -44,3 +48,50 @@ def test_compiled_model_matches_eager() -> None:
             assert torch.equal(r_eager.indices, r_compiled.indices)
     for name, grad in eager_grads.items():
         torch.testing.assert_close(dict(model.named_parameters())[name].grad, grad, rtol=COMPILE_TOL, atol=COMPILE_TOL)
+
+
+@pytest.mark.parametrize("pattern, routing", [
+    (["dense", "mod"], {}),
+    (["mod", "mod"], {"random": True}),  # MoD after MoD: the second adds into the first's output
+    (["mode_staged", "dense"], {}),
+    (["dense", "mod"], {"causal": "predictor"}),  # the predictor saves x: the copy path
+])
+def test_routed_updates_in_place_equal_the_copy_path(pattern: list[str], routing: dict, monkeypatch) -> None:
+    """LanguageModel's MoD blocks add their updates into the residual stream in place
+    (MoDBlock.add_in_place) unless their router saved x (a causal predictor); with it off every
+    block copies. Same loss and gradients, exactly."""
+    calls = []
+    in_place_apply = primitives._AddRowsInPlace.apply
+    monkeypatch.setattr(primitives._AddRowsInPlace, "apply", lambda *a: calls.append(1) or in_place_apply(*a))
+    results = []
+    for in_place in (True, False):
+        torch.manual_seed(0)
+        model = tiny(pattern, routing)
+        mods = [m for m in model.modules() if isinstance(m, MoDBlock)]
+        assert mods and all(m.add_in_place for m in mods)  # the model turns it on
+        for m in mods:
+            m.add_in_place = in_place
+        tokens = torch.randint(0, 256, (2, 33))
+        torch.manual_seed(1)  # random routing draws the same tokens in both runs
+        out = model(tokens[:, :-1], tokens[:, 1:])
+        out.loss.backward()
+        results.append((out.loss.detach(), [p.grad for p in model.parameters()]))
+    expected = 0 if routing.get("causal") else sum(kind in ("mod", "mode_staged") for kind in pattern) * 2
+    assert len(calls) == expected  # n_layers 4: the pattern twice, and only in the first run
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    assert torch.equal(loss_a, loss_b)
+    for a, b in zip(grads_a, grads_b, strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
+def test_a_mod_block_on_its_own_leaves_its_input_alone() -> None:
+    """Outside a LanguageModel a MoDBlock (add_in_place off) returns a new tensor: a researcher's
+    `block(x, angles)[0] - x` is the update."""
+    model = tiny(["dense", "mod"])
+    block = MoDBlock(model.config.model, model.config.routing)
+    x = torch.randn(2, 32, 32, requires_grad=True) * 1.0
+    before = x.detach().clone()
+    out, info = block(x, model.rotary.prefix(32))
+    assert torch.equal(x.detach(), before)
+    changed = (out.detach() != before).any(-1)  # (B, S): the chosen tokens
+    assert changed.sum(-1).tolist() == [info.routing.indices.shape[1]] * 2

@@ -6,6 +6,7 @@ import torch
 
 from mode.config import ModelConfig, RoutingConfig
 from mode.layers.mod import MoDBlock
+from mode.routing import primitives
 from mode.routing import (
     DepthRouter,
     Router,
@@ -311,7 +312,8 @@ def test_route_equals_forward_then_gather(causal: str, random: bool) -> None:
     ref_chosen = gather_tokens(x, ref.indices)
     ref_grads = torch.autograd.grad(loss_of(ref, ref_chosen), [x, *router.parameters()])
     torch.manual_seed(5)
-    got, got_chosen, residual = router.route(x)
+    got, got_chosen, residual, writable = router.route(x)
+    assert writable is (causal == "none")  # a causal predictor or the aux-loss logit saved x
     got_grads = torch.autograd.grad(loss_of(got, got_chosen) + (residual * update.sum()).sum(), [x, *router.parameters()])
     ref_grads = (ref_grads[0] + update.sum(), *ref_grads[1:])  # the residual's gradient reaches x unchanged
     assert torch.equal(residual, x)
@@ -323,6 +325,43 @@ def test_route_equals_forward_then_gather(causal: str, random: bool) -> None:
     torch.testing.assert_close(got.aux_loss, ref.aux_loss, rtol=ROUTER_F32_TOL, atol=ROUTER_F32_TOL)
     for g, h in zip(got_grads, ref_grads):
         torch.testing.assert_close(g, h, rtol=ROUTER_F32_TOL, atol=ROUTER_F32_TOL)
+
+
+@pytest.mark.parametrize("row_add", ["scatter_add", "index_add"])
+def test_updates_added_in_place_equal_a_copy(monkeypatch, row_add: str) -> None:
+    """split_tokens then scatter_add_tokens(in_place=True): x's memory updated, the output and
+    the gradients of x and the updates those of the out-of-place path (float64, exact), the
+    updates' duplicates summed; the copy path leaves x as it was."""
+    monkeypatch.setattr(primitives, "ROW_ADD", row_add)
+    idx = torch.tensor([[1, 3, 3], [0, 2, 5]])  # a token twice: its updates sum
+    outputs = {}
+    for in_place in (False, True):
+        torch.manual_seed(0)
+        leaf = torch.randn(2, 6, 4, dtype=torch.float64, requires_grad=True)
+        updates = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
+        x = leaf * 1.0  # a non-leaf, as a block's input is
+        before = x.detach().clone()
+        chosen, residual = split_tokens(x, idx)
+        out = scatter_add_tokens(residual, idx, updates * chosen, in_place=in_place)
+        assert (out.data_ptr() == x.data_ptr()) is in_place
+        assert torch.equal(x.detach(), out.detach() if in_place else before)
+        weights = torch.randn_like(out)
+        (out * weights).sum().backward()
+        outputs[in_place] = (out.detach(), leaf.grad, updates.grad)
+    for a, b in zip(outputs[False], outputs[True], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_in_place_update_of_a_saved_tensor_is_refused() -> None:
+    """Were anything to save x for its backward, the in-place update makes autograd raise
+    (the alias shares x's version counter): never a gradient from overwritten values."""
+    x = torch.randn(2, 6, 4, requires_grad=True) * 1.0
+    saved = x.sin()  # sin saves x
+    idx = torch.tensor([[0, 1], [2, 3]])
+    chosen, residual = split_tokens(x, idx)
+    out = scatter_add_tokens(residual, idx, chosen * 2.0, in_place=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (out.sum() + saved.sum()).backward()
 
 
 # ------------------------------------------------------------------------- bf16 router scores

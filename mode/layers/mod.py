@@ -20,13 +20,17 @@ class MoDBlock(nn.Module):
             routing.causal, routing.causal_loss_weight, routing.predictor_hidden,
         )
         self.block = block if block is not None else TransformerBlock(cfg)
+        # True where the caller owns x and never reads it again (LanguageModel's residual stream):
+        # the updates are then added into x's memory when the router allows (no copy of x).
+        self.add_in_place = False
 
     def forward(self, x: Tensor, angles: RotaryAngles) -> tuple[Tensor, BlockInfo]:
         # indices (B, k), sorted: causal order kept; chosen (B, k, D); residual: x, for the updates
-        routing, chosen, residual = self.router.route(x)
+        routing, chosen, residual, writable = self.router.route(x)
         # (B, k, D) at the original positions; ffn_routing is the MoE's in Staged MoDE, else None.
         update, ffn_routing = self.block.routed_update(chosen, angles.select(routing.indices), routing.valid)
         # The gate scales only the update; the residual of every token passes untouched.
         # (float32 gates times the update promote to the residual stream's precision.)
         gated = routing.gates.unsqueeze(-1) * update  # (B, k, D)
-        return scatter_add_tokens(residual, routing.indices, gated), BlockInfo(routing=routing, ffn_routing=ffn_routing)
+        out = scatter_add_tokens(residual, routing.indices, gated, in_place=self.add_in_place and writable)
+        return out, BlockInfo(routing=routing, ffn_routing=ffn_routing)

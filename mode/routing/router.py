@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -20,6 +21,17 @@ from mode.routing.primitives import (
     top_k_positions,
     top_k_slots,
 )
+
+
+class RoutedTokens(NamedTuple):
+    """DepthRouter.route's result: the routing, the chosen tokens (B, k, D) and the residual x
+    (B, S, D) they go back into. residual_writable: no autograd node of the router saved x, so
+    an owner of x may add the updates into it in place (scatter_add_tokens(in_place=True))."""
+
+    routing: "Routing"
+    chosen: Tensor
+    residual: Tensor
+    residual_writable: bool
 
 
 @dataclass
@@ -174,9 +186,9 @@ class DepthRouter(nn.Module):
         aux, stats = self._causal_terms(x, scores, indices)
         return Routing(indices=indices, gates=gates, logits=scores, aux_loss=aux, stats=stats)
 
-    def route(self, x: Tensor) -> tuple[Routing, Tensor, Tensor]:
+    def route(self, x: Tensor) -> "RoutedTokens":
         """forward(), the chosen tokens (B, k, D) of x and x itself, from split_tokens: what MoDBlock
-        consumes (the updates go back into the third with scatter_add_tokens).
+        consumes (the updates go back into the residual with scatter_add_tokens).
 
         The loss sees a token's score only through its gate, unless the causal decision is the
         router's own logit (causal=aux_loss: a BCE over every token). Otherwise, with autograd
@@ -187,15 +199,16 @@ class DepthRouter(nn.Module):
         """
         dense_grad = self.causal is not None and self.causal.method == "aux_loss"
         if self.causal_mode or dense_grad or not torch.is_grad_enabled():
-            routing = self(x)
-            return (routing, *split_tokens(x, routing.indices))
+            routing = self(x)  # its scores' backward needs x: the residual is not writable
+            return RoutedTokens(routing, *split_tokens(x, routing.indices), residual_writable=False)
         with torch.no_grad():
             scores = self.router(x).squeeze(-1)  # (B, S)
         indices = self._select(scores)
         chosen, residual = split_tokens(x, indices)  # (B, k, D), (B, S, D)
         gates = apply_gate(self.router(chosen).squeeze(-1), self.gate)  # (B, k), the gradient's path
-        aux, stats = self._causal_terms(x, scores, indices)
-        return Routing(indices=indices, gates=gates, logits=scores, aux_loss=aux, stats=stats), chosen, residual
+        aux, stats = self._causal_terms(x, scores, indices)  # a causal predictor saves x for its backward
+        routing = Routing(indices=indices, gates=gates, logits=scores, aux_loss=aux, stats=stats)
+        return RoutedTokens(routing, chosen, residual, residual_writable=self.causal is None)
 
     def _select(self, scores: Tensor) -> Tensor:
         """(B, S) scores -> (B, k) chosen positions, sorted."""
