@@ -352,43 +352,6 @@ def test_updates_added_in_place_equal_a_copy(monkeypatch, row_add: str) -> None:
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("consumer, exclusive", [
-    ("used twice", True),  # out + f(out): autograd sums the two into a fresh gradient
-    # out + b: one gradient tensor handed to both; b's AccumulateGrad copies it if it runs
-    # first while we still hold it (then it is ours), else we copy: either, by engine order
-    ("added to another input", None),
-    ("summed", False),  # out.sum(): an expanded gradient
-])
-def test_split_backward_adds_into_the_gradient_only_when_it_is_exclusive(monkeypatch, consumer: str, exclusive: bool | None) -> None:
-    """_SplitRows' backward adds the rows' gradient into the incoming one in place only where
-    nothing else can see it; the gradients of x and of another input are those of plain ops."""
-    seen: list[bool] = []
-    check = primitives._exclusive
-    monkeypatch.setattr(primitives, "_exclusive", lambda g: seen.append(check(g)) or seen[-1])
-    idx = torch.tensor([[1, 3], [0, 2]])
-
-    def run(plain: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        torch.manual_seed(0)
-        leaf = torch.randn(2, 6, 4, dtype=torch.float64, requires_grad=True)
-        other = torch.randn(2, 6, 4, dtype=torch.float64, requires_grad=True)
-        x = leaf * 1.0
-        if plain:  # the obvious ops: gather the rows, add the updates to a copy
-            flat = (idx + torch.tensor([[0], [6]])).reshape(-1)
-            rows = x.reshape(-1, 4).index_select(0, flat)
-            out = x.reshape(-1, 4).index_add(0, flat, rows.sin() * 3.0).view(2, 6, 4)
-        else:
-            chosen, residual = split_tokens(x, idx)
-            out = scatter_add_tokens(residual, idx, chosen.sin() * 3.0, in_place=True)
-        y = {"used twice": out + out.cos(), "added to another input": out + other, "summed": out}[consumer]
-        (y * 2.0 if consumer != "summed" else y).sum().backward()
-        return leaf.grad, other.grad if other.grad is not None else torch.zeros(())
-
-    got, want = run(plain=False), run(plain=True)
-    assert len(seen) == 1 and (exclusive is None or seen[0] is exclusive)
-    for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
-
-
 def test_in_place_update_of_a_saved_tensor_is_refused() -> None:
     """Were anything to save x for its backward, the in-place update makes autograd raise
     (the alias shares x's version counter): never a gradient from overwritten values."""
