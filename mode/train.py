@@ -86,7 +86,7 @@ def clipped_gradients(optimizer: torch.optim.Optimizer, grads: list[Tensor], nor
 
     A fused AdamW applies the factor inside its own pass over the gradients (its grad_scale,
     with which GradScaler unscales, divides them by 1 / factor): one read and write of every
-    gradient fewer than scaling them first (730M float32 gradients: about 1.5 ms on an H100).
+    gradient fewer than scaling them first (for 730M float32 gradients, 5.8 GB of traffic).
     Other optimizers get the factor multiplied into the gradients on entry.
     """
     if max_norm <= 0:
