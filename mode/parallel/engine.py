@@ -185,9 +185,9 @@ class DeepSpeedOptimization:
             group["lr"] = lr
         if self.clip_here:
             # Under ZeRO 0 the engine steps our AdamW itself (no wrapper), which applies the factor.
-            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-            norm = self._exact_norm()
-            with clipped_gradients(self.engine.optimizer, grads, norm, self.grad_clip):
+            params = [p for p in self.model.parameters() if p.grad is not None]
+            norm = self._exact_norm(params)
+            with clipped_gradients(self.engine.optimizer, [p.grad for p in params], norm, self.grad_clip):
                 self.engine.step()
         else:
             norm = None
@@ -198,9 +198,8 @@ class DeepSpeedOptimization:
             norm = float("nan")
         return torch.as_tensor(norm, dtype=torch.float32, device=self.processes.device).detach()
 
-    def _exact_norm(self) -> Tensor:
-        """Global gradient norm, every parameter once (experts summed over the ep group)."""
-        params = [p for p in self.model.parameters() if p.grad is not None]
+    def _exact_norm(self, params: list[nn.Parameter]) -> Tensor:
+        """Global gradient norm over params (those with a gradient), each once; experts summed over the ep group."""
         expert_sq = self._squared_norm([p.grad for p in params if is_moe_param(p)])
         shared_sq = self._squared_norm([p.grad for p in params if not is_moe_param(p)])
         if self.ep_group is not None:
