@@ -160,7 +160,7 @@ class GraphedMicroStep:
     themselves up; their gradients are zeroed after), then replayed: the batch is copied into
     the graph's input tensors and one launch runs every kernel. Without torch.compile this
     removes the host's cost per kernel, which routed blocks feel most: on an H100 an eager MoD
-    block at 12.5% capacity ran 0.8 ms of kernels in 3.6 ms of wall time.
+    block at 12.5% capacity ran 0.8 ms of kernels in 3.6 ms of wall time (bench/block_profile.py).
 
     The returned outputs live in the graph's memory, which the next replay overwrites: copy
     what must outlive it (the Trainer does). Gradients must stay allocated between steps

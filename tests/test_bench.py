@@ -73,3 +73,13 @@ def test_scaling_tiny_on_two_gloo_processes() -> None:
     assert len(rows) == 1 and rows[0][:2] == ["mode", "2"], out
     assert PROFILE_LINE.findall(out)[0][:2] == ("training steps on rank 0 of 2", "1")  # --profile 1: rank 0 only
     assert number(rows[0][2]) > 0 and number(rows[0][3]) > 0  # tokens/s, ms/step
+
+
+def test_block_profile_tiny() -> None:
+    rows = table_rows(run("bench/block_profile.py", "--tiny", "--top", "3"))
+    assert [r[0] for r in rows[:4]] == ["dense block", "MoD block", "the block alone on k=8 tokens",
+                                        "routing alone (route, gate, add back)"]
+    assert all(number(r[1]) > 0 and number(r[2]) > 0 and number(r[3]) > 0 for r in rows[:4])
+    assert [r[0].split(",")[0] for r in rows[4:]] == [
+        "top-k of 8 in (2", "sort the chosen positions", "sort the chosen positions", "copy the float32 residual (128 x 32)"]
+    assert all(number(r[1]) > 0 for r in rows[4:])

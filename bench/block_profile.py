@@ -1,0 +1,164 @@
+"""One dense block against one MoD block, and the routing ops a MoD block adds, on one GPU.
+
+    python bench/block_profile.py          # B=8, S=2048, D=1024, 16 heads, SwiGLU 2816, capacity 12.5%
+    python bench/block_profile.py --tiny   # CPU smoke run (host times; "kernels" are CPU ops there)
+
+Where a routed block's time goes in eager mode, bf16 autocast over float32 weights (as
+training runs it). Table 1, forward+backward of each piece with an incoming gradient:
+- wall ms: median over --iters passes, each synchronised (CUDA events);
+- kernel ms and kernels: the sum of the kernels' own times per pass under torch.profiler
+  (on CPU: every op's own time, and every op event, nested ones included).
+A piece whose wall time is far above its kernel time is bound by the host launching kernels.
+Pieces: the dense block on every token; the MoD block (route, block on the chosen tokens,
+gate, add back); the block alone on k tokens; routing alone (route, gate, add back, no block).
+Table 2, the kernel time of single routing ops per call: top-k, sorting the chosen positions
+(int64, and int32 as mode.routing.top_k_positions does), and a copy of the residual.
+--top N also prints the N costliest kernels of each block.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import Tensor
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/common.py, however this is started
+from common import timed  # noqa: E402
+
+from mode.config import config_from_dict
+from mode.model import LanguageModel
+from mode.routing import capacity_to_k, scatter_add_tokens
+
+PROFILED_PASSES = 5
+
+
+def build(args: argparse.Namespace, device: torch.device) -> LanguageModel:
+    """A two-block model [dense, mod] of the benchmark's shape: its blocks are what is timed."""
+    cfg = config_from_dict({
+        "model": {"vocab_size": 256, "d_model": args.width, "n_heads": args.heads, "n_layers": 2,
+                  "d_ff": args.ffn, "max_seq_len": args.seq, "block_pattern": ["dense", "mod"]},
+        "routing": {"capacity": args.capacity, "gate": "sigmoid"},
+        "data": {"seq_len": args.seq},
+    }, "bench/block_profile.py")
+    return LanguageModel(cfg).to(device)
+
+
+def kernels_of(fn: Callable[[], None], device: torch.device) -> list[tuple[str, float]]:
+    """(name, microseconds) of every kernel (CPU: every op's own time) over PROFILED_PASSES passes."""
+    fn()
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(PROFILED_PASSES):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+    if cuda:
+        return [(e.name, e.device_time) for e in prof.events() if e.device_type.name == "CUDA"]
+    return [(e.name, e.self_cpu_time_total) for e in prof.events()]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--ffn", type=int, default=2816, help="SwiGLU hidden width")
+    parser.add_argument("--capacity", type=float, default=0.125)
+    parser.add_argument("--iters", type=int, default=40)
+    parser.add_argument("--top", type=int, default=0, help="also print each block's N costliest kernels")
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke run at a small shape")
+    args = parser.parse_args()
+    if args.tiny:
+        args.batch, args.seq, args.width, args.heads, args.ffn, args.iters = 2, 64, 32, 2, 64, 3
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(0)
+    model = build(args, device)
+    dense, mod = model.blocks[0], model.blocks[1]
+    # The MoD block adds its updates into x in place, as inside the model: x drifts by the
+    # updates from pass to pass, which changes which tokens are chosen, not what a pass costs.
+    angles = model.rotary.prefix(args.seq)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    x = torch.randn(args.batch, args.seq, args.width, device=device, requires_grad=True)
+    grad = torch.randn_like(x)
+    k = capacity_to_k(args.seq, args.capacity)
+    x_k = torch.randn(args.batch, k, args.width, device=device, requires_grad=True)
+    grad_k = torch.randn_like(x_k)
+
+    def fresh_gradients() -> None:  # each pass writes its gradients anew (no accumulation kernels)
+        x.grad = x_k.grad = None
+        for p in model.parameters():
+            p.grad = None
+
+    def fwd_bwd(block: torch.nn.Module) -> Callable[[], None]:
+        def run() -> None:
+            with autocast:
+                out, _ = block(x, angles)
+            out.backward(grad)
+            fresh_gradients()
+        return run
+
+    with torch.no_grad(), autocast:
+        chosen_angles = angles.select(mod.router(x).indices)  # (B, k, 1, hd)
+
+    def block_on_k_tokens() -> None:
+        with autocast:
+            update, _ = mod.block.routed_update(x_k, chosen_angles)
+        update.backward(grad_k)
+        fresh_gradients()
+
+    def routing_alone() -> None:
+        with autocast:
+            routing, chosen, residual, _ = mod.router.route(x)
+            out = scatter_add_tokens(residual, routing.indices, routing.gates.unsqueeze(-1) * chosen)
+        out.backward(grad)
+        fresh_gradients()
+
+    pieces = {"dense block": fwd_bwd(dense), "MoD block": fwd_bwd(mod),
+              f"the block alone on k={k} tokens": block_on_k_tokens, "routing alone (route, gate, add back)": routing_alone}
+    card = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    print(f"card: {card}; torch {torch.__version__}; B={args.batch} S={args.seq} D={args.width} heads={args.heads} "
+          f"ffn={args.ffn} capacity={args.capacity} (k={k}); eager, {'bf16 autocast' if device.type == 'cuda' else 'float32'}\n")
+    print("| forward+backward | wall ms | kernel ms | kernels |")
+    print("| --- | --- | --- | --- |")
+    profiles = {}
+    for name, run in pieces.items():
+        kernels = kernels_of(run, device)
+        profiles[name] = kernels
+        total_ms = sum(t for _, t in kernels) / PROFILED_PASSES / 1e3
+        print(f"| {name} | {timed(run, 3, args.iters, device):.3f} | {total_ms:.3f} | {len(kernels) / PROFILED_PASSES:.0f} |", flush=True)
+    print(f"\n(the dense block's kernel time x capacity: {sum(t for _, t in profiles['dense block']) / PROFILED_PASSES / 1e3 * args.capacity:.3f} ms)")
+
+    scores = torch.randn(args.batch, args.seq, device=device)
+    chosen = scores.topk(k, dim=-1, sorted=False).indices
+    residual = torch.randn(args.batch * args.seq, args.width, device=device)
+    ops: dict[str, Callable[[], object]] = {
+        f"top-k of {k} in ({args.batch}, {args.seq}) scores, unsorted": lambda: scores.topk(k, dim=-1, sorted=False),
+        "sort the chosen positions, int64": lambda: chosen.sort(dim=-1),
+        "sort the chosen positions, int32 (and back)": lambda: chosen.int().sort(dim=-1).values.long(),
+        f"copy the float32 residual ({args.batch * args.seq} x {args.width})": lambda: residual.clone(),
+    }
+    print("\n| op | kernel us per call | kernels |")
+    print("| --- | --- | --- |")
+    for name, op in ops.items():
+        kernels = kernels_of(op, device)
+        print(f"| {name} | {sum(t for _, t in kernels) / PROFILED_PASSES:.1f} | {len(kernels) / PROFILED_PASSES:.0f} |")
+
+    for name in ("dense block", "MoD block")[: 2 if args.top else 0]:
+        print(f"\n### {name}: the {args.top} costliest kernels (us per pass, launches per pass)")
+        totals: dict[str, list[float]] = {}
+        for kernel, t in profiles[name]:
+            entry = totals.setdefault(kernel[:90], [0.0, 0.0])
+            entry[0] += t / PROFILED_PASSES
+            entry[1] += 1 / PROFILED_PASSES
+        for kernel, (t, n) in sorted(totals.items(), key=lambda kv: -kv[1][0])[: args.top]:
+            print(f"{t:9.1f} us {n:4.0f}x  {kernel}")
+
+
+if __name__ == "__main__":
+    main()
