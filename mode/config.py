@@ -65,6 +65,10 @@ class ModelConfig(Section):
         """The kind of every layer, the pattern repeated to n_layers."""
         return [self.block_pattern[i % len(self.block_pattern)] for i in range(self.n_layers)]
 
+    def has_experts(self) -> bool:
+        """Whether some block has an MoE FFN (moe, mode_staged, mode_integrated)."""
+        return any(kind in ("moe", "mode_staged", "mode_integrated") for kind in self.block_pattern)
+
 
 class RoutingConfig(Section):
     """Mixture-of-Depths routing (also the depth router of Staged MoDE)."""
@@ -237,9 +241,8 @@ class Config(Section):
     def _graphs_need_static_shapes(self) -> "Config":
         """A CUDA graph replays fixed shapes with no host synchronisation: token choice sorted by
         expert (dropless, or a grouped backend) sizes its groups on the host, from the routing."""
-        has_experts = any(kind in ("moe", "mode_staged", "mode_integrated") for kind in self.model.block_pattern)
         m = self.moe
-        if self.train.cuda_graphs and has_experts and m.scheme == "token_choice" and (m.dropless or m.backend != "torch"):
+        if self.train.cuda_graphs and self.model.has_experts() and m.scheme == "token_choice" and (m.dropless or m.backend != "torch"):
             raise ValueError(
                 "train.cuda_graphs needs static shapes: token choice runs with moe.dropless=false and "
                 f"moe.backend=torch under CUDA graphs (got dropless={m.dropless}, backend={m.backend})"
@@ -248,8 +251,7 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _experts_shard(self) -> "Config":
-        has_experts = any(kind in ("moe", "mode_staged", "mode_integrated") for kind in self.model.block_pattern)
-        if has_experts and self.moe.n_experts % self.parallel.expert_parallel != 0:
+        if self.model.has_experts() and self.moe.n_experts % self.parallel.expert_parallel != 0:
             raise ValueError(
                 f"parallel.expert_parallel ({self.parallel.expert_parallel}) must divide moe.n_experts "
                 f"({self.moe.n_experts}): each process holds n_experts / expert_parallel experts"
