@@ -12,7 +12,9 @@ A piece whose wall time is far above its kernel time is bound by the host launch
 Pieces: the dense block on every token; the MoD block (route, block on the chosen tokens,
 gate, add back); the block alone on k tokens; routing alone (route, gate, add back, no block).
 Table 2, the kernel time of single routing ops per call: top-k, sorting the chosen positions
-(int64, and int32 as mode.routing.top_k_positions does), and a copy of the residual.
+(int64, and int32 as mode.routing.top_k_positions's PyTorch path does), top_k_positions with
+and without its Triton kernel (mode/kernels/topk.py) at the MoD shape and at expert choice's
+(8 experts, each its top S/8), and a copy of the residual.
 --top N also prints the N costliest kernels of each block.
 """
 from __future__ import annotations
@@ -31,7 +33,7 @@ from common import timed  # noqa: E402
 
 from mode.config import config_from_dict
 from mode.model import LanguageModel
-from mode.routing import capacity_to_k, scatter_add_tokens
+from mode.routing import capacity_to_k, primitives, scatter_add_tokens
 
 PROFILED_PASSES = 5
 
@@ -60,6 +62,15 @@ def kernels_of(fn: Callable[[], None], device: torch.device) -> list[tuple[str, 
     if cuda:
         return [(e.name, e.device_time) for e in prof.events() if e.device_type.name == "CUDA"]
     return [(e.name, e.self_cpu_time_total) for e in prof.events()]
+
+
+def _top_k_positions_with(kernel: bool, scores: Tensor, k: int) -> Tensor:
+    """mode.routing.top_k_positions with its Triton kernel allowed (where it applies) or not."""
+    before, primitives.TOPK_KERNEL = primitives.TOPK_KERNEL, kernel
+    try:
+        return primitives.top_k_positions(scores, k)
+    finally:
+        primitives.TOPK_KERNEL = before
 
 
 def main() -> None:
@@ -137,10 +148,16 @@ def main() -> None:
     scores = torch.randn(args.batch, args.seq, device=device)
     chosen = scores.topk(k, dim=-1, sorted=False).indices
     residual = torch.randn(args.batch * args.seq, args.width, device=device)
+    # Expert choice's shape: 8 experts each take its top S/8 of every sequence.
+    expert_scores = torch.rand(args.batch, 8, args.seq, device=device)
     ops: dict[str, Callable[[], object]] = {
         f"top-k of {k} in ({args.batch}, {args.seq}) scores, unsorted": lambda: scores.topk(k, dim=-1, sorted=False),
         "sort the chosen positions, int64": lambda: chosen.sort(dim=-1),
         "sort the chosen positions, int32 (and back)": lambda: chosen.int().sort(dim=-1).values.long(),
+        "top_k_positions, torch: top-k and int32 sort": lambda: _top_k_positions_with(False, scores, k),
+        "top_k_positions as routers run it (CUDA: one Triton kernel)": lambda: _top_k_positions_with(True, scores, k),
+        f"expert choice ({args.batch}, 8, {args.seq}), top {args.seq // 8}, torch": lambda: _top_k_positions_with(False, expert_scores, args.seq // 8),
+        f"expert choice ({args.batch}, 8, {args.seq}), as routers run it": lambda: _top_k_positions_with(True, expert_scores, args.seq // 8),
         f"copy the float32 residual ({args.batch * args.seq} x {args.width})": lambda: residual.clone(),
     }
     print("\n| op | kernel us per call | kernels |")

@@ -139,8 +139,12 @@ def main() -> None:
                         help="the kernel routed blocks add rows back with (mode.routing.primitives.ROW_ADD)")
     parser.add_argument("--kernels", choices=["triton", "torch"], default="triton",
                         help="eager rotary / SwiGLU: Triton kernels or PyTorch ops (mode.kernels.ENABLED)")
+    parser.add_argument("--topk", choices=["triton", "torch"], default="triton",
+                        help="top-k positions as one Triton kernel on CUDA, or torch.topk then a sort "
+                             "(mode.routing.primitives.TOPK_KERNEL)")
     args = parser.parse_args()
     primitives.ROW_ADD = args.row_add
+    primitives.TOPK_KERNEL = args.topk == "triton"
     kernels.ENABLED = args.kernels == "triton"
     if args.tiny:
         args.batch, args.seq, args.width, args.heads, args.layers, args.ffn, args.vocab = 2, 128, 64, 4, 4, 128, 256
@@ -155,7 +159,7 @@ def main() -> None:
     modes += [] if args.no_compile else ["compiled"]
     modes += [] if args.no_compile or args.no_graphs or device.type != "cuda" else ["compiled + CUDA graphs"]
     print(f"card: {card}; torch {torch.__version__}; B={args.batch} S={args.seq} D={args.width} "
-          f"layers={args.layers} ffn={args.ffn} vocab={args.vocab} capacity={args.capacity} on every other block, bf16, rows added back with {args.row_add}, eager kernels {args.kernels}")
+          f"layers={args.layers} ffn={args.ffn} vocab={args.vocab} capacity={args.capacity} on every other block, bf16, rows added back with {args.row_add}, eager kernels {args.kernels}, top-k {args.topk}")
     print(f"analytic forward FLOPs/token: dense {model_flops(dense_cfg).forward_per_token / 1e6:.1f}M, "
           f"MoD {model_flops(mod_cfg).forward_per_token / 1e6:.1f}M, ratio {flop_ratio:.3f}\n")
     print("| mode | model | fwd+bwd ms | step ms (AdamW) | peak GiB | fwd+bwd ratio | step ratio | ratio / FLOP ratio (fwd+bwd, step) |")

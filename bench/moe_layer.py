@@ -120,8 +120,12 @@ def main() -> None:
     parser.add_argument("--router", choices=["bf16", "fp32"], default="bf16",
                         help="bf16: float32 scores from a bf16 GEMM; fp32: from a float32 copy of x "
                              "(mode.routing.primitives.HALF_ROUTER)")
+    parser.add_argument("--topk", choices=["triton", "torch"], default="triton",
+                        help="top-k positions as one Triton kernel on CUDA, or torch.topk then a sort "
+                             "(mode.routing.primitives.TOPK_KERNEL)")
     args = parser.parse_args()
     primitives.ROW_ADD = args.row_add
+    primitives.TOPK_KERNEL = args.topk == "triton"
     primitives.HALF_ROUTER = args.router == "bf16"
     torch.manual_seed(0)
     x = torch.randn(args.batch, args.seq, args.width, device="cuda", dtype=PARAM_DTYPE[args.params], requires_grad=True)
@@ -155,7 +159,7 @@ def main() -> None:
         rows.insert(1, ("dense GELU MLP (compiled)", lambda: torch.compile(GeluMLP(args.width, args.ffn).cuda().to(PARAM_DTYPE[args.params]))))
     print(f"card: {torch.cuda.get_device_name()}; torch {torch.__version__}; tokens {args.batch} x {args.seq}, "
           f"D={args.width}, expert hidden {args.ffn}, {args.experts} experts, {args.params} weights, bf16 autocast, fwd+bwd, "
-          f"rows added back with {args.row_add}, router {args.router}\n")
+          f"rows added back with {args.row_add}, router {args.router}, top-k {args.topk}\n")
     print("| implementation | ms, each pass synchronised | x dense | ms, back to back | x dense |")
     print("| --- | --- | --- | --- | --- |")
     dense_ms = dense_b2b = None

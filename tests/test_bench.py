@@ -81,5 +81,7 @@ def test_block_profile_tiny() -> None:
                                         "routing alone (route, gate, add back)"]
     assert all(number(r[1]) > 0 and number(r[2]) > 0 and number(r[3]) > 0 for r in rows[:4])
     assert [r[0].split(",")[0] for r in rows[4:]] == [
-        "top-k of 8 in (2", "sort the chosen positions", "sort the chosen positions", "copy the float32 residual (128 x 32)"]
+        "top-k of 8 in (2", "sort the chosen positions", "sort the chosen positions", "top_k_positions",
+        "top_k_positions as routers run it (CUDA: one Triton kernel)", "expert choice (2", "expert choice (2",
+        "copy the float32 residual (128 x 32)"]
     assert all(number(r[1]) > 0 for r in rows[4:])

@@ -169,14 +169,70 @@ def test_fused_loss_takes_the_kernel_path_on_cuda_and_matches_pytorch(monkeypatc
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)  # float32 both ways
 
 
+def _top_k_positions_torch(scores: torch.Tensor, k: int) -> torch.Tensor:
+    from mode.routing import primitives
+
+    before, primitives.TOPK_KERNEL = primitives.TOPK_KERNEL, False
+    try:
+        return primitives.top_k_positions(scores, k)
+    finally:
+        primitives.TOPK_KERNEL = before
+
+
+@pytest.mark.parametrize(
+    "shape, k", [((3, 5, 37), 7), ((2, 100), 100), ((4, 64), 1), ((2, 300), 150)],
+    ids=["(G, E, T), T not a power of two", "k = T", "k = 1", "half the row"],
+)
+def test_top_k_positions_kernel_matches_topk_then_sort(shape: tuple[int, ...], k: int) -> None:
+    from mode.kernels.topk import top_k_positions
+
+    torch.manual_seed(0)
+    scores = torch.randn(*shape, device=DEVICE)
+    got = top_k_positions(scores, k)
+    assert got.dtype == torch.long and got.shape == (*shape[:-1], k)
+    assert torch.equal(got, _top_k_positions_torch(scores, k))
+    # A transposed (non-contiguous) view, as expert choice's (G, E, T) softmax slice is.
+    view = torch.randn(shape[-1], 6, device=DEVICE).t()
+    assert torch.equal(top_k_positions(view, k), _top_k_positions_torch(view, k))
+
+
+def test_top_k_positions_kernel_ties_signs_and_nan() -> None:
+    """Equal scores go to the earlier position; negative scores order by value (not by their bits);
+    NaN is the largest score, as in torch.topk."""
+    from mode.kernels.topk import top_k_positions
+
+    row = torch.tensor([[1.0, 3.0, 3.0, 3.0, 0.0, -0.5, float("nan"), -1.0]], device=DEVICE)
+    assert top_k_positions(row, 3).tolist() == [[1, 2, 6]]  # NaN, then the two earliest 3.0s
+    assert top_k_positions(row, 4).tolist() == [[1, 2, 3, 6]]
+    negatives = torch.tensor([[-1.0, -2.0, -0.5, -3.0, -0.25]], device=DEVICE)
+    assert top_k_positions(negatives, 2).tolist() == [[2, 4]]
+    with pytest.raises(ValueError, match="k must be in"):
+        top_k_positions(negatives, 6)
+
+
+def test_top_k_positions_takes_the_kernel_only_where_it_applies(monkeypatch: pytest.MonkeyPatch) -> None:
+    import mode.kernels as kernels
+    from mode.kernels.topk import MAX_TOKENS
+    from mode.routing import primitives
+
+    monkeypatch.setattr(kernels, "use_triton", lambda x: True)  # as on CUDA in eager mode
+    assert primitives._topk_kernel_applies(torch.zeros(2, MAX_TOKENS))
+    assert not primitives._topk_kernel_applies(torch.zeros(2, MAX_TOKENS + 1))  # a row no longer fits
+    assert not primitives._topk_kernel_applies(torch.zeros(2, 8, dtype=torch.float64))
+    monkeypatch.setattr(primitives, "TOPK_KERNEL", False)
+    assert not primitives._topk_kernel_applies(torch.zeros(2, 8))
+
+
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*_tiny.yaml"))
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
 def test_models_train_the_same_through_the_kernels(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every block kind: a forward+backward with the layers' kernel branches taken (rotary on qkv,
-    MoD's routed angles included; SwiGLU in MLPs and experts; the loss) equals the PyTorch branches.
+    MoD's routed angles included; SwiGLU in MLPs and experts; the loss; the routers' top-k
+    positions) equals the PyTorch branches.
     float32 both ways, so they differ by float32 rounding only (sums in another order)."""
+    import mode.kernels as kernels
     import mode.layers.attention as attention
     import mode.layers.loss as loss_module
     import mode.layers.mlp as mlp
@@ -189,7 +245,7 @@ def test_models_train_the_same_through_the_kernels(path: Path, monkeypatch: pyte
     tokens = torch.randint(0, config.model.vocab_size, (2, 33), device=DEVICE)
     runs = {}
     for fused in (True, False):
-        for module in (attention, mlp, loss_module):
+        for module in (attention, mlp, loss_module, kernels):  # kernels: the routers' top-k
             monkeypatch.setattr(module, "use_triton", lambda x, fused=fused: fused)
         model.zero_grad(set_to_none=True)
         loss = model(tokens[:, :-1], tokens[:, 1:]).loss

@@ -19,12 +19,32 @@ def capacity_to_k(num_tokens: int, capacity: float) -> int:
     return max(1, min(num_tokens, int(round(capacity * num_tokens))))
 
 
+# True: on CUDA in eager mode, top_k_positions is one Triton kernel (mode/kernels/topk.py) instead of
+# a top-k and a sort; False: always the PyTorch ops (bench/mod_step.py and bench/moe_layer.py --topk).
+TOPK_KERNEL = True
+
+
+def _topk_kernel_applies(scores: Tensor) -> bool:
+    """Eager on CUDA, float32 rows that fit one Triton program: mode/kernels/topk.py."""
+    from mode import kernels
+
+    if not (TOPK_KERNEL and scores.dtype == torch.float32 and kernels.use_triton(scores)):
+        return False
+    from mode.kernels.topk import MAX_TOKENS
+
+    return scores.shape[-1] <= MAX_TOKENS
+
+
 def top_k_positions(scores: Tensor, k: int) -> Tensor:
     """Expert choice: indices of the k largest scores along the last (token) dim, sorted by position.
 
     scores (..., T) -> (..., k). Top-k runs within each row only (a sequence or a group),
     never across the batch, so one sequence cannot change another's routing.
     """
+    if _topk_kernel_applies(scores):
+        from mode.kernels.topk import top_k_positions as one_kernel
+
+        return one_kernel(scores, k)
     chosen = scores.topk(k, dim=-1, sorted=False).indices
     # Sorted as int32 (positions < 2^31): on an H100, 21 against 30 us for (8, 256) int64 keys
     # (bench/block_profile.py).
