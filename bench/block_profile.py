@@ -93,6 +93,8 @@ def main() -> None:
     dense, mod = model.blocks[0], model.blocks[1]
     # The MoD block adds its updates into x in place, as inside the model: x drifts by the
     # updates from pass to pass, which changes which tokens are chosen, not what a pass costs.
+    # Likewise its backward adds the chosen tokens' gradient into the incoming gradient `grad`
+    # in place (MoDBlock.add_in_place), as into the model's residual gradient: `grad` drifts too.
     angles = model.rotary.prefix(args.seq)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     x = torch.randn(args.batch, args.seq, args.width, device=device, requires_grad=True)

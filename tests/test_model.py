@@ -58,11 +58,13 @@ def test_compiled_model_matches_eager() -> None:
 ])
 def test_routed_updates_in_place_equal_the_copy_path(pattern: list[str], routing: dict, monkeypatch) -> None:
     """LanguageModel's MoD blocks add their updates into the residual stream in place
-    (MoDBlock.add_in_place) unless their router saved x (a causal predictor); with it off every
-    block copies. Same loss and gradients, exactly."""
-    calls = []
-    in_place_apply = primitives._AddRowsInPlace.apply
+    (MoDBlock.add_in_place) unless their router saved x (a causal predictor), and in the backward
+    the chosen tokens' gradient into the stream's gradient; with it off every block copies both.
+    Same loss and gradients, exactly."""
+    calls, grad_in_place = [], []
+    in_place_apply, split_apply = primitives._AddRowsInPlace.apply, primitives._SplitRows.apply
     monkeypatch.setattr(primitives._AddRowsInPlace, "apply", lambda *a: calls.append(1) or in_place_apply(*a))
+    monkeypatch.setattr(primitives._SplitRows, "apply", lambda *a: grad_in_place.append(a[2]) or split_apply(*a))
     results = []
     for in_place in (True, False):
         torch.manual_seed(0)
@@ -78,6 +80,8 @@ def test_routed_updates_in_place_equal_the_copy_path(pattern: list[str], routing
         results.append((out.loss.detach(), [p.grad for p in model.parameters()]))
     expected = 0 if routing.get("causal") else sum(kind in ("mod", "mode_staged") for kind in pattern) * 2
     assert len(calls) == expected  # n_layers 4: the pattern twice, and only in the first run
+    routed = sum(kind in ("mod", "mode_staged") for kind in pattern) * 2
+    assert grad_in_place == [True] * routed + [False] * routed  # the rows' gradient too, in the first run
     (loss_a, grads_a), (loss_b, grads_b) = results
     assert torch.equal(loss_a, loss_b)
     for a, b in zip(grads_a, grads_b, strict=True):

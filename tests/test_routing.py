@@ -352,6 +352,29 @@ def test_updates_added_in_place_equal_a_copy(monkeypatch, row_add: str) -> None:
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("in_place_update", [True, False], ids=["update in place", "update copied"])
+def test_rows_gradient_added_into_an_owned_gradient_equals_a_copy(in_place_update: bool) -> None:
+    """split_tokens(grad_in_place=True): the chosen rows' gradient is added into the gradient that
+    reached the residual itself (observable: that tensor changes), with the same gradients as
+    the copy path (float64, exact)."""
+    idx = torch.tensor([[1, 3, 3], [0, 2, 5]])
+    weights = torch.randn(2, 6, 4, dtype=torch.float64)
+    outputs = {}
+    for grad_in_place in (False, True):
+        torch.manual_seed(0)
+        leaf = torch.randn(2, 6, 4, dtype=torch.float64, requires_grad=True)
+        updates = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
+        chosen, residual = split_tokens(leaf * 1.0, idx, grad_in_place=grad_in_place)
+        out = scatter_add_tokens(residual, idx, updates * chosen, in_place=in_place_update)
+        reached = []
+        out.register_hook(reached.append)
+        (out * weights).sum().backward()  # the gradient reaching out is weights' product: a new tensor
+        assert torch.equal(reached[0], weights) is not grad_in_place
+        outputs[grad_in_place] = (leaf.grad, updates.grad)
+    for a, b in zip(outputs[False], outputs[True], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_in_place_update_of_a_saved_tensor_is_refused() -> None:
     """Were anything to save x for its backward, the in-place update makes autograd raise
     (the alias shares x's version counter): never a gradient from overwritten values."""

@@ -20,13 +20,15 @@ class MoDBlock(nn.Module):
             routing.causal, routing.causal_loss_weight, routing.predictor_hidden,
         )
         self.block = block if block is not None else TransformerBlock(cfg)
-        # True where the caller owns x and never reads it again (LanguageModel's residual stream):
-        # the updates are then added into x's memory when the router allows (no copy of x).
+        # True where the caller owns x and never reads it again, and owns the gradient that
+        # reaches the block's output (LanguageModel's residual stream): the updates are then
+        # added into x's memory when the router allows (no copy of x), and in the backward the
+        # chosen tokens' gradient into that incoming gradient (no copy of it either).
         self.add_in_place = False
 
     def forward(self, x: Tensor, angles: RotaryAngles) -> tuple[Tensor, BlockInfo]:
         # indices (B, k), sorted: causal order kept; chosen (B, k, D); residual: x, for the updates
-        routing, chosen, residual, writable = self.router.route(x)
+        routing, chosen, residual, writable = self.router.route(x, owns_gradient=self.add_in_place)
         # (B, k, D) at the original positions; ffn_routing is the MoE's in Staged MoDE, else None.
         update, ffn_routing = self.block.routed_update(chosen, angles.select(routing.indices), routing.valid)
         # The gate scales only the update; the residual of every token passes untouched.

@@ -117,20 +117,27 @@ class _SplitRows(torch.autograd.Function):
     and version counter, not an autograd view), so that _AddRowsInPlace may add into it. Were
     anything that saved x for its backward to run after such an update, autograd's version
     check would raise, never compute with the updated values.
+
+    grad_in_place: the caller guarantees that the gradient reaching the second output is held by
+    nothing else (LanguageModel's residual stream), so the rows' gradient is added into it
+    instead of into a copy of it.
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, flat: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(ctx, x: Tensor, flat: Tensor, grad_in_place: bool) -> tuple[Tensor, Tensor]:
         ctx.save_for_backward(flat)
+        ctx.grad_in_place = grad_in_place
         return x.reshape(-1, x.shape[-1]).index_select(0, flat), x.detach()
 
     @staticmethod
-    def backward(ctx, grad_rows: Tensor, grad_x: Tensor) -> tuple[Tensor, None]:
+    def backward(ctx, grad_rows: Tensor, grad_x: Tensor) -> tuple[Tensor, None, None]:
         (flat,) = ctx.saved_tensors
-        # A copy, not in place: an incoming gradient may be shared (x + y hands one tensor to both).
-        grad = grad_x.clone(memory_format=torch.contiguous_format)
+        if ctx.grad_in_place and grad_x.is_contiguous():
+            grad = grad_x
+        else:  # a copy: an incoming gradient may be shared (x + y hands one tensor to both)
+            grad = grad_x.clone(memory_format=torch.contiguous_format)
         _add_rows(grad.view(-1, grad.shape[-1]), flat, grad_rows)
-        return grad, None
+        return grad, None, None
 
 
 class _AddRowsInPlace(torch.autograd.Function):
@@ -164,17 +171,21 @@ class _CombineRows(torch.autograd.Function):
         return grad.index_select(0, flat), None, None
 
 
-def split_tokens(x: Tensor, indices: Tensor) -> tuple[Tensor, Tensor]:
+def split_tokens(x: Tensor, indices: Tensor, grad_in_place: bool = False) -> tuple[Tensor, Tensor]:
     """x (G, T, D) -> (the chosen tokens (G, ..., k, D), x itself), for routing around a block.
 
     The same values as (gather_tokens(x, indices), x). Add the block's updates back to the
     second with scatter_add_tokens: the chosen tokens' gradient is then added into the
     residual's gradient in one copy, instead of a zero-filled full-size gradient that
     autograd sums with it (one fewer pass over the (G, T, D) residual each way).
+    grad_in_place: only for a caller that owns x's gradient (nothing else holds the gradient
+    reaching the second output, as in LanguageModel's residual stream): the chosen tokens'
+    gradient is added into it without the copy (on an H100, 46 us of a routed block's backward
+    at B=8, S=2048, D=1024, float32). Eager mode; under torch.compile plain ops.
     """
     if torch.compiler.is_compiling():  # plain ops (see ROW_ADD's comment); the compiler fuses the sum
         return gather_tokens(x, indices), x
-    rows, residual = _SplitRows.apply(x, _flat_indices(indices, x.shape[1]))
+    rows, residual = _SplitRows.apply(x, _flat_indices(indices, x.shape[1]), grad_in_place)
     return rows.view(*indices.shape, x.shape[-1]), residual  # (G, ..., k, D), (G, T, D)
 
 

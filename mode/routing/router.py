@@ -186,7 +186,7 @@ class DepthRouter(nn.Module):
         aux, stats = self._causal_terms(x, scores, indices)
         return Routing(indices=indices, gates=gates, logits=scores, aux_loss=aux, stats=stats)
 
-    def route(self, x: Tensor) -> "RoutedTokens":
+    def route(self, x: Tensor, owns_gradient: bool = False) -> "RoutedTokens":
         """forward(), the chosen tokens (B, k, D) of x and x itself, from split_tokens: what MoDBlock
         consumes (the updates go back into the residual with scatter_add_tokens).
 
@@ -196,6 +196,8 @@ class DepthRouter(nn.Module):
         chosen tokens' scores again from their gathered rows. The gradient is the same, but
         the router's backward reads and writes k rows instead of the whole (B, S, D) residual
         (per routed block a weight-gradient GEMV, an outer product and a sum into x's gradient).
+        owns_gradient: nothing but the caller holds the gradient that will reach the residual
+        (LanguageModel's stream); the chosen tokens' gradient is then added into it in place.
         """
         dense_grad = self.causal is not None and self.causal.method == "aux_loss"
         if self.causal_mode or dense_grad or not torch.is_grad_enabled():
@@ -204,7 +206,8 @@ class DepthRouter(nn.Module):
         with torch.no_grad():
             scores = self.router(x).squeeze(-1)  # (B, S)
         indices = self._select(scores)
-        chosen, residual = split_tokens(x, indices)  # (B, k, D), (B, S, D)
+        # owns_gradient: the caller's residual gradient is its own (split_tokens' grad_in_place)
+        chosen, residual = split_tokens(x, indices, grad_in_place=owns_gradient)  # (B, k, D), (B, S, D)
         gates = apply_gate(self.router(chosen).squeeze(-1), self.gate)  # (B, k), the gradient's path
         aux, stats = self._causal_terms(x, scores, indices)  # a causal predictor saves x for its backward
         routing = Routing(indices=indices, gates=gates, logits=scores, aux_loss=aux, stats=stats)
