@@ -373,6 +373,8 @@ GPU_CASES = {
     "expert_choice": dict(scheme="expert_choice", n_noop=N_NOOP),
     "token_choice_dropless": dict(scheme="token_choice", top_k=2, dropless=True, n_noop=N_NOOP),
     "token_choice_capacity": dict(scheme="token_choice", top_k=1, capacity_factor=1.0, n_noop=N_NOOP),
+    # Every assignment computed (no no-op slot, no dropping): megablocks' path appends no zero rows.
+    "token_choice_dropless_top1_no_noop": dict(scheme="token_choice", top_k=1, dropless=True, n_noop=0),
 }
 
 
@@ -406,6 +408,18 @@ def test_gpu_backend_equals_torch_backend(backend, case):
     assert _rel(y2, y1) < GPU_REL_TOL and _rel(gx2, gx1) < GPU_REL_TOL
     for name in g1:
         assert _rel(g2[name], g1[name]) < GPU_REL_TOL, name
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_top_k_slots_equals_topk(k: int) -> None:
+    """Top-1 runs as a max reduction (faster on GPU): the same values and slots as topk."""
+    from mode.routing import top_k_slots
+
+    scores = torch.randn(64, 6).softmax(-1)
+    values, slots = top_k_slots(scores, k)
+    want = scores.topk(k, dim=-1)
+    assert values.shape == slots.shape == (64, k)
+    assert torch.equal(values, want.values) and torch.equal(slots, want.indices)
 
 
 def test_causal_expert_choice_with_no_token_chosen_gives_zero_update() -> None:

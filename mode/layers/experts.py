@@ -129,6 +129,7 @@ def megablocks_token_choice(experts: Experts, x: Tensor, routing: TokenChoiceRou
     counts = per_bin[:n_experts].to("cpu", torch.long)
     computed = int(counts.sum())
     ys = _gmm_mlp(experts, rows[:computed], counts)
-    ys = torch.cat([ys, ys.new_zeros(rows.shape[0] - computed, ys.shape[1])])  # the no-op bin: zero update
+    if computed < rows.shape[0]:  # the no-op bin's rows: a zero update (none when every assignment is computed)
+        ys = torch.cat([ys, ys.new_zeros(rows.shape[0] - computed, ys.shape[1])])
     with torch.autocast("cuda", enabled=False):
         return mops.scatter(ys, order, bin_ids, routing.gates.reshape(-1).to(dtype), bins, top_k)  # (T, D)
