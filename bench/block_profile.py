@@ -3,8 +3,8 @@
     python bench/block_profile.py          # B=8, S=2048, D=1024, 16 heads, SwiGLU 2816, capacity 12.5%
     python bench/block_profile.py --tiny   # CPU smoke run (host times; "kernels" are CPU ops there)
 
-Where a routed block's time goes in eager mode, bf16 autocast over float32 weights (as
-training runs it). Table 1, forward+backward of each piece with an incoming gradient:
+Where a routed block's time goes in eager mode (--compile: compiled), bf16 autocast over
+float32 weights (as training runs it). Table 1, forward+backward of each piece with an incoming gradient:
 - wall ms: median over --iters passes, each synchronised (CUDA events);
 - kernel ms and kernels: the sum of the kernels' own times per pass under torch.profiler
   (on CPU: every op's own time, and every op event, nested ones included).
@@ -83,6 +83,8 @@ def main() -> None:
     parser.add_argument("--capacity", type=float, default=0.125)
     parser.add_argument("--iters", type=int, default=40)
     parser.add_argument("--top", type=int, default=0, help="also print each block's N costliest kernels")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile the dense and the MoD block (table 1 then has those two rows)")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run at a small shape")
     args = parser.parse_args()
     if args.tiny:
@@ -134,9 +136,12 @@ def main() -> None:
 
     pieces = {"dense block": fwd_bwd(dense), "MoD block": fwd_bwd(mod),
               f"the block alone on k={k} tokens": block_on_k_tokens, "routing alone (route, gate, add back)": routing_alone}
+    if args.compile:  # each block one compiled graph (the MoD block then routes with plain ops)
+        pieces = {"dense block": fwd_bwd(torch.compile(dense)), "MoD block": fwd_bwd(torch.compile(mod))}
     card = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     print(f"card: {card}; torch {torch.__version__}; B={args.batch} S={args.seq} D={args.width} heads={args.heads} "
-          f"ffn={args.ffn} capacity={args.capacity} (k={k}); eager, {'bf16 autocast' if device.type == 'cuda' else 'float32'}\n")
+          f"ffn={args.ffn} capacity={args.capacity} (k={k}); {'compiled' if args.compile else 'eager'}, "
+          f"{'bf16 autocast' if device.type == 'cuda' else 'float32'}\n")
     print("| forward+backward | wall ms | kernel ms | kernels |")
     print("| --- | --- | --- | --- |")
     profiles = {}

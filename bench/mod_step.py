@@ -132,6 +132,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of --iters per model; the median round is reported")
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph modes (eager and compiled)")
+    parser.add_argument("--modes", nargs="+", choices=list(COMPILE), default=None,
+                        help="time only these modes (of those the other flags and the device allow)")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run at a small shape")
     parser.add_argument("--profile", nargs="*", choices=["eager", "compiled"], default=None,
                         help="also print the top kernels of fwd+bwd (eager if no mode is named)")
@@ -158,6 +160,8 @@ def main() -> None:
     modes = ["eager"] + ([] if args.no_graphs or device.type != "cuda" else ["eager + CUDA graphs"])
     modes += [] if args.no_compile else ["compiled"]
     modes += [] if args.no_compile or args.no_graphs or device.type != "cuda" else ["compiled + CUDA graphs"]
+    if args.modes:
+        modes = [m for m in modes if m in args.modes]
     print(f"card: {card}; torch {torch.__version__}; B={args.batch} S={args.seq} D={args.width} "
           f"layers={args.layers} ffn={args.ffn} vocab={args.vocab} capacity={args.capacity} on every other block, bf16, rows added back with {args.row_add}, eager kernels {args.kernels}, top-k {args.topk}")
     print(f"analytic forward FLOPs/token: dense {model_flops(dense_cfg).forward_per_token / 1e6:.1f}M, "

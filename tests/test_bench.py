@@ -75,6 +75,22 @@ def test_scaling_tiny_on_two_gloo_processes() -> None:
     assert number(rows[0][2]) > 0 and number(rows[0][3]) > 0  # tokens/s, ms/step
 
 
+def test_block_profile_tiny_compiled() -> None:
+    """--compile: the dense and the MoD block each compiled; the table has those two rows."""
+    out = run("bench/block_profile.py", "--tiny", "--compile", "--top", "2")
+    rows = table_rows(out)
+    assert [r[0] for r in rows[:2]] == ["dense block", "MoD block"] and rows[2][0].startswith("top-k"), out
+    assert "; compiled, float32" in out
+    assert all(number(r[1]) > 0 and number(r[2]) > 0 and number(r[3]) > 0 for r in rows[:2])
+
+
+def test_mod_step_modes_selects_modes() -> None:
+    """--modes keeps the named modes of those the run allows (--tiny: eager only, on CPU)."""
+    rows = table_rows(run("bench/mod_step.py", "--tiny", "--modes", "eager", "compiled"))
+    assert [r[:2] for r in rows] == [["eager", "dense"], ["eager", "MoD"]]
+    assert table_rows(run("bench/mod_step.py", "--tiny", "--modes", "compiled")) == []
+
+
 def test_block_profile_tiny() -> None:
     rows = table_rows(run("bench/block_profile.py", "--tiny", "--top", "3"))
     assert [r[0] for r in rows[:4]] == ["dense block", "MoD block", "the block alone on k=8 tokens",
