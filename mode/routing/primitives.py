@@ -28,11 +28,11 @@ def _topk_kernel_applies(scores: Tensor) -> bool:
     """Eager on CUDA, float32 rows that fit one Triton program: mode/kernels/topk.py."""
     from mode import kernels
 
-    if not (TOPK_KERNEL and scores.dtype == torch.float32 and kernels.use_triton(scores)):
+    if not (TOPK_KERNEL and kernels.use_triton(scores)):
         return False
-    from mode.kernels.topk import MAX_TOKENS
+    from mode.kernels.topk import fits
 
-    return scores.shape[-1] <= MAX_TOKENS
+    return fits(scores)
 
 
 def top_k_positions(scores: Tensor, k: int) -> Tensor:
