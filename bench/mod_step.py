@@ -144,8 +144,12 @@ def main() -> None:
     parser.add_argument("--topk", choices=["triton", "torch"], default="triton",
                         help="top-k positions as one Triton kernel on CUDA, or torch.topk then a sort "
                              "(mode.routing.primitives.TOPK_KERNEL)")
+    parser.add_argument("--router-score", choices=["reduction", "gemv"], default="reduction",
+                        help="compiled MoD routers: a product summed over D that the compiler fuses, or a GEMV "
+                             "(mode.routing.primitives.ONE_SCORE_REDUCTION)")
     args = parser.parse_args()
     primitives.ROW_ADD = args.row_add
+    primitives.ONE_SCORE_REDUCTION = args.router_score == "reduction"
     primitives.TOPK_KERNEL = args.topk == "triton"
     kernels.ENABLED = args.kernels == "triton"
     if args.tiny:
@@ -163,7 +167,7 @@ def main() -> None:
     if args.modes:
         modes = [m for m in modes if m in args.modes]
     print(f"card: {card}; torch {torch.__version__}; B={args.batch} S={args.seq} D={args.width} "
-          f"layers={args.layers} ffn={args.ffn} vocab={args.vocab} capacity={args.capacity} on every other block, bf16, rows added back with {args.row_add}, eager kernels {args.kernels}, top-k {args.topk}")
+          f"layers={args.layers} ffn={args.ffn} vocab={args.vocab} capacity={args.capacity} on every other block, bf16, rows added back with {args.row_add}, eager kernels {args.kernels}, top-k {args.topk}, router score {args.router_score}")
     print(f"analytic forward FLOPs/token: dense {model_flops(dense_cfg).forward_per_token / 1e6:.1f}M, "
           f"MoD {model_flops(mod_cfg).forward_per_token / 1e6:.1f}M, ratio {flop_ratio:.3f}\n")
     print("| mode | model | fwd+bwd ms | step ms (AdamW) | peak GiB | fwd+bwd ratio | step ratio | ratio / FLOP ratio (fwd+bwd, step) |")

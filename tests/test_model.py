@@ -31,7 +31,12 @@ def test_every_routed_layer_has_its_own_router() -> None:
     assert len({w.data_ptr() for w in weights}) == len(weights)
 
 
-def test_compiled_model_matches_eager() -> None:
+@pytest.mark.parametrize("reduction", [True, False], ids=["router score as a reduction", "router score GEMV"])
+def test_compiled_model_matches_eager(reduction: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compiled against eager: same routing, loss and gradients, with the depth routers' compiled
+    scores as a product summed over D (primitives.ONE_SCORE_REDUCTION) and as the GEMV."""
+    monkeypatch.setattr(primitives, "ONE_SCORE_REDUCTION", reduction)
+    torch._dynamo.reset()
     torch.manual_seed(0)
     model = tiny(["dense", "mod"])
     tokens = torch.randint(0, 256, (2, 33))
