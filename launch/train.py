@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, installed or not
 
-from mode.parallel.launch import main  # noqa: E402
+from mode.parallel.launch import run_and_exit  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_and_exit()

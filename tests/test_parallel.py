@@ -349,3 +349,13 @@ def test_cuda_graphs_are_refused_through_deepspeed(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"train\.cuda_graphs"):
         build_trainer(config, processes)
     assert not (tmp_path / "run").exists()
+
+
+def test_launcher_exits_with_mains_code_and_its_output_written(tmp_path: Path) -> None:
+    """launch/train.py leaves through os._exit (no interpreter teardown, where the gloo / DeepSpeed
+    stack once aborted a finished run): the exit code is main()'s and its output is flushed."""
+    missing = tmp_path / "missing.yaml"
+    proc = subprocess.run([sys.executable, str(ROOT / "launch" / "train.py"), "--config", str(missing)],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "error:" in proc.stderr and "missing.yaml" in proc.stderr
