@@ -32,6 +32,22 @@ class GeluMLP(nn.Module):
         return self.fc2(F.gelu(self.fc1(x)))
 
 
+def add_routing_switches(parser: argparse.ArgumentParser) -> None:
+    """--row-add and --topk: module switches of mode.routing.primitives that the benchmarks compare."""
+    parser.add_argument("--row-add", choices=["scatter_add", "index_add"], default="scatter_add",
+                        help="the kernel routed layers add rows back with (mode.routing.primitives.ROW_ADD)")
+    parser.add_argument("--topk", choices=["triton", "torch"], default="triton",
+                        help="top-k positions as one Triton kernel on CUDA, or torch.topk then a sort "
+                             "(mode.routing.primitives.TOPK_KERNEL)")
+
+
+def apply_routing_switches(args: argparse.Namespace) -> None:
+    from mode.routing import primitives
+
+    primitives.ROW_ADD = args.row_add
+    primitives.TOPK_KERNEL = args.topk == "triton"
+
+
 def timed(fn: Callable[[], None], warmup: int, iters: int, device: torch.device) -> float:
     """Median milliseconds of fn over iters runs after warmup runs."""
     for _ in range(warmup):

@@ -23,7 +23,13 @@ from typing import Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/common.py, however this is started
-from common import add_model_args, profile_report, timed  # noqa: E402
+from common import (  # noqa: E402
+    add_model_args,
+    add_routing_switches,
+    apply_routing_switches,
+    profile_report,
+    timed,
+)
 
 from mode.config import Config, config_from_dict
 from mode.flops import model_flops
@@ -137,20 +143,15 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run at a small shape")
     parser.add_argument("--profile", nargs="*", choices=["eager", "compiled"], default=None,
                         help="also print the top kernels of fwd+bwd (eager if no mode is named)")
-    parser.add_argument("--row-add", choices=["scatter_add", "index_add"], default="scatter_add",
-                        help="the kernel routed blocks add rows back with (mode.routing.primitives.ROW_ADD)")
     parser.add_argument("--kernels", choices=["triton", "torch"], default="triton",
                         help="eager rotary / SwiGLU: Triton kernels or PyTorch ops (mode.kernels.ENABLED)")
-    parser.add_argument("--topk", choices=["triton", "torch"], default="triton",
-                        help="top-k positions as one Triton kernel on CUDA, or torch.topk then a sort "
-                             "(mode.routing.primitives.TOPK_KERNEL)")
+    add_routing_switches(parser)
     parser.add_argument("--router-score", choices=["reduction", "gemv"], default="reduction",
                         help="compiled MoD routers: a product summed over D that the compiler fuses, or a GEMV "
                              "(mode.routing.primitives.ONE_SCORE_REDUCTION)")
     args = parser.parse_args()
-    primitives.ROW_ADD = args.row_add
+    apply_routing_switches(args)
     primitives.ONE_SCORE_REDUCTION = args.router_score == "reduction"
-    primitives.TOPK_KERNEL = args.topk == "triton"
     kernels.ENABLED = args.kernels == "triton"
     if args.tiny:
         args.batch, args.seq, args.width, args.heads, args.layers, args.ffn, args.vocab = 2, 128, 64, 4, 4, 128, 256

@@ -30,7 +30,14 @@ import torch
 from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/common.py, however this is started
-from common import GeluMLP, profile_report, timed, timed_back_to_back  # noqa: E402
+from common import (  # noqa: E402
+    GeluMLP,
+    add_routing_switches,
+    apply_routing_switches,
+    profile_report,
+    timed,
+    timed_back_to_back,
+)
 
 from mode.config import MoEConfig
 from mode.layers.moe import MoEFFN
@@ -115,17 +122,12 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="also time this project's layers under torch.compile")
     parser.add_argument("--profile", nargs="*", default=[], metavar="ROW",
                         help="print the top GPU kernels of the rows whose name contains ROW")
-    parser.add_argument("--row-add", choices=["scatter_add", "index_add"], default="scatter_add",
-                        help="the kernel this project's layers add rows back with (mode.routing.primitives.ROW_ADD)")
+    add_routing_switches(parser)
     parser.add_argument("--router", choices=["bf16", "fp32"], default="bf16",
                         help="bf16: float32 scores from a bf16 GEMM; fp32: from a float32 copy of x "
                              "(mode.routing.primitives.HALF_ROUTER)")
-    parser.add_argument("--topk", choices=["triton", "torch"], default="triton",
-                        help="top-k positions as one Triton kernel on CUDA, or torch.topk then a sort "
-                             "(mode.routing.primitives.TOPK_KERNEL)")
     args = parser.parse_args()
-    primitives.ROW_ADD = args.row_add
-    primitives.TOPK_KERNEL = args.topk == "triton"
+    apply_routing_switches(args)
     primitives.HALF_ROUTER = args.router == "bf16"
     torch.manual_seed(0)
     x = torch.randn(args.batch, args.seq, args.width, device="cuda", dtype=PARAM_DTYPE[args.params], requires_grad=True)
