@@ -11,6 +11,8 @@ import math
 import torch
 from torch import Tensor
 
+from mode import kernels
+
 
 def capacity_to_k(num_tokens: int, capacity: float) -> int:
     """Tokens a block (or expert) takes from a group of num_tokens: round(capacity * T), >= 1."""
@@ -26,8 +28,6 @@ TOPK_KERNEL = True
 
 def _topk_kernel_applies(scores: Tensor) -> bool:
     """Eager on CUDA, float32 rows that fit one Triton program: mode/kernels/topk.py."""
-    from mode import kernels
-
     if not (TOPK_KERNEL and kernels.use_triton(scores)):
         return False
     from mode.kernels.topk import fits
@@ -286,11 +286,11 @@ def router_scores(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tens
     with torch.autocast(device_type=x.device.type, enabled=False):
         if ONE_SCORE_REDUCTION and weight.shape[0] == 1 and torch.compiler.is_compiling():
             scores = (x.float() * weight.float()).sum(-1, keepdim=True)  # (..., 1)
-            return scores if bias is None else scores + bias.float()
-        if _half_router_applies(x, weight):
+        elif _half_router_applies(x, weight):
             scores = _HalfRouterScores.apply(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], -1)
-            return scores if bias is None else scores + bias.float()
-        return torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
+        else:
+            return torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
+        return scores if bias is None else scores + bias.float()
 
 
 def apply_gate(scores: Tensor, kind: str) -> Tensor:
