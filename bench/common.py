@@ -33,12 +33,15 @@ class GeluMLP(nn.Module):
 
 
 def add_routing_switches(parser: argparse.ArgumentParser) -> None:
-    """--row-add and --topk: module switches of mode.routing.primitives that the benchmarks compare."""
+    """--row-add, --topk and --slot-choice: module switches of mode.routing.primitives that the benchmarks compare."""
     parser.add_argument("--row-add", choices=["scatter_add", "index_add"], default="scatter_add",
                         help="the kernel routed layers add rows back with (mode.routing.primitives.ROW_ADD)")
     parser.add_argument("--topk", choices=["triton", "torch"], default="triton",
                         help="top-k positions as one Triton kernel on CUDA, or torch.topk then a sort "
                              "(mode.routing.primitives.TOPK_KERNEL)")
+    parser.add_argument("--slot-choice", choices=["triton", "torch"], default="triton",
+                        help="token choice's softmax, top-k slots and loss sums as one Triton kernel each way on "
+                             "CUDA, or PyTorch ops (mode.routing.primitives.SOFTMAX_TOPK_KERNEL)")
 
 
 def apply_routing_switches(args: argparse.Namespace) -> None:
@@ -46,6 +49,7 @@ def apply_routing_switches(args: argparse.Namespace) -> None:
 
     primitives.ROW_ADD = args.row_add
     primitives.TOPK_KERNEL = args.topk == "triton"
+    primitives.SOFTMAX_TOPK_KERNEL = args.slot_choice == "triton"
 
 
 def timed(fn: Callable[[], None], warmup: int, iters: int, device: torch.device) -> float:

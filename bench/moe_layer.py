@@ -161,7 +161,8 @@ def main() -> None:
         rows.insert(1, ("dense GELU MLP (compiled)", lambda: torch.compile(GeluMLP(args.width, args.ffn).cuda().to(PARAM_DTYPE[args.params]))))
     print(f"card: {torch.cuda.get_device_name()}; torch {torch.__version__}; tokens {args.batch} x {args.seq}, "
           f"D={args.width}, expert hidden {args.ffn}, {args.experts} experts, {args.params} weights, bf16 autocast, fwd+bwd, "
-          f"rows added back with {args.row_add}, router {args.router}, top-k {args.topk}\n")
+          f"rows added back with {args.row_add}, router {args.router}, top-k {args.topk}, "
+          f"token choice slots {args.slot_choice}\n")
     print("| implementation | ms, each pass synchronised | x dense | ms, back to back | x dense |")
     print("| --- | --- | --- | --- | --- |")
     dense_ms = dense_b2b = None

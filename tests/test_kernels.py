@@ -223,6 +223,72 @@ def test_top_k_positions_takes_the_kernel_only_where_it_applies(monkeypatch: pyt
     assert not primitives._topk_kernel_applies(torch.zeros(2, 8))
 
 
+def _softmax_top_k_torch(logits: torch.Tensor, k: int):
+    """The PyTorch reference, in logits' dtype: top-k of the softmax, and the [probabilities |
+    choices | logsumexp^2] sums over the tokens."""
+    probs = logits.softmax(-1)
+    gates, slots = probs.topk(k, dim=-1)
+    choices = F.one_hot(slots, logits.shape[1]).sum((0, 1)).to(logits.dtype)
+    return gates, slots, torch.cat([probs.sum(0), choices, logits.logsumexp(-1).square().sum(0, keepdim=True)])
+
+
+@pytest.mark.parametrize(
+    "tokens, n_slots, k",
+    [(37, 8, 1), (300, 12, 2), (5, 3, 3), (1000, 64, 4), (2, 256, 8)],
+    ids=["top-1, a partial block", "top-2, slots not a power of two", "k = slots", "many blocks", "widest"],
+)
+def test_softmax_top_k_kernel_matches_pytorch(tokens: int, n_slots: int, k: int) -> None:
+    """Forward (gates, slots, sums) and the logits' gradient from the gates', the probability sums'
+    and the logsumexp^2 sum's gradients, against float64 PyTorch on the same float32 logits."""
+    from mode.kernels.softmax_topk import softmax_top_k
+
+    torch.manual_seed(0)
+    logits = (3 * torch.randn(tokens, n_slots, device=DEVICE)).requires_grad_()
+    probes = (torch.randn(tokens, k, device=DEVICE), torch.randn(2 * n_slots + 1, device=DEVICE))
+    gates, slots, sums = softmax_top_k(logits, k)
+    (grad,) = torch.autograd.grad((gates * probes[0]).sum() + (sums * probes[1]).sum(), logits)
+    ref = logits.detach().double().requires_grad_()
+    want_gates, want_slots, want_sums = _softmax_top_k_torch(ref, k)
+    (want_grad,) = torch.autograd.grad((want_gates * probes[0]).sum() + (want_sums * probes[1]).sum(), ref)
+    assert slots.dtype == torch.long and torch.equal(slots, want_slots)
+    torch.testing.assert_close(gates.double(), want_gates, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(sums[:n_slots].double(), want_sums[:n_slots], rtol=1e-5, atol=1e-5)
+    assert torch.equal(sums[n_slots:-1].double(), want_sums[n_slots:-1])  # counts are exact
+    torch.testing.assert_close(sums[-1].double(), want_sums[-1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad.double(), want_grad, rtol=1e-4, atol=1e-5)
+
+
+def test_softmax_top_k_kernel_ties_go_to_the_lower_slot() -> None:
+    from mode.kernels.softmax_topk import softmax_top_k
+
+    logits = torch.tensor([[0.0, 2.0, 2.0, 1.0], [5.0, 5.0, 5.0, 5.0]], device=DEVICE)
+    _, slots, sums = softmax_top_k(logits, 2)
+    assert slots.tolist() == [[1, 2], [0, 1]]
+    assert sums[4:8].tolist() == [1.0, 2.0, 1.0, 0.0]
+    with pytest.raises(ValueError, match="k <="):
+        softmax_top_k(logits, 5)
+
+
+def test_choose_slots_takes_the_kernel_only_where_it_applies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both branches give the same SlotChoice; the kernel only for float32 logits that fit it."""
+    import mode.kernels as kernels
+    from mode.kernels.softmax_topk import MAX_SLOTS
+    from mode.routing import primitives
+
+    logits = torch.randn(50, 6, device=DEVICE)
+    monkeypatch.setattr(kernels, "use_triton", lambda x: False)
+    want = primitives.choose_slots(logits, 2)
+    monkeypatch.setattr(kernels, "use_triton", lambda x: True)  # as on CUDA in eager mode
+    assert primitives._softmax_topk_kernel_applies(logits, 2)
+    got = primitives.choose_slots(logits, 2)
+    for name, g, w in zip(want._fields, got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    assert not primitives._softmax_topk_kernel_applies(torch.zeros(4, MAX_SLOTS + 1), 1)
+    assert not primitives._softmax_topk_kernel_applies(logits.double(), 2)
+    monkeypatch.setattr(primitives, "SOFTMAX_TOPK_KERNEL", False)
+    assert not primitives._softmax_topk_kernel_applies(logits, 2)
+
+
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*_tiny.yaml"))
 
 
@@ -230,7 +296,7 @@ CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*_tiny.
 def test_models_train_the_same_through_the_kernels(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every block kind: a forward+backward with the layers' kernel branches taken (rotary on qkv,
     MoD's routed angles included; SwiGLU in MLPs and experts; the loss; the routers' top-k
-    positions) equals the PyTorch branches.
+    positions; token choice's softmax and top-k slots) equals the PyTorch branches.
     float32 both ways, so they differ by float32 rounding only (sums in another order)."""
     import mode.kernels as kernels
     import mode.layers.attention as attention

@@ -20,7 +20,7 @@ from mode.layers.mode import IntegratedMoDEBlock, StagedMoDEBlock
 from mode.layers.moe import MoEFFN
 from mode.layers.rotary import RotaryAngles, RotaryEmbedding
 from mode.model import LanguageModel
-from mode.routing import TokenChoiceRouting, capacity_to_k, token_choice_capacity, top_k_positions
+from mode.routing import TokenChoiceRouting, capacity_to_k, choose_slots, token_choice_capacity, top_k_positions
 
 # float64 comparisons of the same mathematics computed in a different order.
 F64_ATOL = 1e-10
@@ -297,6 +297,23 @@ def test_aux_losses_and_stats():
     torch.testing.assert_close(routing.aux_loss, 0.5 * lb + 0.1 * z)
     assert routing.aux_loss.requires_grad
     assert math.isclose(float(routing.stats["noop_fraction"]), float((routing.indices >= E).float().mean()))
+
+
+@pytest.mark.parametrize("kw", [dict(capacity_factor=0.5), dict(dropless=True)], ids=["dropping", "dropless"])
+def test_token_choice_stats_from_counts_equal_the_per_row_stats(kw):
+    """The statistics derived from the per-slot choice counts (every row) equal those counted row by
+    row (as causal routing counts them, its padding left out) when every row is valid."""
+    moe = MoEFFN(16, 24, moe_cfg(scheme="token_choice", top_k=2, n_noop=N_NOOP, **kw)).float()
+    router, x = moe.router, inputs().float()
+    routing = router(x)
+    choice = choose_slots(routing.logits[0], 2)
+    per_row = router._stats_of_rows(choice, routing.positions, torch.ones(x.shape[0] * x.shape[1], 1, dtype=torch.bool),
+                                    routing.stats["lb_loss"])
+    assert routing.stats.keys() == per_row.keys()
+    for name, value in routing.stats.items():
+        torch.testing.assert_close(value, per_row[name], msg=lambda m, n=name: f"{n}: {m}")
+    if "capacity_factor" in kw:
+        assert float(routing.stats["dropped_fraction"]) > 0
 
 
 # ----------------------------------------------------------------------------- MoDE and the model

@@ -1,7 +1,9 @@
 """Router primitives shared by every routed block (MoD, MoE, Staged and Integrated MoDE)."""
 from mode.routing.primitives import (
+    SlotChoice,
     apply_gate,
     capacity_to_k,
+    choose_slots,
     combine_tokens,
     count_ids,
     expert_major_ids,
@@ -41,10 +43,12 @@ __all__ = [
     "Router",
     "RoutedTokens",
     "Routing",
+    "SlotChoice",
     "TokenChoiceRouter",
     "TokenChoiceRouting",
     "apply_gate",
     "capacity_to_k",
+    "choose_slots",
     "combine_tokens",
     "count_ids",
     "expert_major_ids",

@@ -7,6 +7,7 @@ Chosen positions are indices into T, kept sorted so a chosen subsequence stays c
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -329,6 +330,48 @@ def top_k_slots(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
     return values, slots
 
 
+class SlotChoice(NamedTuple):
+    """Token choice's router head over T tokens and S slots: the routing and what its losses and
+    statistics read."""
+
+    gates: Tensor  # (T, k) float32: the softmax probabilities of the chosen slots, largest first
+    slots: Tensor  # (T, k) int64
+    prob_mean: Tensor  # (S,) each slot's mean probability over the tokens
+    choices: Tensor  # (S,) float32: how many of the T*k assignments chose each slot (before dropping)
+    z_loss: Tensor  # () the router z-loss: mean over tokens of logsumexp(logits)^2
+
+
+# True: on CUDA in eager mode, choose_slots is one Triton kernel each way
+# (mode/kernels/softmax_topk.py); False: always the PyTorch ops.
+SOFTMAX_TOPK_KERNEL = True
+
+
+def _softmax_topk_kernel_applies(logits: Tensor, k: int) -> bool:
+    if not (SOFTMAX_TOPK_KERNEL and kernels.use_triton(logits)):
+        return False
+    from mode.kernels.softmax_topk import fits
+
+    return fits(logits, k)
+
+
+def choose_slots(logits: Tensor, k: int) -> SlotChoice:
+    """Token choice: logits (T, S) float32 -> each token's top-k slots of the softmax, and the sums
+    of its load-balancing loss, z-loss and statistics.
+
+    The same values either way: PyTorch's softmax, top_k_slots, mean, count_ids and
+    router_z_loss, or (eager, CUDA) one Triton kernel each way for all of them.
+    """
+    tokens, n_slots = logits.shape
+    if _softmax_topk_kernel_applies(logits, k):
+        from mode.kernels.softmax_topk import softmax_top_k
+
+        gates, slots, sums = softmax_top_k(logits, k)  # sums: [probabilities | choices | lse^2] (2S + 1,)
+        return SlotChoice(gates, slots, sums[:n_slots] / tokens, sums[n_slots:-1], sums[-1] / tokens)
+    probs = logits.softmax(-1)  # (T, S)
+    gates, slots = top_k_slots(probs, k)
+    return SlotChoice(gates, slots, probs.mean(0), count_ids(slots, n_slots).float(), router_z_loss(logits))
+
+
 def token_choice_capacity(num_tokens: int, n_slots: int, top_k: int, capacity_factor: float) -> int:
     """Rows per expert under token choice: ceil(cf * T * top_k / n_slots), between 1 and T."""
     if not 0.0 < capacity_factor:
@@ -399,13 +442,11 @@ def router_z_loss(logits: Tensor) -> Tensor:
     return logits.float().logsumexp(-1).square().mean()
 
 
-def load_balancing_loss(probs: Tensor, slots: Tensor) -> Tensor:
+def load_balancing_loss(prob_mean: Tensor, choices: Tensor, assignments: int) -> Tensor:
     """Switch load-balancing loss over all n_slots slots: n_slots * sum_s f_s * P_s.
 
-    probs (T, n_slots) router softmax; slots (T, k) chosen slots. f_s is the share of the
-    T*k assignments that chose slot s (before any dropping), P_s the mean probability of s.
+    prob_mean (n_slots,) each slot's mean router probability P_s; choices (n_slots,) how many of
+    the `assignments` (T * k) chose each slot, before any dropping: f_s = choices_s / assignments.
     Equals 1 under a perfectly uniform router.
     """
-    n_slots = probs.shape[-1]
-    f = count_ids(slots, n_slots).to(probs.dtype) / slots.numel()
-    return n_slots * (f * probs.mean(0)).sum()
+    return (choices * prob_mean).sum() * (prob_mean.shape[-1] / assignments)
