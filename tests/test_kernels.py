@@ -224,12 +224,12 @@ def test_top_k_positions_takes_the_kernel_only_where_it_applies(monkeypatch: pyt
 
 
 def _softmax_top_k_torch(logits: torch.Tensor, k: int):
-    """The PyTorch reference, in logits' dtype: top-k of the softmax, and the [probabilities |
-    choices | logsumexp^2] sums over the tokens."""
+    """The PyTorch reference, in logits' dtype: top-k of the softmax, each slot's mean probability
+    and number of choices, and the mean logsumexp^2."""
     probs = logits.softmax(-1)
     gates, slots = probs.topk(k, dim=-1)
     choices = F.one_hot(slots, logits.shape[1]).sum((0, 1)).to(logits.dtype)
-    return gates, slots, torch.cat([probs.sum(0), choices, logits.logsumexp(-1).square().sum(0, keepdim=True)])
+    return gates, slots, probs.mean(0), choices, logits.logsumexp(-1).square().mean()
 
 
 @pytest.mark.parametrize(
@@ -238,35 +238,50 @@ def _softmax_top_k_torch(logits: torch.Tensor, k: int):
     ids=["top-1, a partial block", "top-2, slots not a power of two", "k = slots", "many blocks", "widest"],
 )
 def test_softmax_top_k_kernel_matches_pytorch(tokens: int, n_slots: int, k: int) -> None:
-    """Forward (gates, slots, sums) and the logits' gradient from the gates', the probability sums'
-    and the logsumexp^2 sum's gradients, against float64 PyTorch on the same float32 logits."""
+    """Forward and the logits' gradient from the gates', the mean probabilities' and the z-loss's
+    gradients, against float64 PyTorch on the same float32 logits."""
     from mode.kernels.softmax_topk import softmax_top_k
 
     torch.manual_seed(0)
     logits = (3 * torch.randn(tokens, n_slots, device=DEVICE)).requires_grad_()
-    probes = (torch.randn(tokens, k, device=DEVICE), torch.randn(2 * n_slots + 1, device=DEVICE))
-    gates, slots, sums = softmax_top_k(logits, k)
-    (grad,) = torch.autograd.grad((gates * probes[0]).sum() + (sums * probes[1]).sum(), logits)
+    probes = (torch.randn(tokens, k, device=DEVICE), torch.randn(n_slots, device=DEVICE), 0.7)
+
+    def probed(gates, prob_mean, z):
+        return (gates * probes[0]).sum() + (prob_mean * probes[1]).sum() + probes[2] * z
+
+    gates, slots, prob_mean, choices, z = softmax_top_k(logits, k)
+    (grad,) = torch.autograd.grad(probed(gates, prob_mean, z), logits)
     ref = logits.detach().double().requires_grad_()
-    want_gates, want_slots, want_sums = _softmax_top_k_torch(ref, k)
-    (want_grad,) = torch.autograd.grad((want_gates * probes[0]).sum() + (want_sums * probes[1]).sum(), ref)
-    assert slots.dtype == torch.long and torch.equal(slots, want_slots)
-    torch.testing.assert_close(gates.double(), want_gates, rtol=1e-5, atol=1e-7)
-    torch.testing.assert_close(sums[:n_slots].double(), want_sums[:n_slots], rtol=1e-5, atol=1e-5)
-    assert torch.equal(sums[n_slots:-1].double(), want_sums[n_slots:-1])  # counts are exact
-    torch.testing.assert_close(sums[-1].double(), want_sums[-1], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(grad.double(), want_grad, rtol=1e-4, atol=1e-5)
+    want = _softmax_top_k_torch(ref, k)
+    (want_grad,) = torch.autograd.grad(probed(want[0], want[2], want[4]), ref)
+    assert slots.dtype == torch.long and torch.equal(slots, want[1])
+    assert choices.dtype == torch.float32 and torch.equal(choices.double(), want[3])  # counts are exact
+    for name, got, expected in (("gates", gates, want[0]), ("prob_mean", prob_mean, want[2]), ("z", z, want[4])):
+        torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
+    torch.testing.assert_close(grad.double(), want_grad, rtol=1e-4, atol=1e-6)
 
 
 def test_softmax_top_k_kernel_ties_go_to_the_lower_slot() -> None:
     from mode.kernels.softmax_topk import softmax_top_k
 
     logits = torch.tensor([[0.0, 2.0, 2.0, 1.0], [5.0, 5.0, 5.0, 5.0]], device=DEVICE)
-    _, slots, sums = softmax_top_k(logits, 2)
+    _, slots, _, choices, _ = softmax_top_k(logits, 2)
     assert slots.tolist() == [[1, 2], [0, 1]]
-    assert sums[4:8].tolist() == [1.0, 2.0, 1.0, 0.0]
+    assert choices.tolist() == [1.0, 2.0, 1.0, 0.0]
     with pytest.raises(ValueError, match="k <="):
         softmax_top_k(logits, 5)
+
+
+def test_softmax_top_k_kernel_gradient_from_the_gates_alone() -> None:
+    """The losses unused (no gradient reaches the mean probabilities or z): the gates' gradient alone."""
+    from mode.kernels.softmax_topk import softmax_top_k
+
+    logits = torch.randn(40, 6, device=DEVICE, requires_grad=True)
+    probe = torch.randn(40, 2, device=DEVICE)
+    (grad,) = torch.autograd.grad((softmax_top_k(logits, 2)[0] * probe).sum(), logits)
+    ref = logits.detach().double().requires_grad_()
+    (want,) = torch.autograd.grad((ref.softmax(-1).topk(2, dim=-1).values * probe).sum(), ref)
+    torch.testing.assert_close(grad.double(), want, rtol=1e-4, atol=1e-6)
 
 
 def test_choose_slots_takes_the_kernel_only_where_it_applies(monkeypatch: pytest.MonkeyPatch) -> None:

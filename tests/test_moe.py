@@ -299,14 +299,15 @@ def test_aux_losses_and_stats():
     assert math.isclose(float(routing.stats["noop_fraction"]), float((routing.indices >= E).float().mean()))
 
 
+@pytest.mark.parametrize("top_k", [1, 2])
 @pytest.mark.parametrize("kw", [dict(capacity_factor=0.5), dict(dropless=True)], ids=["dropping", "dropless"])
-def test_token_choice_stats_from_counts_equal_the_per_row_stats(kw):
+def test_token_choice_stats_from_counts_equal_the_per_row_stats(kw, top_k):
     """The statistics derived from the per-slot choice counts (every row) equal those counted row by
     row (as causal routing counts them, its padding left out) when every row is valid."""
-    moe = MoEFFN(16, 24, moe_cfg(scheme="token_choice", top_k=2, n_noop=N_NOOP, **kw)).float()
+    moe = MoEFFN(16, 24, moe_cfg(scheme="token_choice", top_k=top_k, n_noop=N_NOOP, **kw)).float()
     router, x = moe.router, inputs().float()
     routing = router(x)
-    choice = choose_slots(routing.logits[0], 2)
+    choice = choose_slots(routing.logits[0], top_k)
     per_row = router._stats_of_rows(choice, routing.positions, torch.ones(x.shape[0] * x.shape[1], 1, dtype=torch.bool),
                                     routing.stats["lb_loss"])
     assert routing.stats.keys() == per_row.keys()

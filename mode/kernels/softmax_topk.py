@@ -10,11 +10,11 @@ per layer (its grouped GEMMs take their group sizes there), so the launches add 
 layer's time. Here one program takes BLOCK_T tokens with all their slots in registers:
 
 - forward: gates (T, k) and slots (T, k) (the top-k of the softmax, ties to the lower slot),
-  and per program the sums over its tokens of each slot's probability, of each slot's choices,
-  and of logsumexp^2; one `sum` over programs then gives (2 S + 1,) in a fixed order
-  (deterministic, no atomics);
-- backward: the logits' gradient from the gates', the probability sums' and the logsumexp^2
-  sum's gradients, the softmax recomputed from the logits in registers.
+  and per program its tokens' share of each slot's mean probability, its count of each slot's
+  choices, and its share of the mean logsumexp^2; one `sum` over programs then adds them in a
+  fixed order (deterministic, no atomics);
+- backward: the logits' gradient from the gates', the mean probabilities' and the z-loss's
+  gradients, the softmax recomputed from the logits in registers.
 
 Eager mode on CUDA only (mode.kernels.use_triton); torch.compile fuses the PyTorch ops itself.
 """
@@ -47,7 +47,7 @@ def _softmax_rows(logits_ptr, rows, cols, tokens, n_slots):
 
 
 @triton.jit
-def _forward(logits_ptr, gates_ptr, slots_ptr, partial_ptr, tokens, n_slots,
+def _forward(logits_ptr, gates_ptr, slots_ptr, partial_ptr, tokens, n_slots, inv_tokens,
              K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -67,25 +67,26 @@ def _forward(logits_ptr, gates_ptr, slots_ptr, partial_ptr, tokens, n_slots,
         remaining = tl.where(hit, -2.0, remaining)
     out = partial_ptr + pid.to(tl.int64) * (2 * n_slots + 1)
     col_ok = cols < n_slots
-    tl.store(out + cols, tl.sum(probs, axis=0), mask=col_ok)
+    tl.store(out + cols, tl.sum(probs, axis=0) * inv_tokens, mask=col_ok)  # means once summed
     tl.store(out + n_slots + cols, choices, mask=col_ok)
-    tl.store(out + 2 * n_slots, tl.sum(tl.where(row_ok, lse * lse, 0.0), axis=0))
+    tl.store(out + 2 * n_slots, tl.sum(tl.where(row_ok, lse * lse, 0.0), axis=0) * inv_tokens)
 
 
 @triton.jit
-def _backward(logits_ptr, slots_ptr, grad_gates_ptr, grad_sums_ptr, grad_logits_ptr, tokens, n_slots,
-              K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr):
+def _backward(logits_ptr, slots_ptr, grad_gates_ptr, grad_mean_ptr, grad_z, grad_logits_ptr, tokens, n_slots,
+              inv_tokens, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_S)
     probs, lse, row_ok, mask = _softmax_rows(logits_ptr, rows, cols, tokens, n_slots)
-    # d/dp: every token's probability of slot s feeds sum_t p[t, s]; a chosen one also its gate.
-    grad_probs = tl.load(grad_sums_ptr + cols, mask=cols < n_slots, other=0.0)[None, :] + tl.zeros_like(probs)
+    # d/dp: every token's probability of slot s feeds the mean over tokens; a chosen one also its gate.
+    grad_mean = tl.load(grad_mean_ptr + cols, mask=cols < n_slots, other=0.0) * inv_tokens
+    grad_probs = grad_mean[None, :] + tl.zeros_like(probs)
     for j in tl.static_range(K):
         slot = tl.load(slots_ptr + rows * K + j, mask=row_ok, other=-1)
         grad_gate = tl.load(grad_gates_ptr + rows * K + j, mask=row_ok, other=0.0)
         grad_probs += tl.where(cols[None, :] == slot[:, None], grad_gate[:, None], 0.0)
-    grad_lse_sq = tl.load(grad_sums_ptr + 2 * n_slots)
+    grad_lse_sq = tl.load(grad_z) * inv_tokens  # z = mean over tokens of lse^2
     # softmax backward, plus d(lse^2)/dlogits = 2 lse p
     inner = tl.sum(probs * grad_probs, axis=1)
     grad = probs * (grad_probs - inner[:, None]) + (2.0 * grad_lse_sq) * lse[:, None] * probs
@@ -101,29 +102,33 @@ def _launch(tokens: int, n_slots: int) -> tuple[int, int, int]:
 
 class _SoftmaxTopK(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
+    def forward(ctx, logits: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         tokens, n_slots = logits.shape
         block_t, block_s, programs = _launch(tokens, n_slots)
         gates = torch.empty(tokens, k, dtype=torch.float32, device=logits.device)
         slots = torch.empty(tokens, k, dtype=torch.long, device=logits.device)
         partial = torch.empty(programs, 2 * n_slots + 1, dtype=torch.float32, device=logits.device)
         with on_device_of(logits):
-            _forward[(programs,)](logits, gates, slots, partial, tokens, n_slots, K=k, BLOCK_T=block_t, BLOCK_S=block_s)
+            _forward[(programs,)](logits, gates, slots, partial, tokens, n_slots, 1.0 / tokens,
+                                  K=k, BLOCK_T=block_t, BLOCK_S=block_s)
+        sums = partial.sum(0)  # (2S + 1,): [mean probabilities | choices | mean lse^2]
         ctx.save_for_backward(logits, slots)
-        ctx.mark_non_differentiable(slots)
-        return gates, slots, partial.sum(0)
+        ctx.mark_non_differentiable(slots, sums[n_slots:-1])
+        return gates, slots, sums[:n_slots], sums[n_slots:-1], sums[-1]
 
     @staticmethod
-    def backward(ctx, grad_gates: Tensor | None, _grad_slots: None, grad_sums: Tensor | None) -> tuple[Tensor, None]:
+    def backward(ctx, grad_gates: Tensor | None, _slots: None, grad_mean: Tensor | None, _choices: None,
+                 grad_z: Tensor | None) -> tuple[Tensor, None]:
         logits, slots = ctx.saved_tensors
         tokens, n_slots = logits.shape
         block_t, block_s, programs = _launch(tokens, n_slots)
         grad_gates = torch.zeros_like(slots, dtype=torch.float32) if grad_gates is None else grad_gates.float().contiguous()
-        grad_sums = logits.new_zeros(2 * n_slots + 1) if grad_sums is None else grad_sums.float().contiguous()
+        grad_mean = logits.new_zeros(n_slots) if grad_mean is None else grad_mean.float().contiguous()
+        grad_z = logits.new_zeros(()) if grad_z is None else grad_z.float()
         grad_logits = torch.empty_like(logits)
         with on_device_of(logits):
-            _backward[(programs,)](logits, slots, grad_gates, grad_sums, grad_logits, tokens, n_slots,
-                                   K=slots.shape[1], BLOCK_T=block_t, BLOCK_S=block_s)
+            _backward[(programs,)](logits, slots, grad_gates, grad_mean, grad_z, grad_logits, tokens, n_slots,
+                                   1.0 / tokens, K=slots.shape[1], BLOCK_T=block_t, BLOCK_S=block_s)
         return grad_logits, None
 
 
@@ -132,12 +137,13 @@ def fits(logits: Tensor, k: int) -> bool:
     return logits.dtype == torch.float32 and logits.dim() == 2 and 0 < logits.shape[1] <= MAX_SLOTS and 0 < k <= min(MAX_K, logits.shape[1])
 
 
-def softmax_top_k(logits: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
-    """logits (T, S) float32 -> gates (T, k) float32, slots (T, k) int64, sums (2S + 1,) float32.
+def softmax_top_k(logits: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """logits (T, S) float32 -> gates (T, k), slots (T, k) int64, prob_mean (S,), choices (S,), z ().
 
     gates, slots: the k largest softmax probabilities of each token, largest first, and their
-    slots. sums: [sum_t p[t, s] for each slot s | times slot s was chosen | sum_t logsumexp_t^2].
-    Differentiable in gates and in the probability and logsumexp^2 sums.
+    slots. prob_mean: each slot's mean probability over the tokens; choices: how often each slot
+    was chosen (float32); z: the mean over tokens of logsumexp^2. Differentiable in gates,
+    prob_mean and z.
     """
     if not fits(logits, k):
         raise ValueError(f"softmax_top_k: needs float32 (tokens, slots <= {MAX_SLOTS}) logits and 0 < k <= "

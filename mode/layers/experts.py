@@ -119,7 +119,10 @@ def megablocks_token_choice(experts: Experts, x: Tensor, routing: TokenChoiceRou
     import megablocks.ops as mops
 
     n_experts, top_k = experts.n_experts, routing.indices.shape[1]
-    bin_of = torch.where(routing.positions >= 0, routing.indices, n_experts).reshape(-1).int()  # (T*k,)
+    if routing.capacity is None:  # dropless: every real assignment is computed, the no-op slots go to bin E
+        bin_of = routing.indices.clamp(max=n_experts).reshape(-1).int()  # (T*k,)
+    else:
+        bin_of = torch.where(routing.positions >= 0, routing.indices, n_experts).reshape(-1).int()
     bin_ids, order = mops.sort(bin_of, max(1, n_experts.bit_length()))
     per_bin = mops.histogram(bin_of, n_experts + 1)  # (E+1,)
     bins = mops.inclusive_cumsum(per_bin, 0)
@@ -128,8 +131,10 @@ def megablocks_token_choice(experts: Experts, x: Tensor, routing: TokenChoiceRou
         rows = mops.gather(x.to(dtype).contiguous(), order, bin_ids, bins, top_k)  # (T*k, D), by bin
     counts = per_bin[:n_experts].to("cpu", torch.long)
     computed = int(counts.sum())
-    ys = _gmm_mlp(experts, rows[:computed], counts)
-    if computed < rows.shape[0]:  # the no-op bin's rows: a zero update (none when every assignment is computed)
+    if computed == rows.shape[0]:  # every assignment computed: no slice (its backward is a zero-filled copy)
+        ys = _gmm_mlp(experts, rows, counts)
+    else:  # the no-op bin's rows: a zero update
+        ys = _gmm_mlp(experts, rows[:computed], counts)
         ys = torch.cat([ys, ys.new_zeros(rows.shape[0] - computed, ys.shape[1])])
     with torch.autocast("cuda", enabled=False):
         return mops.scatter(ys, order, bin_ids, routing.gates.reshape(-1).to(dtype), bins, top_k)  # (T, D)

@@ -7,7 +7,6 @@ exact zero update: it rides the residual. No-op experts are never computed.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mode.config import MoEConfig, RoutingConfig
@@ -59,12 +58,14 @@ class MoEFFN(nn.Module):
             out = self._expert_choice(x, routing)
         return out.view_as(x), routing
 
+    # Batch dims of size 1 are dropped with squeeze(0), never [0]: select's backward would zero-fill
+    # and copy a whole (rows, D) gradient in eager mode (squeeze's is a view).
     def _expert_choice(self, x: Tensor, routing: Routing) -> Tensor:
         """Every expert takes exactly C tokens of each group: one static (E, G*C, D) batched matmul."""
         groups, n_experts, _ = routing.indices.shape
         flat = x.reshape(1, -1, x.shape[-1])  # (1, B*S, D): group g is the g-th run of T tokens
         ids = expert_major_ids(routing.indices, flat.shape[1] // groups).unsqueeze(0)  # (1, E, G*C)
-        ys = self.experts.padded(gather_tokens(flat, ids)[0])  # (E, G*C, D)
+        ys = self.experts.padded(gather_tokens(flat, ids).squeeze(0))  # (E, G*C, D)
         gates = routing.gates.transpose(0, 1).reshape(n_experts, -1, 1)  # (E, G*C, 1), same order as ids
         # Combined in the experts' compute dtype (bf16 under autocast), like a dense FFN's output.
         return combine_tokens(ids, (gates.to(ys.dtype) * ys).unsqueeze(0), flat.shape[1])  # (1, B*S, D)
@@ -77,9 +78,9 @@ class MoEFFN(nn.Module):
         # No early return when nothing is chosen: under expert parallelism every rank must
         # still take part in the token exchange (the experts handle zero rows).
         flat, ids = x.unsqueeze(0), tokens.unsqueeze(0)  # (1, T, D), (1, M)
-        ys = self.experts.grouped(gather_tokens(flat, ids)[0], counts)  # (M, D)
+        ys = self.experts.grouped(gather_tokens(flat, ids).squeeze(0), counts)  # (M, D)
         gates = routing.gates.reshape(-1, self.experts.n_experts)[tokens, experts].unsqueeze(-1)
-        return combine_tokens(ids, (gates.to(ys.dtype) * ys).unsqueeze(0), flat.shape[1])[0]  # (T, D)
+        return combine_tokens(ids, (gates.to(ys.dtype) * ys).unsqueeze(0), flat.shape[1]).squeeze(0)  # (T, D)
 
     def _token_choice(self, x: Tensor, routing: TokenChoiceRouting) -> Tensor:
         """x (T, D). With a capacity on torch: a static (E, C, D) layout; otherwise sorted by expert."""
@@ -87,14 +88,16 @@ class MoEFFN(nn.Module):
             return megablocks_token_choice(self.experts, x, routing)
         tokens, top_k = routing.indices.shape
         flat = x.unsqueeze(0)  # (1, T, D)
-        gates = F.pad(routing.gates.reshape(-1), (0, 1))  # (T*k + 1,): a 0 gate for empty rows
+        # (T*k + 1,): a 0 gate for empty rows (F.pad showed a host-device copy each way in an eager trace)
+        gates = torch.cat([routing.gates.reshape(-1), routing.gates.new_zeros(1)])
         if routing.capacity is not None and self.experts.backend == "torch":
             table = slot_table(routing.indices, routing.positions, self.experts.n_experts, routing.capacity)  # (E, C)
             ids = torch.where(table < tokens * top_k, table // top_k, 0)  # empty rows read token 0, gate 0
-            ys = self.experts.padded(gather_tokens(flat, ids.unsqueeze(0))[0])  # (E, C, D)
+            ys = self.experts.padded(gather_tokens(flat, ids.unsqueeze(0)).squeeze(0))  # (E, C, D)
         else:
             table, counts = sort_by_expert(routing.indices, routing.positions, self.experts.n_experts)  # (M,), (E,)
             ids = table // top_k
-            ys = self.experts.grouped(gather_tokens(flat, ids.unsqueeze(0))[0], counts)  # (M, D)
-        weighted = gates[table].unsqueeze(-1).to(ys.dtype) * ys
-        return combine_tokens(ids.unsqueeze(0), weighted.unsqueeze(0), tokens)[0]  # (T, D)
+            ys = self.experts.grouped(gather_tokens(flat, ids.unsqueeze(0)).squeeze(0), counts)  # (M, D)
+        # index_select: its backward is one index_add (indexing's is a sort-based index_put)
+        weighted = gates.index_select(0, table.reshape(-1)).view(*table.shape, 1).to(ys.dtype) * ys
+        return combine_tokens(ids.unsqueeze(0), weighted.unsqueeze(0), tokens).squeeze(0)  # (T, D)

@@ -361,15 +361,13 @@ def choose_slots(logits: Tensor, k: int) -> SlotChoice:
     The same values either way: PyTorch's softmax, top_k_slots, mean, count_ids and
     router_z_loss, or (eager, CUDA) one Triton kernel each way for all of them.
     """
-    tokens, n_slots = logits.shape
     if _softmax_topk_kernel_applies(logits, k):
         from mode.kernels.softmax_topk import softmax_top_k
 
-        gates, slots, sums = softmax_top_k(logits, k)  # sums: [probabilities | choices | lse^2] (2S + 1,)
-        return SlotChoice(gates, slots, sums[:n_slots] / tokens, sums[n_slots:-1], sums[-1] / tokens)
+        return SlotChoice(*softmax_top_k(logits, k))
     probs = logits.softmax(-1)  # (T, S)
     gates, slots = top_k_slots(probs, k)
-    return SlotChoice(gates, slots, probs.mean(0), count_ids(slots, n_slots).float(), router_z_loss(logits))
+    return SlotChoice(gates, slots, probs.mean(0), count_ids(slots, logits.shape[1]).float(), router_z_loss(logits))
 
 
 def token_choice_capacity(num_tokens: int, n_slots: int, top_k: int, capacity_factor: float) -> int:
@@ -382,10 +380,14 @@ def token_choice_capacity(num_tokens: int, n_slots: int, top_k: int, capacity_fa
 def positions_in_expert(slots: Tensor, n_experts: int, capacity: int | None) -> Tensor:
     """Token choice: each assignment's row in its expert's buffer; -1 where it is not computed.
 
-    slots (T, k) in [0, n_slots); slots >= n_experts are no-op (-1). Priority follows GShard:
-    every token's first choice before any second choice, and within one rank earlier tokens
-    (by position) first; with a capacity, assignments past it are dropped (-1).
+    slots (T, k) in [0, n_slots); slots >= n_experts are no-op (-1). With a capacity, priority
+    follows GShard: every token's first choice before any second choice, and within one rank
+    earlier tokens (by position) first; assignments past the capacity are dropped (-1).
+    Dropless (capacity None) there is no buffer to place rows in: every real assignment is
+    computed (0) and the grouped layout orders the rows by sorting on the expert (sort_by_expert).
     """
+    if capacity is None:
+        return torch.where(slots < n_experts, 0, -1)
     tokens, k = slots.shape
     ranked = slots.t().reshape(-1)  # (k*T,) rank-major: priority order
     # One row per expert, every no-op slot sharing one extra row (their positions are discarded);
@@ -393,9 +395,7 @@ def positions_in_expert(slots: Tensor, n_experts: int, capacity: int | None) -> 
     bins = ranked.clamp(max=n_experts).unsqueeze(0)  # (1, k*T)
     one_hot = bins == torch.arange(n_experts + 1, device=slots.device).unsqueeze(1)  # (E+1, k*T)
     position = one_hot.cumsum(-1, dtype=torch.int32).gather(0, bins).squeeze(0).long() - 1  # (k*T,)
-    keep = ranked < n_experts
-    if capacity is not None:
-        keep &= position < capacity
+    keep = (ranked < n_experts) & (position < capacity)
     position = torch.where(keep, position, -1)
     return position.view(k, tokens).t()  # (T, k)
 

@@ -257,7 +257,8 @@ class TokenChoiceRouting(Routing):
     gates:     (T, k) softmax probabilities of those slots (not renormalised over the k).
     logits:    (1, T, n_slots).
     positions: (T, k) the assignment's row in its expert's buffer; -1 where nothing is
-               computed (a no-op slot, or dropped over capacity).
+               computed (a no-op slot, or dropped over capacity). Dropless: 0 for every
+               computed assignment (the grouped layout orders rows by sorting on the expert).
     capacity:  rows per expert, or None when dropless.
     """
 
@@ -415,7 +416,7 @@ class TokenChoiceRouter(nn.Module):
         MoDE under causal routing); the auxiliary losses still see every row."""
         logits = self.router(x).reshape(1, -1, self.router.n_slots)  # (1, T, E+N), float32
         tokens, n_slots = logits.shape[1:]
-        choice = choose_slots(logits[0], self.top_k)  # gates, slots (T, k) each
+        choice = choose_slots(logits.view(tokens, n_slots), self.top_k)  # gates, slots (T, k) each
         # Under causal routing (sampling) capacity dropping, which depends on the other tokens of
         # the batch, is switched off: every token gets its top-k slots.
         capacity = None if (self.dropless or self.causal_mode) else token_choice_capacity(tokens, n_slots, self.top_k, self.capacity_factor)
@@ -439,7 +440,10 @@ class TokenChoiceRouter(nn.Module):
         chosen = choice.choices[: self.n_experts]  # (E,)
         computed = chosen if capacity is None else chosen.clamp(max=capacity)
         dropped = (chosen - computed).sum() / assignments if capacity is not None else lb.new_zeros(())
-        processed = (positions >= 0).any(-1).float().mean()  # tokens some expert computed
+        if choice.slots.shape[1] == 1:  # top-1: a token is processed when its one assignment is computed
+            processed = computed.sum() / assignments
+        else:
+            processed = (positions >= 0).any(-1).float().mean()  # tokens some expert computed
         return _expert_stats(computed, processed, choice.choices[self.n_experts :].sum() / assignments, dropped, lb, choice.z_loss)
 
     def _stats_of_rows(self, choice: SlotChoice, positions: Tensor, rows: Tensor, lb: Tensor) -> dict[str, Tensor]:
