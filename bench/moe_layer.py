@@ -11,7 +11,9 @@ synchronisation between them, as the layers of a training step run). Rows:
 - this project's token choice, top-1, capacity factor 1 (torch) and dropless (grouped_gemm, megablocks);
 - megablocks 0.10.0 dMoE (mlp_impl="grouped", top-1, dropless);
 - DeepSpeed 0.19.8 MoE (top-1, capacity factor 1.0, the same GELU MLP as expert).
-A row whose library is missing is printed as such, never as a time.
+A row whose library is missing is printed as such, never as a time. --rounds N times every row N
+times, interleaved (row 1, row 2, ..., row 1, ...), and prints the median of each cell: rows bound by
+the host's kernel launches vary from pass to pass with the machine's load.
 
 --params bf16 (default) stores every layer's weights in bfloat16, as bf16 training with
 DeepSpeed or megablocks does; --params fp32 keeps float32 weights under bf16 autocast (each
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import traceback
 from pathlib import Path
@@ -118,6 +121,7 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=1, help="time every row this many times, interleaved; the median")
     parser.add_argument("--params", choices=sorted(PARAM_DTYPE), default="bf16", help="weight storage dtype")
     parser.add_argument("--compile", action="store_true", help="also time this project's layers under torch.compile")
     parser.add_argument("--profile", nargs="*", default=[], metavar="ROW",
@@ -163,27 +167,50 @@ def main() -> None:
           f"D={args.width}, expert hidden {args.ffn}, {args.experts} experts, {args.params} weights, bf16 autocast, fwd+bwd, "
           f"rows added back with {args.row_add}, router {args.router}, top-k {args.topk}, "
           f"token choice slots {args.slot_choice}\n")
+    layers = build_rows(rows, x)
+    # Interleaved rounds: row 1, row 2, ..., row 1, ...; each cell is the median over the rounds.
+    # Rows that launch many small kernels from the host (eager token choice, megablocks, DeepSpeed)
+    # vary with the host from pass to pass; one round measures each row at one moment only.
+    times: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name, layer, _ in layers if layer is not None}
+    for _ in range(args.rounds):
+        for name, layer, _ in layers:
+            if layer is not None:
+                times[name][0].append(timed(fwd_bwd(layer, x), args.warmup, args.iters, x.device))
+                times[name][1].append(timed_back_to_back(fwd_bwd(layer, x), 2, args.iters, x.device))
+                x.grad = None
+    print(f"\n{args.rounds} interleaved round(s), each cell the median over them\n")
     print("| implementation | ms, each pass synchronised | x dense | ms, back to back | x dense |")
     print("| --- | --- | --- | --- | --- |")
     dense_ms = dense_b2b = None
-    profiles: list[tuple[str, Callable[[Tensor], Tensor]]] = []
+    for name, layer, failure in layers:
+        if layer is None:
+            print(f"| {name} | not run: {failure} | | | |")
+            continue
+        ms, b2b = (statistics.median(t) for t in times[name])
+        dense_ms, dense_b2b = dense_ms or ms, dense_b2b or b2b
+        print(f"| {name} | {ms:.2f} | {ms / dense_ms:.2f} | {b2b:.2f} | {b2b / dense_b2b:.2f} |", flush=True)
+    for name, layer, _ in layers:
+        if layer is not None and any(p in name for p in args.profile):
+            print_profile(name, fwd_bwd(layer, x))
+
+
+Layer = Callable[[Tensor], Tensor]
+
+
+def build_rows(rows: list[tuple[str, Callable[[], Layer]]], x: Tensor) -> list[tuple[str, Layer | None, str]]:
+    """(name, layer, failure) per row, each layer built and run once (compiled rows compile here);
+    layer None where its library is missing or it fails, with why: reported, never timed."""
+    layers: list[tuple[str, Layer | None, str]] = []
     for name, build in rows:
         try:
             layer = build()
-            ms = timed(fwd_bwd(layer, x), args.warmup, args.iters, x.device)
-            b2b = timed_back_to_back(fwd_bwd(layer, x), 2, args.iters, x.device)
-        except Exception as e:  # a missing library is reported, never timed
-            print(f"| {name} | not run: {type(e).__name__}: {str(e).splitlines()[0][:80]} | | | |")
+            fwd_bwd(layer, x)()
+            layers.append((name, layer, ""))
+        except Exception as e:
             traceback.print_exc(limit=2)
-            x.grad = None
-            continue
-        dense_ms, dense_b2b = dense_ms or ms, dense_b2b or b2b
-        print(f"| {name} | {ms:.2f} | {ms / dense_ms:.2f} | {b2b:.2f} | {b2b / dense_b2b:.2f} |", flush=True)
+            layers.append((name, None, f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"))
         x.grad = None
-        if any(p in name for p in args.profile):
-            profiles.append((name, layer))
-    for name, layer in profiles:
-        print_profile(name, fwd_bwd(layer, x))
+    return layers
 
 
 def print_profile(name: str, run: Callable[[], None]) -> None:

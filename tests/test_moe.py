@@ -468,6 +468,26 @@ def test_static_schemes_trace_as_one_graph(scheme: str) -> None:
     assert explained.graph_count == 1
 
 
+@pytest.mark.parametrize("scheme", ["expert_choice", "expert_choice_grouped"])
+def test_compiled_expert_choice_matches_eager(scheme: str) -> None:
+    """Compiled, the row primitives trace plain gather / scatter_add (eagerly: autograd functions).
+    Traced with aot_eager (the compiled branch's ops and derivatives, no kernels generated): the
+    same output, input gradient and parameter gradients."""
+    layer = MoEFFN(16, 24, moe_cfg(n_noop=N_NOOP, **SCHEMES[scheme])).double()
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    torch._dynamo.reset()
+    x = inputs()
+    eager_out, eager_x_grad, eager_grads, _ = run(layer, x)
+    layer.zero_grad(set_to_none=True)
+    x.grad = None
+    out, x_grad, _, _ = run(compiled, x)
+    close(out, eager_out)
+    close(x_grad, eager_x_grad)
+    assert grads(layer).keys() == eager_grads.keys() and eager_grads
+    for name, grad in grads(layer).items():
+        close(grad, eager_grads[name])
+
+
 @pytest.mark.parametrize("scheme", ["expert_choice", "token_choice_capacity", "token_choice_dropless"])
 def test_staged_mode_causal_routing_keeps_padding_out_of_the_inner_moe(scheme: str) -> None:
     """Under causal routing a Staged MoDE block pads each sequence's chosen tokens to the batch's
