@@ -114,6 +114,7 @@ class _SoftmaxTopK(torch.autograd.Function):
         sums = partial.sum(0)  # (2S + 1,): [mean probabilities | choices | mean lse^2]
         ctx.save_for_backward(logits, slots)
         ctx.mark_non_differentiable(slots, sums[n_slots:-1])
+        ctx.set_materialize_grads(False)  # unused outputs' gradients stay None: no zero tensors launched
         return gates, slots, sums[:n_slots], sums[n_slots:-1], sums[-1]
 
     @staticmethod
