@@ -9,6 +9,7 @@ same bf16 incoming gradients) at one bf16 rounding: rtol 2^-8 = 3.9e-3, plus an 
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -223,81 +224,77 @@ def test_top_k_positions_takes_the_kernel_only_where_it_applies(monkeypatch: pyt
     assert not primitives._topk_kernel_applies(torch.zeros(2, 8))
 
 
-def _softmax_top_k_torch(logits: torch.Tensor, k: int):
-    """The PyTorch reference, in logits' dtype: top-k of the softmax, each slot's mean probability
-    and number of choices, and the mean logsumexp^2."""
-    probs = logits.softmax(-1)
-    gates, slots = probs.topk(k, dim=-1)
-    choices = F.one_hot(slots, logits.shape[1]).sum((0, 1)).to(logits.dtype)
-    return gates, slots, probs.mean(0), choices, logits.logsumexp(-1).square().mean()
+HEAD_CASES = [  # tokens, slots, k, real experts, capacity, whether the capacity drops assignments
+    (37, 8, 1, 8, None, False), (300, 12, 2, 10, 40, True), (5, 3, 3, 3, None, False), (1000, 64, 4, 60, 50, True),
+    (2, 256, 8, 200, 1, False), (3, 1, 1, 1, None, False),
+]
 
 
-@pytest.mark.parametrize(
-    "tokens, n_slots, k",
-    [(37, 8, 1), (300, 12, 2), (5, 3, 3), (1000, 64, 4), (2, 256, 8)],
-    ids=["top-1, a partial block", "top-2, slots not a power of two", "k = slots", "many blocks", "widest"],
-)
-def test_softmax_top_k_kernel_matches_pytorch(tokens: int, n_slots: int, k: int) -> None:
-    """Forward and the logits' gradient from the gates', the mean probabilities' and the z-loss's
-    gradients, against float64 PyTorch on the same float32 logits."""
-    from mode.kernels.softmax_topk import softmax_top_k
+def _head(logits: torch.Tensor, case: tuple, kernel: bool, monkeypatch: pytest.MonkeyPatch):
+    import mode.kernels as kernels
+    from mode.routing import token_choice_head
 
+    monkeypatch.setattr(kernels, "use_triton", lambda x: kernel)
+    _, _, k, experts, capacity, _ = case
+    return token_choice_head(logits, k, experts, capacity, 0.3, 0.02)
+
+
+@pytest.mark.parametrize("case", HEAD_CASES, ids=["top-1, a partial block", "top-2, no-op slots, dropping",
+                                                  "k = slots", "many blocks", "widest, capacity 1",
+                                                  "one expert"])
+def test_token_choice_head_kernel_matches_pytorch(case: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every field of the head, and the logits' gradient from the gates' and the auxiliary loss's
+    gradients, against the PyTorch branch in float64 on the same float32 logits."""
     torch.manual_seed(0)
+    tokens, n_slots, k = case[:3]
     logits = (3 * torch.randn(tokens, n_slots, device=DEVICE)).requires_grad_()
-    probes = (torch.randn(tokens, k, device=DEVICE), torch.randn(n_slots, device=DEVICE), 0.7)
-
-    def probed(gates, prob_mean, z):
-        return (gates * probes[0]).sum() + (prob_mean * probes[1]).sum() + probes[2] * z
-
-    gates, slots, prob_mean, choices, z = softmax_top_k(logits, k)
-    (grad,) = torch.autograd.grad(probed(gates, prob_mean, z), logits)
+    probe = torch.randn(tokens, k, device=DEVICE)
+    got = _head(logits, case, True, monkeypatch)
+    (grad,) = torch.autograd.grad((got.gates * probe).sum() + 0.7 * got.aux_loss, logits)
     ref = logits.detach().double().requires_grad_()
-    want = _softmax_top_k_torch(ref, k)
-    (want_grad,) = torch.autograd.grad(probed(want[0], want[2], want[4]), ref)
-    assert slots.dtype == torch.long and torch.equal(slots, want[1])
-    assert choices.dtype == torch.float32 and torch.equal(choices.double(), want[3])  # counts are exact
-    for name, got, expected in (("gates", gates, want[0]), ("prob_mean", prob_mean, want[2]), ("z", z, want[4])):
-        torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
+    want = _head(ref, case, False, monkeypatch)
+    (want_grad,) = torch.autograd.grad((want.gates * probe).sum() + 0.7 * want.aux_loss, ref)
+    assert got.slots.dtype == torch.long and torch.equal(got.slots, want.slots)
+    assert torch.equal(got.tokens_per_expert.double(), want.tokens_per_expert)  # counts are exact
+    for name in ("gates", "aux_loss", "lb_loss", "z_loss", "noop_fraction", "dropped_fraction", "computed_fraction"):
+        torch.testing.assert_close(getattr(got, name).double(), getattr(want, name).double(), rtol=1e-5, atol=1e-7,
+                                   msg=lambda m, n=name: f"{n}: {m}")
     torch.testing.assert_close(grad.double(), want_grad, rtol=1e-4, atol=1e-6)
+    assert (float(got.dropped_fraction) > 0) == case[5]
 
 
-def test_softmax_top_k_kernel_ties_go_to_the_lower_slot() -> None:
-    from mode.kernels.softmax_topk import softmax_top_k
+def test_token_choice_head_kernel_ties_go_to_the_lower_slot() -> None:
+    from mode.kernels.softmax_topk import token_choice_head
 
     logits = torch.tensor([[0.0, 2.0, 2.0, 1.0], [5.0, 5.0, 5.0, 5.0]], device=DEVICE)
-    _, slots, _, choices, _ = softmax_top_k(logits, 2)
+    _, slots, _, summary = token_choice_head(logits, 2, 4, None, 0.0, 0.0)
     assert slots.tolist() == [[1, 2], [0, 1]]
-    assert choices.tolist() == [1.0, 2.0, 1.0, 0.0]
+    assert summary[4:8].tolist() == [1.0, 2.0, 1.0, 0.0]  # choices per slot
     with pytest.raises(ValueError, match="k <="):
-        softmax_top_k(logits, 5)
+        token_choice_head(logits, 5, 4, None, 0.0, 0.0)
+    with pytest.raises(ValueError, match="n_experts"):
+        token_choice_head(logits, 1, 5, None, 0.0, 0.0)
 
 
-def test_softmax_top_k_kernel_gradient_from_the_gates_alone() -> None:
-    """The losses unused (no gradient reaches the mean probabilities or z): the gates' gradient alone."""
-    from mode.kernels.softmax_topk import softmax_top_k
-
+def test_token_choice_head_kernel_gradient_from_the_gates_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The auxiliary loss unused (no gradient reaches it): the gates' gradient alone."""
     logits = torch.randn(40, 6, device=DEVICE, requires_grad=True)
     probe = torch.randn(40, 2, device=DEVICE)
-    (grad,) = torch.autograd.grad((softmax_top_k(logits, 2)[0] * probe).sum(), logits)
+    case = (40, 6, 2, 4, None, False)
+    (grad,) = torch.autograd.grad((_head(logits, case, True, monkeypatch).gates * probe).sum(), logits)
     ref = logits.detach().double().requires_grad_()
-    (want,) = torch.autograd.grad((ref.softmax(-1).topk(2, dim=-1).values * probe).sum(), ref)
+    (want,) = torch.autograd.grad((_head(ref, case, False, monkeypatch).gates * probe).sum(), ref)
     torch.testing.assert_close(grad.double(), want, rtol=1e-4, atol=1e-6)
 
 
-def test_choose_slots_takes_the_kernel_only_where_it_applies(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Both branches give the same SlotChoice; the kernel only for float32 logits that fit it."""
+def test_token_choice_head_takes_the_kernel_only_where_it_applies(monkeypatch: pytest.MonkeyPatch) -> None:
     import mode.kernels as kernels
     from mode.kernels.softmax_topk import MAX_SLOTS
     from mode.routing import primitives
 
     logits = torch.randn(50, 6, device=DEVICE)
-    monkeypatch.setattr(kernels, "use_triton", lambda x: False)
-    want = primitives.choose_slots(logits, 2)
     monkeypatch.setattr(kernels, "use_triton", lambda x: True)  # as on CUDA in eager mode
     assert primitives._softmax_topk_kernel_applies(logits, 2)
-    got = primitives.choose_slots(logits, 2)
-    for name, g, w in zip(want._fields, got, want):
-        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
     assert not primitives._softmax_topk_kernel_applies(torch.zeros(4, MAX_SLOTS + 1), 1)
     assert not primitives._softmax_topk_kernel_applies(logits.double(), 2)
     monkeypatch.setattr(primitives, "SOFTMAX_TOPK_KERNEL", False)
@@ -336,3 +333,22 @@ def test_models_train_the_same_through_the_kernels(path: Path, monkeypatch: pyte
     assert runs[True][1].keys() == runs[False][1].keys()
     for name, grad in runs[True][1].items():
         torch.testing.assert_close(grad, runs[False][1][name], rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_every_kernel_compiles_for_an_h100() -> None:
+    """Triton's interpreter (these tests on CPU) accepts code the compiler rejects: every kernel the
+    layers launch is also compiled ahead of time to PTX for sm_90 (no GPU needed), in a process
+    of its own (tests/compile_kernels.py), and the list there covers every launch in mode/kernels/."""
+    import re
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    launched = {name for path in (root / "mode" / "kernels").glob("*.py")
+                for name in re.findall(r"\b(_\w+)\[\(", path.read_text())}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, str(root / "tests" / "compile_kernels.py")], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    compiled = set(re.findall(r"\.(\w+): compiled for sm_90", out.stdout))
+    assert launched and launched <= compiled, f"launched but not compiled: {launched - compiled}"

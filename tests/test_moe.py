@@ -20,7 +20,13 @@ from mode.layers.mode import IntegratedMoDEBlock, StagedMoDEBlock
 from mode.layers.moe import MoEFFN
 from mode.layers.rotary import RotaryAngles, RotaryEmbedding
 from mode.model import LanguageModel
-from mode.routing import TokenChoiceRouting, capacity_to_k, choose_slots, token_choice_capacity, top_k_positions
+from mode.routing import (
+    TokenChoiceRouting,
+    capacity_to_k,
+    token_choice_capacity,
+    token_choice_head,
+    top_k_positions,
+)
 
 # float64 comparisons of the same mathematics computed in a different order.
 F64_ATOL = 1e-10
@@ -307,9 +313,8 @@ def test_token_choice_stats_from_counts_equal_the_per_row_stats(kw, top_k):
     moe = MoEFFN(16, 24, moe_cfg(scheme="token_choice", top_k=top_k, n_noop=N_NOOP, **kw)).float()
     router, x = moe.router, inputs().float()
     routing = router(x)
-    choice = choose_slots(routing.logits[0], top_k)
-    per_row = router._stats_of_rows(choice, routing.positions, torch.ones(x.shape[0] * x.shape[1], 1, dtype=torch.bool),
-                                    routing.stats["lb_loss"])
+    head = token_choice_head(routing.logits[0], top_k, E, routing.capacity, router.lb_loss_weight, router.z_loss_weight)
+    per_row = router._stats_of_rows(head, routing.positions, torch.ones(x.shape[0] * x.shape[1], 1, dtype=torch.bool))
     assert routing.stats.keys() == per_row.keys()
     for name, value in routing.stats.items():
         torch.testing.assert_close(value, per_row[name], msg=lambda m, n=name: f"{n}: {m}")

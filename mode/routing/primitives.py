@@ -330,19 +330,23 @@ def top_k_slots(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
     return values, slots
 
 
-class SlotChoice(NamedTuple):
-    """Token choice's router head over T tokens and S slots: the routing and what its losses and
-    statistics read."""
+class TokenChoiceHead(NamedTuple):
+    """Token choice's router head over T tokens and S = E + N slots: the routing, its auxiliary
+    loss, and the statistics that need no more than per-slot counts."""
 
     gates: Tensor  # (T, k) float32: the softmax probabilities of the chosen slots, largest first
     slots: Tensor  # (T, k) int64
-    prob_mean: Tensor  # (S,) each slot's mean probability over the tokens
-    choices: Tensor  # (S,) float32: how many of the T*k assignments chose each slot (before dropping)
-    z_loss: Tensor  # () the router z-loss: mean over tokens of logsumexp(logits)^2
+    aux_loss: Tensor  # () lb_weight * load-balancing loss + z_weight * z-loss, differentiable
+    lb_loss: Tensor  # () the Switch load-balancing loss (detached)
+    z_loss: Tensor  # () the router z-loss (detached)
+    tokens_per_expert: Tensor  # (E,) float32: rows each real expert computes (its first `capacity` choices)
+    noop_fraction: Tensor  # () share of the T*k assignments that chose a no-op slot
+    dropped_fraction: Tensor  # () share of the T*k assignments dropped over capacity
+    computed_fraction: Tensor  # () share of the T*k assignments computed: with k = 1, of the tokens
 
 
-# True: on CUDA in eager mode, choose_slots is one Triton kernel each way
-# (mode/kernels/softmax_topk.py); False: always the PyTorch ops.
+# True: on CUDA in eager mode, token_choice_head is one Triton kernel each way (plus one small
+# program) (mode/kernels/softmax_topk.py); False: always the PyTorch ops.
 SOFTMAX_TOPK_KERNEL = True
 
 
@@ -354,20 +358,36 @@ def _softmax_topk_kernel_applies(logits: Tensor, k: int) -> bool:
     return fits(logits, k)
 
 
-def choose_slots(logits: Tensor, k: int) -> SlotChoice:
-    """Token choice: logits (T, S) float32 -> each token's top-k slots of the softmax, and the sums
-    of its load-balancing loss, z-loss and statistics.
+def token_choice_head(logits: Tensor, k: int, n_experts: int, capacity: int | None, lb_weight: float,
+                      z_weight: float) -> TokenChoiceHead:
+    """Token choice: logits (T, S) float32 -> each token's top-k slots of the softmax, the
+    weighted auxiliary loss, and the per-slot statistics (an expert computes its first
+    `capacity` choices; None: all of them).
 
-    The same values either way: PyTorch's softmax, top_k_slots, mean, count_ids and
-    router_z_loss, or (eager, CUDA) one Triton kernel each way for all of them.
+    The same values either way: PyTorch's softmax, top_k_slots, count_ids,
+    load_balancing_loss and router_z_loss, or (eager, CUDA) one Triton kernel each way for all
+    of them (about 25 launches fewer a layer and pass).
     """
     if _softmax_topk_kernel_applies(logits, k):
-        from mode.kernels.softmax_topk import softmax_top_k
+        from mode.kernels import softmax_topk as kernel
 
-        return SlotChoice(*softmax_top_k(logits, k))
+        gates, slots, aux, summary = kernel.token_choice_head(logits, k, n_experts, capacity, lb_weight, z_weight)
+        scalars = summary[2 * logits.shape[1] :]
+        return TokenChoiceHead(
+            gates, slots, aux, scalars[kernel.LB], scalars[kernel.Z], scalars[kernel.SCALARS :], scalars[kernel.NOOP],
+            scalars[kernel.DROPPED], scalars[kernel.PROCESSED_TOP1],
+        )
     probs = logits.softmax(-1)  # (T, S)
     gates, slots = top_k_slots(probs, k)
-    return SlotChoice(gates, slots, probs.mean(0), count_ids(slots, logits.shape[1]).float(), router_z_loss(logits))
+    assignments = slots.numel()
+    choices = count_ids(slots, logits.shape[1]).float()  # (S,)
+    lb, z = load_balancing_loss(probs.mean(0), choices, assignments), router_z_loss(logits)
+    chosen = choices[:n_experts]
+    computed = chosen if capacity is None else chosen.clamp(max=capacity)
+    return TokenChoiceHead(
+        gates, slots, lb_weight * lb + z_weight * z, lb.detach(), z.detach(), computed,
+        choices[n_experts:].sum() / assignments, (chosen - computed).sum() / assignments, computed.sum() / assignments,
+    )
 
 
 def token_choice_capacity(num_tokens: int, n_slots: int, top_k: int, capacity_factor: float) -> int:

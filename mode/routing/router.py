@@ -8,17 +8,16 @@ import torch
 from torch import Tensor, nn
 
 from mode.routing.primitives import (
-    SlotChoice,
+    TokenChoiceHead,
     apply_gate,
-    choose_slots,
     capacity_to_k,
     count_ids,
-    load_balancing_loss,
     positions_in_expert,
     router_scores,
     router_z_loss,
     split_tokens,
     token_choice_capacity,
+    token_choice_head,
     token_mask,
     top_k_positions,
 )
@@ -416,42 +415,32 @@ class TokenChoiceRouter(nn.Module):
         MoDE under causal routing); the auxiliary losses still see every row."""
         logits = self.router(x).reshape(1, -1, self.router.n_slots)  # (1, T, E+N), float32
         tokens, n_slots = logits.shape[1:]
-        choice = choose_slots(logits.view(tokens, n_slots), self.top_k)  # gates, slots (T, k) each
         # Under causal routing (sampling) capacity dropping, which depends on the other tokens of
         # the batch, is switched off: every token gets its top-k slots.
         capacity = None if (self.dropless or self.causal_mode) else token_choice_capacity(tokens, n_slots, self.top_k, self.capacity_factor)
-        positions = positions_in_expert(choice.slots, self.n_experts, capacity)  # (T, k)
-        lb = load_balancing_loss(choice.prob_mean, choice.choices, choice.slots.numel())
+        head = token_choice_head(logits.view(tokens, n_slots), self.top_k, self.n_experts, capacity,
+                                 self.lb_loss_weight, self.z_loss_weight)  # gates, slots (T, k) each
+        positions = positions_in_expert(head.slots, self.n_experts, capacity)  # (T, k)
         if valid is not None and self.causal_mode:
             positions = torch.where(valid.reshape(-1, 1), positions, -1)  # padding: no expert computes it
-            stats = self._stats_of_rows(choice, positions, valid.reshape(-1, 1), lb)
+            stats = self._stats_of_rows(head, positions, valid.reshape(-1, 1))
         else:
-            stats = self._stats(choice, positions, capacity, lb)
-        aux = self.lb_loss_weight * lb + self.z_loss_weight * choice.z_loss
+            # top-1: a token is processed when its one assignment is computed
+            processed = head.computed_fraction if self.top_k == 1 else (positions >= 0).any(-1).float().mean()
+            stats = _expert_stats(head.tokens_per_expert, processed, head.noop_fraction, head.dropped_fraction,
+                                  head.lb_loss, head.z_loss)
         return TokenChoiceRouting(
-            indices=choice.slots, gates=choice.gates, logits=logits, aux_loss=aux, stats=stats, positions=positions,
-            capacity=capacity,
+            indices=head.slots, gates=head.gates, logits=logits, aux_loss=head.aux_loss, stats=stats,
+            positions=positions, capacity=capacity,
         )
 
-    def _stats(self, choice: SlotChoice, positions: Tensor, capacity: int | None, lb: Tensor) -> dict[str, Tensor]:
-        """Statistics over every row, from the per-slot choice counts: an expert computes its first
-        `capacity` choices (all of them when dropless); the rest of its choices are dropped."""
-        assignments = choice.slots.numel()
-        chosen = choice.choices[: self.n_experts]  # (E,)
-        computed = chosen if capacity is None else chosen.clamp(max=capacity)
-        dropped = (chosen - computed).sum() / assignments if capacity is not None else lb.new_zeros(())
-        if choice.slots.shape[1] == 1:  # top-1: a token is processed when its one assignment is computed
-            processed = computed.sum() / assignments
-        else:
-            processed = (positions >= 0).any(-1).float().mean()  # tokens some expert computed
-        return _expert_stats(computed, processed, choice.choices[self.n_experts :].sum() / assignments, dropped, lb, choice.z_loss)
-
-    def _stats_of_rows(self, choice: SlotChoice, positions: Tensor, rows: Tensor, lb: Tensor) -> dict[str, Tensor]:
-        """Statistics over the rows `rows` (T, 1) marks (causal routing's padding left out)."""
-        slots, computed = choice.slots, positions >= 0
+    def _stats_of_rows(self, head: TokenChoiceHead, positions: Tensor, rows: Tensor) -> dict[str, Tensor]:
+        """Statistics over the rows `rows` (T, 1) marks (causal routing's padding left out), counted
+        row by row; the losses still see every row."""
+        slots, computed = head.slots, positions >= 0
         real = slots < self.n_experts
         counts = count_ids(torch.where(computed, slots, self.n_experts), self.n_experts + 1)
         return _expert_stats(
             counts[: self.n_experts], masked_mean(computed.any(-1, keepdim=True), rows), masked_mean(~real, rows),
-            masked_mean(real & ~computed, rows), lb, choice.z_loss,
+            masked_mean(real & ~computed, rows), head.lb_loss, head.z_loss,
         )

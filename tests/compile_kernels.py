@@ -1,0 +1,77 @@
+"""Compile every Triton kernel of mode/kernels/ for an H100 (sm_90), on a machine without a GPU.
+
+    python tests/compile_kernels.py      # prints one line per kernel; exit status 1 if any fails
+
+Triton's interpreter, which runs the kernels on CPU in the tests, accepts code the compiler
+rejects (a global that is not a constexpr, for one); compiling ahead of time to PTX for sm_90
+needs no GPU and catches those. Run by tests/test_kernels.py in a process of its own, because
+mode.kernels must be imported without TRITON_INTERPRET for its kernels to be compilable.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from mode.kernels import cross_entropy, rotary, softmax_topk, swiglu, topk  # noqa: E402
+
+BF16, F32, I64, I32 = "*bf16", "*fp32", "*i64", "i32"
+
+# (module, kernel, argument types in order (constexpr arguments as values), as the layers launch it)
+KERNELS = [
+    (rotary, "_rotary_qkv_fwd", dict(qkv_ptr=BF16, out_ptr=BF16, cos_ptr=F32, sin_ptr=F32, seq=I32, cos_stride_b=I32,
+                                     cos_stride_s=I32, H=16, HALF=32, BLOCK_H=16, BLOCK_D=32)),
+    (rotary, "_rotary_qkv_bwd", dict(dq_ptr=BF16, dk_ptr=BF16, dv_ptr=BF16, dqkv_ptr=BF16, cos_ptr=F32, sin_ptr=F32,
+                                     seq=I32, cos_stride_b=I32, cos_stride_s=I32, dq_sb=I32, dq_ss=I32, dq_sh=I32,
+                                     dk_sb=I32, dk_ss=I32, dk_sh=I32, dv_sb=I32, dv_ss=I32, dv_sh=I32,
+                                     H=16, HALF=32, BLOCK_H=16, BLOCK_D=32)),
+    (swiglu, "_swiglu_fwd", dict(h_ptr=BF16, out_ptr=BF16, width=I32, BLOCK=1024)),
+    (swiglu, "_swiglu_bwd", dict(h_ptr=BF16, grad_ptr=BF16, dh_ptr=BF16, width=I32, BLOCK=1024)),
+    (cross_entropy, "_cross_entropy_fwd_grad", dict(logits_ptr=BF16, targets_ptr=I64, grad_ptr=BF16, loss_ptr=F32,
+                                                    vocab=I32, BLOCK=2048)),
+    (topk, "_top_k_positions", dict(scores_ptr=F32, out_ptr=I64, tokens=I32, k=I32, BLOCK=2048)),
+    (softmax_topk, "_forward", dict(logits_ptr=F32, gates_ptr=F32, slots_ptr=I64, partial_ptr=F32, tokens=I32,
+                                    n_slots=I32, inv_tokens="fp32", K=2, BLOCK_T=256, BLOCK_S=8)),
+    (softmax_topk, "_finalize", dict(partial_ptr=F32, summary_ptr=F32, aux_ptr=F32, programs=I32, n_slots=I32,
+                                     n_experts=I32, capacity=I32, inv_assignments="fp32", lb_weight="fp32",
+                                     z_weight="fp32", BLOCK_P=32, BLOCK_S=8)),
+    # Triton specializes integer arguments equal to 1 into constants: one program, capacity 1.
+    (softmax_topk, "_finalize", dict(partial_ptr=F32, summary_ptr=F32, aux_ptr=F32, programs=1, n_slots=I32,
+                                     n_experts=I32, capacity=1, inv_assignments="fp32", lb_weight="fp32",
+                                     z_weight="fp32", BLOCK_P=32, BLOCK_S=8)),
+    (softmax_topk, "_forward", dict(logits_ptr=F32, gates_ptr=F32, slots_ptr=I64, partial_ptr=F32, tokens=1,
+                                    n_slots=1, inv_tokens="fp32", K=1, BLOCK_T=256, BLOCK_S=1)),
+    (softmax_topk, "_backward", dict(logits_ptr=F32, slots_ptr=I64, grad_gates_ptr=F32, summary_ptr=F32,
+                                     grad_aux_ptr=F32, grad_logits_ptr=F32, tokens=I32, n_slots=I32, inv_tokens="fp32",
+                                     lb_scale="fp32", z_weight="fp32", K=2, BLOCK_T=256, BLOCK_S=8)),
+]
+
+
+def compile_all() -> list[str]:
+    """Compile each kernel for sm_90; returns the failures (empty when all compile)."""
+    failures = []
+    for module, name, args in KERNELS:
+        fn = getattr(module, name)
+        if list(args) != fn.arg_names:
+            failures.append(f"{module.__name__}.{name}: arguments {fn.arg_names}, this list has {list(args)}")
+            continue
+        signature = {a: (v if isinstance(v, str) else "constexpr") for a, v in args.items()}
+        constexprs = {a: v for a, v in args.items() if not isinstance(v, str)}
+        try:
+            triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32))
+            print(f"{module.__name__}.{name}: compiled for sm_90")
+        except Exception as e:  # report every kernel, not only the first failure
+            failures.append(f"{module.__name__}.{name}: {type(e).__name__}: {e}")
+    return failures
+
+
+if __name__ == "__main__":
+    failed = compile_all()
+    for line in failed:
+        print("FAILED", line)
+    sys.exit(1 if failed else 0)
