@@ -40,8 +40,8 @@ def add_routing_switches(parser: argparse.ArgumentParser) -> None:
                         help="top-k positions as one Triton kernel on CUDA, or torch.topk then a sort "
                              "(mode.routing.primitives.TOPK_KERNEL)")
     parser.add_argument("--slot-choice", choices=["triton", "torch"], default="triton",
-                        help="token choice's softmax, top-k slots and loss sums as one Triton kernel each way on "
-                             "CUDA, or PyTorch ops (mode.routing.primitives.SOFTMAX_TOPK_KERNEL)")
+                        help="token choice's router head (softmax, top-k slots, aux loss, statistics) as Triton "
+                             "kernels on CUDA, or PyTorch ops (mode.routing.primitives.SOFTMAX_TOPK_KERNEL)")
 
 
 def apply_routing_switches(args: argparse.Namespace) -> None:

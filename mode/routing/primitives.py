@@ -345,8 +345,8 @@ class TokenChoiceHead(NamedTuple):
     computed_fraction: Tensor  # () share of the T*k assignments computed: with k = 1, of the tokens
 
 
-# True: on CUDA in eager mode, token_choice_head is one Triton kernel each way (plus one small
-# program) (mode/kernels/softmax_topk.py); False: always the PyTorch ops.
+# True: on CUDA in eager mode, token_choice_head is two Triton launches forward and one backward
+# (mode/kernels/softmax_topk.py); False: always the PyTorch ops.
 SOFTMAX_TOPK_KERNEL = True
 
 
@@ -365,8 +365,8 @@ def token_choice_head(logits: Tensor, k: int, n_experts: int, capacity: int | No
     `capacity` choices; None: all of them).
 
     The same values either way: PyTorch's softmax, top_k_slots, count_ids,
-    load_balancing_loss and router_z_loss, or (eager, CUDA) one Triton kernel each way for all
-    of them (about 25 launches fewer a layer and pass).
+    load_balancing_loss and router_z_loss (about 40 launches a pass), or (eager, CUDA) two Triton
+    launches forward and one backward for all of them.
     """
     if _softmax_topk_kernel_applies(logits, k):
         from mode.kernels import softmax_topk as kernel
