@@ -42,6 +42,9 @@ def add_routing_switches(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slot-choice", choices=["triton", "torch"], default="triton",
                         help="token choice's router head (softmax, top-k slots, aux loss, statistics) as Triton "
                              "kernels on CUDA, or PyTorch ops (mode.routing.primitives.SOFTMAX_TOPK_KERNEL)")
+    parser.add_argument("--rows", choices=["triton", "torch"], default="triton",
+                        help="expert choice's gated combine and gather backward as token-major Triton kernels on "
+                             "CUDA in eager mode, or gather / scatter_add (mode.routing.primitives.ROWS_KERNEL)")
 
 
 def apply_routing_switches(args: argparse.Namespace) -> None:
@@ -50,6 +53,7 @@ def apply_routing_switches(args: argparse.Namespace) -> None:
     primitives.ROW_ADD = args.row_add
     primitives.TOPK_KERNEL = args.topk == "triton"
     primitives.SOFTMAX_TOPK_KERNEL = args.slot_choice == "triton"
+    primitives.ROWS_KERNEL = args.rows == "triton"
 
 
 def timed(fn: Callable[[], None], warmup: int, iters: int, device: torch.device) -> float:

@@ -18,7 +18,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from mode.kernels import cross_entropy, rotary, softmax_topk, swiglu, topk  # noqa: E402
+from mode.kernels import cross_entropy, rotary, rows, softmax_topk, swiglu, topk  # noqa: E402
 
 BF16, F32, I64, I32 = "*bf16", "*fp32", "*i64", "i32"
 
@@ -49,6 +49,12 @@ KERNELS = [
     (softmax_topk, "_backward", dict(logits_ptr=F32, slots_ptr=I64, grad_gates_ptr=F32, summary_ptr=F32,
                                      grad_aux_ptr=F32, grad_logits_ptr=F32, tokens=I32, n_slots=I32, inv_tokens="fp32",
                                      lb_scale="fp32", z_weight="fp32", K=2, BLOCK_T=256, BLOCK_S=8)),
+    (rows, "_sum_rows", dict(rows_ptr=BF16, gates_ptr=F32, inverse_ptr="*i32", out_ptr=BF16, tokens=I32, width=I32,
+                             J=8, HAS_GATES=True, BLOCK_T=4, BLOCK_D=256)),
+    (rows, "_sum_rows", dict(rows_ptr=BF16, gates_ptr=BF16, inverse_ptr="*i32", out_ptr=BF16, tokens=I32, width=I32,
+                             J=1, HAS_GATES=False, BLOCK_T=4, BLOCK_D=256)),
+    (rows, "_combine_backward", dict(grad_ptr=BF16, ids_ptr=I64, rows_ptr=BF16, gates_ptr=F32, grad_rows_ptr=BF16,
+                                     grad_gates_ptr=F32, n_rows=I32, width=I32, BLOCK_R=4, BLOCK_D=512)),
 ]
 
 

@@ -301,6 +301,149 @@ def test_token_choice_head_takes_the_kernel_only_where_it_applies(monkeypatch: p
     assert not primitives._softmax_topk_kernel_applies(logits, 2)
 
 
+def _expert_choice_ids(tokens: int, n_experts: int, per_expert: int) -> torch.Tensor:
+    """(E, C) distinct tokens per expert: some tokens taken by several experts, some by none."""
+    return torch.stack([torch.randperm(tokens)[:per_expert].sort().values for _ in range(n_experts)]).to(DEVICE)
+
+
+def _rows_run(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor | None, gates: torch.Tensor, probe: torch.Tensor,
+              kernel: bool, monkeypatch: pytest.MonkeyPatch):
+    """gather_rows -> a per-row linear map -> combine_rows; output and the gradients of x, weight and gates.
+    weight None: the gathered rows are combined as they are."""
+    import mode.kernels as kernels
+    from mode.routing import combine_rows, expert_choice_rows, gather_rows
+
+    monkeypatch.setattr(kernels, "use_triton", lambda t: kernel)
+    x, gates = (t.detach().clone().requires_grad_() for t in (x, gates))
+    weight = None if weight is None else weight.detach().clone().requires_grad_()
+    rows = expert_choice_rows(ids, x)
+    assert (rows.inverse is not None) == kernel
+    ys = gather_rows(x, rows)  # (R, D)
+    out = combine_rows(ys if weight is None else ys @ weight, gates, rows)  # (T, D)
+    (out.float() * probe).sum().backward()
+    return out.detach(), x.grad, gates.grad, weight.grad if weight is not None else None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_expert_rows_kernels_match_pytorch(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The token-major combine (gates applied in float32, one rounding) and the gather's backward
+    against gather_tokens / combine_tokens in float64 on the same inputs; tokens no expert took get
+    an exact zero output and an exact zero input gradient. A width that is not a multiple of the
+    column block, and more tokens than one program. In float32 the rows pass a matmul between the
+    two; in bf16 they are combined as gathered (no bf16 matmul rounding in the comparison), and the
+    input gradient is rounded twice (each row's gradient, then their sum): rtol 2^-7, and an atol of
+    3e-2 for sums that cancel (up to 5 rows of |gate * probe| < 5, each off by 2^-9 of itself)."""
+    torch.manual_seed(0)
+    tokens, width, n_experts, per_expert = 70, 300, 5, 24
+    ids = _expert_choice_ids(tokens, n_experts, per_expert)
+    x = torch.randn(tokens, width, device=DEVICE).to(dtype)
+    weight = torch.randn(width, width, device=DEVICE) / width**0.5 if dtype == torch.float32 else None
+    gates = torch.rand(n_experts * per_expert, device=DEVICE)
+    probe = torch.randn(tokens, width, device=DEVICE).to(dtype).float()  # the same incoming gradient both ways
+    got = _rows_run(x, ids, weight, gates, probe, True, monkeypatch)
+    want = _rows_run(x.double(), ids, None if weight is None else weight.double(), gates.double(), probe.double(),
+                     False, monkeypatch)
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-7, atol=3e-2)
+    for name, g, w in zip(("output", "x grad", "gates grad", "weight grad"), got, want):
+        if w is None:
+            continue
+        assert g.dtype == (torch.float32 if name in ("gates grad", "weight grad") else dtype), name
+        torch.testing.assert_close(g.double(), w, **tolerance, msg=lambda m, n=name: f"{n}: {m}")
+    untouched = torch.ones(tokens, dtype=torch.bool, device=DEVICE)
+    untouched[ids.reshape(-1)] = False
+    assert untouched.any()
+    assert not got[0][untouched].any() and not got[1][untouched].any()
+
+
+def test_expert_rows_combine_rounds_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 rows: the combine is the float32 sum of float32 gate x row, rounded once to bf16 (to
+    nearest even): equal to that computation in PyTorch bit for bit."""
+    import mode.kernels as kernels
+    from mode.routing import combine_rows, expert_choice_rows
+
+    monkeypatch.setattr(kernels, "use_triton", lambda t: True)
+    tokens, width, n_experts, per_expert = 33, 64, 3, 20
+    ids = _expert_choice_ids(tokens, n_experts, per_expert)
+    ys = torch.randn(n_experts * per_expert, width, device=DEVICE).bfloat16()
+    gates = torch.rand(n_experts * per_expert, device=DEVICE)
+    rows = expert_choice_rows(ids, torch.empty(tokens, width, device=DEVICE, dtype=torch.bfloat16))
+    want = torch.zeros(tokens, width, device=DEVICE)
+    for e in range(n_experts):  # expert order: the kernel adds a token's rows in expert order
+        part = slice(e * per_expert, (e + 1) * per_expert)
+        want[ids[e]] += gates[part, None] * ys[part].float()
+    assert torch.equal(combine_rows(ys, gates, rows), want.bfloat16())
+
+
+def test_expert_rows_kernels_take_the_kernel_only_where_they_apply(monkeypatch: pytest.MonkeyPatch) -> None:
+    import mode.kernels as kernels
+    from mode.routing import expert_choice_rows, primitives
+
+    ids = _expert_choice_ids(10, 2, 3)
+    assert expert_choice_rows(ids, torch.zeros(10, 4)).inverse is None  # CPU (use_triton's own test: eager CUDA only)
+    monkeypatch.setattr(kernels, "use_triton", lambda t: True)  # as on CUDA in eager mode
+    assert expert_choice_rows(ids, torch.zeros(10, 4, device=DEVICE)).inverse.shape == (10, 2)
+    assert expert_choice_rows(ids, torch.zeros(10, 4, device=DEVICE, dtype=torch.float64)).inverse is None
+    monkeypatch.setattr(primitives, "ROWS_KERNEL", False)
+    assert expert_choice_rows(ids, torch.zeros(10, 4, device=DEVICE)).inverse is None
+
+
+MOE_ROW_CASES = {  # scheme settings: every token taken by 0..E experts; dropped and no-op choices
+    "expert choice per sequence": dict(scheme="expert_choice"),
+    "expert choice, groups of 2": dict(scheme="expert_choice", group_size=2, capacity_factor=1.5),
+    "token choice top-2, dropping": dict(scheme="token_choice", top_k=2, capacity_factor=0.75),
+    "token choice top-1, capacity 2": dict(scheme="token_choice", top_k=1, capacity_factor=2.0),
+}
+
+
+@pytest.mark.parametrize("case", MOE_ROW_CASES, ids=list(MOE_ROW_CASES))
+def test_moe_layer_through_the_row_kernels_equals_pytorch(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A whole MoE layer (SwiGLU experts, 2 no-op slots) with its rows moved by the kernels equals the
+    layer on gather_tokens / combine_tokens: output, input gradient and every parameter's gradient,
+    float32 both ways (sums in another order: rtol 1e-5)."""
+    import mode.kernels as kernels
+    from mode.config import MoEConfig
+    from mode.layers.moe import MoEFFN
+
+    torch.manual_seed(0)
+    layer = MoEFFN(32, 48, MoEConfig(n_experts=4, n_noop=2, **MOE_ROW_CASES[case])).to(DEVICE)
+    x = torch.randn(4, 24, 32, device=DEVICE)
+    probe = torch.randn(4, 24, 32, device=DEVICE)
+    runs = []
+    for kernel in (True, False):
+        monkeypatch.setattr(kernels, "use_triton", lambda t, kernel=kernel: kernel)
+        layer.zero_grad(set_to_none=True)
+        x_in = x.clone().requires_grad_()
+        out, _ = layer(x_in)
+        (out * probe).sum().backward()
+        runs.append((out.detach(), x_in.grad, {n: p.grad for n, p in layer.named_parameters()}))
+    (out, x_grad, grads), (want_out, want_x_grad, want_grads) = runs
+    assert out.abs().sum() > 0 and (out == 0).all(-1).any()  # some tokens updated, some not at all
+    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x_grad, want_x_grad, rtol=1e-5, atol=1e-6)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, want_grads[name], rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_token_choice_rows_name_the_kept_assignments() -> None:
+    """token_choice_rows' inverse: each kept choice's row in the (E, C) table, -1 for dropped and
+    no-op choices; every row a token names holds that token."""
+    import mode.kernels as kernels
+    from mode.routing import positions_in_expert, slot_table, token_choice_rows
+
+    torch.manual_seed(0)
+    slots = torch.randint(0, 5, (30, 2), device=DEVICE)  # 4 experts and one no-op slot
+    positions = positions_in_expert(slots, 4, 6)
+    table = slot_table(slots, positions, 4, 6)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kernels, "use_triton", lambda t: True)
+        rows = token_choice_rows(table, slots, positions, torch.zeros(30, 8, device=DEVICE))
+    kept = positions >= 0
+    assert torch.equal(rows.inverse >= 0, kept) and (~kept).any() and kept.any()
+    named = rows.inverse[kept].long()
+    assert torch.equal(rows.ids[named], torch.arange(30, device=DEVICE).unsqueeze(1).expand(30, 2)[kept])
+    assert torch.equal(table.reshape(-1)[named], (torch.arange(60, device=DEVICE).view(30, 2))[kept])
+
+
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*_tiny.yaml"))
 
 
@@ -308,7 +451,8 @@ CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*_tiny.
 def test_models_train_the_same_through_the_kernels(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every block kind: a forward+backward with the layers' kernel branches taken (rotary on qkv,
     MoD's routed angles included; SwiGLU in MLPs and experts; the loss; the routers' top-k
-    positions; token choice's softmax and top-k slots) equals the PyTorch branches.
+    positions; token choice's softmax and top-k slots; expert choice's gather and combine) equals
+    the PyTorch branches.
     float32 both ways, so they differ by float32 rounding only (sums in another order)."""
     import mode.kernels as kernels
     import mode.layers.attention as attention

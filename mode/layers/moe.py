@@ -17,12 +17,16 @@ from mode.routing import (
     Routing,
     TokenChoiceRouter,
     TokenChoiceRouting,
+    combine_rows,
     combine_tokens,
     count_ids,
+    expert_choice_rows,
     expert_major_ids,
+    gather_rows,
     gather_tokens,
     slot_table,
     sort_by_expert,
+    token_choice_rows,
 )
 
 
@@ -63,12 +67,13 @@ class MoEFFN(nn.Module):
     def _expert_choice(self, x: Tensor, routing: Routing) -> Tensor:
         """Every expert takes exactly C tokens of each group: one static (E, G*C, D) batched matmul."""
         groups, n_experts, _ = routing.indices.shape
-        flat = x.reshape(1, -1, x.shape[-1])  # (1, B*S, D): group g is the g-th run of T tokens
-        ids = expert_major_ids(routing.indices, flat.shape[1] // groups).unsqueeze(0)  # (1, E, G*C)
-        ys = self.experts.padded(gather_tokens(flat, ids).squeeze(0))  # (E, G*C, D)
-        gates = routing.gates.transpose(0, 1).reshape(n_experts, -1, 1)  # (E, G*C, 1), same order as ids
+        flat = x.reshape(-1, x.shape[-1])  # (B*S, D): group g is the g-th run of T tokens
+        rows = expert_choice_rows(expert_major_ids(routing.indices, flat.shape[0] // groups), flat)
+        xs = gather_rows(flat, rows).view(n_experts, -1, flat.shape[1])  # (E, G*C, D)
+        ys = self.experts.padded(xs)  # (E, G*C, D)
+        gates = routing.gates.transpose(0, 1).reshape(-1)  # (E*G*C,), the order of rows.ids
         # Combined in the experts' compute dtype (bf16 under autocast), like a dense FFN's output.
-        return combine_tokens(ids, (gates.to(ys.dtype) * ys).unsqueeze(0), flat.shape[1])  # (1, B*S, D)
+        return combine_rows(ys.view(-1, flat.shape[1]), gates, rows)  # (B*S, D)
 
     def _causal_experts(self, x: Tensor, routing: CausalExpertRouting) -> Tensor:
         """x (T, D); expert e computes exactly the tokens its causal decision chose (variable counts)."""
@@ -87,17 +92,17 @@ class MoEFFN(nn.Module):
         if self.experts.backend == "megablocks":
             return megablocks_token_choice(self.experts, x, routing)
         tokens, top_k = routing.indices.shape
-        flat = x.unsqueeze(0)  # (1, T, D)
         # (T*k + 1,): a 0 gate for empty rows (F.pad showed a host-device copy each way in an eager trace)
         gates = torch.cat([routing.gates.reshape(-1), routing.gates.new_zeros(1)])
         if routing.capacity is not None and self.experts.backend == "torch":
             table = slot_table(routing.indices, routing.positions, self.experts.n_experts, routing.capacity)  # (E, C)
-            ids = torch.where(table < tokens * top_k, table // top_k, 0)  # empty rows read token 0, gate 0
-            ys = self.experts.padded(gather_tokens(flat, ids.unsqueeze(0)).squeeze(0))  # (E, C, D)
-        else:
-            table, counts = sort_by_expert(routing.indices, routing.positions, self.experts.n_experts)  # (M,), (E,)
-            ids = table // top_k
-            ys = self.experts.grouped(gather_tokens(flat, ids.unsqueeze(0)).squeeze(0), counts)  # (M, D)
-        # index_select: its backward is one index_add (indexing's is a sort-based index_put)
-        weighted = gates.index_select(0, table.reshape(-1)).view(*table.shape, 1).to(ys.dtype) * ys
+            rows = token_choice_rows(table, routing.indices, routing.positions, x)
+            ys = self.experts.padded(gather_rows(x, rows).view(*table.shape, x.shape[1]))  # (E, C, D)
+            # index_select: its backward is one index_add (indexing's is a sort-based index_put)
+            return combine_rows(ys.view(-1, x.shape[1]), gates.index_select(0, table.reshape(-1)), rows)  # (T, D)
+        flat = x.unsqueeze(0)  # (1, T, D)
+        table, counts = sort_by_expert(routing.indices, routing.positions, self.experts.n_experts)  # (M,), (E,)
+        ids = table // top_k
+        ys = self.experts.grouped(gather_tokens(flat, ids.unsqueeze(0)).squeeze(0), counts)  # (M, D)
+        weighted = gates.index_select(0, table).unsqueeze(-1).to(ys.dtype) * ys  # (M, D)
         return combine_tokens(ids.unsqueeze(0), weighted.unsqueeze(0), tokens).squeeze(0)  # (T, D)

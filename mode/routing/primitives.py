@@ -235,6 +235,77 @@ def combine_tokens(indices: Tensor, updates: Tensor, tokens_per_group: int) -> T
     return _CombineRows.apply(rows, flat, groups * tokens_per_group).view(groups, tokens_per_group, width)
 
 
+# ----------------------------------------------------------------------------- expert-major rows
+# True: on CUDA in eager mode, expert choice's rows move through mode/kernels/rows.py: each token
+# sums the rows it feeds through an inverse map (the combine with its gates, and the gather's
+# backward) instead of a zero fill and a scatter_add; False: always gather_tokens and
+# combine_tokens (bench/moe_layer.py --rows compares them). Under torch.compile the plain ops.
+ROWS_KERNEL = True
+
+
+class ExpertRows(NamedTuple):
+    """An expert-major layout of R rows: which token each row holds, and each token's rows."""
+
+    ids: Tensor  # (R,) int64: the token (in the flattened batch) each row holds
+    tokens: int  # T: tokens in the flattened batch
+    inverse: Tensor | None  # (T, J) int32: each token's rows, -1 for none; None where the kernels do not run
+
+
+def _rows_kernel_applies(x: Tensor) -> bool:
+    """The kernels sum in float32: float64 layers (the reference tests) keep the PyTorch ops."""
+    return ROWS_KERNEL and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and kernels.use_triton(x)
+
+
+def expert_choice_rows(ids: Tensor, x: Tensor) -> ExpertRows:
+    """Expert choice's (E, G*C) expert-major ids (expert_major_ids) into the tokens x (T, D) ->
+    ExpertRows over the R = E*G*C rows. An expert takes a token at most once, so a token has at
+    most E rows: inverse (T, E)."""
+    n_experts, per_expert = ids.shape
+    flat, tokens = ids.reshape(-1), x.shape[0]  # (R,)
+    if not _rows_kernel_applies(x):
+        return ExpertRows(flat, tokens, None)
+    row = torch.arange(flat.numel(), device=ids.device, dtype=torch.int32)  # (R,)
+    inverse = torch.full((tokens, n_experts), -1, device=ids.device, dtype=torch.int32)
+    inverse[flat, row // per_expert] = row  # (T, E): token t's row in expert e
+    return ExpertRows(flat, tokens, inverse)
+
+
+def token_choice_rows(table: Tensor, slots: Tensor, positions: Tensor, x: Tensor) -> ExpertRows:
+    """Token choice with a capacity: the (E, C) slot_table of assignment ids (t * k + j; T * k for
+    an empty row) into the tokens x (T, D) -> ExpertRows over its R = E*C rows. An empty row holds
+    token 0 (gate 0 at the callers) and no token's inverse names it; a token has at most k rows:
+    inverse (T, k), its j-th choice's row slot * C + position, -1 where dropped or a no-op slot."""
+    tokens, top_k = slots.shape
+    ids = torch.where(table < tokens * top_k, table // top_k, 0).reshape(-1)  # (R,)
+    if not _rows_kernel_applies(x):
+        return ExpertRows(ids, tokens, None)
+    inverse = torch.where(positions >= 0, slots * table.shape[1] + positions, -1).int()  # (T, k)
+    return ExpertRows(ids, tokens, inverse)
+
+
+def gather_rows(x: Tensor, rows: ExpertRows) -> Tensor:
+    """x (T, D) -> x[rows.ids] (R, D): gather_tokens, with the backward summing token-major."""
+    if rows.inverse is None:
+        return gather_tokens(x.unsqueeze(0), rows.ids.unsqueeze(0)).squeeze(0)
+    from mode.kernels.rows import GatherRows
+
+    return GatherRows.apply(x, rows.ids, rows.inverse)
+
+
+def combine_rows(ys: Tensor, gates: Tensor, rows: ExpertRows) -> Tensor:
+    """ys (R, D), gates (R,) -> (T, D) in ys' dtype: out[t] = sum of gates[r] * ys[r] over t's rows.
+
+    The kernel multiplies by the float32 gate and sums in float32, rounding once; the PyTorch
+    branch rounds the gate to ys' dtype and sums in it (combine_tokens): equal up to that rounding.
+    """
+    if rows.inverse is None:
+        weighted = gates.to(ys.dtype).unsqueeze(-1) * ys  # (R, D)
+        return combine_tokens(rows.ids.unsqueeze(0), weighted.unsqueeze(0), rows.tokens).squeeze(0)
+    from mode.kernels.rows import CombineRows
+
+    return CombineRows.apply(ys, gates, rows.ids, rows.inverse)
+
+
 # ----------------------------------------------------------------------------- router scores
 # Routers score in float32 so that top-k and the gates see unrounded scores. When the input and
 # the weight are already bfloat16 (bf16 parameters, as DeepSpeed's bf16 training keeps them), the
