@@ -8,9 +8,9 @@ the host's launch latency), and back to back (the mean of --iters passes queued 
 synchronisation between them, as the layers of a training step run). Rows:
 - the dense GELU MLP of the same FLOPs (every token through one MLP of the expert's size): the limit;
 - this project's expert choice (per sequence and per batch group), `torch` backend;
-- the dense MLP and expert choice with the whole eager pass captured as one CUDA graph (as
-  train.cuda_graphs runs a model: the GPU's time alone), expert choice also with its rows moved
-  by gather / scatter_add instead of the token-major kernels (--rows); not with --compile;
+- the dense MLP, expert choice and token choice cf 1 with the whole eager pass captured as one
+  CUDA graph (as train.cuda_graphs runs a model: the GPU's time alone), the routed ones also with
+  their rows moved by gather / scatter_add instead of the token-major kernels (--rows); not with --compile;
 - with --compile: the dense MLP, expert choice and token choice cf 1 compiled, and compiled with
   torch.compile's CUDA graphs (mode="reduce-overhead");
 - this project's token choice, top-1, capacity factor 1 (torch) and dropless (grouped_gemm, megablocks);
@@ -192,6 +192,10 @@ def main() -> None:
          "eager"),
         ("mode token choice top-1 cf 1.0 (torch)", lambda: ours(args, scheme="token_choice", capacity_factor=1.0),
          "eager"),
+        ("mode token choice top-1 cf 1.0 (torch, one CUDA graph)",
+         lambda: ours(args, scheme="token_choice", capacity_factor=1.0), "graph"),
+        ("mode token choice top-1 cf 1.0 (torch, one CUDA graph, rows by gather/scatter_add)",
+         lambda: with_rows_kernel(False, ours(args, scheme="token_choice", capacity_factor=1.0)), "graph"),
         ("mode token choice top-1 dropless (grouped_gemm)",
          lambda: ours(args, scheme="token_choice", dropless=True, backend="grouped_gemm"), "eager"),
         ("mode token choice top-1 dropless (megablocks)",
