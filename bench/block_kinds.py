@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/common.py, however this is started
-from common import add_model_args  # noqa: E402
-from mod_step import Runner  # noqa: E402
+from common import add_model_args, add_routing_switches, apply_routing_switches  # noqa: E402
+from mod_step import COMPILE, Runner  # noqa: E402
 
-from mode.config import config_from_dict
+from mode.config import Config, config_from_dict
 from mode.flops import model_flops
 
 KINDS = ("dense", "mod", "moe", "mode_staged", "mode_integrated")
@@ -36,36 +36,49 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--modes", nargs="+", choices=list(COMPILE), default=["eager"],
+                        help="how the models run: a table for each (CUDA-graph modes on a GPU only)")
+    add_routing_switches(parser)
     args = parser.parse_args()
+    apply_routing_switches(args)
     if args.tiny:
         args.batch, args.seq, args.width, args.heads, args.layers, args.ffn, args.vocab = 2, 64, 64, 4, 2, 128, 256
         args.experts, args.noop, args.warmup, args.iters = 4, 4, 1, 2
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     card = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     print(f"card: {card}; B={args.batch} S={args.seq} D={args.width} layers={args.layers} ffn={args.ffn} "
-          f"vocab={args.vocab}; pattern [dense, KIND]; {args.experts} experts, expert choice, capacity factor 1\n")
-    print("| block kind | fwd+bwd ms | step ms | peak GiB | forward MFLOPs/token | step ms / dense |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    dense_ms = None
-    for kind in KINDS:
-        cfg = config_from_dict({
-            "model": {"vocab_size": args.vocab, "d_model": args.width, "n_heads": args.heads, "n_layers": args.layers,
-                      "d_ff": args.ffn, "max_seq_len": args.seq, "block_pattern": ["dense", kind]},
-            "routing": {"capacity": 0.125},
-            "moe": {"n_experts": args.experts, "n_noop": args.noop if kind == "mode_integrated" else 0,
-                    "scheme": "expert_choice", "capacity_factor": 1.0 if kind != "mode_integrated"
-                    else (args.experts + args.noop) / args.experts * 0.5},
-            "data": {"seq_len": args.seq},
-        }, "bench/block_kinds.py")
-        runner = Runner(cfg, "eager", args, device)  # one round of --iters after --warmup
-        fwd_bwd_ms, step_ms = statistics.median(runner.fwd_bwd_ms), statistics.median(runner.step_ms)
-        dense_ms = dense_ms or step_ms
-        print(f"| {kind} | {fwd_bwd_ms:.2f} | {step_ms:.2f} | {runner.peak_gib:.2f} | "
-              f"{model_flops(cfg).forward_per_token / 1e6:.1f} | {step_ms / dense_ms:.3f} |", flush=True)
-        del runner
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+          f"vocab={args.vocab}; pattern [dense, KIND]; {args.experts} experts, expert choice, capacity factor 1; "
+          f"top-k {args.topk}, expert choice rows {args.rows}")
+    for mode in args.modes:
+        if "CUDA graphs" in mode and device.type != "cuda":
+            raise SystemExit(f"--modes {mode!r} needs a CUDA GPU")
+        print(f"\n{mode}\n")
+        print("| block kind | fwd+bwd ms | step ms | peak GiB | forward MFLOPs/token | step ms / dense |")
+        print("| --- | --- | --- | --- | --- | --- |")
+        dense_ms = None
+        for kind in KINDS:
+            runner = Runner(kind_config(kind, args), mode, args, device)  # one round of --iters after --warmup
+            fwd_bwd_ms, step_ms = statistics.median(runner.fwd_bwd_ms), statistics.median(runner.step_ms)
+            dense_ms = dense_ms or step_ms
+            print(f"| {kind} | {fwd_bwd_ms:.2f} | {step_ms:.2f} | {runner.peak_gib:.2f} | "
+                  f"{model_flops(runner.model.config).forward_per_token / 1e6:.1f} | {step_ms / dense_ms:.3f} |",
+                  flush=True)
+            del runner
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
 
+
+def kind_config(kind: str, args: argparse.Namespace) -> Config:
+    """The model of pattern [dense, kind] at the script's shape."""
+    return config_from_dict({
+        "model": {"vocab_size": args.vocab, "d_model": args.width, "n_heads": args.heads, "n_layers": args.layers,
+                  "d_ff": args.ffn, "max_seq_len": args.seq, "block_pattern": ["dense", kind]},
+        "routing": {"capacity": 0.125},
+        "moe": {"n_experts": args.experts, "n_noop": args.noop if kind == "mode_integrated" else 0,
+                "scheme": "expert_choice", "capacity_factor": 1.0 if kind != "mode_integrated"
+                else (args.experts + args.noop) / args.experts * 0.5},
+        "data": {"seq_len": args.seq},
+    }, "bench/block_kinds.py")
 
 if __name__ == "__main__":
     main()
