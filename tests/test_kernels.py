@@ -392,6 +392,8 @@ MOE_ROW_CASES = {  # scheme settings: every token taken by 0..E experts; dropped
     "expert choice, groups of 2": dict(scheme="expert_choice", group_size=2, capacity_factor=1.5),
     "token choice top-2, dropping": dict(scheme="token_choice", top_k=2, capacity_factor=0.75),
     "token choice top-1, capacity 2": dict(scheme="token_choice", top_k=1, capacity_factor=2.0),
+    "token choice top-2, dropless": dict(scheme="token_choice", top_k=2, dropless=True),
+    "expert choice, causal decision": dict(scheme="expert_choice"),  # the sampling path: variable counts
 }
 
 
@@ -399,13 +401,18 @@ MOE_ROW_CASES = {  # scheme settings: every token taken by 0..E experts; dropped
 def test_moe_layer_through_the_row_kernels_equals_pytorch(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A whole MoE layer (SwiGLU experts, 2 no-op slots) with its rows moved by the kernels equals the
     layer on gather_tokens / combine_tokens: output, input gradient and every parameter's gradient,
-    float32 both ways (sums in another order: rtol 1e-5)."""
+    float32 both ways (sums in another order: rtol 1e-5). Every layout: expert choice's (E, G*C),
+    token choice's (E, C) with empty rows, the grouped rows sorted by expert (dropless), and a causal
+    decision's variable counts."""
     import mode.kernels as kernels
-    from mode.config import MoEConfig
+    from mode.config import MoEConfig, RoutingConfig
     from mode.layers.moe import MoEFFN
 
     torch.manual_seed(0)
-    layer = MoEFFN(32, 48, MoEConfig(n_experts=4, n_noop=2, **MOE_ROW_CASES[case])).to(DEVICE)
+    causal = "causal" in case
+    routing = RoutingConfig(causal="aux_loss") if causal else None
+    layer = MoEFFN(32, 48, MoEConfig(n_experts=4, n_noop=2, **MOE_ROW_CASES[case]), routing).to(DEVICE)
+    layer.router.causal_mode = causal  # expert e takes the tokens whose logit says so
     x = torch.randn(4, 24, 32, device=DEVICE)
     probe = torch.randn(4, 24, 32, device=DEVICE)
     runs = []

@@ -18,12 +18,11 @@ from mode.routing import (
     TokenChoiceRouter,
     TokenChoiceRouting,
     combine_rows,
-    combine_tokens,
     count_ids,
     expert_choice_rows,
     expert_major_ids,
     gather_rows,
-    gather_tokens,
+    rows_by_slot,
     slot_table,
     sort_by_expert,
     token_choice_rows,
@@ -82,16 +81,16 @@ class MoEFFN(nn.Module):
         counts = count_ids(experts, self.experts.n_experts)
         # No early return when nothing is chosen: under expert parallelism every rank must
         # still take part in the token exchange (the experts handle zero rows).
-        flat, ids = x.unsqueeze(0), tokens.unsqueeze(0)  # (1, T, D), (1, M)
-        ys = self.experts.grouped(gather_tokens(flat, ids).squeeze(0), counts)  # (M, D)
-        gates = routing.gates.reshape(-1, self.experts.n_experts)[tokens, experts].unsqueeze(-1)
-        return combine_tokens(ids, (gates.to(ys.dtype) * ys).unsqueeze(0), flat.shape[1]).squeeze(0)  # (T, D)
+        rows = rows_by_slot(tokens, experts, self.experts.n_experts, x)
+        ys = self.experts.grouped(gather_rows(x, rows), counts)  # (M, D)
+        gates = routing.gates.reshape(-1, self.experts.n_experts)[tokens, experts]  # (M,)
+        return combine_rows(ys, gates, rows)  # (T, D)
 
     def _token_choice(self, x: Tensor, routing: TokenChoiceRouting) -> Tensor:
         """x (T, D). With a capacity on torch: a static (E, C, D) layout; otherwise sorted by expert."""
         if self.experts.backend == "megablocks":
             return megablocks_token_choice(self.experts, x, routing)
-        tokens, top_k = routing.indices.shape
+        top_k = routing.indices.shape[1]
         # (T*k + 1,): a 0 gate for empty rows (F.pad showed a host-device copy each way in an eager trace)
         gates = torch.cat([routing.gates.reshape(-1), routing.gates.new_zeros(1)])
         if routing.capacity is not None and self.experts.backend == "torch":
@@ -100,9 +99,7 @@ class MoEFFN(nn.Module):
             ys = self.experts.padded(gather_rows(x, rows).view(*table.shape, x.shape[1]))  # (E, C, D)
             # index_select: its backward is one index_add (indexing's is a sort-based index_put)
             return combine_rows(ys.view(-1, x.shape[1]), gates.index_select(0, table.reshape(-1)), rows)  # (T, D)
-        flat = x.unsqueeze(0)  # (1, T, D)
         table, counts = sort_by_expert(routing.indices, routing.positions, self.experts.n_experts)  # (M,), (E,)
-        ids = table // top_k
-        ys = self.experts.grouped(gather_tokens(flat, ids.unsqueeze(0)).squeeze(0), counts)  # (M, D)
-        weighted = gates.index_select(0, table).unsqueeze(-1).to(ys.dtype) * ys  # (M, D)
-        return combine_tokens(ids.unsqueeze(0), weighted.unsqueeze(0), tokens).squeeze(0)  # (T, D)
+        rows = rows_by_slot(table // top_k, table % top_k, top_k, x)  # a token's j-th choice: its slot j
+        ys = self.experts.grouped(gather_rows(x, rows), counts)  # (M, D)
+        return combine_rows(ys, gates.index_select(0, table), rows)  # (T, D)

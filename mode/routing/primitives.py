@@ -257,18 +257,24 @@ def _rows_kernel_applies(x: Tensor) -> bool:
     return ROWS_KERNEL and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and kernels.use_triton(x)
 
 
+def rows_by_slot(ids: Tensor, slots: Tensor, n_slots: int, x: Tensor) -> ExpertRows:
+    """R rows, the r-th holding token ids[r] of x (T, D) as that token's slots[r]-th row (a token
+    holds each slot at most once: its expert, or its j-th choice) -> ExpertRows, inverse (T, n_slots)."""
+    tokens = x.shape[0]
+    if not _rows_kernel_applies(x):
+        return ExpertRows(ids, tokens, None)
+    inverse = torch.full((tokens, n_slots), -1, device=ids.device, dtype=torch.int32)
+    inverse[ids, slots] = torch.arange(ids.numel(), device=ids.device, dtype=torch.int32)  # (T, n_slots)
+    return ExpertRows(ids, tokens, inverse)
+
+
 def expert_choice_rows(ids: Tensor, x: Tensor) -> ExpertRows:
     """Expert choice's (E, G*C) expert-major ids (expert_major_ids) into the tokens x (T, D) ->
     ExpertRows over the R = E*G*C rows. An expert takes a token at most once, so a token has at
     most E rows: inverse (T, E)."""
     n_experts, per_expert = ids.shape
-    flat, tokens = ids.reshape(-1), x.shape[0]  # (R,)
-    if not _rows_kernel_applies(x):
-        return ExpertRows(flat, tokens, None)
-    row = torch.arange(flat.numel(), device=ids.device, dtype=torch.int32)  # (R,)
-    inverse = torch.full((tokens, n_experts), -1, device=ids.device, dtype=torch.int32)
-    inverse[flat, row // per_expert] = row  # (T, E): token t's row in expert e
-    return ExpertRows(flat, tokens, inverse)
+    experts = torch.arange(ids.numel(), device=ids.device) // per_expert  # (R,): each row's expert
+    return rows_by_slot(ids.reshape(-1), experts, n_experts, x)
 
 
 def token_choice_rows(table: Tensor, slots: Tensor, positions: Tensor, x: Tensor) -> ExpertRows:
