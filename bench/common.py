@@ -43,7 +43,7 @@ def add_routing_switches(parser: argparse.ArgumentParser) -> None:
                         help="token choice's router head (softmax, top-k slots, aux loss, statistics) as Triton "
                              "kernels on CUDA, or PyTorch ops (mode.routing.primitives.SOFTMAX_TOPK_KERNEL)")
     parser.add_argument("--rows", choices=["triton", "torch"], default="triton",
-                        help="MoE rows (expert choice; token choice with a capacity): the gated combine and the "
+                        help="MoE rows (every layout but megablocks'): the gated combine and the "
                              "gather's backward as token-major Triton kernels on CUDA in eager mode, or gather / "
                              "scatter_add (mode.routing.primitives.ROWS_KERNEL)")
 
