@@ -238,8 +238,9 @@ def combine_tokens(indices: Tensor, updates: Tensor, tokens_per_group: int) -> T
 # ----------------------------------------------------------------------------- expert-major rows
 # True: on CUDA in eager mode, the MoE layers' rows (every layout but megablocks' own) move
 # through mode/kernels/rows.py: each token sums the rows it feeds through an inverse map (the
-# combine with its gates, and the gather's backward) instead of a zero fill and a scatter_add; False: always gather_tokens and combine_tokens (bench/moe_layer.py --rows
-# compares them). Under torch.compile the plain ops (Inductor fuses them with their neighbours).
+# combine with its gates, and the gather's backward) instead of a zero fill and a scatter_add;
+# False: always gather_tokens and combine_tokens (bench/moe_layer.py --rows compares them).
+# Under torch.compile the plain ops (Inductor fuses them with their neighbours).
 ROWS_KERNEL = True
 
 
