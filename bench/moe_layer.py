@@ -177,25 +177,40 @@ def main() -> None:
     torch.manual_seed(0)
     x = torch.randn(args.batch, args.seq, args.width, device="cuda", dtype=PARAM_DTYPE[args.params], requires_grad=True)
 
+    Row = tuple[str, Callable[[], Layer], str]
+    graphs = dict(mode="reduce-overhead")
+
+    def family(eager_name: str, stem: str, tag: str, build: Callable[[], Layer], routed: bool) -> list[Row]:
+        """A layer's eager row and its variants, each (name, build, how the pass runs: "eager" from
+        the host, or "graph": the whole eager pass captured as one CUDA graph, as train.cuda_graphs
+        runs a model: the kernels alone, no host in between). With --compile: compiled, and compiled
+        with torch.compile's CUDA graphs (mode="reduce-overhead"). Without: as one CUDA graph, a
+        routed layer also with its rows moved by gather / scatter_add. (Not both in one process: on
+        torch 2.11 a graph captured by hand faulted with an illegal address on replay in a process
+        that had also run reduce-overhead rows; each alone ran right.)"""
+        name = lambda mode: f"{stem} ({tag + ', ' if tag else ''}{mode})"  # noqa: E731
+        if args.compile:
+            return [(eager_name, build, "eager"), (name("compiled"), lambda: torch.compile(build()), "eager"),
+                    (name("compiled + CUDA graphs"), lambda: torch.compile(build(), **graphs), "eager")]
+        rows = [(eager_name, build, "eager"), (name("one CUDA graph"), build, "graph")]
+        if routed:
+            rows.append((name("one CUDA graph, rows by gather/scatter_add"), lambda: with_rows_kernel(False, build()),
+                         "graph"))
+        return rows
+
     dense = lambda: GeluMLP(args.width, args.ffn).cuda().to(PARAM_DTYPE[args.params])  # noqa: E731
     expert_choice = lambda: ours(args, scheme="expert_choice", group_size=1)  # noqa: E731
-    # (name, build, how the pass runs: "eager" from the host, or "graph": the whole eager pass captured
-    # as one CUDA graph, as train.cuda_graphs runs a model: the kernels alone, no host in between)
-    rows: list[tuple[str, Callable[[], Layer], str]] = [
-        ("dense GELU MLP, same FLOPs (the limit)", dense, "eager"),
-        ("dense GELU MLP (one CUDA graph)", dense, "graph"),
-        ("mode expert choice, per sequence (torch)", expert_choice, "eager"),
-        ("mode expert choice, per sequence (torch, one CUDA graph)", expert_choice, "graph"),
-        ("mode expert choice, per sequence (torch, one CUDA graph, rows by gather/scatter_add)",
-         lambda: with_rows_kernel(False, expert_choice()), "graph"),
+    token_choice = lambda: ours(args, scheme="token_choice", capacity_factor=1.0)  # noqa: E731
+    # Static shapes only go into CUDA graphs: expert choice and token choice with a capacity
+    # (dropless sizes its groups on the host, and megablocks' path syncs with it).
+    rows: list[Row] = [
+        *family("dense GELU MLP, same FLOPs (the limit)", "dense GELU MLP", "", dense, routed=False),
+        *family("mode expert choice, per sequence (torch)", "mode expert choice, per sequence", "torch",
+                expert_choice, routed=True),
         ("mode expert choice, batch group (torch)", lambda: ours(args, scheme="expert_choice", group_size=args.batch),
          "eager"),
-        ("mode token choice top-1 cf 1.0 (torch)", lambda: ours(args, scheme="token_choice", capacity_factor=1.0),
-         "eager"),
-        ("mode token choice top-1 cf 1.0 (torch, one CUDA graph)",
-         lambda: ours(args, scheme="token_choice", capacity_factor=1.0), "graph"),
-        ("mode token choice top-1 cf 1.0 (torch, one CUDA graph, rows by gather/scatter_add)",
-         lambda: with_rows_kernel(False, ours(args, scheme="token_choice", capacity_factor=1.0)), "graph"),
+        *family("mode token choice top-1 cf 1.0 (torch)", "mode token choice top-1 cf 1.0", "torch", token_choice,
+                routed=True),
         ("mode token choice top-1 dropless (grouped_gemm)",
          lambda: ours(args, scheme="token_choice", dropless=True, backend="grouped_gemm"), "eager"),
         ("mode token choice top-1 dropless (megablocks)",
@@ -203,26 +218,6 @@ def main() -> None:
         ("megablocks 0.10.0 dMoE grouped, top-1 dropless", lambda: megablocks_dmoe(args), "eager"),
         ("DeepSpeed 0.19.8 MoE top-1, capacity factor 1.0", lambda: deepspeed_moe(args), "eager"),
     ]
-    if args.compile:
-        # mode="reduce-overhead": the compiled forward and backward replayed as CUDA graphs by
-        # torch.compile (static shapes only: expert choice and token choice with a capacity;
-        # megablocks' dropless path syncs with the host). The "one CUDA graph" rows are left out:
-        # on torch 2.11 a graph captured by hand faulted with an illegal address on replay in a
-        # process that had also run reduce-overhead rows (each alone ran right); run without --compile.
-        rows = [row for row in rows if row[2] != "graph"]
-        graphs = dict(mode="reduce-overhead")
-        compiled_rows = [
-            ("dense GELU MLP (compiled)", lambda: torch.compile(dense()), "eager"),
-            ("dense GELU MLP (compiled + CUDA graphs)", lambda: torch.compile(dense(), **graphs), "eager"),
-            ("mode expert choice, per sequence (torch, compiled)", lambda: torch.compile(expert_choice()), "eager"),
-            ("mode expert choice, per sequence (torch, compiled + CUDA graphs)",
-             lambda: torch.compile(expert_choice(), **graphs), "eager"),
-            ("mode token choice top-1 cf 1.0 (torch, compiled)",
-             lambda: torch.compile(ours(args, scheme="token_choice", capacity_factor=1.0)), "eager"),
-            ("mode token choice top-1 cf 1.0 (torch, compiled + CUDA graphs)",
-             lambda: torch.compile(ours(args, scheme="token_choice", capacity_factor=1.0), **graphs), "eager"),
-        ]
-        rows = rows[:1] + compiled_rows[:2] + rows[1:3] + compiled_rows[2:4] + rows[3:4] + compiled_rows[4:] + rows[4:]
     print(f"card: {torch.cuda.get_device_name()}; torch {torch.__version__}; tokens {args.batch} x {args.seq}, "
           f"D={args.width}, expert hidden {args.ffn}, {args.experts} experts, {args.params} weights, bf16 autocast, fwd+bwd, "
           f"rows added back with {args.row_add}, router {args.router}, top-k {args.topk}, "
