@@ -89,8 +89,8 @@ def ours(args: argparse.Namespace, **moe: object) -> Callable[[Tensor], Tensor]:
 
 
 def with_rows_kernel(enabled: bool, layer: Layer) -> Layer:
-    """layer run with mode.routing.primitives.ROWS_KERNEL set as given (and restored): eager expert
-    choice with and without the token-major row kernels in one process."""
+    """layer run with mode.routing.primitives.ROWS_KERNEL set as given (and restored): an eager MoE
+    layer (expert choice, or token choice) with and without the token-major row kernels in one process."""
 
     def run(x: Tensor) -> Tensor:
         saved, primitives.ROWS_KERNEL = primitives.ROWS_KERNEL, enabled
