@@ -48,7 +48,7 @@ def main() -> None:
     card = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     print(f"card: {card}; B={args.batch} S={args.seq} D={args.width} layers={args.layers} ffn={args.ffn} "
           f"vocab={args.vocab}; pattern [dense, KIND]; {args.experts} experts, expert choice, capacity factor 1; "
-          f"top-k {args.topk}, expert choice rows {args.rows}")
+          f"top-k {args.topk}, MoE rows {args.rows}, expert choice dispatch {args.expert_choice}")
     for mode in args.modes:
         if "CUDA graphs" in mode and device.type != "cuda":
             raise SystemExit(f"--modes {mode!r} needs a CUDA GPU")

@@ -33,7 +33,7 @@ class GeluMLP(nn.Module):
 
 
 def add_routing_switches(parser: argparse.ArgumentParser) -> None:
-    """--row-add, --topk and --slot-choice: module switches of mode.routing.primitives that the benchmarks compare."""
+    """--row-add, --topk, --slot-choice, --rows and --expert-choice: module switches of mode.routing.primitives that the benchmarks compare."""
     parser.add_argument("--row-add", choices=["scatter_add", "index_add"], default="scatter_add",
                         help="the kernel routed layers add rows back with (mode.routing.primitives.ROW_ADD)")
     parser.add_argument("--topk", choices=["triton", "torch"], default="triton",
@@ -46,6 +46,10 @@ def add_routing_switches(parser: argparse.ArgumentParser) -> None:
                         help="MoE rows (every layout but megablocks'): the gated combine and the "
                              "gather's backward as token-major Triton kernels on CUDA in eager mode, or gather / "
                              "scatter_add (mode.routing.primitives.ROWS_KERNEL)")
+    parser.add_argument("--expert-choice", choices=["triton", "torch"], default="triton",
+                        help="expert choice's routing and gather as one autograd function of Triton kernels on CUDA "
+                             "in eager mode (its backward adds the router's input gradient into the gather's), or "
+                             "the router's PyTorch ops then the rows (mode.routing.primitives.EXPERT_CHOICE_KERNEL)")
 
 
 def apply_routing_switches(args: argparse.Namespace) -> None:
@@ -55,6 +59,7 @@ def apply_routing_switches(args: argparse.Namespace) -> None:
     primitives.TOPK_KERNEL = args.topk == "triton"
     primitives.SOFTMAX_TOPK_KERNEL = args.slot_choice == "triton"
     primitives.ROWS_KERNEL = args.rows == "triton"
+    primitives.EXPERT_CHOICE_KERNEL = args.expert_choice == "triton"
 
 
 def timed(fn: Callable[[], None], warmup: int, iters: int, device: torch.device) -> float:

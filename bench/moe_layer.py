@@ -9,8 +9,10 @@ synchronisation between them, as the layers of a training step run). Rows:
 - the dense GELU MLP of the same FLOPs (every token through one MLP of the expert's size): the limit;
 - this project's expert choice (per sequence and per batch group), `torch` backend;
 - the dense MLP, expert choice and token choice cf 1 with the whole eager pass captured as one
-  CUDA graph (as train.cuda_graphs runs a model: the GPU's time alone), the routed ones also with
-  their rows moved by gather / scatter_add instead of the token-major kernels (--rows); not with --compile;
+  CUDA graph (as train.cuda_graphs runs a model: the GPU's time alone), expert choice also with its
+  router head as PyTorch ops instead of its one-function dispatch (--expert-choice), the routed ones
+  also with their rows moved by gather / scatter_add instead of the token-major kernels (--rows;
+  expert choice then wholly PyTorch ops); not with --compile;
 - with --compile: the dense MLP, expert choice and token choice cf 1 compiled, and compiled with
   torch.compile's CUDA graphs (mode="reduce-overhead");
 - this project's token choice, top-1, capacity factor 1 (torch) and dropless (grouped_gemm, megablocks);
@@ -88,16 +90,17 @@ def ours(args: argparse.Namespace, **moe: object) -> Callable[[Tensor], Tensor]:
     return MoEFFN(args.width, args.ffn, cfg).cuda().to(PARAM_DTYPE[args.params])
 
 
-def with_rows_kernel(enabled: bool, layer: Layer) -> Layer:
-    """layer run with mode.routing.primitives.ROWS_KERNEL set as given (and restored): an eager MoE
-    layer (expert choice, or token choice) with and without the token-major row kernels in one process."""
+def with_switch(name: str, enabled: bool, layer: Layer) -> Layer:
+    """layer run with the mode.routing.primitives switch `name` (ROWS_KERNEL, EXPERT_CHOICE_KERNEL) set
+    as given, and restored: an eager MoE layer with and without some kernels in one process."""
 
     def run(x: Tensor) -> Tensor:
-        saved, primitives.ROWS_KERNEL = primitives.ROWS_KERNEL, enabled
+        saved = getattr(primitives, name)
+        setattr(primitives, name, enabled)
         try:
             return layer(x)
         finally:
-            primitives.ROWS_KERNEL = saved
+            setattr(primitives, name, saved)
 
     run.params = parameters_of(layer)
     return run
@@ -180,12 +183,15 @@ def main() -> None:
     Row = tuple[str, Callable[[], Layer], str]
     graphs = dict(mode="reduce-overhead")
 
-    def family(eager_name: str, stem: str, tag: str, build: Callable[[], Layer], routed: bool) -> list[Row]:
+    def family(eager_name: str, stem: str, tag: str, build: Callable[[], Layer], routed: bool,
+               expert_choice: bool = False) -> list[Row]:
         """A layer's eager row and its variants, each (name, build, how the pass runs: "eager" from
         the host, or "graph": the whole eager pass captured as one CUDA graph, as train.cuda_graphs
         runs a model: the kernels alone, no host in between). With --compile: compiled, and compiled
-        with torch.compile's CUDA graphs (mode="reduce-overhead"). Without: as one CUDA graph, a
-        routed layer also with its rows moved by gather / scatter_add. (Not both in one process: on
+        with torch.compile's CUDA graphs (mode="reduce-overhead"). Without: as one CUDA graph, expert
+        choice also with its router head as PyTorch ops (its rows still through the row kernels), a
+        routed layer also with its rows moved by gather / scatter_add (and, for expert choice, its
+        router head as PyTorch ops: the eager PyTorch path). (Not both in one process: on
         torch 2.11 a graph captured by hand faulted with an illegal address on replay in a process
         that had also run reduce-overhead rows; each alone ran right.)"""
         name = lambda mode: f"{stem} ({tag + ', ' if tag else ''}{mode})"  # noqa: E731
@@ -193,9 +199,12 @@ def main() -> None:
             return [(eager_name, build, "eager"), (name("compiled"), lambda: torch.compile(build()), "eager"),
                     (name("compiled + CUDA graphs"), lambda: torch.compile(build(), **graphs), "eager")]
         rows = [(eager_name, build, "eager"), (name("one CUDA graph"), build, "graph")]
+        if expert_choice:
+            rows.append((name("one CUDA graph, router head by PyTorch ops"),
+                         lambda: with_switch("EXPERT_CHOICE_KERNEL", False, build()), "graph"))
         if routed:
-            rows.append((name("one CUDA graph, rows by gather/scatter_add"), lambda: with_rows_kernel(False, build()),
-                         "graph"))
+            rows.append((name("one CUDA graph, rows by gather/scatter_add"),
+                         lambda: with_switch("ROWS_KERNEL", False, build()), "graph"))
         return rows
 
     dense = lambda: GeluMLP(args.width, args.ffn).cuda().to(PARAM_DTYPE[args.params])  # noqa: E731
@@ -206,7 +215,7 @@ def main() -> None:
     rows: list[Row] = [
         *family("dense GELU MLP, same FLOPs (the limit)", "dense GELU MLP", "", dense, routed=False),
         *family("mode expert choice, per sequence (torch)", "mode expert choice, per sequence", "torch",
-                expert_choice, routed=True),
+                expert_choice, routed=True, expert_choice=True),
         ("mode expert choice, batch group (torch)", lambda: ours(args, scheme="expert_choice", group_size=args.batch),
          "eager"),
         *family("mode token choice top-1 cf 1.0 (torch)", "mode token choice top-1 cf 1.0", "torch", token_choice,
@@ -221,7 +230,8 @@ def main() -> None:
     print(f"card: {torch.cuda.get_device_name()}; torch {torch.__version__}; tokens {args.batch} x {args.seq}, "
           f"D={args.width}, expert hidden {args.ffn}, {args.experts} experts, {args.params} weights, bf16 autocast, fwd+bwd, "
           f"rows added back with {args.row_add}, router {args.router}, top-k {args.topk}, "
-          f"token choice slots {args.slot_choice}, expert choice rows {args.rows}\n")
+          f"token choice slots {args.slot_choice}, MoE rows {args.rows}, "
+          f"expert choice dispatch {args.expert_choice}\n")
     layers = build_rows(rows, x)
     # Interleaved rounds: row 1, row 2, ..., row 1, ...; each cell is the median over the rounds.
     # Rows that launch many small kernels from the host (eager token choice, megablocks, DeepSpeed)

@@ -18,9 +18,9 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from mode.kernels import cross_entropy, rotary, rows, softmax_topk, swiglu, topk  # noqa: E402
+from mode.kernels import cross_entropy, expert_choice, rotary, rows, softmax_topk, swiglu, topk  # noqa: E402
 
-BF16, F32, I64, I32 = "*bf16", "*fp32", "*i64", "i32"
+BF16, F32, I64, I32, I32P = "*bf16", "*fp32", "*i64", "i32", "*i32"
 
 # (module, kernel, argument types in order (constexpr arguments as values), as the layers launch it)
 KERNELS = [
@@ -49,10 +49,35 @@ KERNELS = [
     (softmax_topk, "_backward", dict(logits_ptr=F32, slots_ptr=I64, grad_gates_ptr=F32, summary_ptr=F32,
                                      grad_aux_ptr=F32, grad_logits_ptr=F32, tokens=I32, n_slots=I32, inv_tokens="fp32",
                                      lb_scale="fp32", z_weight="fp32", K=2, BLOCK_T=256, BLOCK_S=8)),
-    (rows, "_sum_rows", dict(rows_ptr=BF16, gates_ptr=F32, inverse_ptr="*i32", out_ptr=BF16, tokens=I32, width=I32,
-                             J=8, HAS_GATES=True, BLOCK_T=4, BLOCK_D=256)),
-    (rows, "_sum_rows", dict(rows_ptr=BF16, gates_ptr=BF16, inverse_ptr="*i32", out_ptr=BF16, tokens=I32, width=I32,
-                             J=1, HAS_GATES=False, BLOCK_T=4, BLOCK_D=256)),
+    (rows, "_sum_rows", dict(rows_ptr=BF16, gates_ptr=F32, inverse_ptr=I32P, scores_grad_ptr=BF16, weight_ptr=BF16,
+                             out_ptr=BF16, tokens=I32, width=I32, J=8, HAS_GATES=True, S=0, BLOCK_T=4, BLOCK_D=256)),
+    (rows, "_sum_rows", dict(rows_ptr=BF16, gates_ptr=BF16, inverse_ptr=I32P, scores_grad_ptr=BF16, weight_ptr=BF16,
+                             out_ptr=BF16, tokens=I32, width=I32, J=1, HAS_GATES=False, S=0, BLOCK_T=4, BLOCK_D=256)),
+    # expert choice's gather backward with the router's input gradient: bf16 router, and float32
+    (rows, "_sum_rows", dict(rows_ptr=BF16, gates_ptr=BF16, inverse_ptr=I32P, scores_grad_ptr=BF16, weight_ptr=BF16,
+                             out_ptr=BF16, tokens=I32, width=I32, J=8, HAS_GATES=False, S=8, BLOCK_T=4, BLOCK_D=256)),
+    (rows, "_sum_rows", dict(rows_ptr=BF16, gates_ptr=BF16, inverse_ptr=I32P, scores_grad_ptr=F32, weight_ptr=F32,
+                             out_ptr=BF16, tokens=I32, width=I32, J=8, HAS_GATES=False, S=10, BLOCK_T=4, BLOCK_D=256)),
+    (expert_choice, "_select", dict(probs_ptr=F32, logits_ptr=F32, indices_ptr=I64, ids_ptr=I64, gates_ptr=F32,
+                                    inverse_ptr=I32P, hits_ptr=I32P, count_ptr=I32P, partial_ptr=F32, groups=I32,
+                                    tokens=I32, n_slots=I32, n_experts=I32, capacity=I32, z_share=I32,
+                                    BLOCK=2048, BLOCK_Z=128, BLOCK_S=8)),
+    (expert_choice, "_select", dict(probs_ptr=F32, logits_ptr=F32, indices_ptr=I64, ids_ptr=I64, gates_ptr=F32,
+                                    inverse_ptr=I32P, hits_ptr=I32P, count_ptr=I32P, partial_ptr=F32, groups=1,
+                                    tokens=I32, n_slots=I32, n_experts=1, capacity=1, z_share=I32,
+                                    BLOCK=4096, BLOCK_Z=128, BLOCK_S=2)),
+    (expert_choice, "_finalize", dict(partial_ptr=F32, count_ptr=I32P, summary_ptr=F32, aux_ptr=F32, programs=I32,
+                                      n_experts=I32, rows_per_expert="fp32", inv_tokens="fp32", z_weight="fp32",
+                                      BLOCK_P=64, BLOCK_E=64)),
+    (expert_choice, "_finalize", dict(partial_ptr=F32, count_ptr=I32P, summary_ptr=F32, aux_ptr=F32, programs=1,
+                                      n_experts=1, rows_per_expert="fp32", inv_tokens="fp32", z_weight="fp32",
+                                      BLOCK_P=64, BLOCK_E=64)),
+    (expert_choice, "_backward", dict(logits_ptr=F32, inverse_ptr=I32P, grad_gates_ptr=F32, grad_aux_ptr=F32,
+                                      grad_logits_ptr=BF16, tokens=I32, n_slots=I32, n_experts=I32, z_scale="fp32",
+                                      BLOCK_T=256, BLOCK_S=8)),
+    (expert_choice, "_backward", dict(logits_ptr=F32, inverse_ptr=I32P, grad_gates_ptr=F32, grad_aux_ptr=F32,
+                                      grad_logits_ptr=F32, tokens=I32, n_slots=I32, n_experts=1, z_scale="fp32",
+                                      BLOCK_T=128, BLOCK_S=16)),
     (rows, "_combine_backward", dict(grad_ptr=BF16, ids_ptr=I64, rows_ptr=BF16, gates_ptr=F32, grad_rows_ptr=BF16,
                                      grad_gates_ptr=F32, n_rows=I32, width=I32, BLOCK_R=4, BLOCK_D=512)),
 ]

@@ -431,6 +431,110 @@ def test_moe_layer_through_the_row_kernels_equals_pytorch(case: str, monkeypatch
         torch.testing.assert_close(grad, want_grads[name], rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
+EXPERT_CHOICE_DISPATCH_CASES = {  # (batch, seq, group_size, n_experts, n_noop, capacity_factor)
+    "per sequence": (4, 24, 1, 4, 0, 1.0),
+    "groups of 2, no-op slots": (4, 24, 2, 4, 2, 1.5),
+    "capacity 1, odd tokens": (2, 13, 1, 3, 1, 0.3),
+    "one expert takes every token": (2, 16, 1, 1, 0, 1.0),
+}
+
+
+def _expert_choice_run(layer, x: torch.Tensor, use: str, kernel: bool, monkeypatch: pytest.MonkeyPatch):
+    """ExpertChoiceRouter.route with the kernels or the PyTorch ops; the loss uses the outputs `use`
+    names (rows, gates, aux): the routing, the rows, and the gradients of x and the router's weight."""
+    import mode.kernels as kernels
+
+    monkeypatch.setattr(kernels, "use_triton", lambda t: kernel)
+    layer.zero_grad(set_to_none=True)
+    x = x.clone().requires_grad_()
+    routing, rows, xs = layer.router.route(x)
+    assert (rows.inverse is not None) == kernel
+    torch.manual_seed(1)  # the same probes both ways
+    loss = x.new_zeros(())
+    probe = lambda t: torch.randn(t.shape, device=t.device)  # noqa: E731 (randn_like would follow the strides)
+    if "rows" in use:
+        loss = loss + (xs * probe(xs)).sum()
+    if "gates" in use:
+        loss = loss + (routing.gates * probe(routing.gates)).sum()
+    if "aux" in use:
+        loss = loss + 3.0 * routing.aux_loss
+    loss.backward()
+    return routing, rows, xs.detach(), x.grad, layer.router.router.proj.weight.grad
+
+
+@pytest.mark.parametrize("use", ["rows gates aux", "gates", "aux", "rows"])
+@pytest.mark.parametrize("case", EXPERT_CHOICE_DISPATCH_CASES, ids=list(EXPERT_CHOICE_DISPATCH_CASES))
+def test_expert_choice_dispatch_matches_pytorch(case: str, use: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Expert choice's routing, rows and gather in one autograd function against the router's PyTorch
+    ops, expert_choice_rows and gather_rows, float32: the same selection, gates and rows bit for bit
+    (the softmax is PyTorch's both ways), the same ids and inverse map as expert_choice_rows, the
+    same statistics, the z-loss and the gradients of x and the router's weight (the router's input
+    gradient summed with the gather's in the kernel) to float32 rounding (rtol 1e-5); the loss
+    uses every output or only some (the others' gradients are None)."""
+    import mode.kernels as kernels
+    from mode.config import MoEConfig
+    from mode.layers.moe import MoEFFN
+
+    batch, seq, group_size, n_experts, n_noop, capacity_factor = EXPERT_CHOICE_DISPATCH_CASES[case]
+    torch.manual_seed(0)
+    layer = MoEFFN(32, 48, MoEConfig(n_experts=n_experts, n_noop=n_noop, scheme="expert_choice", group_size=group_size,
+                                     capacity_factor=capacity_factor, z_loss_weight=0.1)).to(DEVICE)
+    x = torch.randn(batch, seq, 32, device=DEVICE)
+    got_routing, got_rows, got_xs, got_x_grad, got_w_grad = _expert_choice_run(layer, x, use, True, monkeypatch)
+    routing, _, xs, x_grad, w_grad = _expert_choice_run(layer, x, use, False, monkeypatch)
+    assert torch.equal(got_routing.indices, routing.indices)
+    assert torch.equal(got_routing.gates, routing.gates)
+    assert torch.equal(got_xs, xs)
+    assert torch.equal(got_routing.logits, routing.logits.detach())
+    with pytest.MonkeyPatch.context() as mp:  # the PyTorch path's layout, with its inverse map
+        mp.setattr(kernels, "use_triton", lambda t: True)
+        from mode.routing import expert_choice_rows, expert_major_ids
+
+        want_rows = expert_choice_rows(expert_major_ids(routing.indices, group_size * seq), x.view(-1, 32))
+    assert torch.equal(got_rows.ids, want_rows.ids) and torch.equal(got_rows.inverse, want_rows.inverse)
+    torch.testing.assert_close(got_routing.aux_loss, routing.aux_loss, rtol=1e-6, atol=0)
+    assert got_routing.stats.keys() == routing.stats.keys()
+    for name, value in routing.stats.items():
+        torch.testing.assert_close(got_routing.stats[name], value, rtol=1e-6, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+    assert 0 < routing.stats["processed"] <= 1
+    torch.testing.assert_close(got_x_grad, x_grad, rtol=1e-5, atol=1e-6)
+    if w_grad is None:  # the rows alone: PyTorch's router is not on the loss's path; here it gets zeros
+        assert use == "rows" and not got_w_grad.any()
+    else:
+        torch.testing.assert_close(got_w_grad, w_grad, rtol=1e-5, atol=1e-6)
+
+
+def test_expert_choice_dispatch_takes_the_kernel_only_where_it_applies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one-function dispatch runs eager on CUDA (here patched) for float32/bf16/fp16 tokens without a
+    router bias, a group that fits one program's sort and no causal decision; otherwise the PyTorch ops."""
+    import mode.kernels as kernels
+    import mode.routing.router as router_module
+    from mode.config import MoEConfig, RoutingConfig
+    from mode.kernels.topk import MAX_TOKENS
+    from mode.layers.moe import MoEFFN
+    from mode.routing import primitives
+
+    weight = torch.zeros(6, 8, device=DEVICE)
+    x = torch.zeros(32, 8, device=DEVICE)
+    assert not primitives.expert_choice_kernel_applies(x.cpu(), weight.cpu(), None, 2)  # use_triton: CUDA only
+    monkeypatch.setattr(kernels, "use_triton", lambda t: True)
+    assert primitives.expert_choice_kernel_applies(x, weight, None, 2)
+    assert not primitives.expert_choice_kernel_applies(x, weight, torch.zeros(6, device=DEVICE), 2)
+    assert not primitives.expert_choice_kernel_applies(x.double(), weight.double(), None, 2)
+    assert not primitives.expert_choice_kernel_applies(torch.zeros(2 * MAX_TOKENS + 2, 8, device=DEVICE), weight, None, 2)
+    monkeypatch.setattr(primitives, "EXPERT_CHOICE_KERNEL", False)
+    assert not primitives.expert_choice_kernel_applies(x, weight, None, 2)
+    monkeypatch.setattr(primitives, "EXPERT_CHOICE_KERNEL", True)
+
+    def refuse(*args: object) -> None:
+        raise AssertionError("the dispatch kernel ran for a router with a causal decision")
+
+    monkeypatch.setattr(router_module, "expert_choice_dispatch", refuse)
+    layer = MoEFFN(8, 16, MoEConfig(n_experts=2, scheme="expert_choice"), RoutingConfig(causal="aux_loss")).to(DEVICE)
+    out, routing = layer(torch.randn(2, 8, 8, device=DEVICE))  # the causal BCE trains the router's logits
+    assert out.shape == (2, 8, 8) and routing.aux_loss.requires_grad
+
+
 def test_token_choice_rows_name_the_kept_assignments() -> None:
     """token_choice_rows' inverse: each kept choice's row in the (E, C) table, -1 for dropped and
     no-op choices; every row a token names holds that token."""

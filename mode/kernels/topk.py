@@ -2,16 +2,19 @@
 in increasing order.
 
 PyTorch runs it as a top-k and then a sort of the chosen positions (so the chosen tokens stay in
-causal order). Here one program per row loads the row, sorts unique 64-bit keys (the score's
-bits in the high word, the position in the low word), reads the k-th key as a threshold, and
-writes the positions whose key reaches it, in order, through a running count. Ties between
-equal scores go to the earlier position; NaN counts as the largest score, as in torch.topk.
+causal order). Here one program per row loads the row, maps each score to an integer key that
+orders as the floats do, finds the k-th largest key by bisection (a block-wide count per step,
+about 30 steps), and writes the positions above it and the earliest of those equal to it, in
+order, through a running count. Ties between equal scores go to the earlier position; NaN counts
+as the largest score, as in torch.topk.
 
 On an H100 (bench/block_profile.py): (8, 2048) scores, k = 256, 41.5 us of kernels in 8
-launches for PyTorch against 29.3 us in one; expert choice's (8, 8, 2048), top 256, 44.7
-against 29.4 us. Eager mode only: wrapped as a custom op for torch.compile, it split the
-compiled graphs and broke a compiled expert-choice layer's view tracking (torch 2.11), so
-compiled code keeps the PyTorch ops.
+launches for PyTorch against 29.3 us in one for this kernel's first version, which sorted the
+row's 64-bit (score, position) keys. Bisection instead (triton.testing.do_bench, one H100): 13.1
+against 33.7 us for 64 rows of 2048, k = 256 (expert choice's (8, 8, 2048)), and 16.7 against
+84.0 us for 64 rows of 4096, k = 512. Eager mode only: wrapped as a custom op for torch.compile,
+it split the compiled graphs and broke a compiled expert-choice layer's view tracking (torch
+2.11), so compiled code keeps the PyTorch ops.
 """
 from __future__ import annotations
 
@@ -22,9 +25,31 @@ from torch import Tensor
 
 from mode.kernels.common import on_device_of
 
-# One program holds a whole row: past this many tokens the sort no longer fits in registers,
-# and the PyTorch path runs instead.
+# One program holds a whole row in registers: past this many tokens the PyTorch path runs instead.
 MAX_TOKENS = 4096
+
+
+@triton.jit
+def row_top_k(score, pos, valid, k, BLOCK: tl.constexpr):
+    """One row's float32 scores at positions pos (BLOCK,), valid where < the row's length ->
+    (chosen (BLOCK,) bool, exactly k True; slot: the rank among the chosen, increasing with pos)."""
+    bits = score.to(tl.int32, bitcast=True)
+    bits = tl.where(score != score, 0x7FC00000, bits)  # every NaN as +NaN: above +inf
+    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # floats ordered as signed integers
+    ordered = tl.where(valid, ordered, -(2**31)).to(tl.int64)  # past the row: below every score
+    # The k-th largest key by bisection: the largest v with at least k keys >= v.
+    low, high = tl.min(ordered, axis=0), tl.max(ordered, axis=0)
+    while low < high:
+        mid = (low + high + 1) // 2
+        enough = tl.sum((ordered >= mid).to(tl.int32), axis=0) >= k
+        low, high = tl.where(enough, mid, low), tl.where(enough, high, mid - 1)
+    above = valid & (ordered > low)
+    # Ties at the threshold go to the earlier positions, as many as are still needed.
+    tie = valid & (ordered == low)
+    needed = k - tl.sum(above.to(tl.int32), axis=0)
+    chosen = above | (tie & (tl.cumsum(tie.to(tl.int32), axis=0) <= needed))
+    slot = tl.cumsum(chosen.to(tl.int32), axis=0) - 1  # increasing positions -> increasing slots
+    return chosen, slot
 
 
 @triton.jit
@@ -33,17 +58,13 @@ def _top_k_positions(scores_ptr, out_ptr, tokens, k, BLOCK: tl.constexpr):
     pos = tl.arange(0, BLOCK)
     valid = pos < tokens
     score = tl.load(scores_ptr + row * tokens + pos, mask=valid, other=0.0)
-    bits = score.to(tl.int32, bitcast=True)
-    bits = tl.where(score != score, 0x7FC00000, bits)  # every NaN as +NaN: above +inf
-    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # floats ordered as signed integers
-    # Unique keys: the score in the high word; in the low word, earlier positions rank higher.
-    key = (ordered.to(tl.int64) << 32) | (BLOCK - 1 - pos).to(tl.int64)
-    key = tl.where(valid, key, -(2**63))
-    ranked = tl.sort(key, descending=True)
-    threshold = tl.min(tl.where(pos < k, ranked, 2**63 - 1), axis=0)  # the k-th largest key
-    chosen = valid & (key >= threshold)  # exactly k: the keys are unique
-    slot = tl.cumsum(chosen.to(tl.int32), axis=0) - 1  # increasing positions -> increasing slots
+    chosen, slot = row_top_k(score, pos, valid, k, BLOCK)
     tl.store(out_ptr + row * k + slot, pos.to(tl.int64), mask=chosen)
+
+
+def num_warps(block: int) -> int:
+    """Warps for a program holding a row of `block` keys (the fastest on an H100 at 2048 and 4096)."""
+    return max(4, min(8, block // 512))
 
 
 def fits(scores: Tensor) -> bool:
@@ -61,5 +82,5 @@ def top_k_positions(scores: Tensor, k: int) -> Tensor:
     if rows.shape[0]:
         block = triton.next_power_of_2(tokens)
         with on_device_of(scores):
-            _top_k_positions[(rows.shape[0],)](rows, out, tokens, k, BLOCK=block, num_warps=max(4, min(16, block // 256)))
+            _top_k_positions[(rows.shape[0],)](rows, out, tokens, k, BLOCK=block, num_warps=num_warps(block))
     return out

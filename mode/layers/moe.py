@@ -14,13 +14,12 @@ from mode.layers.experts import Experts, check_backend, megablocks_token_choice
 from mode.routing import (
     CausalExpertRouting,
     ExpertChoiceRouter,
+    ExpertRows,
     Routing,
     TokenChoiceRouter,
     TokenChoiceRouting,
     combine_rows,
     count_ids,
-    expert_choice_rows,
-    expert_major_ids,
     gather_rows,
     rows_by_slot,
     slot_table,
@@ -52,27 +51,24 @@ class MoEFFN(nn.Module):
     def forward(self, x: Tensor, valid: Tensor | None = None) -> tuple[Tensor, Routing]:
         """valid (B, S) bool: under causal routing, False rows are padding: no expert computes
         them (their output is 0) and the statistics leave them out. None: every row is a token."""
+        if isinstance(self.router, ExpertChoiceRouter) and not self.router.causal_mode:
+            routing, rows, xs = self.router.route(x)
+            return self._expert_choice(routing, rows, xs).view_as(x), routing
         routing = self.router(x, valid)
         if isinstance(routing, CausalExpertRouting):
             out = self._causal_experts(x.reshape(-1, x.shape[-1]), routing)
-        elif isinstance(routing, TokenChoiceRouting):
-            out = self._token_choice(x.reshape(-1, x.shape[-1]), routing)
         else:
-            out = self._expert_choice(x, routing)
+            out = self._token_choice(x.reshape(-1, x.shape[-1]), routing)
         return out.view_as(x), routing
 
-    # Batch dims of size 1 are dropped with squeeze(0), never [0]: select's backward would zero-fill
-    # and copy a whole (rows, D) gradient in eager mode (squeeze's is a view).
-    def _expert_choice(self, x: Tensor, routing: Routing) -> Tensor:
-        """Every expert takes exactly C tokens of each group: one static (E, G*C, D) batched matmul."""
-        groups, n_experts, _ = routing.indices.shape
-        flat = x.reshape(-1, x.shape[-1])  # (B*S, D): group g is the g-th run of T tokens
-        rows = expert_choice_rows(expert_major_ids(routing.indices, flat.shape[0] // groups), flat)
-        xs = gather_rows(flat, rows).view(n_experts, -1, flat.shape[1])  # (E, G*C, D)
-        ys = self.experts.padded(xs)  # (E, G*C, D)
+    def _expert_choice(self, routing: Routing, rows: ExpertRows, xs: Tensor) -> Tensor:
+        """Every expert takes exactly C tokens of each group: one static (E, G*C, D) batched matmul.
+        xs (E*G*C, D): the chosen tokens, gathered expert-major by the router (ExpertChoiceRouter.route)."""
+        n_experts, width = routing.indices.shape[1], xs.shape[1]
+        ys = self.experts.padded(xs.view(n_experts, -1, width))  # (E, G*C, D)
         gates = routing.gates.transpose(0, 1).reshape(-1)  # (E*G*C,), the order of rows.ids
         # Combined in the experts' compute dtype (bf16 under autocast), like a dense FFN's output.
-        return combine_rows(ys.view(-1, flat.shape[1]), gates, rows)  # (B*S, D)
+        return combine_rows(ys.view(-1, width), gates, rows)  # (B*S, D)
 
     def _causal_experts(self, x: Tensor, routing: CausalExpertRouting) -> Tensor:
         """x (T, D); expert e computes exactly the tokens its causal decision chose (variable counts)."""

@@ -7,12 +7,15 @@ Chosen positions are indices into T, kept sorted so a chosen subsequence stays c
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import Tensor
 
 from mode import kernels
+
+if TYPE_CHECKING:
+    from mode.kernels.expert_choice import Dispatch
 
 
 def capacity_to_k(num_tokens: int, capacity: float) -> int:
@@ -290,6 +293,8 @@ def token_choice_rows(table: Tensor, slots: Tensor, positions: Tensor, x: Tensor
     return ExpertRows(ids, tokens, inverse)
 
 
+# Batch dims of size 1 are dropped with squeeze(0), never [0]: select's backward would zero-fill
+# and copy a whole (rows, D) gradient in eager mode (squeeze's is a view).
 def gather_rows(x: Tensor, rows: ExpertRows) -> Tensor:
     """x (T, D) -> x[rows.ids] (R, D): gather_tokens, with the backward summing token-major."""
     if rows.inverse is None:
@@ -311,6 +316,38 @@ def combine_rows(ys: Tensor, gates: Tensor, rows: ExpertRows) -> Tensor:
     from mode.kernels.rows import CombineRows
 
     return CombineRows.apply(ys, gates, rows.ids, rows.inverse)
+
+
+# True: on CUDA in eager mode, expert choice's router head (softmax, top-C per expert, gates,
+# z-loss, statistics), the rows' layout and the gather are one autograd function
+# (mode/kernels/expert_choice.py), whose backward adds the router's input gradient into the
+# gather's; False: the router's PyTorch ops, then expert_choice_rows and gather_rows
+# (bench/moe_layer.py --expert-choice compares them).
+EXPERT_CHOICE_KERNEL = True
+
+
+def expert_choice_kernel_applies(x: Tensor, weight: Tensor, bias: Tensor | None, groups: int) -> bool:
+    """x (N, D) routed in `groups` equal runs by a router of weight (S, D): where the row kernels run."""
+    if not (EXPERT_CHOICE_KERNEL and bias is None and _rows_kernel_applies(x)):
+        return False
+    from mode.kernels.expert_choice import fits
+
+    return fits(x.shape[0], groups, weight.shape[0])
+
+
+def expert_choice_dispatch(x: Tensor, weight: Tensor, groups: int, n_experts: int, capacity: int,
+                           z_weight: float) -> "Dispatch":
+    """Expert choice in one autograd function (where expert_choice_kernel_applies): x (N, D) in `groups`
+    equal runs, router weight (S, D), the first n_experts slots real -> mode.kernels.expert_choice.Dispatch:
+    the rows x[ids] (E*G*C, D) expert-major, gates (G, E, C), aux = z_weight * z-loss, indices (G, E, C),
+    ids, the inverse map (N, E) and the statistics. The same routing as ExpertChoiceRouter.forward,
+    expert_major_ids, expert_choice_rows and gather_rows (the selection bit for bit)."""
+    from mode.kernels.expert_choice import expert_choice_dispatch as dispatch
+
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        with torch.no_grad():  # the function's backward owns the scores' gradient path
+            logits = router_scores(x, weight)  # (N, S) float32
+        return dispatch(x, weight, logits, groups, n_experts, capacity, z_weight, _half_router_applies(x, weight))
 
 
 # ----------------------------------------------------------------------------- router scores

@@ -8,10 +8,16 @@ import torch
 from torch import Tensor, nn
 
 from mode.routing.primitives import (
+    ExpertRows,
     TokenChoiceHead,
     apply_gate,
     capacity_to_k,
     count_ids,
+    expert_choice_dispatch,
+    expert_choice_kernel_applies,
+    expert_choice_rows,
+    expert_major_ids,
+    gather_rows,
     positions_in_expert,
     router_scores,
     router_z_loss,
@@ -326,13 +332,8 @@ class ExpertChoiceRouter(nn.Module):
         no expert and count in no statistic (Staged MoDE under causal routing passes its own)."""
         if self.causal_mode:
             return self._causal_forward(x, valid)
-        batch, seq, _ = x.shape
-        if batch % self.group_size != 0:
-            raise ValueError(f"moe.group_size ({self.group_size}) must divide the batch size ({batch})")
-        groups, tokens = batch // self.group_size, self.group_size * seq
+        groups, tokens, capacity = self._groups_and_capacity(x)
         logits = self.router(x).reshape(groups, tokens, -1)  # (G, T, E+N), float32
-        n_slots = logits.shape[-1]
-        capacity = capacity_to_k(tokens, self.capacity_factor / n_slots)
         probs = logits.softmax(-1)[..., : self.n_experts].transpose(1, 2)  # (G, E, T)
         indices = top_k_positions(probs.detach(), capacity)  # (G, E, C)
         gates = probs.gather(2, indices)  # (G, E, C)
@@ -352,6 +353,35 @@ class ExpertChoiceRouter(nn.Module):
             # Per token: the share of tokens the causal decision sends to at least one expert.
             stats["causal_fraction"] = (causal_logits.detach() > 0).any(-1).float().mean()
         return Routing(indices=indices, gates=gates, logits=logits, aux_loss=aux, stats=stats)
+
+    def route(self, x: Tensor) -> tuple[Routing, ExpertRows, Tensor]:
+        """forward() (not causal_mode) and the tokens it chose, gathered expert-major: (routing, their
+        ExpertRows, the rows (E*G*C, D) of x (B, S, D)), what MoEFFN's experts consume.
+
+        Eager on CUDA without a causal decision, one autograd function does it all
+        (primitives.expert_choice_dispatch): the same routing, losses and statistics, and the backward
+        adds the router's input gradient into the gather's in one pass. Otherwise forward(), then
+        expert_choice_rows and gather_rows."""
+        flat = x.reshape(-1, x.shape[-1])  # (B*S, D): group g is the g-th run of T tokens
+        groups, tokens, capacity = self._groups_and_capacity(x)
+        weight = self.router.proj.weight
+        if self.causal is None and expert_choice_kernel_applies(flat, weight, self.router.proj.bias, groups):
+            d = expert_choice_dispatch(flat, weight, groups, self.n_experts, capacity, self.z_loss_weight)
+            stats = _expert_stats(d.tokens_per_expert, d.processed, d.noop_fraction, d.zero, d.zero, d.z_loss)
+            routing = Routing(indices=d.indices, gates=d.gates, logits=d.logits.view(groups, tokens, -1),
+                              aux_loss=d.aux, stats=stats)
+            return routing, ExpertRows(d.ids, flat.shape[0], d.inverse), d.rows
+        routing = self(x)
+        rows = expert_choice_rows(expert_major_ids(routing.indices, tokens), flat)
+        return routing, rows, gather_rows(flat, rows)
+
+    def _groups_and_capacity(self, x: Tensor) -> tuple[int, int, int]:
+        """x (B, S, D) -> (groups G, tokens per group T, capacity C per expert and group)."""
+        batch, seq, _ = x.shape
+        if batch % self.group_size != 0:
+            raise ValueError(f"moe.group_size ({self.group_size}) must divide the batch size ({batch})")
+        tokens = self.group_size * seq
+        return batch // self.group_size, tokens, capacity_to_k(tokens, self.capacity_factor / self.router.n_slots)
 
     def _causal_forward(self, x: Tensor, valid: Tensor | None) -> "CausalExpertRouting":
         """Each real expert takes the rows its causal decision chose (variable counts)."""
