@@ -504,6 +504,32 @@ def test_expert_choice_dispatch_matches_pytorch(case: str, use: str, monkeypatch
         torch.testing.assert_close(got_w_grad, w_grad, rtol=1e-5, atol=1e-6)
 
 
+def test_expert_choice_dispatch_with_a_bf16_router_matches_pytorch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 tokens and router weight (bf16 training, as DeepSpeed keeps parameters): the scores come
+    from a bf16 GEMM into float32 (primitives.HALF_ROUTER; forced here, as on CUDA) and the
+    backward's GEMMs take the scores' gradient rounded to bf16, both ways. The same selection,
+    gates and rows bit for bit; x's gradient is rounded once here and twice (the router's part, then
+    the sum) by PyTorch, the weight's from scores' gradients that may differ by one bf16 rounding:
+    rtol 2^-7, and an atol of 2e-2 where the sums cancel."""
+    from mode.config import MoEConfig
+    from mode.layers.moe import MoEFFN
+    from mode.routing import primitives
+
+    monkeypatch.setattr(primitives, "_half_router_applies", lambda x, w: x.dtype == w.dtype == torch.bfloat16)
+    torch.manual_seed(0)
+    layer = MoEFFN(32, 48, MoEConfig(n_experts=4, n_noop=2, scheme="expert_choice", group_size=2,
+                                     capacity_factor=1.5, z_loss_weight=0.1)).to(DEVICE).bfloat16()
+    x = torch.randn(4, 24, 32, device=DEVICE).bfloat16()
+    got_routing, _, got_xs, got_x_grad, got_w_grad = _expert_choice_run(layer, x, "rows gates aux", True, monkeypatch)
+    routing, _, xs, x_grad, w_grad = _expert_choice_run(layer, x, "rows gates aux", False, monkeypatch)
+    assert torch.equal(got_routing.indices, routing.indices) and torch.equal(got_routing.gates, routing.gates)
+    assert torch.equal(got_xs, xs)
+    assert got_x_grad.dtype == got_w_grad.dtype == torch.bfloat16
+    torch.testing.assert_close(got_x_grad.float(), x_grad.float(), rtol=2**-7, atol=2e-2)
+    torch.testing.assert_close(got_w_grad.float(), w_grad.float(), rtol=2**-7, atol=2e-2)
+    torch.testing.assert_close(got_routing.aux_loss, routing.aux_loss, rtol=1e-6, atol=0)
+
+
 def test_expert_choice_dispatch_takes_the_kernel_only_where_it_applies(monkeypatch: pytest.MonkeyPatch) -> None:
     """The one-function dispatch runs eager on CUDA (here patched) for float32/bf16/fp16 tokens without a
     router bias, a group that fits one program's sort and no causal decision; otherwise the PyTorch ops."""
