@@ -436,6 +436,7 @@ EXPERT_CHOICE_DISPATCH_CASES = {  # (batch, seq, group_size, n_experts, n_noop, 
     "groups of 2, no-op slots": (4, 24, 2, 4, 2, 1.5),
     "capacity 1, odd tokens": (2, 13, 1, 3, 1, 0.3),
     "one expert takes every token": (2, 16, 1, 1, 0, 1.0),
+    "64 slots (56 no-op)": (2, 40, 1, 8, 56, 8.0),
 }
 
 

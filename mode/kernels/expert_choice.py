@@ -41,9 +41,14 @@ from mode.kernels.topk import MAX_TOKENS, row_top_k
 # Slots of a router held in one program's registers (the z-loss's and the backward's tiles).
 MAX_SLOTS = 256
 BLOCK_Z = 128  # tokens per step of a program's z-loss share
-# _select's warps: on an H100 with 8 groups of 2048 tokens and 8 experts, 19.8 us at 16 warps
-# against 22.8 at 8 and 30.8 at 4 (the top-k alone is fastest at 4: the stores and atomics after it are not).
-SELECT_WARPS = 16
+
+
+def select_warps(block: int) -> int:
+    """_select's warps for rows of `block` tokens: on an H100 with 8 groups of 2048 tokens and 8 experts,
+    19.8 us at 16 warps against 22.8 at 8 and 30.8 at 4 (the top-k alone is fastest at 4; the stores
+    and atomics after it are not). Short rows: fewer."""
+    return max(4, min(16, block // 128))
+
 
 # The summary _finalize writes: scalars, then each expert's rows. Python ints for the callers and
 # the same as constexprs for the kernel (Triton reads no other globals).
@@ -149,7 +154,7 @@ class _Dispatch(torch.autograd.Function):
             _select[(groups, n_experts)](
                 probs, logits, indices, ids, gates, inverse, counters, counters[n_tokens:], partial, groups, tokens,
                 n_slots, n_experts, capacity, triton.cdiv(tokens, n_experts), BLOCK=block, BLOCK_Z=BLOCK_Z,
-                BLOCK_S=triton.next_power_of_2(n_slots), num_warps=SELECT_WARPS,
+                BLOCK_S=triton.next_power_of_2(n_slots), num_warps=select_warps(block),
             )
             _finalize[(1,)](partial, counters[n_tokens:], summary, aux, groups * n_experts, n_experts,
                             float(groups * capacity), 1.0 / n_tokens, z_weight, BLOCK_P=64, BLOCK_E=64)
