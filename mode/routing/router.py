@@ -360,8 +360,9 @@ class ExpertChoiceRouter(nn.Module):
 
         Eager on CUDA without a causal decision, one autograd function does it all
         (primitives.expert_choice_dispatch): the same routing, losses and statistics, and the backward
-        adds the router's input gradient into the gather's in one pass. Otherwise forward(), then
-        expert_choice_rows and gather_rows."""
+        adds the router's input gradient into the gather's in one pass; its gates (G, E, C) are then a
+        transposed view of expert-major memory, and its logits carry no gradient (the losses it
+        needs are inside). Otherwise forward(), then expert_choice_rows and gather_rows."""
         flat = x.reshape(-1, x.shape[-1])  # (B*S, D): group g is the g-th run of T tokens
         groups, tokens, capacity = self._groups_and_capacity(x)
         weight = self.router.proj.weight
