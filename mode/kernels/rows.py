@@ -94,8 +94,8 @@ def sum_rows(rows: Tensor, gates: Tensor | None, inverse: Tensor, scores_grad: T
     n_scores = 0 if scores_grad is None else scores_grad.shape[1]
     scores_grad = rows if scores_grad is None else scores_grad.contiguous()
     weight = rows if weight is None else weight.contiguous()
-    block_t, block_d, warps = (BLOCK_T, BLOCK_D, SUM_WARPS) if n_scores == 0 else (SCORES_BLOCK_T, SCORES_BLOCK_D,
-                                                                                  SCORES_WARPS)
+    tile = (BLOCK_T, BLOCK_D, SUM_WARPS) if n_scores == 0 else (SCORES_BLOCK_T, SCORES_BLOCK_D, SCORES_WARPS)
+    block_t, block_d, warps = tile
     _sum_rows[(triton.cdiv(tokens, block_t), triton.cdiv(width, block_d))](
         rows, gates_arg, inverse, scores_grad, weight, out, tokens, width, J=inverse.shape[1],
         HAS_GATES=gates is not None, S=n_scores, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=warps,
