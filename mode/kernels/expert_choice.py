@@ -10,13 +10,13 @@ over (tokens, D). Here, from the router's float32 scores and PyTorch's softmax o
 selection is the PyTorch path's bit for bit):
 
 - _select, one program per (group, expert): the top-C tokens of that expert's probabilities
-  (mode/kernels/topk.row_top_k: positions in increasing order), written as the routing's indices (G, E, C),
-  the expert-major ids (E*G*C,) of the rows, their gates, and the expert's column of the inverse
-  map (tokens, E) (-1 where it did not choose the token); the first expert to choose a token
-  counts it (an atomic counter per token: integers, so the count is deterministic); and the
+  (mode/kernels/topk.row_top_k: positions in increasing order), written as the routing's indices
+  (G, E, C), the expert-major ids (E*G*C,) of the rows, their gates, and the expert's column of
+  the inverse map (tokens, E) (-1 where it did not choose the token); a 1 in a per-token byte for
+  each token it takes (every expert that takes a token writes the same 1: no atomics); and the
   logsumexp^2 summed over its share of the group's tokens, for the z-loss;
 - _finalize, one program: the z-loss, the weighted auxiliary loss and the statistics (the
-  partial sums added in a fixed order);
+  partial sums and the bytes added in a fixed order: deterministic);
 - _backward: the scores' gradient from the gates' and the auxiliary loss's gradients, the
   softmax recomputed from the scores in registers; then the gather's backward
   (mode/kernels/rows.sum_rows) adds the router's input gradient (scores' gradient @ weight) to
@@ -46,7 +46,7 @@ BLOCK_Z = 128  # tokens per step of a program's z-loss share
 def select_warps(block: int) -> int:
     """_select's warps for rows of `block` tokens: on an H100 with 8 groups of 2048 tokens and 8 experts,
     19.8 us at 16 warps against 22.8 at 8 and 30.8 at 4 (the top-k alone is fastest at 4; the stores
-    and atomics after it are not). Short rows: fewer."""
+    after it are not). Short rows: fewer."""
     return max(4, min(16, block // 128))
 
 
@@ -57,7 +57,7 @@ _Z, _PROCESSED, _NOOP, _ZERO, _SCALARS = (tl.constexpr(i) for i in range(5))
 
 
 @triton.jit
-def _select(probs_ptr, logits_ptr, indices_ptr, ids_ptr, gates_ptr, inverse_ptr, hits_ptr, count_ptr, partial_ptr,
+def _select(probs_ptr, logits_ptr, indices_ptr, ids_ptr, gates_ptr, inverse_ptr, taken_ptr, partial_ptr,
             groups, tokens, n_slots, n_experts, capacity, z_share,
             BLOCK: tl.constexpr, BLOCK_Z: tl.constexpr, BLOCK_S: tl.constexpr):
     g = tl.program_id(0).to(tl.int64)
@@ -72,8 +72,7 @@ def _select(probs_ptr, logits_ptr, indices_ptr, ids_ptr, gates_ptr, inverse_ptr,
     tl.store(ids_ptr + row, token, mask=chosen)
     tl.store(gates_ptr + row, score, mask=chosen)
     tl.store(inverse_ptr + token * n_experts + e, tl.where(chosen, row, -1).to(tl.int32), mask=valid)
-    earlier = tl.atomic_add(hits_ptr + token, 1, mask=chosen)  # how many experts took it before
-    tl.atomic_add(count_ptr, tl.sum((chosen & (earlier == 0)).to(tl.int32), axis=0))
+    tl.store(taken_ptr + token, 1, mask=chosen)  # every expert that takes the token writes the same 1
     # The z-loss: logsumexp^2 summed over this program's share of the group's tokens.
     cols = tl.arange(0, BLOCK_S)
     first = e * z_share
@@ -87,15 +86,19 @@ def _select(probs_ptr, logits_ptr, indices_ptr, ids_ptr, gates_ptr, inverse_ptr,
 
 
 @triton.jit
-def _finalize(partial_ptr, count_ptr, summary_ptr, aux_ptr, programs, n_experts, rows_per_expert, inv_tokens,
-              z_weight, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
+def _finalize(partial_ptr, taken_ptr, summary_ptr, aux_ptr, programs, n_tokens, n_experts, rows_per_expert, inv_tokens,
+              z_weight, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr):
     """One program: the z-loss (partial sums added in a fixed order), the auxiliary loss, the statistics."""
     parts = tl.zeros((BLOCK_P,), dtype=tl.float32)
     for start in range(0, programs, BLOCK_P):
         p = start + tl.arange(0, BLOCK_P)
         parts += tl.load(partial_ptr + p, mask=p < programs, other=0.0)
     z = tl.sum(parts, axis=0) * inv_tokens
-    processed = tl.load(count_ptr).to(tl.float32) * inv_tokens
+    taken = tl.zeros((BLOCK_N,), dtype=tl.int32)
+    for start in range(0, n_tokens, BLOCK_N):
+        t = start + tl.arange(0, BLOCK_N)
+        taken += tl.load(taken_ptr + t, mask=t < n_tokens, other=0).to(tl.int32)
+    processed = tl.sum(taken, axis=0).to(tl.float32) * inv_tokens
     tl.store(summary_ptr + _Z, z)
     tl.store(summary_ptr + _PROCESSED, processed)
     tl.store(summary_ptr + _NOOP, 1.0 - processed)
@@ -145,19 +148,20 @@ class _Dispatch(torch.autograd.Function):
         ids = torch.empty(n_rows, dtype=torch.long, device=device)
         gates = torch.empty(n_experts, groups, capacity, dtype=torch.float32, device=device)  # expert-major
         inverse = torch.empty(n_tokens, n_experts, dtype=torch.int32, device=device)
-        counters = torch.zeros(n_tokens + 1, dtype=torch.int32, device=device)  # experts per token; tokens taken
+        taken = torch.zeros(n_tokens, dtype=torch.int8, device=device)  # 1: some expert took the token
         partial = torch.empty(groups * n_experts, dtype=torch.float32, device=device)
         summary = torch.empty(SCALARS + n_experts, dtype=torch.float32, device=device)
         aux = torch.empty((), dtype=torch.float32, device=device)
         block = triton.next_power_of_2(tokens)
         with on_device_of(logits):
             _select[(groups, n_experts)](
-                probs, logits, indices, ids, gates, inverse, counters, counters[n_tokens:], partial, groups, tokens,
-                n_slots, n_experts, capacity, triton.cdiv(tokens, n_experts), BLOCK=block, BLOCK_Z=BLOCK_Z,
+                probs, logits, indices, ids, gates, inverse, taken, partial, groups, tokens, n_slots, n_experts,
+                capacity, triton.cdiv(tokens, n_experts), BLOCK=block, BLOCK_Z=BLOCK_Z,
                 BLOCK_S=triton.next_power_of_2(n_slots), num_warps=select_warps(block),
             )
-            _finalize[(1,)](partial, counters[n_tokens:], summary, aux, groups * n_experts, n_experts,
-                            float(groups * capacity), 1.0 / n_tokens, z_weight, BLOCK_P=64, BLOCK_E=64)
+            _finalize[(1,)](partial, taken, summary, aux, groups * n_experts, n_tokens, n_experts,
+                            float(groups * capacity), 1.0 / n_tokens, z_weight, BLOCK_P=64, BLOCK_N=2048, BLOCK_E=64,
+                            num_warps=8)
         rows = x.index_select(0, ids)  # (R, D)
         ctx.save_for_backward(x, weight, logits, inverse)
         ctx.z_scale, ctx.half, ctx.n_rows = 2.0 * z_weight / n_tokens, half, n_rows
