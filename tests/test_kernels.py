@@ -440,7 +440,8 @@ EXPERT_CHOICE_DISPATCH_CASES = {  # (batch, seq, group_size, n_experts, n_noop, 
 }
 
 
-def _expert_choice_run(layer, x: torch.Tensor, use: str, kernel: bool, monkeypatch: pytest.MonkeyPatch):
+def _expert_choice_run(layer: torch.nn.Module, x: torch.Tensor, use: str, kernel: bool,
+                       monkeypatch: pytest.MonkeyPatch) -> tuple:
     """ExpertChoiceRouter.route with the kernels or the PyTorch ops; the loss uses the outputs `use`
     names (rows, gates, aux): the routing, the rows, and the gradients of x and the router's weight."""
     import mode.kernels as kernels
