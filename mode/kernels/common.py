@@ -28,3 +28,19 @@ def store_rounded(ptr, x, mask):
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
         x = bits.to(tl.float32, bitcast=True)
     tl.store(ptr, x.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def softmax_rows(logits_ptr, rows, cols, tokens, n_slots):
+    """Load a (BLOCK_T, BLOCK_S) tile of float32 logits (rows of n_slots; rows >= tokens are padding):
+    probabilities (0 outside), logsumexp per row, masks. The routers' heads share it (softmax_topk,
+    expert_choice)."""
+    row_ok = rows < tokens
+    mask = row_ok[:, None] & (cols < n_slots)[None, :]
+    logits = tl.load(logits_ptr + rows[:, None] * n_slots + cols[None, :], mask=mask, other=float("-inf"))
+    top = tl.where(row_ok, tl.max(logits, axis=1), 0.0)  # rows past the end: no -inf - -inf
+    e = tl.where(mask, tl.exp(logits - top[:, None]), 0.0)
+    total = tl.where(row_ok, tl.sum(e, axis=1), 1.0)
+    probs = e / total[:, None]
+    lse = top + tl.log(total)
+    return probs, lse, row_ok, mask

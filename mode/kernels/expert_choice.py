@@ -33,9 +33,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from mode.kernels.common import on_device_of, store_rounded
+from mode.kernels.common import on_device_of, softmax_rows, store_rounded
 from mode.kernels.rows import sum_rows
-from mode.kernels.softmax_topk import _softmax_rows
 from mode.kernels.topk import MAX_TOKENS, row_top_k
 
 # Slots of a router held in one program's registers (the z-loss's and the backward's tiles).
@@ -80,7 +79,7 @@ def _select(probs_ptr, logits_ptr, indices_ptr, ids_ptr, gates_ptr, inverse_ptr,
     acc = tl.zeros((BLOCK_Z,), dtype=tl.float32)
     for start in range(0, z_share, BLOCK_Z):
         rows = g * tokens + first + start + tl.arange(0, BLOCK_Z)
-        _, lse, row_ok, _ = _softmax_rows(logits_ptr, rows, cols, end, n_slots)
+        _, lse, row_ok, _ = softmax_rows(logits_ptr, rows, cols, end, n_slots)
         acc += tl.where(row_ok, lse * lse, 0.0)
     tl.store(partial_ptr + g * n_experts + e, tl.sum(acc, axis=0))
 
@@ -115,7 +114,7 @@ def _backward(logits_ptr, inverse_ptr, grad_gates_ptr, grad_aux_ptr, grad_logits
               z_scale, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_S)
-    probs, lse, row_ok, mask = _softmax_rows(logits_ptr, rows, cols, tokens, n_slots)
+    probs, lse, row_ok, mask = softmax_rows(logits_ptr, rows, cols, tokens, n_slots)
     # A chosen (token, expert) pair's probability is its row's gate.
     row = tl.load(inverse_ptr + rows[:, None] * n_experts + cols[None, :],
                   mask=row_ok[:, None] & (cols < n_experts)[None, :], other=-1)

@@ -29,25 +29,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from mode.kernels.common import on_device_of
+from mode.kernels.common import on_device_of, softmax_rows
 
 # Slots held in one program's registers; more (an unusually wide router) take the PyTorch path.
 MAX_SLOTS = 256
 MAX_K = 8
-
-
-@triton.jit
-def _softmax_rows(logits_ptr, rows, cols, tokens, n_slots):
-    """Load a (BLOCK_T, BLOCK_S) tile: probabilities (0 outside), logsumexp per row, masks."""
-    row_ok = rows < tokens
-    mask = row_ok[:, None] & (cols < n_slots)[None, :]
-    logits = tl.load(logits_ptr + rows[:, None] * n_slots + cols[None, :], mask=mask, other=float("-inf"))
-    top = tl.where(row_ok, tl.max(logits, axis=1), 0.0)  # rows past the end: no -inf - -inf
-    e = tl.where(mask, tl.exp(logits - top[:, None]), 0.0)
-    total = tl.where(row_ok, tl.sum(e, axis=1), 1.0)
-    probs = e / total[:, None]
-    lse = top + tl.log(total)
-    return probs, lse, row_ok, mask
 
 
 @triton.jit
@@ -56,7 +42,7 @@ def _forward(logits_ptr, gates_ptr, slots_ptr, partial_ptr, tokens, n_slots, inv
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_S)
-    probs, lse, row_ok, mask = _softmax_rows(logits_ptr, rows, cols, tokens, n_slots)
+    probs, lse, row_ok, mask = softmax_rows(logits_ptr, rows, cols, tokens, n_slots)
     remaining = tl.where(mask, probs, -1.0)  # probabilities are >= 0: -1 is never chosen
     choices = tl.zeros((BLOCK_S,), dtype=tl.float32)
     for j in tl.static_range(K):
@@ -122,7 +108,7 @@ def _backward(logits_ptr, slots_ptr, grad_gates_ptr, summary_ptr, grad_aux_ptr, 
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_S)
-    probs, lse, row_ok, mask = _softmax_rows(logits_ptr, rows, cols, tokens, n_slots)
+    probs, lse, row_ok, mask = softmax_rows(logits_ptr, rows, cols, tokens, n_slots)
     grad_aux = tl.load(grad_aux_ptr)
     # aux = lb_weight * lb + z_weight * z, lb = lb_scale * sum_s choices_s * prob_mean_s (choices
     # are counts: constant), prob_mean_s = mean over tokens of p[t, s], z = mean over tokens of lse^2.
