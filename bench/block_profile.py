@@ -33,7 +33,7 @@ from common import timed  # noqa: E402
 
 from mode.config import config_from_dict
 from mode.model import LanguageModel
-from mode.routing import capacity_to_k, primitives, scatter_add_tokens
+from mode.routing import add_gated_tokens, capacity_to_k, primitives
 
 PROFILED_PASSES = 5
 
@@ -129,8 +129,9 @@ def main() -> None:
 
     def routing_alone() -> None:
         with autocast:
-            routing, chosen, residual, _ = mod.router.route(x)
-            out = scatter_add_tokens(residual, routing.indices, routing.gates.unsqueeze(-1) * chosen)
+            routed = mod.router.route(x)
+            routing = routed.routing
+            out = add_gated_tokens(routed.residual, routing.indices, routing.gates, routed.chosen, flat=routed.flat)
         out.backward(grad)
         fresh_gradients()
 

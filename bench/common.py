@@ -33,7 +33,7 @@ class GeluMLP(nn.Module):
 
 
 def add_routing_switches(parser: argparse.ArgumentParser) -> None:
-    """--row-add, --topk, --slot-choice, --rows and --expert-choice: module switches of mode.routing.primitives that the benchmarks compare."""
+    """--row-add, --topk, --slot-choice, --rows, --expert-choice and --depth-route: module switches of mode.routing.primitives that the benchmarks compare."""
     parser.add_argument("--row-add", choices=["scatter_add", "index_add"], default="scatter_add",
                         help="the kernel routed layers add rows back with (mode.routing.primitives.ROW_ADD)")
     parser.add_argument("--topk", choices=["triton", "torch"], default="triton",
@@ -50,6 +50,10 @@ def add_routing_switches(parser: argparse.ArgumentParser) -> None:
                         help="expert choice's routing and gather as one autograd function of Triton kernels on CUDA "
                              "in eager mode (its backward adds the router's input gradient into the gather's), or "
                              "the router's PyTorch ops then the rows (mode.routing.primitives.EXPERT_CHOICE_KERNEL)")
+    parser.add_argument("--depth-route", choices=["nodes", "ops"], default="nodes",
+                        help="depth routers (MoD, Staged MoDE) outside torch.compile: the routing and the gated "
+                             "residual update as two autograd nodes, or the separate ops autograd records "
+                             "(mode.routing.primitives.DEPTH_ROUTE_NODES)")
 
 
 def apply_routing_switches(args: argparse.Namespace) -> None:
@@ -60,6 +64,7 @@ def apply_routing_switches(args: argparse.Namespace) -> None:
     primitives.SOFTMAX_TOPK_KERNEL = args.slot_choice == "triton"
     primitives.ROWS_KERNEL = args.rows == "triton"
     primitives.EXPERT_CHOICE_KERNEL = args.expert_choice == "triton"
+    primitives.DEPTH_ROUTE_NODES = args.depth_route == "nodes"
 
 
 def timed(fn: Callable[[], None], warmup: int, iters: int, device: torch.device) -> float:

@@ -34,7 +34,8 @@ KERNELS = [
     (swiglu, "_swiglu_bwd", dict(h_ptr=BF16, grad_ptr=BF16, dh_ptr=BF16, width=I32, BLOCK=1024)),
     (cross_entropy, "_cross_entropy_fwd_grad", dict(logits_ptr=BF16, targets_ptr=I64, grad_ptr=BF16, loss_ptr=F32,
                                                     vocab=I32, BLOCK=2048)),
-    (topk, "_top_k_positions", dict(scores_ptr=F32, out_ptr=I64, tokens=I32, k=I32, BLOCK=2048)),
+    (topk, "_top_k_positions", dict(scores_ptr=F32, out_ptr=I64, flat_ptr=I64, tokens=I32, k=I32, FLAT=False, BLOCK=2048)),
+    (topk, "_top_k_positions", dict(scores_ptr=F32, out_ptr=I64, flat_ptr=I64, tokens=I32, k=I32, FLAT=True, BLOCK=2048)),
     (softmax_topk, "_forward", dict(logits_ptr=F32, gates_ptr=F32, slots_ptr=I64, partial_ptr=F32, tokens=I32,
                                     n_slots=I32, inv_tokens="fp32", K=2, BLOCK_T=256, BLOCK_S=8)),
     (softmax_topk, "_finalize", dict(partial_ptr=F32, summary_ptr=F32, aux_ptr=F32, programs=I32, n_slots=I32,
@@ -78,6 +79,11 @@ KERNELS = [
     (expert_choice, "_backward", dict(logits_ptr=F32, inverse_ptr=I32P, grad_gates_ptr=F32, grad_aux_ptr=F32,
                                       grad_logits_ptr=F32, tokens=I32, n_slots=I32, n_experts=1, z_scale="fp32",
                                       BLOCK_T=128, BLOCK_S=16)),
+    # a depth router's gated update of the float32 residual, and its backward (float32 incoming gradient)
+    (rows, "_add_gated_rows", dict(x_ptr=F32, ids_ptr=I64, gates_ptr=F32, rows_ptr=BF16, n_rows=I32, width=I32,
+                                   BLOCK_R=4, BLOCK_D=256)),
+    (rows, "_combine_backward", dict(grad_ptr=F32, ids_ptr=I64, rows_ptr=BF16, gates_ptr=F32, grad_rows_ptr=BF16,
+                                     grad_gates_ptr=F32, n_rows=I32, width=I32, BLOCK_R=4, BLOCK_D=512)),
     (rows, "_combine_backward", dict(grad_ptr=BF16, ids_ptr=I64, rows_ptr=BF16, gates_ptr=F32, grad_rows_ptr=BF16,
                                      grad_gates_ptr=F32, n_rows=I32, width=I32, BLOCK_R=4, BLOCK_D=512)),
 ]

@@ -195,6 +195,11 @@ def test_top_k_positions_kernel_matches_topk_then_sort(shape: tuple[int, ...], k
     # A transposed (non-contiguous) view, as expert choice's (G, E, T) softmax slice is.
     view = torch.randn(shape[-1], 6, device=DEVICE).t()
     assert torch.equal(top_k_positions(view, k), _top_k_positions_torch(view, k))
+    # flat=True: the same positions in the flattened (rows * T) axis too, from the same launch
+    positions, flat = top_k_positions(scores, k, flat=True)
+    assert torch.equal(positions, got) and flat.shape == (got.numel(),)
+    rows = torch.arange(got.numel() // k, device=DEVICE).view(*shape[:-1], 1)
+    assert torch.equal(flat, (got + rows * shape[-1]).reshape(-1))
 
 
 def test_top_k_positions_kernel_ties_signs_and_nan() -> None:
@@ -385,6 +390,38 @@ def test_expert_rows_kernels_take_the_kernel_only_where_they_apply(monkeypatch: 
     assert expert_choice_rows(ids, torch.zeros(10, 4, device=DEVICE, dtype=torch.float64)).inverse is None
     monkeypatch.setattr(primitives, "ROWS_KERNEL", False)
     assert expert_choice_rows(ids, torch.zeros(10, 4, device=DEVICE)).inverse is None
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["a copy of x", "in place"])
+def test_add_gated_tokens_kernel_matches_pytorch(in_place: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A depth router's gated update of the residual through the kernels (add_gated_rows_ forward,
+    combine_backward backward) against the same autograd node on PyTorch ops: float32 x, bf16
+    updates, float32 gates; output and the gradients of x, gates and updates (the updates' at one
+    bf16 rounding both ways, the gates' float32 sums in another order: rtol 1e-5). Tokens not chosen
+    keep x's value and gradient exactly."""
+    import mode.kernels as kernels
+    from mode.routing import add_gated_tokens, token_mask
+
+    groups, tokens, width, k = 3, 40, 300, 7
+    indices = torch.stack([torch.randperm(tokens)[:k].sort().values for _ in range(groups)]).to(DEVICE)
+    x0 = torch.randn(groups, tokens, width, device=DEVICE)
+    gates0 = torch.rand(groups, k, device=DEVICE)
+    updates0 = torch.randn(groups, k, width, device=DEVICE).bfloat16()
+    probe = torch.randn(groups, tokens, width, device=DEVICE)
+    runs = []
+    for kernel in (True, False):
+        monkeypatch.setattr(kernels, "use_triton", lambda t, kernel=kernel: kernel)
+        leaf, gates, updates = (t.clone().requires_grad_() for t in (x0, gates0, updates0))
+        x = leaf * 1.0
+        out = add_gated_tokens(x, indices, gates, updates, in_place=in_place)
+        assert (out.data_ptr() == x.data_ptr()) == in_place
+        (out * probe).sum().backward()
+        runs.append((out.detach(), leaf.grad, gates.grad, updates.grad))
+    for name, got, want in zip(("output", "x grad", "gates grad", "updates grad"), *runs):
+        assert got.dtype == want.dtype, name
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    untouched = ~token_mask(indices, tokens)
+    assert torch.equal(runs[0][0][untouched], x0[untouched]) and torch.equal(runs[0][1], probe)
 
 
 MOE_ROW_CASES = {  # scheme settings: every token taken by 0..E experts; dropped and no-op choices

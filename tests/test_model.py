@@ -67,9 +67,9 @@ def test_routed_updates_in_place_equal_the_copy_path(pattern: list[str], routing
     the chosen tokens' gradient into the stream's gradient; with it off every block copies both.
     Same loss and gradients, exactly."""
     calls, grad_in_place = [], []
-    in_place_apply, split_apply = primitives._AddRowsInPlace.apply, primitives._SplitRows.apply
-    monkeypatch.setattr(primitives._AddRowsInPlace, "apply", lambda *a: calls.append(1) or in_place_apply(*a))
-    monkeypatch.setattr(primitives._SplitRows, "apply", lambda *a: grad_in_place.append(a[2]) or split_apply(*a))
+    add_apply, route_apply = primitives._AddGatedRows.apply, primitives._RouteTokens.apply
+    monkeypatch.setattr(primitives._AddGatedRows, "apply", lambda *a: calls.append(a[4]) or add_apply(*a))
+    monkeypatch.setattr(primitives._RouteTokens, "apply", lambda *a: grad_in_place.append(a[6]) or route_apply(*a))
     results = []
     for in_place in (True, False):
         torch.manual_seed(0)
@@ -83,9 +83,8 @@ def test_routed_updates_in_place_equal_the_copy_path(pattern: list[str], routing
         out = model(tokens[:, :-1], tokens[:, 1:])
         out.loss.backward()
         results.append((out.loss.detach(), [p.grad for p in model.parameters()]))
-    expected = 0 if routing.get("causal") else sum(kind in ("mod", "mode_staged") for kind in pattern) * 2
-    assert len(calls) == expected  # n_layers 4: the pattern twice, and only in the first run
-    routed = sum(kind in ("mod", "mode_staged") for kind in pattern) * 2
+    routed = sum(kind in ("mod", "mode_staged") for kind in pattern) * 2  # n_layers 4: the pattern twice
+    assert calls == [not routing.get("causal")] * routed + [False] * routed  # in place in the first run only
     assert grad_in_place == [True] * routed + [False] * routed  # the rows' gradient too, in the first run
     (loss_a, grads_a), (loss_b, grads_b) = results
     assert torch.equal(loss_a, loss_b)

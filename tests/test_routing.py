@@ -312,7 +312,7 @@ def test_route_equals_forward_then_gather(causal: str, random: bool) -> None:
     ref_chosen = gather_tokens(x, ref.indices)
     ref_grads = torch.autograd.grad(loss_of(ref, ref_chosen), [x, *router.parameters()])
     torch.manual_seed(5)
-    got, got_chosen, residual, writable = router.route(x)
+    got, got_chosen, residual, writable, _ = router.route(x)
     assert writable is (causal == "none")  # a causal predictor or the aux-loss logit saved x
     got_grads = torch.autograd.grad(loss_of(got, got_chosen) + (residual * update.sum()).sum(), [x, *router.parameters()])
     ref_grads = (ref_grads[0] + update.sum(), *ref_grads[1:])  # the residual's gradient reaches x unchanged

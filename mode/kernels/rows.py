@@ -12,7 +12,9 @@ owns through an inverse map instead and writes its sum once:
                optionally plus a router's input gradient scores_grad (T, S) @ weight (S, D) in the
                same sum (expert choice's fused dispatch, mode/kernels/expert_choice.py);
 - combine_backward: per row r of token ids[r], grad_rows[r] = gates[r] * grad[ids[r]] and
-               grad_gates[r] = <rows[r], grad[ids[r]]> (float32) in one pass.
+               grad_gates[r] = <rows[r], grad[ids[r]]> (float32) in one pass;
+- add_gated_rows_: x[ids[r]] += gates[r] * rows[r] in place, for distinct ids (a depth router's
+               gated update of the residual; its backward is combine_backward).
 
 Eager mode on CUDA: two autograd functions (GatherRows, CombineRows). Under torch.compile the
 routed layers keep plain gather / scatter_add, which Inductor fuses with its neighbours: these
@@ -79,6 +81,19 @@ def _combine_backward(grad_ptr, ids_ptr, rows_ptr, gates_ptr, grad_rows_ptr, gra
     tl.store(grad_gates_ptr + r, dot, mask=r_ok)
 
 
+@triton.jit
+def _add_gated_rows(x_ptr, ids_ptr, gates_ptr, rows_ptr, n_rows, width, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask = (r < n_rows)[:, None] & (d < width)[None, :]
+    token = tl.load(ids_ptr + r, mask=r < n_rows, other=0).to(tl.int64)
+    gate = tl.load(gates_ptr + r, mask=r < n_rows, other=0.0).to(tl.float32)
+    update = tl.load(rows_ptr + r[:, None] * width + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    target = x_ptr + token[:, None] * width + d[None, :]
+    total = tl.load(target, mask=mask, other=0.0).to(tl.float32) + gate[:, None] * update
+    store_rounded(target, total, mask)
+
+
 # ----------------------------------------------------------------------------- launches
 def sum_rows(rows: Tensor, gates: Tensor | None, inverse: Tensor, scores_grad: Tensor | None = None,
              weight: Tensor | None = None) -> Tensor:
@@ -103,7 +118,10 @@ def sum_rows(rows: Tensor, gates: Tensor | None, inverse: Tensor, scores_grad: T
     return out
 
 
-def _combine_backward_launch(grad: Tensor, ids: Tensor, rows: Tensor, gates: Tensor) -> tuple[Tensor, Tensor]:
+def combine_backward(grad: Tensor, ids: Tensor, rows: Tensor, gates: Tensor) -> tuple[Tensor, Tensor]:
+    """grad (T, D), ids (R,), rows (R, D), gates (R,) -> (gates[r] * grad[ids[r]] in rows' dtype (R, D),
+    <rows[r], grad[ids[r]]> float32 (R,)): the backward of summing gated rows into their tokens.
+    Call on rows' device (on_device_of)."""
     grad, ids, rows, gates = grad.contiguous(), ids.contiguous(), rows.contiguous(), gates.contiguous()
     grad_rows = torch.empty_like(rows)
     grad_gates = torch.empty(rows.shape[0], dtype=torch.float32, device=rows.device)  # every row written
@@ -114,6 +132,19 @@ def _combine_backward_launch(grad: Tensor, ids: Tensor, rows: Tensor, gates: Ten
         num_warps=COMBINE_BACKWARD_WARPS,
     )
     return grad_rows, grad_gates
+
+
+def add_gated_rows_(x: Tensor, ids: Tensor, gates: Tensor, rows: Tensor) -> None:
+    """x (T, D) += gates[r] * rows[r] at row ids[r], in place, for distinct ids (R,) (a depth router's
+    chosen tokens: no two rows meet); float32 arithmetic, rounded once to x's dtype. Call on x's
+    device (on_device_of)."""
+    ids, gates, rows = ids.contiguous(), gates.contiguous(), rows.contiguous()
+    if rows.numel() == 0:
+        return
+    n_rows, width = rows.shape
+    _add_gated_rows[(triton.cdiv(n_rows, BLOCK_T), triton.cdiv(width, BLOCK_D))](
+        x, ids, gates, rows, n_rows, width, BLOCK_R=BLOCK_T, BLOCK_D=BLOCK_D, num_warps=SUM_WARPS,
+    )
 
 
 # ----------------------------------------------------------------------------- autograd
@@ -145,5 +176,5 @@ class CombineRows(torch.autograd.Function):
     def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, None, None]:
         rows, gates, ids = ctx.saved_tensors
         with on_device_of(rows):
-            grad_rows, grad_gates = _combine_backward_launch(grad, ids, rows, gates)
+            grad_rows, grad_gates = combine_backward(grad, ids, rows, gates)
         return grad_rows, grad_gates.to(gates.dtype), None, None

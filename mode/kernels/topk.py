@@ -53,13 +53,15 @@ def row_top_k(score, pos, valid, k, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _top_k_positions(scores_ptr, out_ptr, tokens, k, BLOCK: tl.constexpr):
+def _top_k_positions(scores_ptr, out_ptr, flat_ptr, tokens, k, FLAT: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     pos = tl.arange(0, BLOCK)
     valid = pos < tokens
     score = tl.load(scores_ptr + row * tokens + pos, mask=valid, other=0.0)
     chosen, slot = row_top_k(score, pos, valid, k, BLOCK)
     tl.store(out_ptr + row * k + slot, pos.to(tl.int64), mask=chosen)
+    if FLAT:  # the positions in the flattened (rows * tokens) axis too
+        tl.store(flat_ptr + row * k + slot, row * tokens + pos, mask=chosen)
 
 
 def num_warps(block: int) -> int:
@@ -72,15 +74,18 @@ def fits(scores: Tensor) -> bool:
     return scores.dtype == torch.float32 and 0 < scores.shape[-1] <= MAX_TOKENS
 
 
-def top_k_positions(scores: Tensor, k: int) -> Tensor:
-    """scores (..., T) float32 -> (..., k) int64: each row's top-k positions, increasing."""
+def top_k_positions(scores: Tensor, k: int, flat: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """scores (..., T) float32 -> (..., k) int64: each row's top-k positions, increasing; with flat,
+    also the same positions in the flattened (rows * T) axis, (rows * k,) int64."""
     tokens = scores.shape[-1]
     if not 0 < k <= tokens:
         raise ValueError(f"top_k_positions: k must be in [1, {tokens}], got {k}")
     rows = scores.reshape(-1, tokens).contiguous()  # (R, T)
     out = torch.empty(*scores.shape[:-1], k, dtype=torch.long, device=scores.device)  # (..., k)
+    flat_out = torch.empty(rows.shape[0] * k, dtype=torch.long, device=scores.device) if flat else out
     if rows.shape[0]:
         block = triton.next_power_of_2(tokens)
         with on_device_of(scores):
-            _top_k_positions[(rows.shape[0],)](rows, out, tokens, k, BLOCK=block, num_warps=num_warps(block))
-    return out
+            _top_k_positions[(rows.shape[0],)](rows, out, flat_out, tokens, k, FLAT=flat, BLOCK=block,
+                                               num_warps=num_warps(block))
+    return (out, flat_out) if flat else out

@@ -9,7 +9,7 @@ from torch import Tensor, nn
 from mode.config import ModelConfig, RoutingConfig
 from mode.layers.block import BlockInfo, TransformerBlock
 from mode.layers.rotary import RotaryAngles
-from mode.routing import DepthRouter, scatter_add_tokens
+from mode.routing import DepthRouter, add_gated_tokens
 
 
 class MoDBlock(nn.Module):
@@ -28,11 +28,12 @@ class MoDBlock(nn.Module):
 
     def forward(self, x: Tensor, angles: RotaryAngles) -> tuple[Tensor, BlockInfo]:
         # indices (B, k), sorted: causal order kept; chosen (B, k, D); residual: x, for the updates
-        routing, chosen, residual, writable = self.router.route(x, owns_gradient=self.add_in_place)
+        routed = self.router.route(x, owns_gradient=self.add_in_place)
+        routing = routed.routing
         # (B, k, D) at the original positions; ffn_routing is the MoE's in Staged MoDE, else None.
-        update, ffn_routing = self.block.routed_update(chosen, angles.select(routing.indices), routing.valid)
+        update, ffn_routing = self.block.routed_update(routed.chosen, angles.select(routing.indices), routing.valid)
         # The gate scales only the update; the residual of every token passes untouched.
         # (float32 gates times the update promote to the residual stream's precision.)
-        gated = routing.gates.unsqueeze(-1) * update  # (B, k, D)
-        out = scatter_add_tokens(residual, routing.indices, gated, in_place=self.add_in_place and writable)
+        in_place = self.add_in_place and routed.residual_writable
+        out = add_gated_tokens(routed.residual, routing.indices, routing.gates, update, in_place, routed.flat)
         return out, BlockInfo(routing=routing, ffn_routing=ffn_routing)

@@ -1,5 +1,6 @@
 """Router primitives shared by every routed block (MoD, MoE, Staged and Integrated MoDE)."""
 from mode.routing.primitives import (
+    add_gated_tokens,
     ExpertRows,
     TokenChoiceHead,
     apply_gate,
@@ -13,6 +14,7 @@ from mode.routing.primitives import (
     gather_tokens,
     load_balancing_loss,
     positions_in_expert,
+    route_tokens,
     router_scores,
     router_z_loss,
     rows_by_slot,
@@ -53,6 +55,7 @@ __all__ = [
     "TokenChoiceHead",
     "TokenChoiceRouter",
     "TokenChoiceRouting",
+    "add_gated_tokens",
     "apply_gate",
     "capacity_to_k",
     "combine_rows",
@@ -64,6 +67,7 @@ __all__ = [
     "gather_tokens",
     "load_balancing_loss",
     "positions_in_expert",
+    "route_tokens",
     "router_scores",
     "router_z_loss",
     "rows_by_slot",

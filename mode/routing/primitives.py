@@ -55,6 +55,17 @@ def top_k_positions(scores: Tensor, k: int) -> Tensor:
     return chosen.int().sort(dim=-1).values.long()
 
 
+def top_k_flat(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """scores (G, T) -> (top_k_positions(scores, k) (G, k), the same positions in the flattened
+    (G*T) axis (G*k,)): the Triton kernel writes both at once (no arange and add on the host)."""
+    if _topk_kernel_applies(scores):
+        from mode.kernels.topk import top_k_positions as one_kernel
+
+        return one_kernel(scores, k, flat=True)
+    indices = top_k_positions(scores, k)
+    return indices, _flat_indices(indices, scores.shape[-1])
+
+
 def _flat_indices(indices: Tensor, tokens_per_group: int) -> Tensor:
     """(G, ..., k) positions within each group -> positions in the flattened (G*T) token axis."""
     groups = indices.shape[0]
@@ -236,6 +247,159 @@ def combine_tokens(indices: Tensor, updates: Tensor, tokens_per_group: int) -> T
         zeros = rows.new_zeros(groups * tokens_per_group, width)
         return zeros.scatter_add(0, flat.unsqueeze(1).expand_as(rows), rows).view(groups, tokens_per_group, width)
     return _CombineRows.apply(rows, flat, groups * tokens_per_group).view(groups, tokens_per_group, width)
+
+
+# ----------------------------------------------------------------------------- a depth router's two nodes
+# True: outside torch.compile, a depth router's scores, top-k, gather and gates are one autograd
+# node (_RouteTokens) and the gated updates go back into the residual in another (_AddGatedRows),
+# on CUDA with the top-k kernel writing the flat positions and one kernel each way for the update;
+# False: the separate ops (split_tokens, the chosen rows' scores, apply_gate, the product with the
+# gates, scatter_add_tokens), each recorded by autograd. Eager MoD is bound by the host: on an
+# H100 a MoD block's forward took 1.15 to 1.35 ms of host time against 0.6 for a dense block and
+# about 0.3 ms of kernels, 0.36 to 0.40 of it in the router and 0.21 to 0.24 in the gate and the
+# residual update. With the two nodes, routing and update took 309 and 388 us of host time per
+# block against 390 and 492 us (two runs each), and the eager MoD step 1.042 and 1.143 x its FLOP
+# ratio against 1.271 and 1.300 x (bench/mod_step.py --depth-route nodes|ops, interleaved runs).
+DEPTH_ROUTE_NODES = True
+
+
+def _route_nodes_apply(x: Tensor) -> bool:
+    return DEPTH_ROUTE_NODES and not torch.compiler.is_compiling()
+
+
+class _RouteTokens(torch.autograd.Function):
+    """A depth router in one node: x (G, T, D) -> the k chosen tokens of each group (G, k, D), x
+    itself (a detached alias, as _SplitRows returns it), their gates g(score) (G, k) float32 and,
+    without gradient, the chosen positions (G, k), the same in the flattened (G*T) axis (G*k,) and
+    every token's score (G, T).
+
+    The gates are read from the scores of every token (the chosen rows' own dot products). The
+    backward adds the gates' path by hand: the router weight's gradient (score gradient @ rows),
+    and the score gradient times the weight into the chosen rows' gradient, which is then added
+    into x's (in place with grad_in_place, as _SplitRows).
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, k: int, gate: str, random: bool,
+                grad_in_place: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        groups, tokens, width = x.shape
+        scores = router_scores(x, weight, bias).squeeze(-1)  # (G, T) float32
+        # The random-routing ablation changes only which tokens are chosen; gates stay learned.
+        indices, flat = top_k_flat(torch.rand_like(scores) if random else scores, k)  # (G, k) sorted, (G*k,)
+        rows = x.reshape(-1, width).index_select(0, flat)  # (G*k, D)
+        gates = apply_gate(scores.gather(1, indices), gate)  # (G, k)
+        ctx.save_for_backward(flat, rows, weight, gates)
+        ctx.gate, ctx.grad_in_place, ctx.has_bias, ctx.x_shape = gate, grad_in_place, bias is not None, x.shape
+        ctx.mark_non_differentiable(indices, flat, scores)
+        return rows.view(groups, k, width), x.detach(), gates, indices, flat, scores
+
+    @staticmethod
+    def backward(ctx, grad_rows: Tensor | None, grad_x: Tensor | None, grad_gates: Tensor | None, *_: Tensor
+                 ) -> tuple[Tensor | None, ...]:
+        flat, rows, weight, gates = ctx.saved_tensors
+        width = rows.shape[1]
+        grad_rows = rows.new_zeros(rows.shape) if grad_rows is None else grad_rows.reshape(-1, width)  # (G*k, D)
+        grad_weight = grad_bias = None
+        if grad_gates is not None:
+            grad_score = grad_gates.reshape(-1).float()  # (G*k,)
+            if ctx.gate == "sigmoid":
+                g = gates.reshape(-1)
+                grad_score = grad_score * g * (1 - g)
+            grad_weight = (grad_score.unsqueeze(0) @ rows.float()).to(weight.dtype)  # (1, D)
+            grad_bias = grad_score.sum().reshape(1).to(weight.dtype) if ctx.has_bias else None
+            grad_rows = grad_rows + (grad_score.unsqueeze(1) * weight.float()).to(grad_rows.dtype)  # the score's input gradient
+        if grad_x is None:  # the residual unused
+            grad = rows.new_zeros(ctx.x_shape)
+        elif ctx.grad_in_place and grad_x.is_contiguous():
+            grad = grad_x
+        else:  # a copy: an incoming gradient may be shared (x + y hands one tensor to both)
+            grad = grad_x.clone(memory_format=torch.contiguous_format)
+        _add_rows(grad.view(-1, width), flat, grad_rows.to(grad.dtype))
+        return grad, grad_weight, grad_bias, None, None, None, None
+
+
+class DepthRoute(NamedTuple):
+    """route_tokens' result for x (G, T, D) and k tokens a group."""
+
+    indices: Tensor  # (G, k) chosen positions, sorted
+    gates: Tensor  # (G, k) g(score), float32
+    chosen: Tensor  # (G, k, D) the chosen tokens
+    residual: Tensor  # (G, T, D) x itself, for add_gated_tokens
+    scores: Tensor  # (G, T) every token's score, float32, without gradient
+    flat: Tensor | None  # (G*k,) indices in the flattened (G*T) axis; None where not at hand
+
+
+def route_tokens(x: Tensor, weight: Tensor, bias: Tensor | None, k: int, gate: str, random: bool = False,
+                 grad_in_place: bool = False) -> DepthRoute:
+    """A depth router's routing of x (G, T, D) by a router of weight (1, D): the top-k tokens of each
+    group by score w . x_i (+ bias), or k random ones (random: the ablation; gates stay learned).
+
+    The same as split_tokens(x, top_k_positions(scores, k)) with the gates g(w . x_i) of the chosen
+    rows, in one autograd node (DEPTH_ROUTE_NODES; under torch.compile the separate ops).
+    grad_in_place as split_tokens'.
+    """
+    if _route_nodes_apply(x):
+        chosen, residual, gates, indices, flat, scores = _RouteTokens.apply(x, weight, bias, k, gate, random, grad_in_place)
+        return DepthRoute(indices, gates, chosen, residual, scores, flat)
+    with torch.no_grad():
+        scores = router_scores(x, weight, bias).squeeze(-1)  # (G, T)
+    indices = top_k_positions(torch.rand_like(scores) if random else scores, k)
+    chosen, residual = split_tokens(x, indices, grad_in_place=grad_in_place)  # (G, k, D), (G, T, D)
+    gates = apply_gate(router_scores(chosen, weight, bias).squeeze(-1), gate)  # (G, k), the gradient's path
+    return DepthRoute(indices, gates, chosen, residual, scores, None)
+
+
+class _AddGatedRows(torch.autograd.Function):
+    """x (G, T, D) with gates[i] * updates[i] added to row flat[i] (distinct rows), in x's memory
+    (in_place) or a copy of it; x's gradient passes through."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, flat: Tensor, gates: Tensor, updates: Tensor, in_place: bool) -> Tensor:
+        ctx.save_for_backward(flat, gates, updates)
+        if in_place:
+            ctx.mark_dirty(x)
+            out = x
+        else:
+            out = x.clone(memory_format=torch.contiguous_format)
+        rows = out.view(-1, out.shape[-1])  # (G*T, D)
+        if _rows_kernel_applies(x):  # one kernel (mode/kernels/rows.py)
+            from mode.kernels.common import on_device_of
+            from mode.kernels.rows import add_gated_rows_
+
+            with on_device_of(x):
+                add_gated_rows_(rows, flat, gates, updates)
+        else:
+            _add_rows(rows, flat, (gates.unsqueeze(1) * updates).to(x.dtype))  # the product as PyTorch promotes it
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, Tensor, Tensor, None]:
+        flat, gates, updates = ctx.saved_tensors
+        grad_rows = grad.reshape(-1, grad.shape[-1])  # (G*T, D)
+        if _rows_kernel_applies(grad):  # one kernel: the rows' gradient and the gates' at once
+            from mode.kernels.common import on_device_of
+            from mode.kernels.rows import combine_backward
+
+            with on_device_of(grad):
+                grad_updates, grad_gates = combine_backward(grad_rows, flat, updates, gates)
+            return grad, None, grad_gates.to(gates.dtype), grad_updates, None
+        grad_chosen = grad_rows.index_select(0, flat)  # (M, D)
+        grad_updates = (grad_chosen * gates.unsqueeze(1)).to(updates.dtype)
+        grad_gates = (grad_chosen * updates).sum(-1).to(gates.dtype)
+        return grad, None, grad_gates, grad_updates, None
+
+
+def add_gated_tokens(x: Tensor, indices: Tensor, gates: Tensor, updates: Tensor, in_place: bool = False,
+                     flat: Tensor | None = None) -> Tensor:
+    """x (G, T, D) with gates (G, k) * updates (G, k, D) added at indices (G, k) (distinct within a
+    group): scatter_add_tokens(x, indices, gates[..., None] * updates, in_place), the product
+    formed and added in one autograd node (DEPTH_ROUTE_NODES) instead of three. flat: indices in
+    the flattened (G*T) axis where the caller has them (DepthRoute.flat)."""
+    if not _route_nodes_apply(x):
+        return scatter_add_tokens(x, indices, gates.unsqueeze(-1) * updates, in_place=in_place)
+    width = x.shape[-1]
+    flat = _flat_indices(indices, x.shape[1]) if flat is None else flat
+    return _AddGatedRows.apply(x, flat, gates.reshape(-1), updates.reshape(-1, width), in_place and x.is_contiguous())
 
 
 # ----------------------------------------------------------------------------- expert-major rows

@@ -19,6 +19,7 @@ from mode.routing.primitives import (
     expert_major_ids,
     gather_rows,
     positions_in_expert,
+    route_tokens,
     router_scores,
     router_z_loss,
     split_tokens,
@@ -32,12 +33,14 @@ from mode.routing.primitives import (
 class RoutedTokens(NamedTuple):
     """DepthRouter.route's result: the routing, the chosen tokens (B, k, D) and the residual x
     (B, S, D) they go back into. residual_writable: no autograd node of the router saved x, so
-    an owner of x may add the updates into it in place (scatter_add_tokens(in_place=True))."""
+    an owner of x may add the updates into it in place (add_gated_tokens(in_place=True)).
+    flat: the chosen positions in the flattened (B*S) axis, where the router has them."""
 
     routing: "Routing"
     chosen: Tensor
     residual: Tensor
     residual_writable: bool
+    flat: Tensor | None = None
 
 
 @dataclass
@@ -198,8 +201,7 @@ class DepthRouter(nn.Module):
 
         The loss sees a token's score only through its gate, unless the causal decision is the
         router's own logit (causal=aux_loss: a BCE over every token). Otherwise, with autograd
-        on, every token's score is computed without autograd, for the top-k alone, and the
-        chosen tokens' scores again from their gathered rows. The gradient is the same, but
+        on, the scores' gradient flows through the chosen tokens' gates alone (route_tokens):
         the router's backward reads and writes k rows instead of the whole (B, S, D) residual
         (per routed block a weight-gradient GEMV, an outer product and a sum into x's gradient).
         owns_gradient: nothing but the caller holds the gradient that will reach the residual
@@ -209,15 +211,13 @@ class DepthRouter(nn.Module):
         if self.causal_mode or dense_grad or not torch.is_grad_enabled():
             routing = self(x)  # its scores' backward needs x: the residual is not writable
             return RoutedTokens(routing, *split_tokens(x, routing.indices), residual_writable=False)
-        with torch.no_grad():
-            scores = self.router(x).squeeze(-1)  # (B, S)
-        indices = self._select(scores)
+        k = capacity_to_k(x.shape[1], self.capacity)
+        proj = self.router.proj
         # owns_gradient: the caller's residual gradient is its own (split_tokens' grad_in_place)
-        chosen, residual = split_tokens(x, indices, grad_in_place=owns_gradient)  # (B, k, D), (B, S, D)
-        gates = apply_gate(self.router(chosen).squeeze(-1), self.gate)  # (B, k), the gradient's path
-        aux, stats = self._causal_terms(x, scores, indices)  # a causal predictor saves x for its backward
-        routing = Routing(indices=indices, gates=gates, logits=scores, aux_loss=aux, stats=stats)
-        return RoutedTokens(routing, chosen, residual, residual_writable=self.causal is None)
+        route = route_tokens(x, proj.weight, proj.bias, k, self.gate, self.random, owns_gradient)
+        aux, stats = self._causal_terms(x, route.scores, route.indices)  # a causal predictor saves x for its backward
+        routing = Routing(indices=route.indices, gates=route.gates, logits=route.scores, aux_loss=aux, stats=stats)
+        return RoutedTokens(routing, route.chosen, route.residual, self.causal is None, route.flat)
 
     def _select(self, scores: Tensor) -> Tensor:
         """(B, S) scores -> (B, k) chosen positions, sorted."""
