@@ -258,8 +258,10 @@ def combine_tokens(indices: Tensor, updates: Tensor, tokens_per_group: int) -> T
 # H100 a MoD block's forward took 1.15 to 1.35 ms of host time against 0.6 for a dense block and
 # about 0.3 ms of kernels, 0.36 to 0.40 of it in the router and 0.21 to 0.24 in the gate and the
 # residual update. With the two nodes, routing and update took 309 and 388 us of host time per
-# block against 390 and 492 us (two runs each), and the eager MoD step 1.042 and 1.143 x its FLOP
-# ratio against 1.271 and 1.300 x (bench/mod_step.py --depth-route nodes|ops, interleaved runs).
+# block against 390 and 492 us (two runs each); the eager MoD step, still bound by the host and
+# varying from round to round, 1.149 x its FLOP ratio against 1.195 x (medians of 8 rounds
+# alternating in one process), and with CUDA graphs 1.032 / 1.034 x against 1.040 / 1.041 x
+# (bench/mod_step.py --depth-route nodes|ops; README, "Latest measurements").
 DEPTH_ROUTE_NODES = True
 
 
