@@ -66,8 +66,16 @@ Layer = Callable[[Tensor], Tensor]
 Step = Callable[[], None]
 
 
+# How a pass's backward starts: "grad", y.backward(a fixed bf16 gradient), the layer alone; "sum",
+# y.float().sum().backward(), as the tables before this option were measured: a float32 copy of y,
+# its sum, and the gradient's cast back to bf16 add about 110 us of kernels to every row (an H100
+# profile at the default shape).
+UPSTREAM = "grad"
+
+
 def fwd_bwd(layer: Callable[[Tensor], Tensor], x: Tensor) -> Callable[[], None]:
     params = parameters_of(layer)
+    grad = torch.randn(x.shape, device=x.device, generator=torch.Generator(x.device).manual_seed(1)).to(torch.bfloat16)
 
     def run() -> None:
         # Fresh gradients each pass, as training with zero_grad(set_to_none=True) (a CUDA-graphed
@@ -80,7 +88,10 @@ def fwd_bwd(layer: Callable[[Tensor], Tensor], x: Tensor) -> Callable[[], None]:
         with torch.autocast("cuda", dtype=torch.bfloat16):
             y = layer(x)
             y = y[0] if isinstance(y, tuple) else y
-        y.float().sum().backward()
+        if UPSTREAM == "sum":
+            y.float().sum().backward()
+        else:
+            y.backward(grad.to(y.dtype))  # a no-op cast for bf16 outputs
 
     return run
 
@@ -120,7 +131,14 @@ def cuda_graphed(layer: Layer, x: Tensor) -> Step:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         run()
-    return graph.replay
+
+    def replay() -> None:
+        graph.replay()
+
+    # The graph reads memory it does not own: the layer's weights and the upstream gradient, which
+    # run's closure holds. Kept alive with the graph (freed, their blocks could be handed out again).
+    replay.captured = run
+    return replay
 
 
 def megablocks_dmoe(args: argparse.Namespace) -> Callable[[Tensor], Tensor]:
@@ -170,6 +188,9 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="also time this project's layers under torch.compile")
     parser.add_argument("--profile", nargs="*", default=[], metavar="ROW",
                         help="print the top GPU kernels of the rows whose name contains ROW")
+    parser.add_argument("--upstream", choices=["grad", "sum"], default="grad",
+                        help="grad: each pass's backward from a fixed bf16 gradient of the output (the layer alone); "
+                             "sum: from y.float().sum(), as the tables before this option (about 110 us more a row)")
     add_routing_switches(parser)
     parser.add_argument("--router", choices=["bf16", "fp32"], default="bf16",
                         help="bf16: float32 scores from a bf16 GEMM; fp32: from a float32 copy of x "
@@ -177,6 +198,8 @@ def main() -> None:
     args = parser.parse_args()
     apply_routing_switches(args)
     primitives.HALF_ROUTER = args.router == "bf16"
+    global UPSTREAM
+    UPSTREAM = args.upstream
     torch.manual_seed(0)
     x = torch.randn(args.batch, args.seq, args.width, device="cuda", dtype=PARAM_DTYPE[args.params], requires_grad=True)
 
@@ -231,7 +254,7 @@ def main() -> None:
           f"D={args.width}, expert hidden {args.ffn}, {args.experts} experts, {args.params} weights, bf16 autocast, fwd+bwd, "
           f"rows added back with {args.row_add}, router {args.router}, top-k {args.topk}, "
           f"token choice slots {args.slot_choice}, MoE rows {args.rows}, "
-          f"expert choice dispatch {args.expert_choice}\n")
+          f"expert choice dispatch {args.expert_choice}, backward from {'a fixed gradient' if args.upstream == 'grad' else 'y.float().sum()'}\n")
     layers = build_rows(rows, x)
     # Interleaved rounds: row 1, row 2, ..., row 1, ...; each cell is the median over the rounds.
     # Rows that launch many small kernels from the host (eager token choice, megablocks, DeepSpeed)
