@@ -1,8 +1,8 @@
 """Router primitives shared by every routed block (MoD, MoE, Staged and Integrated MoDE)."""
 from mode.routing.primitives import (
-    add_gated_tokens,
     ExpertRows,
     TokenChoiceHead,
+    add_gated_tokens,
     apply_gate,
     capacity_to_k,
     combine_rows,

@@ -147,12 +147,16 @@ class _SplitRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_rows: Tensor, grad_x: Tensor) -> tuple[Tensor, None, None]:
         (flat,) = ctx.saved_tensors
-        if ctx.grad_in_place and grad_x.is_contiguous():
-            grad = grad_x
-        else:  # a copy: an incoming gradient may be shared (x + y hands one tensor to both)
-            grad = grad_x.clone(memory_format=torch.contiguous_format)
-        _add_rows(grad.view(-1, grad.shape[-1]), flat, grad_rows)
-        return grad, None, None
+        return _add_rows_to_gradient(grad_x, flat, grad_rows, ctx.grad_in_place), None, None
+
+
+def _add_rows_to_gradient(grad_x: Tensor, flat: Tensor, grad_rows: Tensor, in_place: bool) -> Tensor:
+    """x's gradient (G, T, D) with the chosen rows' gradient (M, D) added at flat: into grad_x itself
+    where the caller owns it (in_place, contiguous), else into a copy (an incoming gradient may be
+    shared: x + y hands one tensor to both)."""
+    grad = grad_x if in_place and grad_x.is_contiguous() else grad_x.clone(memory_format=torch.contiguous_format)
+    _add_rows(grad.view(-1, grad.shape[-1]), flat, grad_rows.to(grad.dtype))
+    return grad
 
 
 class _AddRowsInPlace(torch.autograd.Function):
@@ -310,14 +314,8 @@ class _RouteTokens(torch.autograd.Function):
             grad_weight = (grad_score.unsqueeze(0) @ rows.float()).to(weight.dtype)  # (1, D)
             grad_bias = grad_score.sum().reshape(1).to(weight.dtype) if ctx.has_bias else None
             grad_rows = grad_rows + (grad_score.unsqueeze(1) * weight.float()).to(grad_rows.dtype)  # the score's input gradient
-        if grad_x is None:  # the residual unused
-            grad = rows.new_zeros(ctx.x_shape)
-        elif ctx.grad_in_place and grad_x.is_contiguous():
-            grad = grad_x
-        else:  # a copy: an incoming gradient may be shared (x + y hands one tensor to both)
-            grad = grad_x.clone(memory_format=torch.contiguous_format)
-        _add_rows(grad.view(-1, width), flat, grad_rows.to(grad.dtype))
-        return grad, grad_weight, grad_bias, None, None, None, None
+        grad_x = rows.new_zeros(ctx.x_shape) if grad_x is None else grad_x  # None: the residual unused
+        return _add_rows_to_gradient(grad_x, flat, grad_rows, ctx.grad_in_place), grad_weight, grad_bias, None, None, None, None
 
 
 class DepthRoute(NamedTuple):
