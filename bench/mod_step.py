@@ -5,7 +5,10 @@
 
 Both models have the same shape; the MoD model routes 12.5% of each sequence through every
 other block. Measured in the same process, same card: forward+backward, and the whole step
-with fused AdamW; eager, torch.compile, and torch.compile with CUDA graphs
+with fused AdamW, each pass on an idle GPU (synchronised: the host's launch latency shows);
+and whole steps queued back to back, one synchronisation after --iters of them, as
+mode.train's loop runs them (it reads a step's losses after queuing the next); eager,
+torch.compile, and torch.compile with CUDA graphs
 (mode="reduce-overhead": the step replayed without launching kernels one by one from the
 host). Both models of a mode stay built and are timed in interleaved rounds (dense, MoD,
 dense, ...); each cell is the median over rounds of each round's median. Prints a markdown table.
@@ -29,6 +32,7 @@ from common import (  # noqa: E402
     apply_routing_switches,
     profile_report,
     timed,
+    timed_back_to_back,
 )
 
 from mode.config import Config, config_from_dict
@@ -83,6 +87,7 @@ class Runner:
         self.args, self.device = args, device
         self.fwd_bwd_ms: list[float] = []
         self.step_ms: list[float] = []
+        self.back_to_back_ms: list[float] = []
         # Peak memory of this model alone: the other model of the pair holds no gradients while this runs.
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -112,6 +117,7 @@ class Runner:
         """One round: the median forward+backward and step of --iters each, appended to the lists."""
         self.fwd_bwd_ms.append(timed(self.fwd_bwd, warmup, self.args.iters, self.device))
         self.step_ms.append(timed(self.step, warmup, self.args.iters, self.device))
+        self.back_to_back_ms.append(timed_back_to_back(self.step, warmup, self.args.iters, self.device))
         # A captured graph writes into its gradients' memory: those stay allocated.
         self.optimizer.zero_grad(set_to_none=self.micro_step is None)
 
@@ -171,18 +177,21 @@ def main() -> None:
           f"layers={args.layers} ffn={args.ffn} vocab={args.vocab} capacity={args.capacity} on every other block, bf16, rows added back with {args.row_add}, eager kernels {args.kernels}, top-k {args.topk}, router score {args.router_score}, depth route {args.depth_route}")
     print(f"analytic forward FLOPs/token: dense {model_flops(dense_cfg).forward_per_token / 1e6:.1f}M, "
           f"MoD {model_flops(mod_cfg).forward_per_token / 1e6:.1f}M, ratio {flop_ratio:.3f}\n")
-    print("| mode | model | fwd+bwd ms | step ms (AdamW) | peak GiB | fwd+bwd ratio | step ratio | ratio / FLOP ratio (fwd+bwd, step) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| mode | model | fwd+bwd ms | step ms (AdamW) | steps back to back ms | peak GiB | fwd+bwd ratio | step ratio "
+          "| back-to-back ratio | ratio / FLOP ratio (fwd+bwd, step, back to back) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for mode in modes:
         dense, mod = measure_pair(dense_cfg, mod_cfg, mode, args, device)
-        rows = {name: (statistics.median(r.fwd_bwd_ms), statistics.median(r.step_ms), r.peak_gib) for name, r in (("dense", dense), ("MoD", mod))}
+        rows = {name: (statistics.median(r.fwd_bwd_ms), statistics.median(r.step_ms), statistics.median(r.back_to_back_ms),
+                       r.peak_gib) for name, r in (("dense", dense), ("MoD", mod))}
         del dense, mod
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        (d_fb, d_st, d_peak), (m_fb, m_st, m_peak) = rows["dense"], rows["MoD"]
-        fb, st = m_fb / d_fb, m_st / d_st
-        print(f"| {mode} | dense | {d_fb:.2f} | {d_st:.2f} | {d_peak:.2f} | | | |")
-        print(f"| {mode} | MoD | {m_fb:.2f} | {m_st:.2f} | {m_peak:.2f} | {fb:.3f} | {st:.3f} | {fb / flop_ratio:.3f} x, {st / flop_ratio:.3f} x |", flush=True)
+        (d_fb, d_st, d_b2b, d_peak), (m_fb, m_st, m_b2b, m_peak) = rows["dense"], rows["MoD"]
+        fb, st, b2b = m_fb / d_fb, m_st / d_st, m_b2b / d_b2b
+        print(f"| {mode} | dense | {d_fb:.2f} | {d_st:.2f} | {d_b2b:.2f} | {d_peak:.2f} | | | | |")
+        print(f"| {mode} | MoD | {m_fb:.2f} | {m_st:.2f} | {m_b2b:.2f} | {m_peak:.2f} | {fb:.3f} | {st:.3f} | {b2b:.3f} "
+              f"| {fb / flop_ratio:.3f} x, {st / flop_ratio:.3f} x, {b2b / flop_ratio:.3f} x |", flush=True)
     profile_modes = [] if args.profile is None else (args.profile or ["eager"])  # bare --profile: eager
     for mode in profile_modes:
         for name, cfg in (("dense", dense_cfg), ("MoD", mod_cfg)):

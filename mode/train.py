@@ -208,15 +208,37 @@ class GraphedMicroStep:
 
 
 # ----------------------------------------------------------------------------- router statistics
-def to_host(tensors: Sequence[Tensor]) -> list[list[float]]:
-    """Each tensor's values as floats, copied from the device in one transfer.
+class HostCopy:
+    """Tensors' values on their way to the host, in one transfer.
 
-    One synchronisation per call instead of one per value: a step reads its losses and some
-    ten statistics per routed layer, and each separate read would stall the GPU queue again.
+    On CUDA the copy is queued behind the work that computes the values (into pinned memory,
+    without waiting) and values() waits for that copy alone, not for work queued after it: the
+    training loop reads a step's losses after it has queued the next step, so the GPU never runs
+    dry while the host waits. One transfer instead of one per value: a step reads its losses and
+    some ten statistics per routed layer, and each separate read would stall the queue again.
     """
-    if not tensors:
-        return []
-    return split_list(torch.cat([t.detach().float().reshape(-1) for t in tensors]).tolist(), [t.numel() for t in tensors])
+
+    def __init__(self, tensors: Sequence[Tensor]) -> None:
+        self.sizes = [t.numel() for t in tensors]
+        flat = torch.cat([t.detach().float().reshape(-1) for t in tensors]) if tensors else torch.zeros(0)
+        self.done: torch.cuda.Event | None = None
+        if flat.is_cuda:
+            self.host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            self.host.copy_(flat, non_blocking=True)
+            self.done = torch.cuda.Event()
+            self.done.record(torch.cuda.current_stream(flat.device))
+        else:
+            self.host = flat
+
+    def values(self) -> list[list[float]]:
+        if self.done is not None:
+            self.done.synchronize()
+        return split_list(self.host.tolist(), self.sizes)
+
+
+def to_host(tensors: Sequence[Tensor]) -> list[list[float]]:
+    """Each tensor's values as floats, copied from the device in one transfer (HostCopy)."""
+    return HostCopy(tensors).values() if tensors else []
 
 
 def split_list(flat: list[float], sizes: Sequence[int]) -> list[list[float]]:
@@ -302,18 +324,32 @@ def copy_outputs(tensors: tuple[list[Tensor], dict[str, dict[str, Tensor]]]) -> 
             {layer: {name: t.detach().clone() for name, t in stats.items()} for layer, stats in summaries.items()})
 
 
-def read_outputs(outputs: list[tuple[list[Tensor], dict[str, dict[str, Tensor]]]], loss_keys: Sequence[str],
-                 extra: Sequence[Tensor] = ()) -> tuple[list[dict[str, float]], list[dict[str, dict[str, Any]]], list[float]]:
-    """output_tensors of several micro-batches (and extra 0-d tensors), copied in one transfer:
-    per micro-batch its losses and its layers' summaries, then the extra values."""
+Outputs = list[tuple[list[Tensor], dict[str, dict[str, Tensor]]]]  # output_tensors of each micro-batch
+
+
+def outputs_to_host(outputs: Outputs, extra: Sequence[Tensor] = ()) -> HostCopy:
+    """output_tensors of several micro-batches (and extra 0-d tensors), queued to the host in one transfer."""
     flat = [t for losses, stats in outputs for t in [*losses, *(v for per_layer in stats.values() for v in per_layer.values())]]
-    values = iter(to_host(flat + list(extra)))
+    return HostCopy(flat + list(extra))
+
+
+def parse_outputs(outputs: Outputs, loss_keys: Sequence[str], copy: HostCopy,
+                  ) -> tuple[list[dict[str, float]], list[dict[str, dict[str, Any]]], list[float]]:
+    """outputs_to_host's values: per micro-batch its losses and its layers' summaries, then the extra values."""
+    values = iter(copy.values())
     losses, summaries = [], []
     for _, stats in outputs:
         losses.append({key: next(values)[0] for key in loss_keys})
         count = sum(len(per_layer) for per_layer in stats.values())
         summaries.append(summaries_from(stats, [next(values) for _ in range(count)]))
-    return losses, summaries, [next(values)[0] for _ in extra]
+    return losses, summaries, [v[0] for v in values]
+
+
+def read_outputs(outputs: Outputs, loss_keys: Sequence[str], extra: Sequence[Tensor] = (),
+                 ) -> tuple[list[dict[str, float]], list[dict[str, dict[str, Any]]], list[float]]:
+    """output_tensors of several micro-batches (and extra 0-d tensors), copied in one transfer:
+    per micro-batch its losses and its layers' summaries, then the extra values."""
+    return parse_outputs(outputs, loss_keys, outputs_to_host(outputs, extra))
 
 
 def read_output(out: ModelOutput, loss_keys: Sequence[str]) -> tuple[dict[str, float], dict[str, dict[str, Any]]]:
@@ -355,6 +391,14 @@ def average_summaries(summaries: list[dict[str, dict[str, Any]]]) -> dict[str, d
     return out
 
 
+def to_device(batch: Tensor, device: torch.device) -> Tensor:
+    """A host batch on device. To CUDA from pinned memory without waiting: a copy from pageable
+    memory would wait for the device's queue to drain (the step before it) before it returns."""
+    if device.type != "cuda":
+        return batch.to(device)
+    return batch.pin_memory().to(device, non_blocking=True)
+
+
 # ----------------------------------------------------------------------------- the trainer
 @dataclass
 class RunState:
@@ -363,7 +407,24 @@ class RunState:
     flops: float = 0.0
 
 
+LOSS_KEYS = ("loss", "lm_loss", "aux_loss")  # what a step reports of ModelOutput
+
+
+@dataclass
+class LaunchedStep:
+    """A step queued on the device (Trainer.launch_step), its values still on their way to the host."""
+
+    state: RunState  # the run's state after this step
+    lr: float
+    outputs: Outputs  # output_tensors of each micro-batch
+    copy: HostCopy  # of outputs, then the gradient norm
+
+
 class Trainer:
+    # Exceptions that stop a run between two steps (an interrupt; launch/train.py's --stop-at-step):
+    # the step still in flight is reported before the run stops.
+    clean_stops: tuple[type[BaseException], ...] = (KeyboardInterrupt,)
+
     def __init__(
         self,
         config: Config,
@@ -508,12 +569,18 @@ class Trainer:
         global_batch = t.batch_size * self.world_size
         x, y = sample_batch(split, global_batch, self.config.data.seq_len, batch_generator(t.seed, step, micro))
         rows = slice(self.rank * t.batch_size, (self.rank + 1) * t.batch_size)
-        return x[rows].to(self.device), y[rows].to(self.device)
+        return to_device(x[rows], self.device), to_device(y[rows], self.device)
 
     def train_step(self) -> dict[str, Any]:
+        """One optimizer step, queued and then read: its losses, learning rate, gradient norm and
+        router statistics."""
+        return self.finish_step(self.launch_step())
+
+    def launch_step(self) -> LaunchedStep:
+        """Queue one optimizer step (every micro-batch's forward and backward, then the update) and
+        its outputs' copy to the host, without waiting for the device; advances self.state."""
         t = self.config.train
         step = self.state.step
-        loss_keys = ("loss", "lm_loss", "aux_loss")
         outputs = []
         self.model.train()
         for micro in range(t.grad_accum):
@@ -525,19 +592,26 @@ class Trainer:
                 with self.autocast():
                     out = self.forward(x, y)
                 self.optimization.backward(out.loss / t.grad_accum)
-            tensors = output_tensors(out, loss_keys)  # read after the optimizer step
+            tensors = output_tensors(out, LOSS_KEYS)  # read after the optimizer step
             # A CUDA-graphed forward's outputs live in memory its next replay (the next
             # micro-batch) overwrites: keep copies (a few scalars and small vectors).
             outputs.append(copy_outputs(tensors) if self.graphed else tensors)
         lr = learning_rate(step, t)
         grad_norm = self.optimization.step(lr)
-        # One device-to-host transfer (one synchronisation) per step: losses, statistics, norm.
-        micro_losses, summaries, (norm,) = read_outputs(outputs, loss_keys, [grad_norm])
-        losses = self.mean_over_ranks({key: sum(m[key] for m in micro_losses) / t.grad_accum for key in loss_keys})
-        summaries = self.pool_over_ranks(summaries)
         tokens = self.tokens_per_step
         self.state = RunState(step + 1, self.state.tokens + tokens, self.state.flops + tokens * self.flops_per_token)
-        return {**losses, "lr": lr, "grad_norm": norm, "routing": average_summaries(summaries) if summaries[0] else {}}
+        # One device-to-host transfer per step: losses, statistics, norm.
+        return LaunchedStep(self.state, lr, outputs, outputs_to_host(outputs, [grad_norm]))
+
+    def finish_step(self, launched: LaunchedStep) -> dict[str, Any]:
+        """A launched step's metrics: waits for its values alone (not for steps queued after it);
+        pooled over ranks (collective: every rank finishes the same steps in the same order)."""
+        t = self.config.train
+        micro_losses, summaries, (norm,) = parse_outputs(launched.outputs, LOSS_KEYS, launched.copy)
+        losses = self.mean_over_ranks({key: sum(m[key] for m in micro_losses) / t.grad_accum for key in LOSS_KEYS})
+        summaries = self.pool_over_ranks(summaries)
+        routing = average_summaries(summaries) if summaries[0] else {}
+        return {**losses, "lr": launched.lr, "grad_norm": norm, "routing": routing}
 
     def _new_step(self) -> None:
         """Before each compiled forward: the last one's outputs have been read (a CUDA-graphed
@@ -605,38 +679,60 @@ class Trainer:
 
     # -- the loop
     def run(self) -> list[dict[str, Any]]:
+        """Train to train.max_steps. The host queues step n+1 before it reads step n's losses, so the
+        device is never left idle while the host waits for a read or prepares the next batch;
+        before an evaluation, a checkpoint or the end, the step in flight is read first."""
         t = self.config.train
-        records: list[dict[str, Any]] = []
-        bar = tqdm(
+        self.records: list[dict[str, Any]] = []
+        self.bar = tqdm(
             total=t.max_steps, initial=self.state.step, disable=not (t.progress and self.is_main),
             dynamic_ncols=True, file=sys.stdout,
         )
-        window_start, window_tokens = time.perf_counter(), 0
+        self.window_start, self.window_tokens = time.perf_counter(), 0
+        in_flight: LaunchedStep | None = None
         while self.state.step < t.max_steps:
-            metrics = self.train_step()
+            try:
+                launched = self.launch_step()
+            except self.clean_stops:  # a stop between steps: the step before it is still reported
+                if in_flight is not None:
+                    self._report(in_flight)
+                raise
+            if in_flight is not None:
+                self._report(in_flight)
+            in_flight = launched
             step = self.state.step
-            window_tokens += self.tokens_per_step
-            elapsed = time.perf_counter() - window_start
-            record = {"step": step, "tokens": self.state.tokens, "flops": self.state.flops, **metrics}
-            record["tokens_per_s"] = window_tokens / max(elapsed, 1e-9)
-            bar.update(1)
-            bar.set_postfix_str(self._progress_text(record))
-            if step % t.log_interval == 0 or step == t.max_steps:
-                records.append(record)
-                self.log(record)
-                window_start, window_tokens = time.perf_counter(), 0
+            if step % t.eval_interval and step % t.checkpoint_interval and step != t.max_steps:
+                continue
+            self._report(in_flight)
+            in_flight = None
             if step % t.eval_interval == 0 or step == t.max_steps:
                 evaluation = {"step": step, "tokens": self.state.tokens, "flops": self.state.flops, **self.evaluate()}
-                records.append(evaluation)
+                self.records.append(evaluation)
                 self.log(evaluation)
                 if self.is_main:
-                    bar.write(f"step {step}: val_loss {evaluation['val_loss']:.4f}")
+                    self.bar.write(f"step {step}: val_loss {evaluation['val_loss']:.4f}")
             if step % t.checkpoint_interval == 0 or step == t.max_steps:
                 self.save_checkpoint()
-        bar.close()
+        self.bar.close()
         if self.is_main:
             plot_losses(self.out_dir)
-        return records
+        return self.records
+
+    def _report(self, launched: LaunchedStep) -> None:
+        """Finish a launched step: progress bar, tokens/s, and its record at log intervals."""
+        t = self.config.train
+        metrics = self.finish_step(launched)
+        self.window_tokens += self.tokens_per_step
+        elapsed = time.perf_counter() - self.window_start
+        step = launched.state.step
+        record = {"step": step, "tokens": launched.state.tokens, "flops": launched.state.flops, **metrics}
+        record["tokens_per_s"] = self.window_tokens / max(elapsed, 1e-9)
+        self.bar.update(1)
+        self.bar.set_postfix_str(self._progress_text(record))
+        if step % t.log_interval == 0 or step == t.max_steps:
+            self.records.append(record)
+            self.log(record)
+            self.window_start, self.window_tokens = time.perf_counter(), 0
 
     def _progress_text(self, record: dict[str, Any]) -> str:
         fractions = " ".join(

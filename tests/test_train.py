@@ -22,6 +22,7 @@ from mode.train import (
     CHECKPOINT,
     METRICS,
     POSITION_BINS,
+    LaunchedStep,
     TorchOptimization,
     Trainer,
     build_model,
@@ -171,24 +172,62 @@ def test_resume_continues_the_same_curve(tmp_path: Path, corpus: Path, monkeypat
     # C: a run of 8 steps that crashes during step 7, after its step-4 checkpoint; metrics
     # logged after the checkpoint (steps 5, 6) are dropped on resume and written again.
     c = tmp_path / "c"
-    original = Trainer.train_step
+    original = Trainer.launch_step
 
-    def crash_at_step_7(self: Trainer) -> dict[str, Any]:
+    def crash_at_step_7(self: Trainer) -> LaunchedStep:
         if self.state.step == 6:
             raise KeyboardInterrupt("simulated crash")
         return original(self)
 
-    monkeypatch.setattr(Trainer, "train_step", crash_at_step_7)
+    monkeypatch.setattr(Trainer, "launch_step", crash_at_step_7)
     with pytest.raises(KeyboardInterrupt):
         Trainer(cfg(c, 8)).run()
-    assert sorted(train_losses(c)) == list(range(1, 7))
+    assert sorted(train_losses(c)) == list(range(1, 7))  # step 6, in flight at the interrupt, reported
     assert load_checkpoint_file(c / CHECKPOINT)["state"]["step"] == 4
-    monkeypatch.setattr(Trainer, "train_step", original)
+    monkeypatch.setattr(Trainer, "launch_step", original)
     Trainer(cfg(c, 8), resume=True).run()
     losses_c = train_losses(c)  # asserts no step is logged twice
     assert sorted(losses_c) == list(range(1, 9))
     for step in range(1, 9):
         assert abs(losses_c[step] - losses_a[step]) <= RESUME_ATOL, (step, losses_a, losses_c)
+
+
+def test_the_loop_reads_a_step_after_queuing_the_next(tmp_path: Path, corpus: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Trainer.run keeps one step in flight: step n is read (finish_step) after step n+1 is queued
+    (launch_step), except before an evaluation, a checkpoint and the end, which read the step
+    first; the records are those of the plain one-step-at-a-time train_step."""
+    calls: list[str] = []
+    launch, finish = Trainer.launch_step, Trainer.finish_step
+
+    def launch_step(self: Trainer) -> LaunchedStep:
+        calls.append(f"launch {self.state.step + 1}")
+        return launch(self)
+
+    def finish_step(self: Trainer, launched: LaunchedStep) -> dict[str, Any]:
+        calls.append(f"finish {launched.state.step}")
+        return finish(self, launched)
+
+    def evaluate(self: Trainer) -> dict[str, Any]:
+        calls.append(f"evaluate {self.state.step}")
+        return {"val_loss": 0.0}
+
+    config = make_config(tmp_path / "run", corpus, train={"max_steps": 6, "eval_interval": 3, "checkpoint_interval": 100,
+                                                          "log_interval": 1})
+    monkeypatch.setattr(Trainer, "launch_step", launch_step)
+    monkeypatch.setattr(Trainer, "finish_step", finish_step)
+    monkeypatch.setattr(Trainer, "evaluate", evaluate)
+    records = [r for r in Trainer(config).run() if "loss" in r]
+    assert calls == ["launch 1", "launch 2", "finish 1", "launch 3", "finish 2", "finish 3", "evaluate 3",
+                     "launch 4", "launch 5", "finish 4", "launch 6", "finish 5", "finish 6", "evaluate 6"]
+    assert [r["step"] for r in records] == list(range(1, 7))
+    monkeypatch.setattr(Trainer, "launch_step", launch)
+    monkeypatch.setattr(Trainer, "finish_step", finish)
+    plain = Trainer(make_config(tmp_path / "plain", corpus, train={"max_steps": 6}))
+    for record in records:
+        expected = plain.train_step()
+        assert {k: record[k] for k in expected} == expected, record["step"]
+        assert (record["tokens"], record["flops"]) == (plain.state.tokens, plain.state.flops)
 
 
 def test_fresh_run_refuses_a_folder_with_a_checkpoint(tmp_path: Path, corpus: Path) -> None:
@@ -523,8 +562,13 @@ def test_read_output_equals_reading_each_value(tmp_path: Path, corpus: Path, blo
     assert layers and summaries == {name: _reference_summary(r) for name, r in layers}
 
     transfers = []
-    real = train_module.to_host
-    monkeypatch.setattr(train_module, "to_host", lambda tensors: transfers.append(len(tensors)) or real(tensors))
+
+    class CountedCopy(train_module.HostCopy):
+        def __init__(self, tensors: list[torch.Tensor]) -> None:
+            transfers.append(len(tensors))
+            super().__init__(tensors)
+
+    monkeypatch.setattr(train_module, "HostCopy", CountedCopy)
     record = Trainer(config).train_step()
     assert len(transfers) == 1  # one per step (two micro-batches), whatever the number of statistics
     assert set(record["routing"]) == {name for name, _ in layers}

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, NoReturn
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -25,7 +25,7 @@ from mode.data import DataError
 from mode.flops import model_flops
 from mode.parallel.engine import DeepSpeedOptimization, Processes, init_distributed, quiet_deepspeed
 from mode.parallel.expert_parallel import apply_expert_parallel
-from mode.train import Trainer, build_model, parse_args
+from mode.train import LaunchedStep, Trainer, build_model, parse_args
 
 ERRORS = (ConfigError, DataError, FileExistsError, FileNotFoundError)
 
@@ -38,11 +38,12 @@ class LaunchTrainer(Trainer):
     """The Trainer, plus a way to stop mid-run (tests of resume; drills for preemption)."""
 
     stop_at_step: int | None = None
+    clean_stops = (KeyboardInterrupt, Preempted)  # every rank stops at the same step: reporting it stays collective
 
-    def train_step(self) -> dict[str, Any]:
+    def launch_step(self) -> LaunchedStep:
         if self.stop_at_step is not None and self.state.step >= self.stop_at_step:
             raise Preempted(f"stopped after step {self.state.step} (--stop-at-step)")
-        return super().train_step()
+        return super().launch_step()
 
 
 def build_trainer(config: Config, processes: Processes, resume: bool = False) -> LaunchTrainer:
