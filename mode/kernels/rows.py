@@ -18,7 +18,8 @@ owns through an inverse map instead and writes its sum once:
 
 Eager mode on CUDA: two autograd functions (GatherRows, CombineRows). Under torch.compile the
 routed layers keep plain gather / scatter_add, which Inductor fuses with its neighbours: these
-kernels as torch.library operators were no faster there (README, "Tried and left out").
+kernels as torch.library operators were no faster there (bench/RESULTS.md, "Measurements after
+the MoE rows' token-major kernels").
 """
 from __future__ import annotations
 

@@ -265,7 +265,8 @@ def combine_tokens(indices: Tensor, updates: Tensor, tokens_per_group: int) -> T
 # block against 390 and 492 us (two runs each); the eager MoD step, still bound by the host and
 # varying from round to round, 1.149 x its FLOP ratio against 1.195 x (medians of 8 rounds
 # alternating in one process), and with CUDA graphs 1.032 / 1.034 x against 1.040 / 1.041 x
-# (bench/mod_step.py --depth-route nodes|ops; README, "Latest measurements").
+# (bench/mod_step.py --depth-route nodes|ops; bench/RESULTS.md, "Measurements after the
+# depth router's two autograd nodes").
 DEPTH_ROUTE_NODES = True
 
 
