@@ -392,11 +392,12 @@ def average_summaries(summaries: list[dict[str, dict[str, Any]]]) -> dict[str, d
 
 
 def to_device(batch: Tensor, device: torch.device) -> Tensor:
-    """A host batch on device. To CUDA from pinned memory without waiting: a copy from pageable
-    memory would wait for the device's queue to drain (the step before it) before it returns."""
+    """A host batch on device. To CUDA from contiguous pinned memory without waiting: a copy
+    from pageable memory, or from a strided view (which PyTorch first makes contiguous in
+    pageable memory), waits for the device's queue to drain (the step before it)."""
     if device.type != "cuda":
         return batch.to(device)
-    return batch.pin_memory().to(device, non_blocking=True)
+    return batch.contiguous().pin_memory().to(device, non_blocking=True)
 
 
 # ----------------------------------------------------------------------------- the trainer
