@@ -236,11 +236,6 @@ class HostCopy:
         return split_list(self.host.tolist(), self.sizes)
 
 
-def to_host(tensors: Sequence[Tensor]) -> list[list[float]]:
-    """Each tensor's values as floats, copied from the device in one transfer (HostCopy)."""
-    return HostCopy(tensors).values() if tensors else []
-
-
 def split_list(flat: list[float], sizes: Sequence[int]) -> list[list[float]]:
     """flat cut into consecutive pieces of the given sizes."""
     out, start = [], 0
@@ -264,7 +259,7 @@ def summary_tensors(routing: Routing) -> dict[str, Tensor]:
 
 def summaries_from(tensors: dict[str, dict[str, Tensor]], values: list[list[float]]) -> dict[str, dict[str, Any]]:
     """Per layer and statistic: a float, or a list rounded to 5 decimals (tokens per expert), in the
-    order of `tensors`; values are to_host's of those tensors."""
+    order of `tensors`; values are HostCopy.values() of those tensors."""
     out: dict[str, dict[str, Any]] = {}
     entries = ((layer, name, t) for layer, stats in tensors.items() for name, t in stats.items())
     for (layer, name, t), vals in zip(entries, values, strict=True):
@@ -345,16 +340,10 @@ def parse_outputs(outputs: Outputs, loss_keys: Sequence[str], copy: HostCopy,
     return losses, summaries, [v[0] for v in values]
 
 
-def read_outputs(outputs: Outputs, loss_keys: Sequence[str], extra: Sequence[Tensor] = (),
-                 ) -> tuple[list[dict[str, float]], list[dict[str, dict[str, Any]]], list[float]]:
-    """output_tensors of several micro-batches (and extra 0-d tensors), copied in one transfer:
-    per micro-batch its losses and its layers' summaries, then the extra values."""
-    return parse_outputs(outputs, loss_keys, outputs_to_host(outputs, extra))
-
-
 def read_output(out: ModelOutput, loss_keys: Sequence[str]) -> tuple[dict[str, float], dict[str, dict[str, Any]]]:
     """The named losses and every routed layer's summary, copied from the device in one transfer."""
-    losses, summaries, _ = read_outputs([output_tensors(out, loss_keys)], loss_keys)
+    outputs = [output_tensors(out, loss_keys)]
+    losses, summaries, _ = parse_outputs(outputs, loss_keys, outputs_to_host(outputs))
     return losses[0], summaries[0]
 
 
