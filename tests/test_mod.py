@@ -355,3 +355,29 @@ def test_two_autograd_nodes_equal_the_separate_ops(cfg: ModelConfig, gate: str, 
     assert grads["router.router.proj.weight"].abs().sum() > 0 and (not bias or grads["router.router.proj.bias"].abs() > 0)
     for name, grad in grads.items():
         torch.testing.assert_close(grad, want_grads[name], **tolerance, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("used", ["gates and residual", "chosen rows"])
+def test_route_tokens_backward_gets_none_for_unused_outputs(used: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The router node's backward gets None, not zero tensors made and filled for it, for every output
+    the loss does not reach: the indices, flat positions and scores always, and here the chosen rows
+    or the gates and residual; its gradients are those of the outputs used."""
+    from mode.routing import primitives
+
+    received = []
+    backward = primitives._RouteTokens.backward
+
+    def recording(ctx: object, *grads: torch.Tensor | None) -> tuple:
+        received.append([g is not None for g in grads])
+        return backward(ctx, *grads)
+
+    monkeypatch.setattr(primitives._RouteTokens, "backward", staticmethod(recording))
+    torch.manual_seed(0)
+    x = torch.randn(B, S, D, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(1, D, dtype=torch.float64, requires_grad=True)
+    route = primitives.route_tokens(x, weight, None, 4, "sigmoid")
+    loss = (route.gates.sum() + route.residual.sum()) if used == "gates and residual" else route.chosen.sum()
+    loss.backward()
+    # outputs: chosen, residual, gates, indices, flat, scores
+    assert received == [[used == "chosen rows", used != "chosen rows", used != "chosen rows", False, False, False]]
+    assert x.grad is not None and (weight.grad is not None) == (used != "chosen rows")

@@ -298,6 +298,9 @@ class _RouteTokens(torch.autograd.Function):
         ctx.save_for_backward(flat, rows, weight, gates)
         ctx.gate, ctx.grad_in_place, ctx.has_bias, ctx.x_shape = gate, grad_in_place, bias is not None, x.shape
         ctx.mark_non_differentiable(indices, flat, scores)
+        # Gradients the loss does not produce (the three outputs above, an unused residual) stay
+        # None: no zero tensors made and filled for them in every backward.
+        ctx.set_materialize_grads(False)
         return rows.view(groups, k, width), x.detach(), gates, indices, flat, scores
 
     @staticmethod
