@@ -220,7 +220,7 @@ class HostCopy:
 
     def __init__(self, tensors: Sequence[Tensor]) -> None:
         self.sizes = [t.numel() for t in tensors]
-        flat = torch.cat([t.detach().float().reshape(-1) for t in tensors]) if tensors else torch.zeros(0)
+        flat = torch.cat([t.detach().float().reshape(-1) for t in tensors])
         self.done: torch.cuda.Event | None = None
         if flat.is_cuda:
             self.host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
