@@ -111,6 +111,36 @@ def test_swiglu_float32_matches_to_float32_rounding() -> None:
     torch.testing.assert_close(got_grad, want_grad, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("leading", [(7,), (3, 5)], ids=["rows", "experts' (E, R)"])
+def test_swiglu_times_row_gates_matches_pytorch(leading: tuple[int, ...]) -> None:
+    """SwiGLU times a float32 gate per row (an MoE layer's gates, applied by its experts) against
+    float64 PyTorch on the same bf16 inputs: the output and h's gradient at one bf16 rounding; the
+    gates' gradient, a float32 sum of 1500 products per row (over one column block: masked lanes),
+    to rtol 1e-4."""
+    width = 1500
+    h = torch.randn(*leading, 2 * width, device=DEVICE).bfloat16()
+    gates = torch.rand(*leading, device=DEVICE)
+    probe = (torch.randn(*leading, width, device=DEVICE).bfloat16().float(),)
+
+    def reference(t: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        return F.silu(t[..., :width]) * t[..., width:] * g.unsqueeze(-1)
+
+    (want,), want_grads = _grads(reference, (h.double(), gates.double()), probe)
+    (got,), got_grads = _grads(swiglu, (h, gates), probe)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    torch.testing.assert_close(got.double(), want, **ONE_BF16_ROUNDING)
+    assert got_grads[0].dtype == torch.bfloat16 and got_grads[1].dtype == torch.float32
+    torch.testing.assert_close(got_grads[0].double(), want_grads[0], **ONE_BF16_ROUNDING)
+    torch.testing.assert_close(got_grads[1].double(), want_grads[1], rtol=1e-4, atol=1e-4)
+
+
+def test_swiglu_rejects_bad_shapes() -> None:
+    with pytest.raises(ValueError, match="even"):
+        swiglu(torch.zeros(2, 5, device=DEVICE))
+    with pytest.raises(ValueError, match="leading shape"):
+        swiglu(torch.zeros(2, 8, device=DEVICE), torch.zeros(4, device=DEVICE))
+
+
 def test_use_triton_only_for_cuda_tensors_in_eager_mode(monkeypatch: pytest.MonkeyPatch) -> None:
     import mode.kernels as kernels
 
@@ -314,24 +344,27 @@ def _expert_choice_ids(tokens: int, n_experts: int, per_expert: int) -> torch.Te
 def _rows_run(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor | None, gates: torch.Tensor, probe: torch.Tensor,
               kernel: bool, monkeypatch: pytest.MonkeyPatch):
     """gather_rows -> a per-row linear map -> combine_rows; output and the gradients of x, weight and gates.
-    weight None: the gathered rows are combined as they are."""
+    weight None: the gathered rows are combined as they are; gates None: summed without gates."""
     import mode.kernels as kernels
     from mode.routing import combine_rows, expert_choice_rows, gather_rows
 
     monkeypatch.setattr(kernels, "use_triton", lambda t: kernel)
-    x, gates = (t.detach().clone().requires_grad_() for t in (x, gates))
+    x = x.detach().clone().requires_grad_()
+    gates = None if gates is None else gates.detach().clone().requires_grad_()
     weight = None if weight is None else weight.detach().clone().requires_grad_()
     rows = expert_choice_rows(ids, x)
     assert (rows.inverse is not None) == kernel
     ys = gather_rows(x, rows)  # (R, D)
     out = combine_rows(ys if weight is None else ys @ weight, gates, rows)  # (T, D)
     (out.float() * probe).sum().backward()
-    return out.detach(), x.grad, gates.grad, weight.grad if weight is not None else None
+    return out.detach(), x.grad, None if gates is None else gates.grad, weight.grad if weight is not None else None
 
 
+@pytest.mark.parametrize("gated", [True, False], ids=["gated combine", "plain sum"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_expert_rows_kernels_match_pytorch(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The token-major combine (gates applied in float32, one rounding) and the gather's backward
+def test_expert_rows_kernels_match_pytorch(dtype: torch.dtype, gated: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The token-major combine (gates applied in float32, one rounding; or a plain sum, whose backward
+    is a gather) and the gather's backward
     against gather_tokens / combine_tokens in float64 on the same inputs; tokens no expert took get
     an exact zero output and an exact zero input gradient. A width that is not a multiple of the
     column block, and more tokens than one program. In float32 the rows pass a matmul between the
@@ -345,9 +378,9 @@ def test_expert_rows_kernels_match_pytorch(dtype: torch.dtype, monkeypatch: pyte
     weight = torch.randn(width, width, device=DEVICE) / width**0.5 if dtype == torch.float32 else None
     gates = torch.rand(n_experts * per_expert, device=DEVICE)
     probe = torch.randn(tokens, width, device=DEVICE).to(dtype).float()  # the same incoming gradient both ways
-    got = _rows_run(x, ids, weight, gates, probe, True, monkeypatch)
-    want = _rows_run(x.double(), ids, None if weight is None else weight.double(), gates.double(), probe.double(),
-                     False, monkeypatch)
+    got = _rows_run(x, ids, weight, gates if gated else None, probe, True, monkeypatch)
+    want = _rows_run(x.double(), ids, None if weight is None else weight.double(), gates.double() if gated else None,
+                     probe.double(), False, monkeypatch)
     tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-7, atol=3e-2)
     for name, g, w in zip(("output", "x grad", "gates grad", "weight grad"), got, want):
         if w is None:
@@ -431,19 +464,29 @@ MOE_ROW_CASES = {  # scheme settings: every token taken by 0..E experts; dropped
     "token choice top-1, capacity 2": dict(scheme="token_choice", top_k=1, capacity_factor=2.0),
     "token choice top-2, dropless": dict(scheme="token_choice", top_k=2, dropless=True),
     "expert choice, causal decision": dict(scheme="expert_choice"),  # the sampling path: variable counts
+    "expert choice, GELU experts": dict(scheme="expert_choice", activation="gelu"),
+    "token choice top-2, GELU experts, dropless": dict(scheme="token_choice", top_k=2, dropless=True, activation="gelu"),
 }
 
 
 @pytest.mark.parametrize("case", MOE_ROW_CASES, ids=list(MOE_ROW_CASES))
 def test_moe_layer_through_the_row_kernels_equals_pytorch(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A whole MoE layer (SwiGLU experts, 2 no-op slots) with its rows moved by the kernels equals the
-    layer on gather_tokens / combine_tokens: output, input gradient and every parameter's gradient,
-    float32 both ways (sums in another order: rtol 1e-5). Every layout: expert choice's (E, G*C),
-    token choice's (E, C) with empty rows, the grouped rows sorted by expert (dropless), and a causal
-    decision's variable counts."""
+    """A whole MoE layer (SwiGLU or GELU experts, 2 no-op slots) with its rows moved by the kernels, and
+    with SwiGLU the gates applied by the experts' activation kernel (the combine a plain sum), equals
+    the layer on gather_tokens / combine_tokens with the gates in the combine: output, input gradient and every
+    parameter's gradient, float32 both ways (sums in another order: rtol 1e-5). Every layout: expert
+    choice's (E, G*C), token choice's (E, C) with empty rows, the grouped rows sorted by expert
+    (dropless), and a causal decision's variable counts."""
     import mode.kernels as kernels
+    import mode.layers.mlp as mlp
     from mode.config import MoEConfig, RoutingConfig
+    from mode.layers.experts import Experts
     from mode.layers.moe import MoEFFN
+
+    gated_activations = []
+    act = Experts.act
+    monkeypatch.setattr(Experts, "act", lambda self, h, gates=None: gated_activations.append(gates is not None)
+                        or act(self, h, gates))
 
     torch.manual_seed(0)
     causal = "causal" in case
@@ -454,12 +497,16 @@ def test_moe_layer_through_the_row_kernels_equals_pytorch(case: str, monkeypatch
     probe = torch.randn(4, 24, 32, device=DEVICE)
     runs = []
     for kernel in (True, False):
-        monkeypatch.setattr(kernels, "use_triton", lambda t, kernel=kernel: kernel)
+        for module in (kernels, mlp):  # mlp: the experts' SwiGLU
+            monkeypatch.setattr(module, "use_triton", lambda t, kernel=kernel: kernel)
         layer.zero_grad(set_to_none=True)
         x_in = x.clone().requires_grad_()
         out, _ = layer(x_in)
         (out * probe).sum().backward()
         runs.append((out.detach(), x_in.grad, {n: p.grad for n, p in layer.named_parameters()}))
+        # SwiGLU experts with the kernels apply the gates (every call); GELU experts never do
+        assert gated_activations and set(gated_activations) == {kernel and layer.experts.activation == "swiglu"}
+        gated_activations.clear()
     (out, x_grad, grads), (want_out, want_x_grad, want_grads) = runs
     assert out.abs().sum() > 0 and (out == 0).all(-1).any()  # some tokens updated, some not at all
     torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-6)

@@ -16,7 +16,8 @@ owns through an inverse map instead and writes its sum once:
 - add_gated_rows_: x[ids[r]] += gates[r] * rows[r] in place, for distinct ids (a depth router's
                gated update of the residual; its backward is combine_backward).
 
-Eager mode on CUDA: two autograd functions (GatherRows, CombineRows). Under torch.compile the
+Eager mode on CUDA: three autograd functions (GatherRows; CombineRows; SumRows, the combine
+when the gates were applied before it, mode/kernels/activation.py, whose backward is a gather). Under torch.compile the
 routed layers keep plain gather / scatter_add, which Inductor fuses with its neighbours: these
 kernels as torch.library operators were no faster there (bench/RESULTS.md, "Measurements after
 the MoE rows' token-major kernels").
@@ -179,3 +180,20 @@ class CombineRows(torch.autograd.Function):
         with on_device_of(rows):
             grad_rows, grad_gates = combine_backward(grad, ids, rows, gates)
         return grad_rows, grad_gates.to(gates.dtype), None, None
+
+
+class SumRows(torch.autograd.Function):
+    """rows (R, D), ids (R,), inverse (T, J) -> (T, D): each token's rows summed (the combine of rows
+    whose gates the experts applied already); the backward gathers each row's token's gradient
+    (GatherRows the other way round)."""
+
+    @staticmethod
+    def forward(ctx, rows: Tensor, ids: Tensor, inverse: Tensor) -> Tensor:
+        ctx.save_for_backward(ids)
+        with on_device_of(rows):
+            return sum_rows(rows, None, inverse)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
+        (ids,) = ctx.saved_tensors
+        return grad.index_select(0, ids), None, None

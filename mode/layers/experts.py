@@ -6,6 +6,11 @@
 - padded: xs (E, R, D), every expert R rows (expert choice, token choice with a capacity);
 - grouped: xs (M, D) sorted by expert with counts (E,) (token choice, uneven loads).
 
+Both take optional row gates (one per row, the router's): each row's output times its gate.
+Where the fused activation kernel runs (gates_in_activation) the FFN hands its gates here and
+they multiply the activation (the down projection is linear), which leaves the combine a plain
+sum; elsewhere the FFN's combine multiplies them, a pass over (rows, D) instead of (rows, F).
+
 Backends (config `moe.backend`), identical in results up to rounding:
 - torch:        padded -> two batched matmuls; grouped -> a loop over experts. CPU and GPU.
 - grouped_gemm: both layouts through grouped_gemm's `gmm` (CUTLASS grouped GEMM), bf16, CUDA.
@@ -21,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mode.config import ConfigError
+from mode import kernels
 from mode.layers.mlp import swiglu
 from mode.routing import TokenChoiceRouting
 
@@ -65,25 +71,36 @@ class Experts(nn.Module):
         nn.init.normal_(self.w_in, std=std)
         nn.init.normal_(self.w_out, std=std if out_std is None else out_std)
 
-    def act(self, h: Tensor) -> Tensor:
+    def gates_in_activation(self, x: Tensor) -> bool:
+        """Whether the FFN should hand its gates to padded / grouped: where SwiGLU runs as its Triton
+        kernel (eager CUDA), which applies them at no cost (mode/kernels/swiglu.py). Not for GELU:
+        PyTorch's GELU kernels are faster than a Triton one that could take the gates."""
+        return self.activation == "swiglu" and kernels.use_triton(x)
+
+    def act(self, h: Tensor, gates: Tensor | None = None) -> Tensor:
+        """The activation of h (..., W), times gates (h's leading shape) when given."""
         if self.activation == "swiglu":
-            return swiglu(h)
-        return F.gelu(h)
+            return swiglu(h, gates)
+        out = F.gelu(h)
+        return out if gates is None else out * gates.to(out.dtype).unsqueeze(-1)
 
-    def padded(self, xs: Tensor) -> Tensor:
-        """xs (E, R, D) -> (E, R, D): expert e on its R rows."""
-        if self.backend == "torch":
-            return torch.bmm(self.act(torch.bmm(xs, self.w_in)), self.w_out)
+    def padded(self, xs: Tensor, gates: Tensor | None = None) -> Tensor:
+        """xs (E, R, D) -> (E, R, D): expert e on its R rows; gates (E*R,) each row's, or None."""
         experts, rows, width = xs.shape
+        if self.backend == "torch":
+            row_gates = None if gates is None else gates.view(experts, rows)
+            return torch.bmm(self.act(torch.bmm(xs, self.w_in), row_gates), self.w_out)
         counts = torch.full((experts,), rows, dtype=torch.long)
-        return self.grouped(xs.reshape(experts * rows, width), counts).view(experts, rows, width)
+        return self.grouped(xs.reshape(experts * rows, width), counts, gates).view(experts, rows, width)
 
-    def grouped(self, xs: Tensor, counts: Tensor) -> Tensor:
-        """xs (M, D) sorted by expert, counts (E,) rows of each -> (M, D)."""
+    def grouped(self, xs: Tensor, counts: Tensor, gates: Tensor | None = None) -> Tensor:
+        """xs (M, D) sorted by expert, counts (E,) rows of each -> (M, D); gates (M,) each row's, or None."""
         if self.backend == "torch":
             chunks = xs.split(counts.tolist())
-            return torch.cat([self.act(c @ self.w_in[e]) @ self.w_out[e] for e, c in enumerate(chunks)])
-        return _gmm_mlp(self, xs, counts)
+            row_gates = [None] * len(chunks) if gates is None else gates.split(counts.tolist())
+            return torch.cat([self.act(c @ self.w_in[e], g) @ self.w_out[e]
+                              for e, (c, g) in enumerate(zip(chunks, row_gates))])
+        return _gmm_mlp(self, xs, counts, gates)
 
 
 def _gmm_dtype(x: Tensor) -> torch.dtype:
@@ -96,7 +113,7 @@ def _gmm_dtype(x: Tensor) -> torch.dtype:
     return dtype
 
 
-def _gmm_mlp(experts: Experts, xs: Tensor, counts: Tensor) -> Tensor:
+def _gmm_mlp(experts: Experts, xs: Tensor, counts: Tensor, gates: Tensor | None = None) -> Tensor:
     """Both expert matmuls as grouped GEMMs (grouped_gemm's gmm, which megablocks also uses)."""
     from grouped_gemm.ops import gmm
 
@@ -106,7 +123,7 @@ def _gmm_mlp(experts: Experts, xs: Tensor, counts: Tensor) -> Tensor:
     counts = counts.to("cpu", torch.long)  # gmm reads the group sizes on the host
     with torch.autocast("cuda", enabled=False):
         h = gmm(xs.to(dtype).contiguous(), experts.w_in.to(dtype), counts)  # (M, 2F or F)
-        return gmm(experts.act(h).contiguous(), experts.w_out.to(dtype), counts)  # (M, D)
+        return gmm(experts.act(h, gates).contiguous(), experts.w_out.to(dtype), counts)  # (M, D)
 
 
 def megablocks_token_choice(experts: Experts, x: Tensor, routing: TokenChoiceRouting) -> Tensor:

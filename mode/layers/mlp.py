@@ -19,12 +19,14 @@ class SwiGLU(nn.Module):
         return self.down(swiglu(self.gate_up(x)))
 
 
-def swiglu(h: Tensor) -> Tensor:
-    """h (..., 2F) = [gate | up] -> silu(gate) * up (..., F). Eager on CUDA: one Triton kernel each
-    way (mode/kernels/swiglu.py); otherwise PyTorch ops, which torch.compile fuses."""
+def swiglu(h: Tensor, gates: Tensor | None = None) -> Tensor:
+    """h (..., 2F) = [gate | up] -> silu(gate) * up (..., F), times gates (...,) (one per row) when
+    given. Eager on CUDA: one Triton kernel each way (mode/kernels/swiglu.py); otherwise PyTorch
+    ops, which torch.compile fuses."""
     if use_triton(h):
         from mode.kernels.swiglu import swiglu as fused
 
-        return fused(h)
+        return fused(h, gates)
     gate, up = h.chunk(2, dim=-1)  # 2 x (..., F)
-    return F.silu(gate) * up
+    out = F.silu(gate) * up
+    return out if gates is None else out * gates.to(out.dtype).unsqueeze(-1)

@@ -61,14 +61,25 @@ class MoEFFN(nn.Module):
             out = self._token_choice(x.reshape(-1, x.shape[-1]), routing)
         return out.view_as(x), routing
 
+    def _experts_combined(self, xs: Tensor, gates: Tensor, rows: ExpertRows, counts: Tensor | None = None) -> Tensor:
+        """The experts on their rows xs, padded (E, R, D) or grouped (M, D) by counts (E,); each row's
+        output times its gate (gates (R_total,), rows' order), summed into its token -> (T, D).
+        Where the experts' activation kernel can take the gates, it applies them (the combine is then a
+        plain sum, its backward a gather); otherwise the combine does."""
+        to_experts = gates if self.experts.gates_in_activation(xs) else None
+        if counts is None:
+            ys = self.experts.padded(xs, to_experts)  # (E, R, D)
+        else:
+            ys = self.experts.grouped(xs, counts, to_experts)  # (M, D)
+        # Combined in the experts' compute dtype (bf16 under autocast), like a dense FFN's output.
+        return combine_rows(ys.reshape(-1, ys.shape[-1]), gates if to_experts is None else None, rows)
+
     def _expert_choice(self, routing: Routing, rows: ExpertRows, xs: Tensor) -> Tensor:
         """Every expert takes exactly C tokens of each group: one static (E, G*C, D) batched matmul.
         xs (E*G*C, D): the chosen tokens, gathered expert-major by the router (ExpertChoiceRouter.route)."""
         n_experts, width = routing.indices.shape[1], xs.shape[1]
-        ys = self.experts.padded(xs.view(n_experts, -1, width))  # (E, G*C, D)
         gates = routing.gates.transpose(0, 1).reshape(-1)  # (E*G*C,), the order of rows.ids
-        # Combined in the experts' compute dtype (bf16 under autocast), like a dense FFN's output.
-        return combine_rows(ys.view(-1, width), gates, rows)  # (B*S, D)
+        return self._experts_combined(xs.view(n_experts, -1, width), gates, rows)  # (B*S, D)
 
     def _causal_experts(self, x: Tensor, routing: CausalExpertRouting) -> Tensor:
         """x (T, D); expert e computes exactly the tokens its causal decision chose (variable counts)."""
@@ -78,9 +89,8 @@ class MoEFFN(nn.Module):
         # No early return when nothing is chosen: under expert parallelism every rank must
         # still take part in the token exchange (the experts handle zero rows).
         rows = rows_by_slot(tokens, experts, self.experts.n_experts, x)
-        ys = self.experts.grouped(gather_rows(x, rows), counts)  # (M, D)
         gates = routing.gates.reshape(-1, self.experts.n_experts)[tokens, experts]  # (M,)
-        return combine_rows(ys, gates, rows)  # (T, D)
+        return self._experts_combined(gather_rows(x, rows), gates, rows, counts)  # (T, D)
 
     def _token_choice(self, x: Tensor, routing: TokenChoiceRouting) -> Tensor:
         """x (T, D). With a capacity on torch: a static (E, C, D) layout; otherwise sorted by expert."""
@@ -92,10 +102,9 @@ class MoEFFN(nn.Module):
         if routing.capacity is not None and self.experts.backend == "torch":
             table = slot_table(routing.indices, routing.positions, self.experts.n_experts, routing.capacity)  # (E, C)
             rows = token_choice_rows(table, routing.indices, routing.positions, x)
-            ys = self.experts.padded(gather_rows(x, rows).view(*table.shape, x.shape[1]))  # (E, C, D)
+            xs = gather_rows(x, rows).view(*table.shape, x.shape[1])  # (E, C, D)
             # index_select: its backward is one index_add (indexing's is a sort-based index_put)
-            return combine_rows(ys.view(-1, x.shape[1]), gates.index_select(0, table.reshape(-1)), rows)  # (T, D)
+            return self._experts_combined(xs, gates.index_select(0, table.reshape(-1)), rows)  # (T, D)
         table, counts = sort_by_expert(routing.indices, routing.positions, self.experts.n_experts)  # (M,), (E,)
         rows = rows_by_slot(table // top_k, table % top_k, top_k, x)  # a token's j-th choice: its slot j
-        ys = self.experts.grouped(gather_rows(x, rows), counts)  # (M, D)
-        return combine_rows(ys, gates.index_select(0, table), rows)  # (T, D)
+        return self._experts_combined(gather_rows(x, rows), gates.index_select(0, table), rows, counts)  # (T, D)

@@ -172,8 +172,18 @@ class ExpertParallelExperts(DeepSpeedMoE):
     def local(self) -> LocalExperts:
         return self.deepspeed_moe
 
-    def padded(self, xs: Tensor) -> Tensor:
+    def gates_in_activation(self, x: Tensor) -> bool:
+        """Never: the gates stay with the FFN's combine on the rows' own rank (no third exchange)."""
+        return False
+
+    @staticmethod
+    def _no_gates(gates: Tensor | None) -> None:
+        if gates is not None:
+            raise ValueError("ExpertParallelExperts takes no gates (gates_in_activation is False)")
+
+    def padded(self, xs: Tensor, gates: Tensor | None = None) -> Tensor:
         """xs (E, R, D) -> (E, R, D); equal splits: every rank sends R rows per expert."""
+        self._no_gates(gates)
         n_experts, rows, width = xs.shape
         ep, local = self.ep_size, self.num_local_experts
         received = all_to_all(xs.reshape(n_experts * rows, width), self.group)  # [source rank][local expert][row]
@@ -182,8 +192,9 @@ class ExpertParallelExperts(DeepSpeedMoE):
         back = ys.view(local, ep, rows, width).transpose(0, 1).reshape(n_experts * rows, width)
         return all_to_all(back, self.group).view(n_experts, rows, width)
 
-    def grouped(self, xs: Tensor, counts: Tensor) -> Tensor:
+    def grouped(self, xs: Tensor, counts: Tensor, gates: Tensor | None = None) -> Tensor:
         """xs (M, D) sorted by expert, counts (E,) -> (M, D); uneven splits, exchanged first."""
+        self._no_gates(gates)
         ep, local = self.ep_size, self.num_local_experts
         counts = counts.to(device=xs.device, dtype=torch.long)
         received_counts = torch.empty_like(counts)  # (ep*local,): [source rank][local expert]

@@ -472,17 +472,20 @@ def gather_rows(x: Tensor, rows: ExpertRows) -> Tensor:
     return GatherRows.apply(x, rows.ids, rows.inverse)
 
 
-def combine_rows(ys: Tensor, gates: Tensor, rows: ExpertRows) -> Tensor:
-    """ys (R, D), gates (R,) -> (T, D) in ys' dtype: out[t] = sum of gates[r] * ys[r] over t's rows.
+def combine_rows(ys: Tensor, gates: Tensor | None, rows: ExpertRows) -> Tensor:
+    """ys (R, D), gates (R,) -> (T, D) in ys' dtype: out[t] = sum of gates[r] * ys[r] over t's rows;
+    gates None: the rows as they are (the experts applied the gates, Experts.gates_in_activation).
 
     The kernel multiplies by the float32 gate and sums in float32, rounding once; the PyTorch
     branch rounds the gate to ys' dtype and sums in it (combine_tokens): equal up to that rounding.
     """
     if rows.inverse is None:
-        weighted = gates.to(ys.dtype).unsqueeze(-1) * ys  # (R, D)
+        weighted = ys if gates is None else gates.to(ys.dtype).unsqueeze(-1) * ys  # (R, D)
         return combine_tokens(rows.ids.unsqueeze(0), weighted.unsqueeze(0), rows.tokens).squeeze(0)
-    from mode.kernels.rows import CombineRows
+    from mode.kernels.rows import CombineRows, SumRows
 
+    if gates is None:
+        return SumRows.apply(ys, rows.ids, rows.inverse)
     return CombineRows.apply(ys, gates, rows.ids, rows.inverse)
 
 
