@@ -15,8 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from mode.kernels import use_triton
+from mode.kernels.common import store_rounded
 from mode.kernels.rotary import rotary_qkv
 from mode.kernels.swiglu import swiglu
 from mode.layers.rotary import RotaryEmbedding, apply_rotary
@@ -139,6 +142,28 @@ def test_swiglu_rejects_bad_shapes() -> None:
         swiglu(torch.zeros(2, 5, device=DEVICE))
     with pytest.raises(ValueError, match="leading shape"):
         swiglu(torch.zeros(2, 8, device=DEVICE), torch.zeros(4, device=DEVICE))
+
+
+@triton.jit
+def _store_float32(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    """out = x through store_rounded (for the test below)."""
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    store_rounded(out_ptr + offsets, tl.load(x_ptr + offsets, mask=offsets < n), offsets < n)
+
+
+def test_store_rounded_rounds_to_nearest_even_like_pytorch() -> None:
+    """The kernels' bf16 store (mode.kernels.common.store_rounded: the GPU's cast, or bit arithmetic in
+    Triton's interpreter) equals PyTorch's float32 -> bf16 rounding bit for bit: random values of
+    every magnitude, and values exactly halfway between two bf16 numbers (ties to even, both ways)."""
+    base = torch.randn(4096) * torch.logspace(-30, 30, 4096)
+    exact = torch.randn(64).bfloat16().float()  # representable: their neighbours' midpoints are ties
+    half_ulp = torch.ldexp(torch.ones(64), torch.frexp(exact).exponent - 9)  # half a bf16 step (8 bits)
+    values = torch.cat([base, exact + half_ulp, exact - half_ulp, exact + 3 * half_ulp]).to(DEVICE)
+    out = torch.empty(values.shape, dtype=torch.bfloat16, device=DEVICE)
+    _store_float32[(triton.cdiv(values.numel(), 1024),)](values, out, values.numel(), BLOCK=1024)
+    want = values.bfloat16()
+    assert not torch.equal(values[4096:].bfloat16().float(), values[4096:])  # the ties are not representable
+    assert torch.equal(out.view(torch.int16), want.view(torch.int16))
 
 
 def test_use_triton_only_for_cuda_tensors_in_eager_mode(monkeypatch: pytest.MonkeyPatch) -> None:
