@@ -7,7 +7,7 @@
 - grouped: xs (M, D) sorted by expert with counts (E,) (token choice, uneven loads).
 
 Both take optional row gates (one per row, the router's): each row's output times its gate.
-Where the fused activation kernel runs (gates_in_activation) the FFN hands its gates here and
+Where SwiGLU runs as its Triton kernel (gates_in_activation) the FFN hands its gates here and
 they multiply the activation (the down projection is linear), which leaves the combine a plain
 sum; elsewhere the FFN's combine multiplies them, a pass over (rows, D) instead of (rows, F).
 
@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mode.config import ConfigError
 from mode import kernels
+from mode.config import ConfigError
 from mode.layers.mlp import swiglu
 from mode.routing import TokenChoiceRouting
 
