@@ -124,8 +124,8 @@ def profile_report(run: Callable[[], None], iters: int, device: torch.device, ti
     kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
     busy_ms = union_ms([(e.time_range.start, e.time_range.end) for e in kernels]) / iters
     sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    return (f"\n### {title}: {iters} passes under the profiler, {wall_ms:.2f} ms wall per pass, GPU busy "
-            f"{busy_ms:.2f} ms ({busy_ms / wall_ms:.0%}), {len(kernels) / iters:.0f} kernels per pass\n"
+    return (f"\n### {title}: {iters} passes under the profiler, {wall_ms:.3f} ms wall per pass, GPU busy "
+            f"{busy_ms:.3f} ms ({busy_ms / wall_ms:.0%}), {len(kernels) / iters:.0f} kernels per pass\n"
             + prof.key_averages().table(sort_by=sort, row_limit=rows, max_name_column_width=70))
 
 

@@ -6,7 +6,7 @@ Rows, all measured in the same process on the same card, two ways: each pass on 
 median of --iters passes after --warmup, the GPU idle at the start of each, so a pass also pays
 the host's launch latency), and back to back (the mean of --iters passes queued without a
 synchronisation between them, as the layers of a training step run). Rows:
-- the dense GELU MLP of the same FLOPs (every token through one MLP of the expert's size): the limit;
+- the dense MLP of the same FLOPs (every token through one MLP of the expert's size): the limit;
 - this project's expert choice (per sequence and per batch group), `torch` backend;
 - the dense MLP, expert choice and token choice cf 1 with the whole eager pass captured as one
   CUDA graph (as train.cuda_graphs runs a model: the GPU's time alone), expert choice also with its
@@ -17,7 +17,9 @@ synchronisation between them, as the layers of a training step run). Rows:
   torch.compile's CUDA graphs (mode="reduce-overhead");
 - this project's token choice, top-1, capacity factor 1 (torch) and dropless (grouped_gemm, megablocks);
 - megablocks 0.10.0 dMoE (mlp_impl="grouped", top-1, dropless);
-- DeepSpeed 0.19.8 MoE (top-1, capacity factor 1.0, the same GELU MLP as expert).
+- DeepSpeed 0.19.8 MoE (top-1, capacity factor 1.0, the same MLP as expert).
+--activation gelu (default, the issue's benchmark) or swiglu (the library's default experts: the
+dense MLP and DeepSpeed's expert are mode.layers.mlp.SwiGLU, megablocks runs its GLU with SiLU).
 A row whose library is missing is printed as such, never as a time. --rounds N times every row N
 times, interleaved (row 1, row 2, ..., row 1, ...), and prints the median of each cell: rows bound by
 the host's kernel launches vary from pass to pass with the machine's load.
@@ -37,6 +39,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/common.py, however this is started
@@ -50,6 +53,7 @@ from common import (  # noqa: E402
 )
 
 from mode.config import MoEConfig
+from mode.layers.mlp import SwiGLU
 from mode.layers.moe import MoEFFN
 from mode.routing import primitives
 
@@ -97,7 +101,7 @@ def fwd_bwd(layer: Callable[[Tensor], Tensor], x: Tensor) -> Callable[[], None]:
 
 
 def ours(args: argparse.Namespace, **moe: object) -> Callable[[Tensor], Tensor]:
-    cfg = MoEConfig(n_experts=args.experts, activation="gelu", d_expert=args.ffn, **moe)
+    cfg = MoEConfig(n_experts=args.experts, activation=args.activation, d_expert=args.ffn, **moe)
     return MoEFFN(args.width, args.ffn, cfg).cuda().to(PARAM_DTYPE[args.params])
 
 
@@ -141,13 +145,19 @@ def cuda_graphed(layer: Layer, x: Tensor) -> Step:
     return replay
 
 
+def dense_mlp(args: argparse.Namespace) -> nn.Module:
+    """The MLP of one expert's size (--activation): the dense baseline, and DeepSpeed's expert."""
+    return SwiGLU(args.width, args.ffn) if args.activation == "swiglu" else GeluMLP(args.width, args.ffn)
+
+
 def megablocks_dmoe(args: argparse.Namespace) -> Callable[[Tensor], Tensor]:
     from megablocks.layers.arguments import Arguments
     from megablocks.layers.dmoe import dMoE
 
     margs = Arguments(
         hidden_size=args.width, ffn_hidden_size=args.ffn, moe_num_experts=args.experts, moe_top_k=1,
-        mlp_impl="grouped", mlp_type="mlp", bf16=True, fp16=False, device=torch.cuda.current_device(),
+        mlp_impl="grouped", bf16=True, fp16=False, device=torch.cuda.current_device(),
+        **(dict(mlp_type="glu", activation_fn=F.silu) if args.activation == "swiglu" else dict(mlp_type="mlp")),
     )
     layer = dMoE(margs).cuda().to(PARAM_DTYPE[args.params])
     run = lambda x: layer(x.view(args.batch, args.seq, args.width))[0]  # noqa: E731
@@ -166,7 +176,7 @@ def deepspeed_moe(args: argparse.Namespace) -> Callable[[Tensor], Tensor]:
     os.environ.setdefault("LOCAL_RANK", "0")
     deepspeed.init_distributed(dist_backend="nccl", verbose=False)
     layer = MoE(
-        hidden_size=args.width, expert=GeluMLP(args.width, args.ffn), num_experts=args.experts, ep_size=1, k=1,
+        hidden_size=args.width, expert=dense_mlp(args), num_experts=args.experts, ep_size=1, k=1,
         capacity_factor=1.0, eval_capacity_factor=1.0, min_capacity=0, drop_tokens=True, use_rts=False,
     ).cuda().to(PARAM_DTYPE[args.params])
     run = lambda x: layer(x.view(args.batch, args.seq, args.width))[0]  # noqa: E731
@@ -185,6 +195,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=1, help="time every row this many times, interleaved; the median")
     parser.add_argument("--params", choices=sorted(PARAM_DTYPE), default="bf16", help="weight storage dtype")
+    parser.add_argument("--activation", choices=["gelu", "swiglu"], default="gelu",
+                        help="the experts' MLP, and the dense MLP's and the libraries' experts")
     parser.add_argument("--compile", action="store_true", help="also time this project's layers under torch.compile")
     parser.add_argument("--profile", nargs="*", default=[], metavar="ROW",
                         help="print the top GPU kernels of the rows whose name contains ROW")
@@ -230,13 +242,14 @@ def main() -> None:
                          lambda: with_switch("ROWS_KERNEL", False, build()), "graph"))
         return rows
 
-    dense = lambda: GeluMLP(args.width, args.ffn).cuda().to(PARAM_DTYPE[args.params])  # noqa: E731
+    dense = lambda: dense_mlp(args).cuda().to(PARAM_DTYPE[args.params])  # noqa: E731
+    mlp = "SwiGLU" if args.activation == "swiglu" else "GELU"
     expert_choice = lambda: ours(args, scheme="expert_choice", group_size=1)  # noqa: E731
     token_choice = lambda: ours(args, scheme="token_choice", capacity_factor=1.0)  # noqa: E731
     # Static shapes only go into CUDA graphs: expert choice and token choice with a capacity
     # (dropless sizes its groups on the host, and megablocks' path syncs with it).
     rows: list[Row] = [
-        *family("dense GELU MLP, same FLOPs (the limit)", "dense GELU MLP", "", dense, routed=False),
+        *family(f"dense {mlp} MLP, same FLOPs (the limit)", f"dense {mlp} MLP", "", dense, routed=False),
         *family("mode expert choice, per sequence (torch)", "mode expert choice, per sequence", "torch",
                 expert_choice, routed=True, expert_choice=True),
         ("mode expert choice, batch group (torch)", lambda: ours(args, scheme="expert_choice", group_size=args.batch),
@@ -251,7 +264,7 @@ def main() -> None:
         ("DeepSpeed 0.19.8 MoE top-1, capacity factor 1.0", lambda: deepspeed_moe(args), "eager"),
     ]
     print(f"card: {torch.cuda.get_device_name()}; torch {torch.__version__}; tokens {args.batch} x {args.seq}, "
-          f"D={args.width}, expert hidden {args.ffn}, {args.experts} experts, {args.params} weights, bf16 autocast, fwd+bwd, "
+          f"D={args.width}, expert hidden {args.ffn}, {args.experts} {mlp} experts, {args.params} weights, bf16 autocast, fwd+bwd, "
           f"rows added back with {args.row_add}, router {args.router}, top-k {args.topk}, "
           f"token choice slots {args.slot_choice}, MoE rows {args.rows}, "
           f"expert choice dispatch {args.expert_choice}, backward from {'a fixed gradient' if args.upstream == 'grad' else 'y.float().sum()'}\n")
