@@ -18,7 +18,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from mode.kernels import cross_entropy, expert_choice, rotary, rows, softmax_topk, swiglu, topk  # noqa: E402
+from mode.kernels import cross_entropy, expert_choice, gelu, rotary, rows, softmax_topk, swiglu, topk  # noqa: E402
 
 BF16, F32, I64, I32, I32P = "*bf16", "*fp32", "*i64", "i32", "*i32"
 
@@ -78,10 +78,14 @@ KERNELS = [
                                       z_weight="fp32", BLOCK_P=64, BLOCK_N=2048, BLOCK_E=64)),
     (expert_choice, "_backward", dict(logits_ptr=F32, inverse_ptr=I32P, grad_gates_ptr=F32, grad_aux_ptr=F32,
                                       grad_logits_ptr=BF16, tokens=I32, n_slots=I32, n_experts=I32, z_scale="fp32",
-                                      BLOCK_T=256, BLOCK_S=8)),
+                                      HAS_AUX=False, BLOCK_T=256, BLOCK_S=8)),
     (expert_choice, "_backward", dict(logits_ptr=F32, inverse_ptr=I32P, grad_gates_ptr=F32, grad_aux_ptr=F32,
                                       grad_logits_ptr=F32, tokens=I32, n_slots=I32, n_experts=1, z_scale="fp32",
-                                      BLOCK_T=128, BLOCK_S=16)),
+                                      HAS_AUX=True, BLOCK_T=128, BLOCK_S=16)),
+    # GELU experts with their gates
+    (gelu, "_gated_gelu_fwd", dict(h_ptr=BF16, gates_ptr=F32, out_ptr=BF16, width=I32, BLOCK=4096)),
+    (gelu, "_gated_gelu_bwd", dict(h_ptr=BF16, grad_ptr=BF16, gates_ptr=F32, dh_ptr=BF16, grad_gates_ptr=F32,
+                                   width=I32, BLOCK=1024)),
     # a depth router's gated update of the float32 residual, and its backward (float32 incoming gradient)
     (rows, "_add_gated_rows", dict(x_ptr=F32, ids_ptr=I64, gates_ptr=F32, rows_ptr=BF16, n_rows=I32, width=I32,
                                    BLOCK_R=4, BLOCK_D=256)),

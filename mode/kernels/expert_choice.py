@@ -111,7 +111,7 @@ def _finalize(partial_ptr, taken_ptr, summary_ptr, aux_ptr, programs, n_tokens, 
 
 @triton.jit
 def _backward(logits_ptr, inverse_ptr, grad_gates_ptr, grad_aux_ptr, grad_logits_ptr, tokens, n_slots, n_experts,
-              z_scale, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr):
+              z_scale, HAS_AUX: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_S)
     probs, lse, row_ok, mask = softmax_rows(logits_ptr, rows, cols, tokens, n_slots)
@@ -121,7 +121,9 @@ def _backward(logits_ptr, inverse_ptr, grad_gates_ptr, grad_aux_ptr, grad_logits
     grad_probs = tl.load(grad_gates_ptr + row, mask=row >= 0, other=0.0)
     # softmax backward, plus the z-loss's: aux = z_weight * mean lse^2, d(lse^2)/dlogits = 2 lse p
     inner = tl.sum(probs * grad_probs, axis=1)
-    grad = probs * (grad_probs - inner[:, None]) + (tl.load(grad_aux_ptr) * z_scale) * lse[:, None] * probs
+    grad = probs * (grad_probs - inner[:, None])
+    if HAS_AUX:  # the auxiliary loss was used (otherwise its gradient is None: no zero made for it)
+        grad += (tl.load(grad_aux_ptr) * z_scale) * lse[:, None] * probs
     store_rounded(grad_logits_ptr + rows[:, None] * n_slots + cols[None, :], grad, mask)
 
 
@@ -178,12 +180,12 @@ class _Dispatch(torch.autograd.Function):
         grad_logits = torch.empty(n_tokens, n_slots, dtype=x.dtype if ctx.half else torch.float32, device=x.device)
         # Outputs the loss did not use get no gradient (None): zeros in their place.
         grad_gates = logits.new_zeros(ctx.n_rows) if grad_gates is None else grad_gates.float().contiguous()
-        grad_aux = logits.new_zeros(()) if grad_aux is None else grad_aux.float()
         grad_rows = x.new_zeros(ctx.n_rows, x.shape[1]) if grad_rows is None else grad_rows
         block_t, block_s, programs = _backward_launch(n_tokens, n_slots)
         with on_device_of(x), torch.autocast(x.device.type, enabled=False):
-            _backward[(programs,)](logits, inverse, grad_gates, grad_aux, grad_logits, n_tokens, n_slots,
-                                   inverse.shape[1], ctx.z_scale, BLOCK_T=block_t, BLOCK_S=block_s, num_warps=2)
+            _backward[(programs,)](logits, inverse, grad_gates, logits if grad_aux is None else grad_aux.float(),
+                                   grad_logits, n_tokens, n_slots, inverse.shape[1], ctx.z_scale,
+                                   HAS_AUX=grad_aux is not None, BLOCK_T=block_t, BLOCK_S=block_s, num_warps=2)
             grad_x = sum_rows(grad_rows, None, inverse, grad_logits, weight if ctx.half else weight.float())
             grad_weight = grad_logits.t() @ (x if ctx.half else x.float())  # (S, D)
         return grad_x, grad_weight.to(weight.dtype), None, None, None, None, None, None

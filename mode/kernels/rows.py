@@ -17,7 +17,8 @@ owns through an inverse map instead and writes its sum once:
                gated update of the residual; its backward is combine_backward).
 
 Eager mode on CUDA: three autograd functions (GatherRows; CombineRows; SumRows, the combine when
-SwiGLU experts applied the gates already, mode/kernels/swiglu.py, whose backward is a gather).
+the experts' activation applied the gates already, mode/kernels/swiglu.py and gelu.py, whose
+backward is a gather).
 Under torch.compile the routed layers keep plain gather / scatter_add, which Inductor fuses with
 its neighbours: these kernels as torch.library operators were no faster there (bench/RESULTS.md,
 "Measurements after the MoE rows' token-major kernels"). Their tiles were swept again after the

@@ -7,9 +7,10 @@
 - grouped: xs (M, D) sorted by expert with counts (E,) (token choice, uneven loads).
 
 Both take optional row gates (one per row, the router's): each row's output times its gate.
-Where SwiGLU runs as its Triton kernel (gates_in_activation) the FFN hands its gates here and
-they multiply the activation (the down projection is linear), which leaves the combine a plain
-sum; elsewhere the FFN's combine multiplies them, a pass over (rows, D) instead of (rows, F).
+Where the activation runs as its Triton kernel (gates_in_activation: eager CUDA, SwiGLU or GELU)
+the FFN hands its gates here and they multiply the activation (the down projection is linear),
+which leaves the combine a plain sum; elsewhere the FFN's combine multiplies them, a pass over
+(rows, D) instead of (rows, F).
 
 Backends (config `moe.backend`), identical in results up to rounding:
 - torch:        padded -> two batched matmuls; grouped -> a loop over experts. CPU and GPU.
@@ -22,12 +23,11 @@ from __future__ import annotations
 import importlib
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mode import kernels
 from mode.config import ConfigError
-from mode.layers.mlp import swiglu
+from mode.layers.mlp import gelu, swiglu
 from mode.routing import TokenChoiceRouting
 
 BACKENDS = ("torch", "grouped_gemm", "megablocks")
@@ -72,17 +72,13 @@ class Experts(nn.Module):
         nn.init.normal_(self.w_out, std=std if out_std is None else out_std)
 
     def gates_in_activation(self, x: Tensor) -> bool:
-        """Whether the FFN should hand its gates to padded / grouped: where SwiGLU runs as its Triton
-        kernel (eager CUDA), which applies them at no cost (mode/kernels/swiglu.py). Not for GELU:
-        PyTorch's GELU kernels are faster than a Triton one that could take the gates."""
-        return self.activation == "swiglu" and kernels.use_triton(x)
+        """Whether the FFN should hand its gates to padded / grouped: where the activation runs as its
+        Triton kernel (eager CUDA), which applies them at no cost (mode/kernels/swiglu.py, gelu.py)."""
+        return kernels.use_triton(x)
 
     def act(self, h: Tensor, gates: Tensor | None = None) -> Tensor:
         """The activation of h (..., W), times gates (h's leading shape) when given."""
-        if self.activation == "swiglu":
-            return swiglu(h, gates)
-        out = F.gelu(h)
-        return out if gates is None else out * gates.to(out.dtype).unsqueeze(-1)
+        return (swiglu if self.activation == "swiglu" else gelu)(h, gates)
 
     def padded(self, xs: Tensor, gates: Tensor | None = None) -> Tensor:
         """xs (E, R, D) -> (E, R, D): expert e on its R rows; gates (E*R,) each row's, or None."""

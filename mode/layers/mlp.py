@@ -1,4 +1,4 @@
-"""The feed-forward network: SwiGLU (or GELU) MLP."""
+"""The feed-forward network: SwiGLU MLP; the activations the MoE experts share (SwiGLU, GELU)."""
 from __future__ import annotations
 
 import torch.nn.functional as F
@@ -29,4 +29,16 @@ def swiglu(h: Tensor, gates: Tensor | None = None) -> Tensor:
         return fused(h, gates)
     gate, up = h.chunk(2, dim=-1)  # 2 x (..., F)
     out = F.silu(gate) * up
+    return out if gates is None else out * gates.to(out.dtype).unsqueeze(-1)
+
+
+def gelu(h: Tensor, gates: Tensor | None = None) -> Tensor:
+    """GELU (exact, erf) of h (..., F), times gates (...,) (one per row) when given. Eager on CUDA
+    with gates: one Triton kernel each way (mode/kernels/gelu.py); otherwise PyTorch's GELU (its
+    kernels are as fast as a Triton one without gates to apply)."""
+    if gates is not None and use_triton(h):
+        from mode.kernels.gelu import gated_gelu
+
+        return gated_gelu(h, gates)
+    out = F.gelu(h)
     return out if gates is None else out * gates.to(out.dtype).unsqueeze(-1)
