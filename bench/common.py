@@ -129,6 +129,20 @@ def profile_report(run: Callable[[], None], iters: int, device: torch.device, ti
             + prof.key_averages().table(sort_by=sort, row_limit=rows, max_name_column_width=70))
 
 
+def gpu_busy_ms(run: Callable[[], None], iters: int) -> float:
+    """Milliseconds per pass that some CUDA kernel ran (the union of kernel intervals), run() iters
+    times under torch.profiler: the GPU's work without the host's launch latency."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            run()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    return union_ms([(e.time_range.start, e.time_range.end) for e in kernels]) / iters
+
+
 def union_ms(intervals: list[tuple[float, float]]) -> float:
     """Length of the union of [start, end) intervals given in microseconds, in milliseconds."""
     total, end = 0.0, float("-inf")

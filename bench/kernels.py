@@ -1,14 +1,18 @@
 """The Triton kernels of mode/kernels/ against the PyTorch ops they replace, forward+backward, on one GPU.
 
     python bench/kernels.py   # rotary on qkv (B=8, S=2048, 16 heads of 64), SwiGLU (16k rows, F=4096),
+                              # GELU times row gates (an MoE layer's GELU experts, 16k rows, F=4096),
                               # the loss's softmax cross-entropy + gradient on one chunk (2048 x 32k)
 
 Rows, measured in the same process: the eager PyTorch ops the model runs without the kernels,
-the same ops under torch.compile (what a compiled model gets), and the Triton kernel. Each
-cell is the median of --iters synchronised passes (bf16 inputs): forward+backward for rotary
-and SwiGLU; for the loss, its chunk step (loss and p - one_hot, no autograd). TB/s: the memory
-traffic the pass needs at minimum (read inputs and incoming gradients once, write outputs and
-input gradients once) divided by the time.
+the same ops under torch.compile (what a compiled model gets), and the Triton kernel; for the
+gated GELU also PyTorch's GELU without the gates (a dense MLP's, the floor to meet). Each
+cell is the median of --iters synchronised passes (bf16 inputs): forward+backward for rotary,
+SwiGLU and GELU; for the loss, its chunk step (loss and p - one_hot, no autograd). "GPU busy":
+the time some kernel ran, per pass, under the profiler (the kernels alone: a synchronised pass
+also waits for the host's launches). TB/s: the memory traffic the pass needs at minimum (read
+inputs and incoming gradients once, write outputs and input gradients once) divided by the
+GPU busy time. Both passes include the incoming gradient's fill (torch.ones_like).
 """
 from __future__ import annotations
 
@@ -21,9 +25,10 @@ import torch
 from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/common.py, however this is started
-from common import timed  # noqa: E402
+from common import gpu_busy_ms, timed  # noqa: E402
 
 from mode.kernels.cross_entropy import cross_entropy_and_grad
+from mode.kernels.gelu import gated_gelu
 from mode.kernels.rotary import rotary_qkv
 from mode.kernels.swiglu import swiglu as swiglu_kernel
 from mode.layers.rotary import RotaryAngles, RotaryEmbedding, apply_rotary
@@ -37,6 +42,14 @@ def torch_rotary(qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor,
 def torch_swiglu(h: Tensor) -> Tensor:
     gate, up = h.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
+
+
+def torch_gated_gelu(h: Tensor, gates: Tensor) -> Tensor:
+    return torch.nn.functional.gelu(h) * gates.to(h.dtype).unsqueeze(-1)
+
+
+def torch_gelu_without_gates(h: Tensor, gates: Tensor) -> Tensor:
+    return torch.nn.functional.gelu(h)
 
 
 def torch_cross_entropy(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
@@ -65,7 +78,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--ffn", type=int, default=4096, help="SwiGLU hidden width F (h is 2F wide)")
+    parser.add_argument("--ffn", type=int, default=4096, help="SwiGLU (h is 2F wide) and GELU hidden width F")
     parser.add_argument("--vocab", type=int, default=32768, help="loss chunk: 2048 rows of this many logits")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=50)
@@ -75,6 +88,8 @@ def main() -> None:
     qkv = torch.randn(args.batch, args.seq, 3, args.heads, args.head_dim, device=device, dtype=torch.bfloat16, requires_grad=True)
     angles = RotaryEmbedding(args.head_dim, args.seq, 10000.0).to(device).prefix(args.seq)
     h = torch.randn(tokens, 2 * args.ffn, device=device, dtype=torch.bfloat16, requires_grad=True)
+    h_gelu = torch.randn(tokens, args.ffn, device=device, dtype=torch.bfloat16, requires_grad=True)
+    gates = torch.rand(tokens, device=device, requires_grad=True)
     logits = torch.randn(2048, args.vocab, device=device, dtype=torch.bfloat16)
     targets = torch.randint(0, args.vocab, (2048,), device=device)
     qkv_bytes = qkv.numel() * 2 * 4  # qkv and the outputs, then their gradients
@@ -84,19 +99,25 @@ def main() -> None:
          [("PyTorch eager", torch_rotary), ("PyTorch compiled", torch.compile(torch_rotary)), ("Triton kernel", rotary_qkv)]),
         ("SwiGLU on [gate | up]", h_bytes, [h], (),
          [("PyTorch eager", torch_swiglu), ("PyTorch compiled", torch.compile(torch_swiglu)), ("Triton kernel", swiglu_kernel)]),
+        ("GELU times row gates", h_gelu.numel() * 2 * 5, [h_gelu, gates], (),  # h, out; h, grad, dh
+         [("PyTorch eager", torch_gated_gelu), ("PyTorch eager, GELU without the gates", torch_gelu_without_gates),
+          ("PyTorch compiled", torch.compile(torch_gated_gelu)), ("Triton kernel", gated_gelu)]),
         ("loss chunk: cross-entropy and p - one_hot", logits.numel() * 2 * 2, [logits], (targets,),
          [("PyTorch eager", torch_cross_entropy), ("PyTorch compiled", torch.compile(torch_cross_entropy)),
           ("Triton kernel", cross_entropy_and_grad)]),
     ]
     print(f"card: {torch.cuda.get_device_name()}; torch {torch.__version__}; bf16; rotary on ({args.batch}, {args.seq}, 3, "
-          f"{args.heads}, {args.head_dim}); SwiGLU on ({tokens}, {2 * args.ffn}); loss chunk (2048, {args.vocab}); "
+          f"{args.heads}, {args.head_dim}); SwiGLU on ({tokens}, {2 * args.ffn}); GELU on ({tokens}, {args.ffn}); loss chunk (2048, {args.vocab}); "
           f"median of {args.iters}\n")
-    print("| op | implementation | ms | x Triton | TB/s (minimum traffic) |")
-    print("| --- | --- | --- | --- | --- |")
+    print("| op | implementation | ms, synchronised | GPU busy ms | x Triton (busy) | TB/s (busy, minimum traffic) |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for op, traffic, inputs, extra, impls in cases:
-        times = {name: timed(fwd_bwd(fn, inputs, extra), args.warmup, args.iters, device) for name, fn in impls}
+        runs = {name: fwd_bwd(fn, inputs, extra) for name, fn in impls}
+        times = {name: timed(run, args.warmup, args.iters, device) for name, run in runs.items()}
+        busy = {name: gpu_busy_ms(run, args.iters) for name, run in runs.items()}
         for name, ms in times.items():
-            print(f"| {op} | {name} | {ms:.3f} | {ms / times['Triton kernel']:.2f} | {traffic / ms / 1e9:.2f} |")
+            print(f"| {op} | {name} | {ms:.3f} | {busy[name]:.3f} | {busy[name] / busy['Triton kernel']:.2f} | "
+                  f"{traffic / busy[name] / 1e9:.2f} |")
 
 
 if __name__ == "__main__":
