@@ -33,13 +33,16 @@ from torch import Tensor
 
 from mode.kernels.common import on_device_of, store_rounded
 
-# Tiles: the fastest of the 24 tried for each kernel on an H100 with 16k bf16 rows of 1024 from 8
-# experts (triton.testing.do_bench: the combine 35 us, the gather's backward 34, combine_backward 39,
-# against 28 for a plain copy of the rows); most other tiles were within 10%.
-BLOCK_T, BLOCK_D, SUM_WARPS = 4, 256, 4  # sum_rows: a (tokens, columns) tile per program
-# sum_rows with a router's input gradient (S = 8): 41.8 us against 74.3 us at the tile above (and
-# 33 us without it); each program reads its (S, BLOCK_D) slice of the router's weight again.
-SCORES_BLOCK_T, SCORES_BLOCK_D, SCORES_WARPS = 2, 1024, 2
+# Tiles: the fastest of those tried for each kernel on an H100 with 16k bf16 rows of 1024 from 8
+# experts (expert choice's layout). sum_rows skips a step j that no token of its tile has a row at
+# (expert choice: expert j took none of them), which made small tiles pay: profiler kernel times,
+# the plain sum 26.2 us at (2, 1024) against 27.2 before at (4, 256), the gated one 26.4 against
+# 30.0, with a router's input gradient (S = 8) 34.5 at (2, 512) against 37.0 at (2, 1024); a copy
+# of the rows 23.8. Earlier sweeps (triton.testing.do_bench): combine_backward 39 us, the depth
+# router's in-place update as the plain sum's old tile.
+BLOCK_T, BLOCK_D, SUM_WARPS = 2, 1024, 4  # sum_rows: a (tokens, columns) tile per program
+SCORES_BLOCK_T, SCORES_BLOCK_D, SCORES_WARPS = 2, 512, 2  # sum_rows with a router's input gradient
+ADD_BLOCK_R, ADD_BLOCK_D, ADD_WARPS = 4, 256, 4  # add_gated_rows_
 BLOCK_R, BLOCK_RD, COMBINE_BACKWARD_WARPS = 4, 512, 2  # combine_backward: rows per program; columns per step
 
 
@@ -53,12 +56,13 @@ def _sum_rows(rows_ptr, gates_ptr, inverse_ptr, scores_grad_ptr, weight_ptr, out
     acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
     for j in tl.static_range(J):
         r = tl.load(inverse_ptr + t * J + j, mask=t_ok, other=-1).to(tl.int64)  # (BLOCK_T,)
-        hit = r >= 0
-        v = tl.load(rows_ptr + r[:, None] * width + d[None, :], mask=hit[:, None] & d_ok[None, :], other=0.0)
-        v = v.to(tl.float32)
-        if HAS_GATES:
-            v = v * tl.load(gates_ptr + r, mask=hit, other=0.0).to(tl.float32)[:, None]
-        acc += v
+        if tl.max(r, axis=0) >= 0:  # some token of the tile has a row here (the sum is the same)
+            hit = r >= 0
+            v = tl.load(rows_ptr + r[:, None] * width + d[None, :], mask=hit[:, None] & d_ok[None, :], other=0.0)
+            v = v.to(tl.float32)
+            if HAS_GATES:
+                v = v * tl.load(gates_ptr + r, mask=hit, other=0.0).to(tl.float32)[:, None]
+            acc += v
     # S > 0: plus the router's input gradient, scores_grad (T, S) @ weight (S, D), in the same sum
     for s in tl.static_range(S):
         g = tl.load(scores_grad_ptr + t * S + s, mask=t_ok, other=0.0).to(tl.float32)  # (BLOCK_T,)
@@ -146,8 +150,8 @@ def add_gated_rows_(x: Tensor, ids: Tensor, gates: Tensor, rows: Tensor) -> None
     if rows.numel() == 0:
         return
     n_rows, width = rows.shape
-    _add_gated_rows[(triton.cdiv(n_rows, BLOCK_T), triton.cdiv(width, BLOCK_D))](
-        x, ids, gates, rows, n_rows, width, BLOCK_R=BLOCK_T, BLOCK_D=BLOCK_D, num_warps=SUM_WARPS,
+    _add_gated_rows[(triton.cdiv(n_rows, ADD_BLOCK_R), triton.cdiv(width, ADD_BLOCK_D))](
+        x, ids, gates, rows, n_rows, width, BLOCK_R=ADD_BLOCK_R, BLOCK_D=ADD_BLOCK_D, num_warps=ADD_WARPS,
     )
 
 
