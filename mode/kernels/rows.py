@@ -38,8 +38,8 @@ from mode.kernels.common import on_device_of, store_rounded
 # (expert choice: expert j took none of them), which made small tiles pay: profiler kernel times,
 # the plain sum 26.2 us at (2, 1024) against 27.2 before at (4, 256), the gated one 26.4 against
 # 30.0, with a router's input gradient (S = 8) 34.5 at (2, 512) against 37.0 at (2, 1024); a copy
-# of the rows 23.8. Earlier sweeps (triton.testing.do_bench): combine_backward 39 us, the depth
-# router's in-place update as the plain sum's old tile.
+# of the rows 23.8. From earlier sweeps (triton.testing.do_bench): combine_backward's tile (39 us),
+# and add_gated_rows_ on the sum's earlier tile (4, 256), a depth router's few rows.
 BLOCK_T, BLOCK_D, SUM_WARPS = 2, 1024, 4  # sum_rows: a (tokens, columns) tile per program
 SCORES_BLOCK_T, SCORES_BLOCK_D, SCORES_WARPS = 2, 512, 2  # sum_rows with a router's input gradient
 ADD_BLOCK_R, ADD_BLOCK_D, ADD_WARPS = 4, 256, 4  # add_gated_rows_
