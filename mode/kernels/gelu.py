@@ -102,9 +102,8 @@ class _GatedGELU(torch.autograd.Function):
         rows = gates.numel()
         grad = grad.contiguous()
         dh = torch.empty_like(h)
-        # every row's written when rows have columns (no fill launched for it)
-        grad_gates = (torch.empty if width else torch.zeros)(gates.shape, dtype=torch.float32, device=h.device)
-        if rows and width:
+        grad_gates = torch.empty(gates.shape, dtype=torch.float32, device=h.device)  # every row written
+        if rows:
             with on_device_of(h):
                 _gated_gelu_bwd[(rows,)](h, grad, gates, dh, grad_gates, width, BLOCK=_block(width, BACKWARD_BLOCK),
                                          num_warps=WARPS)
