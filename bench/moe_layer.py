@@ -20,6 +20,8 @@ synchronisation between them, as the layers of a training step run). Rows:
 - DeepSpeed 0.19.8 MoE (top-1, capacity factor 1.0, the same MLP as expert).
 --activation gelu (default, the issue's benchmark) or swiglu (the library's default experts: the
 dense MLP and DeepSpeed's expert are mode.layers.mlp.SwiGLU, megablocks runs its GLU with SiLU).
+--busy adds each row's GPU busy time (the union of its kernels' intervals under the profiler, per
+pass): what the GPU spent, without the host's launch gaps that bind the eager rows' wall time.
 A row whose library is missing is printed as such, never as a time. --rounds N times every row N
 times, interleaved (row 1, row 2, ..., row 1, ...), and prints the median of each cell: rows bound by
 the host's kernel launches vary from pass to pass with the machine's load.
@@ -47,6 +49,7 @@ from common import (  # noqa: E402
     GeluMLP,
     add_routing_switches,
     apply_routing_switches,
+    gpu_busy_ms,
     profile_report,
     timed,
     timed_back_to_back,
@@ -200,6 +203,9 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="also time this project's layers under torch.compile")
     parser.add_argument("--profile", nargs="*", default=[], metavar="ROW",
                         help="print the top GPU kernels of the rows whose name contains ROW")
+    parser.add_argument("--busy", action="store_true",
+                        help="add a column: each row's GPU busy time (the kernels alone, under the profiler), "
+                             "which eager rows bound by the host's launches do not show in wall time")
     parser.add_argument("--upstream", choices=["grad", "sum"], default="grad",
                         help="grad: each pass's backward from a fixed bf16 gradient of the output (the layer alone); "
                              "sum: from y.float().sum(), as the tables before this option (about 110 us more a row)")
@@ -279,17 +285,24 @@ def main() -> None:
                 print(f"timing: {name}", file=sys.stderr, flush=True)
                 times[name][0].append(timed(step, args.warmup, args.iters, x.device))
                 times[name][1].append(timed_back_to_back(step, 2, args.iters, x.device))
+    busy = {name: gpu_busy_ms(step, args.iters) for name, step, _ in layers if step is not None} if args.busy else {}
     print(f"\n{args.rounds} interleaved round(s), each cell the median over them\n")
-    print("| implementation | ms, each pass synchronised | x dense | ms, back to back | x dense |")
-    print("| --- | --- | --- | --- | --- |")
-    dense_ms = dense_b2b = None
+    busy_head = (" GPU busy ms | x dense |", " --- | --- |") if args.busy else ("", "")
+    print("| implementation | ms, each pass synchronised | x dense | ms, back to back | x dense |" + busy_head[0])
+    print("| --- | --- | --- | --- | --- |" + busy_head[1])
+    dense_ms = dense_b2b = dense_busy = None
     for name, step, failure in layers:
         if step is None:
-            print(f"| {name} | not run: {failure} | | | |")
+            print(f"| {name} | not run: {failure} | | | |" + " | |" * args.busy)
             continue
         ms, b2b = (statistics.median(t) for t in times[name])
         dense_ms, dense_b2b = dense_ms or ms, dense_b2b or b2b
-        print(f"| {name} | {ms:.2f} | {ms / dense_ms:.2f} | {b2b:.2f} | {b2b / dense_b2b:.2f} |", flush=True)
+        cells = f"| {name} | {ms:.2f} | {ms / dense_ms:.2f} | {b2b:.2f} | {b2b / dense_b2b:.2f} |"
+        if args.busy:  # a pass the profiler saw no kernel of (a CUDA graph, on some setups): said, not a 0
+            dense_busy = busy[name] if dense_busy is None else dense_busy  # the first row: the dense MLP
+            ratio = f"{busy[name] / dense_busy:.3f}" if busy[name] and dense_busy else ""
+            cells += f" {busy[name]:.3f} | {ratio} |" if busy[name] else " no kernels seen | |"
+        print(cells, flush=True)
     for name, step, _ in layers:
         if step is not None and any(p in name for p in args.profile):
             print_profile(name, step)
