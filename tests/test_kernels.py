@@ -10,6 +10,7 @@ same bf16 incoming gradients) at one bf16 rounding: rtol 2^-8 = 3.9e-3, plus an 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -115,6 +116,20 @@ def test_swiglu_float32_matches_to_float32_rounding() -> None:
     torch.testing.assert_close(got_grad, want_grad, rtol=1e-5, atol=1e-6)
 
 
+def _check_gated_activation(kernel: Callable[..., torch.Tensor], reference: Callable[..., torch.Tensor],
+                            h: torch.Tensor, gates: torch.Tensor, probe: tuple[torch.Tensor]) -> None:
+    """An activation kernel times float32 row gates, bf16 h, against a float64 reference on the same
+    inputs: the output and h's gradient (bf16) at one bf16 rounding; the gates' gradient (float32),
+    a float32 sum over each row, to rtol 1e-4."""
+    (want,), want_grads = _grads(reference, (h.double(), gates.double()), probe)
+    (got,), got_grads = _grads(kernel, (h, gates), probe)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    torch.testing.assert_close(got.double(), want, **ONE_BF16_ROUNDING)
+    assert got_grads[0].dtype == torch.bfloat16 and got_grads[1].dtype == torch.float32
+    torch.testing.assert_close(got_grads[0].double(), want_grads[0], **ONE_BF16_ROUNDING)
+    torch.testing.assert_close(got_grads[1].double(), want_grads[1], rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("leading", [(7,), (3, 5)], ids=["rows", "experts' (E, R)"])
 def test_swiglu_times_row_gates_matches_pytorch(leading: tuple[int, ...]) -> None:
     """SwiGLU times a float32 gate per row (an MoE layer's gates, applied by its experts) against
@@ -129,13 +144,7 @@ def test_swiglu_times_row_gates_matches_pytorch(leading: tuple[int, ...]) -> Non
     def reference(t: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         return F.silu(t[..., :width]) * t[..., width:] * g.unsqueeze(-1)
 
-    (want,), want_grads = _grads(reference, (h.double(), gates.double()), probe)
-    (got,), got_grads = _grads(swiglu, (h, gates), probe)
-    assert got.dtype == torch.bfloat16 and got.shape == want.shape
-    torch.testing.assert_close(got.double(), want, **ONE_BF16_ROUNDING)
-    assert got_grads[0].dtype == torch.bfloat16 and got_grads[1].dtype == torch.float32
-    torch.testing.assert_close(got_grads[0].double(), want_grads[0], **ONE_BF16_ROUNDING)
-    torch.testing.assert_close(got_grads[1].double(), want_grads[1], rtol=1e-4, atol=1e-4)
+    _check_gated_activation(swiglu, reference, h, gates, probe)
 
 
 def test_swiglu_rejects_bad_shapes() -> None:
@@ -154,13 +163,7 @@ def test_gated_gelu_matches_pytorch(leading: tuple[int, ...], width: int) -> Non
     h = (torch.randn(*leading, width, device=DEVICE) * 3).clamp(-12, 12).bfloat16()
     gates = torch.rand(*leading, device=DEVICE)
     probe = (torch.randn(*leading, width, device=DEVICE).bfloat16().float(),)
-    (want,), want_grads = _grads(_gelu_float64_times, (h.double(), gates.double()), probe)
-    (got,), got_grads = _grads(gated_gelu, (h, gates), probe)
-    assert got.dtype == torch.bfloat16 and got.shape == want.shape
-    torch.testing.assert_close(got.double(), want, **ONE_BF16_ROUNDING)
-    assert got_grads[0].dtype == torch.bfloat16 and got_grads[1].dtype == torch.float32
-    torch.testing.assert_close(got_grads[0].double(), want_grads[0], **ONE_BF16_ROUNDING)
-    torch.testing.assert_close(got_grads[1].double(), want_grads[1], rtol=1e-4, atol=1e-4)
+    _check_gated_activation(gated_gelu, _gelu_float64_times, h, gates, probe)
 
 
 def _gelu_float64_times(t: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
