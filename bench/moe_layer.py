@@ -15,7 +15,8 @@ synchronisation between them, as the layers of a training step run). Rows:
   expert choice then wholly PyTorch ops); not with --compile;
 - with --compile: the dense MLP, expert choice and token choice cf 1 compiled, and compiled with
   torch.compile's CUDA graphs (mode="reduce-overhead");
-- this project's token choice, top-1, capacity factor 1 (torch) and dropless (grouped_gemm, megablocks);
+- this project's token choice, top-1, capacity factor 1 (torch) and dropless (torch: torch._grouped_mm
+  with no host sync, eager and as one CUDA graph; grouped_gemm; megablocks);
 - megablocks 0.10.0 dMoE (mlp_impl="grouped", top-1, dropless);
 - DeepSpeed 0.19.8 MoE (top-1, capacity factor 1.0, the same MLP as expert).
 --activation gelu (default, the issue's benchmark) or swiglu (the library's default experts: the
@@ -252,8 +253,10 @@ def main() -> None:
     mlp = "SwiGLU" if args.activation == "swiglu" else "GELU"
     expert_choice = lambda: ours(args, scheme="expert_choice", group_size=1)  # noqa: E731
     token_choice = lambda: ours(args, scheme="token_choice", capacity_factor=1.0)  # noqa: E731
-    # Static shapes only go into CUDA graphs: expert choice and token choice with a capacity
-    # (dropless sizes its groups on the host, and megablocks' path syncs with it).
+    dropless = lambda: ours(args, scheme="token_choice", dropless=True)  # noqa: E731
+    # Static shapes only go into CUDA graphs: expert choice, token choice with a capacity, and
+    # dropless on the torch backend (torch._grouped_mm reads its group ends on the device);
+    # dropless on grouped_gemm sizes its groups on the host, and megablocks' path syncs with it.
     rows: list[Row] = [
         *family(f"dense {mlp} MLP, same FLOPs (the limit)", f"dense {mlp} MLP", "", dense, routed=False),
         *family("mode expert choice, per sequence (torch)", "mode expert choice, per sequence", "torch",
@@ -262,6 +265,8 @@ def main() -> None:
          "eager"),
         *family("mode token choice top-1 cf 1.0 (torch)", "mode token choice top-1 cf 1.0", "torch", token_choice,
                 routed=True),
+        ("mode token choice top-1 dropless (torch)", dropless, "eager"),
+        ("mode token choice top-1 dropless (torch, one CUDA graph)", dropless, "graph"),
         ("mode token choice top-1 dropless (grouped_gemm)",
          lambda: ours(args, scheme="token_choice", dropless=True, backend="grouped_gemm"), "eager"),
         ("mode token choice top-1 dropless (megablocks)",

@@ -23,6 +23,7 @@ from mode.model import LanguageModel
 from mode.routing import (
     TokenChoiceRouting,
     capacity_to_k,
+    rows_by_slot,
     token_choice_capacity,
     token_choice_head,
     top_k_positions,
@@ -293,6 +294,77 @@ def test_torch_backend_equals_slow_loop_reference(scheme, n_noop, activation):
         close(g1[name], g2[name])
 
 
+class _PoisonPastEnd(torch.autograd.Function):
+    """Rows from `end` on become NaN, forward and backward: what torch._grouped_mm leaves there
+    (undefined memory) made loud. Rows before `end` pass unchanged."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, end: int) -> torch.Tensor:
+        ctx.end = end
+        out = t.clone()
+        out[end:] = math.nan
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.clone()
+        grad[ctx.end :] = math.nan
+        return grad, None
+
+
+def poison_grouped_mm(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """torch._grouped_mm with its rows past the last offset NaN (_PoisonPastEnd) on both its input
+    (so their gradient is NaN) and its output. Returns the list each call appends its count of such
+    rows to."""
+    grouped_mm, calls = torch._grouped_mm, []
+
+    def poisoned(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        end = int(offs[-1])
+        calls.append(a.shape[0] - end)
+        return _PoisonPastEnd.apply(grouped_mm(_PoisonPastEnd.apply(a, end), b, offs=offs), end)
+
+    monkeypatch.setattr(torch, "_grouped_mm", poisoned)
+    return calls
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the row kernels take CPU tensors only in Triton's interpreter "
+                    "(no GPU); on a GPU test_dropless_by_ends_on_gpu_equals_the_loop... runs these checks")
+@pytest.mark.parametrize("top_k", [1, 2])
+@pytest.mark.parametrize("n_noop", [0, N_NOOP])
+def test_dropless_by_ends_equals_slow_loop_reference(monkeypatch, n_noop, top_k):
+    """The torch backend's sync-free dropless layout (Experts.by_ends: all T*k rows, the no-op ones
+    past the grouped GEMMs' last end), run here on CPU in float32: torch._grouped_mm's CPU version,
+    the row kernels in Triton's interpreter. Rows past the end are NaN in the GEMMs' outputs and in
+    the gradients they return: nothing of them may reach the output or any gradient."""
+    from mode.layers import experts as experts_module
+    from mode.routing import primitives
+
+    calls = poison_grouped_mm(monkeypatch)
+    monkeypatch.setattr(experts_module.Experts, "by_ends_applies", lambda self, x: True)
+    monkeypatch.setattr(primitives, "_rows_kernel_applies", lambda x: x.dtype == torch.float32)
+    moe = MoEFFN(16, 24, moe_cfg(scheme="token_choice", top_k=top_k, dropless=True, n_noop=n_noop, activation="gelu"))
+    x = inputs().float().detach().requires_grad_(True)
+    y1, gx1, g1, routing = run(moe, x)
+    assert len(calls) == 2, "the by_ends path did not run"
+    noop_rows = int((routing.indices >= E).sum())
+    assert calls[0] == noop_rows and (n_noop == 0 or noop_rows > 0)  # the no-op rows: past the end
+    x.grad = None
+    moe.zero_grad()
+    y2, gx2, _, _ = run(lambda t: slow_reference(moe, t), x)
+    g2 = grads(moe)
+    tol = dict(atol=1e-5, rtol=1e-4)  # float32, summed in another order
+    torch.testing.assert_close(y1, y2, **tol)
+    torch.testing.assert_close(gx1, gx2, **tol)
+    for name in ("experts.w_in", "experts.w_out", "router.router.proj.weight"):
+        torch.testing.assert_close(g1[name], g2[name], **tol)
+
+
+def test_rows_left_out_need_the_inverse_map():
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="inverse map"):
+        rows_by_slot(torch.arange(4), torch.zeros(4, dtype=torch.long), 1, x, computed=torch.ones(4, dtype=torch.bool))
+
+
 def test_aux_losses_and_stats():
     moe = MoEFFN(16, 24, moe_cfg(scheme="token_choice", top_k=2, n_noop=N_NOOP, lb_loss_weight=0.5, z_loss_weight=0.1))
     _, routing = moe(inputs().float())
@@ -431,6 +503,60 @@ def test_gpu_backend_equals_torch_backend(backend, case):
     assert _rel(y2, y1) < GPU_REL_TOL and _rel(gx2, gx1) < GPU_REL_TOL
     for name in g1:
         assert _rel(g2[name], g1[name]) < GPU_REL_TOL, name
+
+
+def _gpu_pass(moe: MoEFFN, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    x.grad = None
+    moe.zero_grad(set_to_none=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y, _ = moe(x)
+    (y.float() * weight).sum().backward()
+    return y.detach().clone(), x.grad.clone(), grads(moe)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("case", ["token_choice_dropless", "token_choice_dropless_top1_no_noop"])
+def test_dropless_by_ends_on_gpu_equals_the_loop_and_replays_as_a_cuda_graph(monkeypatch, case):
+    """The torch backend's dropless token choice: torch._grouped_mm with the rows' ends on the device
+    (Experts.by_ends) against the loop over experts with host counts (GROUPED_MM off), bf16, first
+    with the rows past the grouped GEMMs' end poisoned (NaN), which nothing may read; and, having no
+    host sync, the whole pass captured as one CUDA graph replays the eager results bit for bit."""
+    from mode.layers import experts as experts_module
+
+    torch.manual_seed(0)
+    moe = MoEFFN(256, 512, MoEConfig(n_experts=8, **GPU_CASES[case])).cuda()
+    x = torch.randn(4, 256, 256, device="cuda", requires_grad=True)
+    weight = torch.randn(4, 256, 256, device="cuda")
+    if not moe.experts.by_ends_applies(x.to(torch.bfloat16)):
+        pytest.skip(f"torch._grouped_mm is not one kernel on {torch.cuda.get_device_name()}")
+    with monkeypatch.context() as patch:
+        calls = poison_grouped_mm(patch)
+        y0, gx0, g0 = _gpu_pass(moe, x, weight)
+        assert len(calls) == 2 and (calls[0] > 0) == (GPU_CASES[case]["n_noop"] > 0)
+    y1, gx1, g1 = _gpu_pass(moe, x, weight)
+    with monkeypatch.context() as patch:
+        patch.setattr(experts_module, "GROUPED_MM", False)
+        y2, gx2, g2 = _gpu_pass(moe, x, weight)
+    for y, gx, g in ((y0, gx0, g0), (y1, gx1, g1)):
+        assert _rel(y, y2) < GPU_REL_TOL and _rel(gx, gx2) < GPU_REL_TOL
+        for name in g2:
+            assert _rel(g[name], g2[name]) < GPU_REL_TOL, name
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up on a side stream, as capture requires
+        _gpu_pass(moe, x, weight)
+    torch.cuda.current_stream().wait_stream(side)
+    graph, captured = torch.cuda.CUDAGraph(), {}
+    x.grad = None
+    moe.zero_grad(set_to_none=True)
+    with torch.cuda.graph(graph):  # fails if anything in the pass syncs with the host
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            captured["y"], _ = moe(x)
+        (captured["y"].float() * weight).sum().backward()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured["y"], y1) and torch.equal(x.grad, gx1)
+    assert all(torch.equal(p.grad, g1[n]) for n, p in moe.named_parameters() if p.grad is not None)
 
 
 @pytest.mark.parametrize("k", [1, 2])

@@ -12,9 +12,16 @@ the FFN hands its gates here and they multiply the activation (the down projecti
 which leaves the combine a plain sum; elsewhere the FFN's combine multiplies them, a pass over
 (rows, D) instead of (rows, F).
 
+Token choice without a capacity (dropless) has a third layout on the torch backend:
+- by ends: xs (R, D) every assignment sorted by expert, each expert's row end on the device
+  (torch._grouped_mm's offsets); the rows past the last end (no-op slots) are never computed.
+  Nothing is read on the host: no sync, static shapes, so the pass can be one CUDA graph.
+
 Backends (config `moe.backend`), identical in results up to rounding:
-- torch:        padded -> two batched matmuls; grouped -> a loop over experts. CPU and GPU.
-- grouped_gemm: both layouts through grouped_gemm's `gmm` (CUTLASS grouped GEMM), bf16, CUDA.
+- torch:        padded -> two batched matmuls; by ends -> two torch._grouped_mm (eager, on a GPU
+                with its grouped kernels, GROUPED_MM); grouped -> a loop over experts. CPU and GPU.
+- grouped_gemm: both layouts through grouped_gemm's `gmm`, bf16, CUDA (as the README builds it, one
+                cuBLAS GEMM per expert, the group sizes read on the host).
 - megablocks:   token choice dispatched with megablocks' sort / histogram / gather / scatter
                 kernels and computed with its grouped GEMM (the dMoE "grouped" path), CUDA.
 """
@@ -31,6 +38,13 @@ from mode.layers.mlp import gelu, swiglu
 from mode.routing import TokenChoiceRouting
 
 BACKENDS = ("torch", "grouped_gemm", "megablocks")
+# True: the torch backend's dropless token choice runs the experts with torch._grouped_mm where it
+# applies (by_ends_applies), with no host sync; False: sorted rows and a loop over experts, which
+# reads the counts on the host (bench/moe_layer.py and the GPU tests compare the two).
+GROUPED_MM = True
+# Compute capabilities whose torch._grouped_mm is one grouped kernel reading its offsets on the
+# device (H100 / H200: 9.0; B200: 10.0); elsewhere it falls back to a loop that reads them on the host.
+_GROUPED_MM_CAPABILITIES = ((9, 0), (10, 0))
 _MODULES = {"grouped_gemm": "grouped_gemm.ops", "megablocks": "megablocks.ops"}
 
 
@@ -89,6 +103,25 @@ class Experts(nn.Module):
         counts = torch.full((experts,), rows, dtype=torch.long)
         return self.grouped(xs.reshape(experts * rows, width), counts, gates).view(experts, rows, width)
 
+    def by_ends_applies(self, x: Tensor) -> bool:
+        """Whether by_ends runs for tokens x: torch backend, GROUPED_MM, eager on a GPU whose
+        torch._grouped_mm is one kernel, bf16 compute, widths aligned to its 16-byte rows."""
+        return (
+            GROUPED_MM and self.backend == "torch" and x.is_cuda and not torch.compiler.is_compiling()
+            and hasattr(torch, "_grouped_mm") and _compute_dtype(x) == torch.bfloat16
+            and torch.cuda.get_device_capability(x.device) in _GROUPED_MM_CAPABILITIES
+            and all(size % 8 == 0 for size in self.w_in.shape[1:])
+        )
+
+    def by_ends(self, xs: Tensor, ends: Tensor, gates: Tensor | None = None) -> Tensor:
+        """xs (R, D) sorted by expert, ends (E,) int32 on the device: expert e's rows end at ends[e]
+        -> (R, D); gates (R,) each row's, or None. Rows from ends[-1] on are not computed: their
+        outputs (and their gradients in the backward) are undefined, and callers never read them."""
+        dtype = _compute_dtype(xs)  # bf16 where it applies; the CPU tests run it in float32
+        with torch.autocast("cuda", enabled=False):
+            h = torch._grouped_mm(xs.to(dtype), self.w_in.to(dtype), offs=ends)  # (R, 2F or F)
+            return torch._grouped_mm(self.act(h, gates), self.w_out.to(dtype), offs=ends)  # (R, D)
+
     def grouped(self, xs: Tensor, counts: Tensor, gates: Tensor | None = None) -> Tensor:
         """xs (M, D) sorted by expert, counts (E,) rows of each -> (M, D); gates (M,) each row's, or None."""
         if self.backend == "torch":
@@ -99,8 +132,12 @@ class Experts(nn.Module):
         return _gmm_mlp(self, xs, counts, gates)
 
 
+def _compute_dtype(x: Tensor) -> torch.dtype:
+    return torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
+
+
 def _gmm_dtype(x: Tensor) -> torch.dtype:
-    dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
+    dtype = _compute_dtype(x)
     if dtype != torch.bfloat16:
         raise RuntimeError(
             "moe.backend grouped_gemm / megablocks compute in bfloat16: run under bf16 autocast "

@@ -22,7 +22,9 @@ from mode.routing import (
     count_ids,
     gather_rows,
     rows_by_slot,
+    rows_kernels_apply,
     slot_table,
+    sort_all_by_expert,
     sort_by_expert,
     token_choice_rows,
 )
@@ -61,13 +63,17 @@ class MoEFFN(nn.Module):
             out = self._token_choice(x.reshape(-1, x.shape[-1]), routing)
         return out.view_as(x), routing
 
-    def _experts_combined(self, xs: Tensor, gates: Tensor, rows: ExpertRows, counts: Tensor | None = None) -> Tensor:
-        """The experts on their rows xs, padded (E, R, D) or grouped (M, D) by counts (E,); each row's
-        output times its gate (gates (R_total,), rows' order), summed into its token -> (T, D).
+    def _experts_combined(self, xs: Tensor, gates: Tensor, rows: ExpertRows, counts: Tensor | None = None,
+                          ends: Tensor | None = None) -> Tensor:
+        """The experts on their rows xs, padded (E, R, D), grouped (M, D) by counts (E,) on the host, or
+        (R, D) by ends (E,) on the device (Experts.by_ends); each row's output times its gate
+        (gates (R_total,), rows' order), summed into its token -> (T, D).
         Where the experts' activation kernel can take the gates, it applies them (the combine is then a
         plain sum, its backward a gather); otherwise the combine does."""
         to_experts = gates if self.experts.gates_in_activation(xs) else None
-        if counts is None:
+        if ends is not None:
+            ys = self.experts.by_ends(xs, ends, to_experts)  # (R, D)
+        elif counts is None:
             ys = self.experts.padded(xs, to_experts)  # (E, R, D)
         else:
             ys = self.experts.grouped(xs, counts, to_experts)  # (M, D)
@@ -93,7 +99,9 @@ class MoEFFN(nn.Module):
         return self._experts_combined(gather_rows(x, rows), gates, rows, counts)  # (T, D)
 
     def _token_choice(self, x: Tensor, routing: TokenChoiceRouting) -> Tensor:
-        """x (T, D). With a capacity on torch: a static (E, C, D) layout; otherwise sorted by expert."""
+        """x (T, D). With a capacity on torch: a static (E, C, D) layout; otherwise sorted by expert:
+        dropless on torch where torch._grouped_mm applies, every assignment a row (static, no host
+        sync); elsewhere the computed rows only, their counts read on the host."""
         if self.experts.backend == "megablocks":
             return megablocks_token_choice(self.experts, x, routing)
         top_k = routing.indices.shape[1]
@@ -105,6 +113,18 @@ class MoEFFN(nn.Module):
             xs = gather_rows(x, rows).view(*table.shape, x.shape[1])  # (E, C, D)
             # index_select: its backward is one index_add (indexing's is a sort-based index_put)
             return self._experts_combined(xs, gates.index_select(0, table.reshape(-1)), rows)  # (T, D)
+        if routing.capacity is None and self.experts.by_ends_applies(x) and rows_kernels_apply(x):
+            return self._dropless_by_ends(x, routing, gates)
         table, counts = sort_by_expert(routing.indices, routing.positions, self.experts.n_experts)  # (M,), (E,)
         rows = rows_by_slot(table // top_k, table % top_k, top_k, x)  # a token's j-th choice: its slot j
         return self._experts_combined(gather_rows(x, rows), gates.index_select(0, table), rows, counts)  # (T, D)
+
+    def _dropless_by_ends(self, x: Tensor, routing: TokenChoiceRouting, gates: Tensor) -> Tensor:
+        """Dropless token choice with no host sync: all T*k assignments as rows, sorted by expert, the
+        no-op ones last, where the grouped GEMMs stop (ends[-1]); the inverse map leaves those rows
+        out and their gate is the padded 0, so nothing past the end is ever read."""
+        top_k = routing.indices.shape[1]
+        order, computed, ends = sort_all_by_expert(routing.indices, routing.positions, self.experts.n_experts)
+        rows = rows_by_slot(order // top_k, order % top_k, top_k, x, computed)  # (T*k,) rows, static
+        row_gates = gates.index_select(0, torch.where(computed, order, gates.shape[0] - 1))  # (T*k,)
+        return self._experts_combined(gather_rows(x, rows), row_gates, rows, ends=ends)  # (T, D)

@@ -428,14 +428,28 @@ def _rows_kernel_applies(x: Tensor) -> bool:
     return ROWS_KERNEL and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and kernels.use_triton(x)
 
 
-def rows_by_slot(ids: Tensor, slots: Tensor, n_slots: int, x: Tensor) -> ExpertRows:
+def rows_kernels_apply(x: Tensor) -> bool:
+    """Whether rows into x (T, D) get an inverse map (ExpertRows.inverse): eager CUDA, float dtypes."""
+    return _rows_kernel_applies(x)
+
+
+def rows_by_slot(ids: Tensor, slots: Tensor, n_slots: int, x: Tensor, computed: Tensor | None = None) -> ExpertRows:
     """R rows, the r-th holding token ids[r] of x (T, D) as that token's slots[r]-th row (a token
-    holds each slot at most once: its expert, or its j-th choice) -> ExpertRows, inverse (T, n_slots)."""
+    holds each slot at most once: its expert, or its j-th choice) -> ExpertRows, inverse (T, n_slots).
+
+    computed (R,) bool: rows no expert computes (False) are left out of the inverse, so the sums
+    through it (the combine, the gather's backward) never read them. Only with the inverse map
+    (rows_kernels_apply): the gather and combine by ids would read every row."""
     tokens = x.shape[0]
     if not _rows_kernel_applies(x):
+        if computed is not None:
+            raise ValueError("rows_by_slot: rows left out (computed) need the inverse map (rows_kernels_apply(x))")
         return ExpertRows(ids, tokens, None)
+    row = torch.arange(ids.numel(), device=ids.device, dtype=torch.int32)  # (R,)
+    if computed is not None:
+        row = torch.where(computed, row, -1)
     inverse = torch.full((tokens, n_slots), -1, device=ids.device, dtype=torch.int32)
-    inverse[ids, slots] = torch.arange(ids.numel(), device=ids.device, dtype=torch.int32)  # (T, n_slots)
+    inverse[ids, slots] = row  # (T, n_slots)
     return ExpertRows(ids, tokens, inverse)
 
 
@@ -731,6 +745,20 @@ def sort_by_expert(slots: Tensor, positions: Tensor, n_experts: int) -> tuple[Te
     order = key.argsort(stable=True)  # queued before the sync
     counts = count_ids(key, n_experts + 1)[:n_experts].cpu()
     return order[: int(counts.sum())], counts
+
+
+def sort_all_by_expert(slots: Tensor, positions: Tensor, n_experts: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Token choice, uneven loads, without a host sync: every assignment id (t * k + j) sorted by
+    expert, and where each expert's rows end, all on the device.
+
+    Returns order (T*k,) (stable: token order within an expert; the assignments no expert computes,
+    no-op slots, last), computed (T*k,) bool in that order, and ends (E,) int32: the cumulative row
+    counts (torch._grouped_mm's offsets). Static shapes, unlike sort_by_expert: CUDA-graphable.
+    """
+    key = torch.where(positions >= 0, slots, n_experts).reshape(-1)  # (T*k,)
+    order = key.argsort(stable=True)
+    ends = count_ids(key, n_experts + 1)[:n_experts].cumsum(0, dtype=torch.int32)  # (E,)
+    return order, key.index_select(0, order) < n_experts, ends
 
 
 def count_ids(ids: Tensor, n: int) -> Tensor:
