@@ -18,7 +18,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from mode.kernels import cross_entropy, expert_choice, gelu, rotary, rows, softmax_topk, swiglu, topk  # noqa: E402
+from mode.kernels import cross_entropy, expert_choice, gelu, rotary, rows, softmax_topk, sort_rows, swiglu, topk  # noqa: E402
 
 BF16, F32, I64, I32, I32P = "*bf16", "*fp32", "*i64", "i32", "*i32"
 
@@ -86,6 +86,15 @@ KERNELS = [
     (gelu, "_gated_gelu_fwd", dict(h_ptr=BF16, gates_ptr=F32, out_ptr=BF16, width=I32, BLOCK=4096)),
     (gelu, "_gated_gelu_bwd", dict(h_ptr=BF16, grad_ptr=BF16, gates_ptr=F32, dh_ptr=BF16, grad_gates_ptr=F32,
                                    width=I32, BLOCK=1024)),
+    # dropless token choice's rows sorted by expert: top-1 and top-2 over 8 experts
+    (sort_rows, "_count", dict(slots_ptr=I64, positions_ptr=I64, counts_ptr=I32P, n=I32, n_experts=I32,
+                               BLOCK_N=1024, BLOCK_K=16)),
+    (sort_rows, "_place", dict(slots_ptr=I64, positions_ptr=I64, counts_ptr=I32P, ids_ptr=I64, gate_index_ptr=I64,
+                               inverse_ptr=I32P, ends_ptr=I32P, n=I32, n_experts=I32, programs=I32, K=1,
+                               BLOCK_N=1024, BLOCK_K=16, BLOCK_P=16)),
+    (sort_rows, "_place", dict(slots_ptr=I64, positions_ptr=I64, counts_ptr=I32P, ids_ptr=I64, gate_index_ptr=I64,
+                               inverse_ptr=I32P, ends_ptr=I32P, n=I32, n_experts=I32, programs=I32, K=2,
+                               BLOCK_N=1024, BLOCK_K=16, BLOCK_P=32)),
     # a depth router's gated update of the float32 residual, and its backward (float32 incoming gradient)
     (rows, "_add_gated_rows", dict(x_ptr=F32, ids_ptr=I64, gates_ptr=F32, rows_ptr=BF16, n_rows=I32, width=I32,
                                    BLOCK_R=4, BLOCK_D=256)),

@@ -728,6 +728,36 @@ def test_expert_choice_dispatch_takes_the_kernel_only_where_it_applies(monkeypat
     assert out.shape == (2, 8, 8) and routing.aux_loss.requires_grad
 
 
+def _dropless_rows_by_pytorch(slots: torch.Tensor, positions: torch.Tensor, n_experts: int):
+    """The layout sort_rows.dropless_rows builds, the obvious way: a stable argsort by key."""
+    n = slots.numel()
+    key = torch.where(positions >= 0, slots, n_experts).reshape(-1)
+    order = key.argsort(stable=True)
+    computed = key[order] < n_experts
+    inverse = torch.full((n,), -1, dtype=torch.int32, device=slots.device)
+    inverse[order[computed]] = torch.arange(n, dtype=torch.int32, device=slots.device)[computed]
+    ends = torch.bincount(key, minlength=n_experts + 1)[:n_experts].cumsum(0).int()
+    return order // slots.shape[1], torch.where(computed, order, n), inverse.view(slots.shape), ends
+
+
+@pytest.mark.parametrize("tokens, top_k, n_experts, n_noop", [(1, 1, 4, 0), (700, 2, 8, 2), (3000, 1, 8, 0),
+                                                              (2500, 2, 40, 3), (600, 4, 3, 1)])
+def test_dropless_rows_kernel_matches_a_stable_argsort(tokens: int, top_k: int, n_experts: int, n_noop: int) -> None:
+    """The counting sort (mode/kernels/sort_rows.py) equals the argsort layout exactly: each row's token
+    and gate index, each assignment's row (-1 for no-op slots and for padding, position -1), each
+    expert's row end; one program and many (1024 assignments each with 8 experts, 128 with 40)."""
+    from mode.kernels import sort_rows
+
+    slots = torch.stack([torch.randperm(n_experts + n_noop)[:top_k] for _ in range(tokens)]).to(DEVICE)
+    positions = torch.where(slots < n_experts, 0, -1)
+    positions[torch.rand(tokens, device=DEVICE) < 0.1] = -1  # padding rows: no expert computes them
+    assert sort_rows.fits(slots.numel(), n_experts)
+    got = sort_rows.dropless_rows(slots, positions, n_experts)
+    want = _dropless_rows_by_pytorch(slots, positions, n_experts)
+    for name, a, b in zip(("ids", "gate_index", "inverse", "ends"), got, want):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
 def test_token_choice_rows_name_the_kept_assignments() -> None:
     """token_choice_rows' inverse: each kept choice's row in the (E, C) table, -1 for dropped and
     no-op choices; every row a token names holds that token."""

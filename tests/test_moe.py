@@ -329,17 +329,21 @@ def poison_grouped_mm(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the row kernels take CPU tensors only in Triton's interpreter "
                     "(no GPU); on a GPU test_dropless_by_ends_on_gpu_equals_the_loop... runs these checks")
+@pytest.mark.parametrize("layout", ["counting sort kernel", "argsort"])
 @pytest.mark.parametrize("top_k", [1, 2])
 @pytest.mark.parametrize("n_noop", [0, N_NOOP])
-def test_dropless_by_ends_equals_slow_loop_reference(monkeypatch, n_noop, top_k):
+def test_dropless_by_ends_equals_slow_loop_reference(monkeypatch, n_noop, top_k, layout):
     """The torch backend's sync-free dropless layout (Experts.by_ends: all T*k rows, the no-op ones
     past the grouped GEMMs' last end), run here on CPU in float32: torch._grouped_mm's CPU version,
-    the row kernels in Triton's interpreter. Rows past the end are NaN in the GEMMs' outputs and in
-    the gradients they return: nothing of them may reach the output or any gradient."""
+    the row kernels in Triton's interpreter, the rows sorted by the counting sort kernel or (where it
+    does not fit) by PyTorch's argsort. Rows past the end are NaN in the GEMMs' outputs and in the
+    gradients they return: nothing of them may reach the output or any gradient."""
+    from mode.kernels import sort_rows
     from mode.layers import experts as experts_module
     from mode.routing import primitives
 
     calls = poison_grouped_mm(monkeypatch)
+    monkeypatch.setattr(sort_rows, "fits", lambda n, n_experts: layout == "counting sort kernel")
     monkeypatch.setattr(experts_module.Experts, "by_ends_applies", lambda self, x: True)
     monkeypatch.setattr(primitives, "_rows_kernel_applies", lambda x: x.dtype == torch.float32)
     moe = MoEFFN(16, 24, moe_cfg(scheme="token_choice", top_k=top_k, dropless=True, n_noop=n_noop, activation="gelu"))

@@ -20,11 +20,11 @@ from mode.routing import (
     TokenChoiceRouting,
     combine_rows,
     count_ids,
+    dropless_rows,
     gather_rows,
     rows_by_slot,
     rows_kernels_apply,
     slot_table,
-    sort_all_by_expert,
     sort_by_expert,
     token_choice_rows,
 )
@@ -123,8 +123,5 @@ class MoEFFN(nn.Module):
         """Dropless token choice with no host sync: all T*k assignments as rows, sorted by expert, the
         no-op ones last, where the grouped GEMMs stop (ends[-1]); the inverse map leaves those rows
         out and their gate is the padded 0, so nothing past the end is ever read."""
-        top_k = routing.indices.shape[1]
-        order, computed, ends = sort_all_by_expert(routing.indices, routing.positions, self.experts.n_experts)
-        rows = rows_by_slot(order // top_k, order % top_k, top_k, x, computed)  # (T*k,) rows, static
-        row_gates = gates.index_select(0, torch.where(computed, order, gates.shape[0] - 1))  # (T*k,)
-        return self._experts_combined(gather_rows(x, rows), row_gates, rows, ends=ends)  # (T, D)
+        rows, gate_index, ends = dropless_rows(routing.indices, routing.positions, self.experts.n_experts, x)
+        return self._experts_combined(gather_rows(x, rows), gates.index_select(0, gate_index), rows, ends=ends)  # (T, D)

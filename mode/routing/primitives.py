@@ -761,6 +761,26 @@ def sort_all_by_expert(slots: Tensor, positions: Tensor, n_experts: int) -> tupl
     return order, key.index_select(0, order) < n_experts, ends
 
 
+def dropless_rows(slots: Tensor, positions: Tensor, n_experts: int, x: Tensor) -> tuple[ExpertRows, Tensor, Tensor]:
+    """Token choice's sync-free dropless layout of the tokens x (T, D): every assignment a row,
+    sorted by expert (sort_all_by_expert), the uncomputed ones last and out of the inverse map
+    (rows_by_slot) -> (ExpertRows over the N = T*k rows, gate_index (N,) each row's assignment or N
+    where no expert computes it (the caller's padded zero gate), ends (E,) int32).
+
+    On eager CUDA, two Triton launches (mode/kernels/sort_rows.py, a counting sort) instead of
+    about 17 PyTorch ops; the same layout. Needs the inverse map (rows_kernels_apply(x))."""
+    tokens, top_k = slots.shape
+    if _rows_kernel_applies(x):
+        from mode.kernels import sort_rows
+
+        if sort_rows.fits(slots.numel(), n_experts):
+            ids, gate_index, inverse, ends = sort_rows.dropless_rows(slots, positions, n_experts)
+            return ExpertRows(ids, tokens, inverse), gate_index, ends
+    order, computed, ends = sort_all_by_expert(slots, positions, n_experts)
+    rows = rows_by_slot(order // top_k, order % top_k, top_k, x, computed)
+    return rows, torch.where(computed, order, slots.numel()), ends
+
+
 def count_ids(ids: Tensor, n: int) -> Tensor:
     """How often each of 0..n-1 occurs in ids: (n,) int64. bincount with a static shape (ids < n).
 

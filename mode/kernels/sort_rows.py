@@ -1,0 +1,115 @@
+"""Dropless token choice's row layout in two Triton launches: a stable counting sort by expert.
+
+The torch backend's sync-free dropless layout (mode.routing.primitives.dropless_rows) makes
+every one of the N = T*k assignments a row, sorted by expert (stable: assignment order within an
+expert), the ones no expert computes (no-op slots, padding) last, past the grouped GEMMs' end.
+As PyTorch ops that is an argsort, a count, a cumsum, a gather, the inverse map's fill and index
+put, and the gates' index: about 17 launches from the host in eager mode, each costing more of
+the host's time than the GPU's. With E + 1 keys a counting sort does it in two:
+
+- _count: one program per block of assignments: how many of them go to each key (P, E + 1);
+- _place: one program per block: each key's first row (the rows of all lower keys,
+  then this key's rows in earlier blocks, read from those counts in a fixed order), plus the
+  assignment's rank among its block's assignments of the same key (a cumulative sum over a one-hot
+  tile). It writes, per row, the token (ids) and the assignment whose gate the row takes (N, a
+  zero gate the caller pads, for rows no expert computes); per assignment, its row or -1 (the
+  inverse map); program 0 writes each expert's row end (the grouped GEMMs' offsets).
+
+The same layout bit for bit as primitives.sort_all_by_expert and rows_by_slot
+(tests/test_kernels.py). No gradient: every output is an index.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from mode.kernels.common import on_device_of
+
+# A program holds a (BLOCK_N, keys) one-hot tile and every program's (blocks, keys) counts, keys =
+# E + 1 rounded up to a power of two: BLOCK_N = TILE // keys assignments (1024 for 8 experts).
+TILE = 16384
+MAX_KEYS = 128
+
+
+@triton.jit
+def _keys(slots_ptr, positions_ptr, a, a_ok, n_experts):
+    """Each assignment's key: its expert, or n_experts where no expert computes it (position < 0)."""
+    slot = tl.load(slots_ptr + a, mask=a_ok, other=0)
+    position = tl.load(positions_ptr + a, mask=a_ok, other=-1)
+    return tl.where(position >= 0, slot, n_experts).to(tl.int32)
+
+
+@triton.jit
+def _count(slots_ptr, positions_ptr, counts_ptr, n, n_experts, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    a = pid.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    a_ok = a < n
+    key = _keys(slots_ptr, positions_ptr, a, a_ok, n_experts)
+    keys = tl.arange(0, BLOCK_K)
+    hit = (key[:, None] == keys[None, :]) & a_ok[:, None]  # (BLOCK_N, BLOCK_K)
+    tl.store(counts_ptr + pid * BLOCK_K + keys, tl.sum(hit.to(tl.int32), axis=0))
+
+
+@triton.jit
+def _place(slots_ptr, positions_ptr, counts_ptr, ids_ptr, gate_index_ptr, inverse_ptr, ends_ptr, n, n_experts,
+           programs, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr):
+    pid = tl.program_id(0)
+    keys = tl.arange(0, BLOCK_K)
+    blocks = tl.arange(0, BLOCK_P)
+    counts = tl.load(counts_ptr + blocks[:, None] * BLOCK_K + keys[None, :], mask=(blocks < programs)[:, None], other=0)
+    totals = tl.sum(counts, axis=0)  # (BLOCK_K,): each key's rows
+    before = tl.sum(tl.where((blocks < pid)[:, None], counts, 0), axis=0)  # this key's rows in earlier blocks
+    key_start = tl.cumsum(totals, axis=0) - totals  # the rows of all lower keys
+    if pid == 0:  # each expert's row end: the cumulative rows through it
+        tl.store(ends_ptr + keys, tl.cumsum(totals, axis=0), mask=keys < n_experts)
+    a = pid.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    a_ok = a < n
+    key = _keys(slots_ptr, positions_ptr, a, a_ok, n_experts)
+    hit = (key[:, None] == keys[None, :]) & a_ok[:, None]  # (BLOCK_N, BLOCK_K)
+    rank = tl.cumsum(hit.to(tl.int32), axis=0)  # inclusive: 1 for a key's first assignment in the block
+    first = key_start + before  # (BLOCK_K,): the key's first row for this block
+    row = tl.sum(tl.where(hit, rank - 1 + first[None, :], 0), axis=1).to(tl.int64)  # (BLOCK_N,)
+    computed = key < n_experts
+    tl.store(ids_ptr + row, a // K, mask=a_ok)
+    tl.store(gate_index_ptr + row, tl.where(computed, a, n), mask=a_ok)
+    tl.store(inverse_ptr + a, tl.where(computed, row, -1).to(tl.int32), mask=a_ok)
+
+
+def _tiles(n_assignments: int, n_experts: int) -> tuple[int, int, int]:
+    """(keys, assignments per program, programs)."""
+    keys = triton.next_power_of_2(n_experts + 1)
+    block_n = TILE // keys
+    return keys, block_n, triton.cdiv(n_assignments, block_n)
+
+
+def fits(n_assignments: int, n_experts: int) -> bool:
+    """Whether each program can hold every program's counts in registers (a tile of at most TILE):
+    up to 2M assignments with 8 experts, 128k with 64."""
+    keys, _, programs = _tiles(n_assignments, n_experts)
+    return keys <= MAX_KEYS and triton.next_power_of_2(programs) * keys <= TILE
+
+
+def dropless_rows(slots: Tensor, positions: Tensor, n_experts: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """slots, positions (T, k) int64 (position < 0: no expert computes the assignment) ->
+    ids (N,) int64 each row's token, gate_index (N,) int64 each row's assignment (N where no
+    expert computes it), inverse (T, k) int32 each assignment's row (-1 where none), ends (E,)
+    int32 each expert's row end; N = T*k rows sorted by expert, stable, uncomputed ones last."""
+    tokens, top_k = slots.shape
+    n = tokens * top_k
+    block_k, block_n, programs = _tiles(n, n_experts)
+    slots, positions = slots.contiguous(), positions.contiguous()
+    counts = torch.empty(programs, block_k, dtype=torch.int32, device=slots.device)
+    ids = torch.empty(n, dtype=torch.int64, device=slots.device)
+    gate_index = torch.empty(n, dtype=torch.int64, device=slots.device)
+    inverse = torch.empty(tokens, top_k, dtype=torch.int32, device=slots.device)
+    ends = torch.empty(n_experts, dtype=torch.int32, device=slots.device)
+    if n == 0:
+        return ids, gate_index, inverse, ends.zero_()
+    with on_device_of(slots):
+        _count[(programs,)](slots, positions, counts, n, n_experts, BLOCK_N=block_n, BLOCK_K=block_k)
+        _place[(programs,)](slots, positions, counts, ids, gate_index, inverse, ends, n, n_experts, programs,
+                            K=top_k, BLOCK_N=block_n, BLOCK_K=block_k,
+                            BLOCK_P=triton.next_power_of_2(programs))
+    return ids, gate_index, inverse, ends
