@@ -328,7 +328,7 @@ def poison_grouped_mm(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the row kernels take CPU tensors only in Triton's interpreter "
-                    "(no GPU); on a GPU test_dropless_by_ends_on_gpu_equals_the_loop... runs these checks")
+                    "(no GPU); on a GPU test_dropless_by_ends_on_gpu_equals_the_computed_rows_only runs these checks")
 @pytest.mark.parametrize("layout", ["counting sort kernel", "argsort"])
 @pytest.mark.parametrize("top_k", [1, 2])
 @pytest.mark.parametrize("n_noop", [0, N_NOOP])
@@ -518,33 +518,58 @@ def _gpu_pass(moe: MoEFFN, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch
     return y.detach().clone(), x.grad.clone(), grads(moe)
 
 
+def poison_gmm(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """grouped_gemm's gmm as poison_grouped_mm does torch._grouped_mm: its rows past the sum of the
+    group sizes NaN, input (their gradient) and output."""
+    import grouped_gemm.ops
+
+    gmm, calls = grouped_gemm.ops.gmm, []
+
+    def poisoned(a: torch.Tensor, b: torch.Tensor, batch_sizes: torch.Tensor, trans_b: bool = False) -> torch.Tensor:
+        end = int(batch_sizes.sum())
+        calls.append(a.shape[0] - end)
+        return _PoisonPastEnd.apply(gmm(_PoisonPastEnd.apply(a, end), b, batch_sizes, trans_b), end)
+
+    monkeypatch.setattr(grouped_gemm.ops, "gmm", poisoned)
+    return calls
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("case", ["token_choice_dropless", "token_choice_dropless_top1_no_noop"])
-def test_dropless_by_ends_on_gpu_equals_the_loop_and_replays_as_a_cuda_graph(monkeypatch, case):
-    """The torch backend's dropless token choice: torch._grouped_mm with the rows' ends on the device
-    (Experts.by_ends) against the loop over experts with host counts (GROUPED_MM off), bf16, first
-    with the rows past the grouped GEMMs' end poisoned (NaN), which nothing may read; and, having no
-    host sync, the whole pass captured as one CUDA graph replays the eager results bit for bit."""
+@pytest.mark.parametrize("backend", ["torch", "grouped_gemm"])
+def test_dropless_by_ends_on_gpu_equals_the_computed_rows_only(monkeypatch, backend, case):
+    """Dropless token choice with every assignment a row (Experts.by_ends: torch._grouped_mm with the
+    rows' ends on the device, or gmm) against the computed rows only (BY_ENDS off: the loop over
+    experts, or gmm, with host counts), bf16, first with the rows past the grouped GEMMs' end
+    poisoned (NaN), which nothing may read. On torch, having no host sync, the whole pass captured
+    as one CUDA graph replays the eager results bit for bit."""
     from mode.layers import experts as experts_module
 
+    if backend == "grouped_gemm":
+        pytest.importorskip("grouped_gemm")
     torch.manual_seed(0)
-    moe = MoEFFN(256, 512, MoEConfig(n_experts=8, **GPU_CASES[case])).cuda()
+    moe = MoEFFN(256, 512, MoEConfig(n_experts=8, backend=backend, **GPU_CASES[case])).cuda()
     x = torch.randn(4, 256, 256, device="cuda", requires_grad=True)
     weight = torch.randn(4, 256, 256, device="cuda")
     if not moe.experts.by_ends_applies(x.to(torch.bfloat16)):
         pytest.skip(f"torch._grouped_mm is not one kernel on {torch.cuda.get_device_name()}")
     with monkeypatch.context() as patch:
-        calls = poison_grouped_mm(patch)
+        calls = (poison_grouped_mm if backend == "torch" else poison_gmm)(patch)
         y0, gx0, g0 = _gpu_pass(moe, x, weight)
         assert len(calls) == 2 and (calls[0] > 0) == (GPU_CASES[case]["n_noop"] > 0)
     y1, gx1, g1 = _gpu_pass(moe, x, weight)
     with monkeypatch.context() as patch:
-        patch.setattr(experts_module, "GROUPED_MM", False)
+        patch.setattr(experts_module, "BY_ENDS", False)
         y2, gx2, g2 = _gpu_pass(moe, x, weight)
     for y, gx, g in ((y0, gx0, g0), (y1, gx1, g1)):
         assert _rel(y, y2) < GPU_REL_TOL and _rel(gx, gx2) < GPU_REL_TOL
         for name in g2:
             assert _rel(g[name], g2[name]) < GPU_REL_TOL, name
+    if backend == "torch":
+        _assert_replays_as_a_cuda_graph(moe, x, weight, (y1, gx1, g1))
+
+
+def _assert_replays_as_a_cuda_graph(moe: MoEFFN, x: torch.Tensor, weight: torch.Tensor, eager: tuple) -> None:
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up on a side stream, as capture requires
@@ -559,8 +584,9 @@ def test_dropless_by_ends_on_gpu_equals_the_loop_and_replays_as_a_cuda_graph(mon
         (captured["y"].float() * weight).sum().backward()
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(captured["y"], y1) and torch.equal(x.grad, gx1)
-    assert all(torch.equal(p.grad, g1[n]) for n, p in moe.named_parameters() if p.grad is not None)
+    y, gx, g = eager
+    assert torch.equal(captured["y"], y) and torch.equal(x.grad, gx)
+    assert all(torch.equal(p.grad, g[n]) for n, p in moe.named_parameters() if p.grad is not None)
 
 
 @pytest.mark.parametrize("k", [1, 2])

@@ -12,16 +12,16 @@ the FFN hands its gates here and they multiply the activation (the down projecti
 which leaves the combine a plain sum; elsewhere the FFN's combine multiplies them, a pass over
 (rows, D) instead of (rows, F).
 
-Token choice without a capacity (dropless) has a third layout on the torch backend:
-- by ends: xs (R, D) every assignment sorted by expert, each expert's row end on the device
-  (torch._grouped_mm's offsets); the rows past the last end (no-op slots) are never computed.
-  Nothing is read on the host: no sync, static shapes, so the pass can be one CUDA graph.
+Token choice without a capacity (dropless) has a third layout, in eager mode on a GPU (BY_ENDS):
+- by ends: xs (R, D) every assignment sorted by expert, each expert's row end on the device; the
+  rows past the last end (no-op slots) are never computed. On the torch backend nothing is read
+  on the host: no sync, static shapes, so the pass can be one CUDA graph.
 
 Backends (config `moe.backend`), identical in results up to rounding:
-- torch:        padded -> two batched matmuls; by ends -> two torch._grouped_mm (eager, on a GPU
-                with its grouped kernels, GROUPED_MM); grouped -> a loop over experts. CPU and GPU.
-- grouped_gemm: both layouts through grouped_gemm's `gmm`, bf16, CUDA (as the README builds it, one
-                cuBLAS GEMM per expert, the group sizes read on the host).
+- torch:        padded -> two batched matmuls; by ends -> two torch._grouped_mm (the ends are its
+                offsets; on a GPU with its grouped kernels); grouped -> a loop over experts. CPU and GPU.
+- grouped_gemm: every layout through grouped_gemm's `gmm`, bf16, CUDA (as the README builds it, one
+                cuBLAS GEMM per expert, the group sizes read on the host: by ends, one copy of them).
 - megablocks:   token choice dispatched with megablocks' sort / histogram / gather / scatter
                 kernels and computed with its grouped GEMM (the dMoE "grouped" path), CUDA.
 """
@@ -38,10 +38,11 @@ from mode.layers.mlp import gelu, swiglu
 from mode.routing import TokenChoiceRouting
 
 BACKENDS = ("torch", "grouped_gemm", "megablocks")
-# True: the torch backend's dropless token choice runs the experts with torch._grouped_mm where it
-# applies (by_ends_applies), with no host sync; False: sorted rows and a loop over experts, which
-# reads the counts on the host (bench/moe_layer.py and the GPU tests compare the two).
-GROUPED_MM = True
+# True: dropless token choice on the torch and grouped_gemm backends takes every assignment as a row
+# (by_ends) where by_ends_applies: torch._grouped_mm with no host sync, or gmm; False: the computed
+# rows only, sorted with their counts read on the host, then a loop over experts or gmm (the GPU
+# tests compare the two).
+BY_ENDS = True
 # Compute capabilities whose torch._grouped_mm is one grouped kernel reading its offsets on the
 # device (H100 / H200: 9.0; B200: 10.0); elsewhere it falls back to a loop that reads them on the host.
 _GROUPED_MM_CAPABILITIES = ((9, 0), (10, 0))
@@ -104,11 +105,14 @@ class Experts(nn.Module):
         return self.grouped(xs.reshape(experts * rows, width), counts, gates).view(experts, rows, width)
 
     def by_ends_applies(self, x: Tensor) -> bool:
-        """Whether by_ends runs for tokens x: torch backend, GROUPED_MM, eager on a GPU whose
+        """Whether by_ends runs for tokens x: BY_ENDS, eager on a GPU; on torch, one whose
         torch._grouped_mm is one kernel, bf16 compute, widths aligned to its 16-byte rows."""
+        if not (BY_ENDS and x.is_cuda and not torch.compiler.is_compiling()):
+            return False
+        if self.backend == "grouped_gemm":
+            return True
         return (
-            GROUPED_MM and self.backend == "torch" and x.is_cuda and not torch.compiler.is_compiling()
-            and hasattr(torch, "_grouped_mm") and _compute_dtype(x) == torch.bfloat16
+            self.backend == "torch" and hasattr(torch, "_grouped_mm") and _compute_dtype(x) == torch.bfloat16
             and torch.cuda.get_device_capability(x.device) in _GROUPED_MM_CAPABILITIES
             and all(size % 8 == 0 for size in self.w_in.shape[1:])
         )
@@ -117,6 +121,9 @@ class Experts(nn.Module):
         """xs (R, D) sorted by expert, ends (E,) int32 on the device: expert e's rows end at ends[e]
         -> (R, D); gates (R,) each row's, or None. Rows from ends[-1] on are not computed: their
         outputs (and their gradients in the backward) are undefined, and callers never read them."""
+        if self.backend == "grouped_gemm":  # gmm takes the group sizes on the host: one copy, a sync
+            ends = ends.cpu()
+            return _gmm_mlp(self, xs, torch.diff(ends, prepend=ends.new_zeros(1)), gates)
         dtype = _compute_dtype(xs)  # bf16 where it applies; the CPU tests run it in float32
         with torch.autocast("cuda", enabled=False):
             h = torch._grouped_mm(xs.to(dtype), self.w_in.to(dtype), offs=ends)  # (R, 2F or F)
@@ -153,7 +160,8 @@ def _gmm_mlp(experts: Experts, xs: Tensor, counts: Tensor, gates: Tensor | None 
     dtype = _gmm_dtype(xs)
     if xs.shape[0] == 0:  # every assignment went to a no-op expert or was dropped
         return xs.new_zeros(0, xs.shape[1], dtype=dtype)
-    counts = counts.to("cpu", torch.long)  # gmm reads the group sizes on the host
+    # gmm reads the group sizes on the host; rows past their sum (by_ends' no-op rows) it leaves alone
+    counts = counts.to("cpu", torch.long)
     with torch.autocast("cuda", enabled=False):
         h = gmm(xs.to(dtype).contiguous(), experts.w_in.to(dtype), counts)  # (M, 2F or F)
         return gmm(experts.act(h, gates).contiguous(), experts.w_out.to(dtype), counts)  # (M, D)
