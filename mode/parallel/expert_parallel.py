@@ -10,7 +10,8 @@ n_experts / ep slice of the weights and answers the same two calls the FFN makes
   all-to-all brings the results back.
 - grouped(xs (M, D) sorted by expert, counts (E,)) -> (M, D): uneven loads (dropless token
   choice, the grouped GEMM backends). The counts are exchanged first, then the rows with
-  uneven splits.
+  uneven splits. (by_ends_applies is False: the FFN's sync-free dropless layout, every
+  assignment a row, stays for one process.)
 
 Both all-to-alls are autograd functions: the backward of one is the all-to-all the other
 way. No-op experts (MoDE) never reach this module: the FFN never computes them, so they are
@@ -174,6 +175,10 @@ class ExpertParallelExperts(DeepSpeedMoE):
 
     def gates_in_activation(self, x: Tensor) -> bool:
         """Never: the gates stay with the FFN's combine on the rows' own rank (no third exchange)."""
+        return False
+
+    def by_ends_applies(self, x: Tensor) -> bool:
+        """Never: the exchange's uneven splits are read on the host anyway, from the counts (grouped)."""
         return False
 
     @staticmethod
