@@ -174,7 +174,8 @@ class TrainConfig(Section):
         False,
         description=(
             "eager CUDA graphs, without torch.compile: each micro-batch's forward and backward captured once "
-            "and replayed (one process, GPU; static shapes: no dropless or grouped token choice)"
+            "and replayed (one process, GPU; static shapes: token choice on moe.backend=torch, dropless only where "
+            "its sync-free layout runs: H100/H200-class GPUs, bf16)"
         ),
     )
     progress: bool = True
@@ -239,13 +240,14 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _graphs_need_static_shapes(self) -> "Config":
-        """A CUDA graph replays fixed shapes with no host synchronisation: token choice sorted by
-        expert (dropless, or a grouped backend) sizes its groups on the host, from the routing."""
+        """A CUDA graph replays fixed shapes with no host synchronisation: token choice on a grouped
+        backend sizes its groups on the host, from the routing. (Dropless on torch has a sync-free
+        layout on some GPUs: the trainer checks that on its device, MoEFFN.syncs_with_host.)"""
         m = self.moe
-        if self.train.cuda_graphs and self.model.has_experts() and m.scheme == "token_choice" and (m.dropless or m.backend != "torch"):
+        if self.train.cuda_graphs and self.model.has_experts() and m.scheme == "token_choice" and m.backend != "torch":
             raise ValueError(
-                "train.cuda_graphs needs static shapes: token choice runs with moe.dropless=false and "
-                f"moe.backend=torch under CUDA graphs (got dropless={m.dropless}, backend={m.backend})"
+                "train.cuda_graphs needs static shapes: token choice runs on moe.backend=torch under CUDA "
+                f"graphs (got backend={m.backend})"
             )
         return self
 

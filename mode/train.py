@@ -24,6 +24,7 @@ from tqdm import tqdm
 from mode.config import Config, ConfigError, load_config, save_config
 from mode.data import DataError, TokenSplits, batch_generator, load_splits, sample_batch
 from mode.flops import model_flops
+from mode.layers.moe import MoEFFN
 from mode.model import LanguageModel, ModelOutput
 from mode.routing import Routing, TokenChoiceRouting, token_mask
 from mode.utils import atomic_torch_save, atomic_write_text, pick_device
@@ -153,6 +154,20 @@ class TorchOptimization:
 
 
 # ----------------------------------------------------------------------------- eager CUDA graphs
+def _check_graphable(model: nn.Module, device: torch.device) -> None:
+    """train.cuda_graphs: every MoE FFN must run without reading routing on the host (bf16 tokens
+    on this device, as training runs them), or the capture would fail mid-step."""
+    probe = torch.empty(1, 8, device=device, dtype=torch.bfloat16)
+    for name, module in model.named_modules():
+        if isinstance(module, MoEFFN) and module.syncs_with_host(probe):
+            raise ConfigError(
+                f"train.cuda_graphs: {name} reads its routing on the host: token choice with moe.dropless=true "
+                f"runs sync-free only on moe.backend=torch, on an H100/H200-class GPU (this is a "
+                f"{torch.cuda.get_device_name(device)}), with the Triton kernels on (MODE_KERNELS); "
+                f"use moe.capacity_factor instead of dropless"
+            )
+
+
 class GraphedMicroStep:
     """One micro-batch's forward and backward as one CUDA graph, for the eager model (train.cuda_graphs).
 
@@ -446,6 +461,7 @@ class Trainer:
         if t.cuda_graphs:
             if self.device.type != "cuda":
                 raise ConfigError(f"train.cuda_graphs needs a CUDA device (train.device is {t.device!r}: {self.device})")
+            _check_graphable(self.model, self.device)
             self.graphed_step = GraphedMicroStep(self.model, self.optimization.backward, t.grad_accum)
         self.flops_per_token = model_flops(config).train_per_token
         self.state = RunState()

@@ -483,20 +483,28 @@ GRAPHS = {"compiled": {"compile": True, "compile_mode": "reduce-overhead"}, "eag
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("graphs", sorted(GRAPHS))
 @pytest.mark.parametrize("grad_accum", [1, 2])
-@pytest.mark.parametrize("block", ["mod", "moe"])
+@pytest.mark.parametrize("block, graphs", [(b, g) for b in ("mod", "moe") for g in sorted(GRAPHS)] + [("moe dropless", "eager")])
 def test_cuda_graphed_training_matches_eager(tmp_path: Path, corpus: Path, block: str, grad_accum: int, graphs: str) -> None:
     """train.compile_mode=reduce-overhead, and train.cuda_graphs (the eager model captured): the
     same losses, gradient norms and evaluation as eager, also with gradient accumulation (each
-    micro-batch's replay overwrites the last one's outputs and adds into the kept gradients)."""
+    micro-batch's replay overwrites the last one's outputs and adds into the kept gradients).
+    Dropless token choice (eager graphs: compiled, its host-sized groups break the graph), on a GPU
+    where its sync-free layout runs; elsewhere the trainer refuses it, naming train.cuda_graphs."""
+    from mode.layers.experts import _GROUPED_MM_CAPABILITIES
+
+    dropless = block == "moe dropless"
     runs = {}
     for name, train in (("eager", {}), ("graphs", GRAPHS[graphs])):
         config = make_config(
-            tmp_path / name, corpus, model={"block_pattern": ["dense", block]},
-            moe={"scheme": "token_choice", "capacity_factor": 1.0},
+            tmp_path / name, corpus, model={"block_pattern": ["dense", block.split()[0]]},
+            moe={"scheme": "token_choice", **({"dropless": True} if dropless else {"capacity_factor": 1.0})},
             train={"device": "cuda", "max_steps": 6, "eval_interval": 3, "grad_accum": grad_accum, **train},
         )
+        if dropless and name == "graphs" and torch.cuda.get_device_capability() not in _GROUPED_MM_CAPABILITIES:
+            with pytest.raises(ConfigError, match=r"train\.cuda_graphs: .* reads its routing on the host"):
+                Trainer(config)
+            return
         runs[name] = Trainer(config).run()
     loss_atol, norm_rtol = GRAPHED_TOLERANCE[graphs]
     for eager, graphed in zip(runs["eager"], runs["graphs"], strict=True):
@@ -510,16 +518,18 @@ def test_cuda_graphed_training_matches_eager(tmp_path: Path, corpus: Path, block
 
 def test_eager_cuda_graphs_are_validated(tmp_path: Path, corpus: Path) -> None:
     """train.cuda_graphs: refused with compile (that is compile_mode=reduce-overhead), with
-    token choice sorted by expert (host-sized groups), and on a CPU device, naming the field;
-    no run folder is made."""
+    token choice on a grouped backend (host-sized groups), and on a CPU device, naming the field;
+    no run folder is made. Dropless token choice on torch passes the config (the trainer checks
+    its device: test_cuda_graphed_training_matches_eager)."""
     with pytest.raises(ConfigError, match=r"train: cuda_graphs=true .* compile_mode=reduce-overhead"):
         make_config(tmp_path / "run", corpus, train={"cuda_graphs": True, "compile": True})
-    for moe in ({"dropless": True}, {"backend": "grouped_gemm"}):
-        with pytest.raises(ConfigError, match=r"train\.cuda_graphs needs static shapes"):
-            make_config(tmp_path / "run", corpus, model={"block_pattern": ["moe"]},
-                        moe={"scheme": "token_choice", **moe}, train={"cuda_graphs": True})
-    # Expert choice and token choice with a capacity on torch keep static shapes.
+    with pytest.raises(ConfigError, match=r"train\.cuda_graphs needs static shapes"):
+        make_config(tmp_path / "run", corpus, model={"block_pattern": ["moe"]},
+                    moe={"scheme": "token_choice", "dropless": True, "backend": "grouped_gemm"}, train={"cuda_graphs": True})
+    # Expert choice and token choice with a capacity (or dropless) on torch pass the config.
     make_config(tmp_path / "run", corpus, model={"block_pattern": ["mod", "moe"]}, train={"cuda_graphs": True})
+    make_config(tmp_path / "run", corpus, model={"block_pattern": ["moe"]}, moe={"scheme": "token_choice", "dropless": True},
+                train={"cuda_graphs": True})
     config = make_config(tmp_path / "run", corpus, train={"cuda_graphs": True, "device": "cpu"})
     with pytest.raises(ConfigError, match=r"train\.cuda_graphs needs a CUDA device"):
         Trainer(config)

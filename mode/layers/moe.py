@@ -63,6 +63,19 @@ class MoEFFN(nn.Module):
             out = self._token_choice(x.reshape(-1, x.shape[-1]), routing)
         return out.view_as(x), routing
 
+    def syncs_with_host(self, x: Tensor) -> bool:
+        """Whether a pass on tokens like x reads routing results on the host (so no CUDA graph can
+        capture it): token choice sorted by expert with host counts, that is dropless (or under
+        causal routing) except by ends on the torch backend, or on a grouped backend."""
+        if isinstance(self.router, ExpertChoiceRouter) and not self.router.causal_mode:
+            return False
+        if isinstance(self.router, ExpertChoiceRouter):
+            return True  # causal decisions: variable counts
+        if self.experts.backend != "torch":
+            return True
+        dropless = self.router.dropless or self.router.causal_mode
+        return dropless and not (self.experts.by_ends_applies(x) and rows_kernels_apply(x))
+
     def _experts_combined(self, xs: Tensor, gates: Tensor, rows: ExpertRows, counts: Tensor | None = None,
                           ends: Tensor | None = None) -> Tensor:
         """The experts on their rows xs, padded (E, R, D), grouped (M, D) by counts (E,) on the host, or
