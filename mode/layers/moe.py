@@ -113,7 +113,7 @@ class MoEFFN(nn.Module):
 
     def _token_choice(self, x: Tensor, routing: TokenChoiceRouting) -> Tensor:
         """x (T, D). With a capacity on torch: a static (E, C, D) layout; otherwise sorted by expert:
-        dropless on torch where torch._grouped_mm applies, every assignment a row (static, no host
+        dropless where Experts.by_ends applies, every assignment a row (static; on torch no host
         sync); elsewhere the computed rows only, their counts read on the host."""
         if self.experts.backend == "megablocks":
             return megablocks_token_choice(self.experts, x, routing)
@@ -133,8 +133,8 @@ class MoEFFN(nn.Module):
         return self._experts_combined(gather_rows(x, rows), gates.index_select(0, table), rows, counts)  # (T, D)
 
     def _dropless_by_ends(self, x: Tensor, routing: TokenChoiceRouting, gates: Tensor) -> Tensor:
-        """Dropless token choice with no host sync: all T*k assignments as rows, sorted by expert, the
-        no-op ones last, where the grouped GEMMs stop (ends[-1]); the inverse map leaves those rows
-        out and their gate is the padded 0, so nothing past the end is ever read."""
+        """Dropless token choice on static rows: all T*k assignments, sorted by expert on the device,
+        the no-op ones last, where the grouped GEMMs stop (ends[-1]); the inverse map leaves those
+        rows out and their gate is the padded 0, so nothing past the end is ever read."""
         rows, gate_index, ends = dropless_rows(routing.indices, routing.positions, self.experts.n_experts, x)
         return self._experts_combined(gather_rows(x, rows), gates.index_select(0, gate_index), rows, ends=ends)  # (T, D)
