@@ -312,19 +312,31 @@ class _PoisonPastEnd(torch.autograd.Function):
         return grad, None
 
 
-def poison_grouped_mm(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """torch._grouped_mm with its rows past the last offset NaN (_PoisonPastEnd) on both its input
-    (so their gradient is NaN) and its output. Returns the list each call appends its count of such
-    rows to."""
-    grouped_mm, calls = torch._grouped_mm, []
+def _poison_past_end(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str, end_of: Callable[..., int]) -> list[int]:
+    """owner.name, a grouped GEMM f(a, b, *group_args), with its rows past the groups' end (end_of(*group_args))
+    NaN (_PoisonPastEnd) on both its input (so their gradient is NaN) and its output. Returns the
+    list each call appends its count of such rows to."""
+    real, calls = getattr(owner, name), []
 
-    def poisoned(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        end = int(offs[-1])
+    def poisoned(a: torch.Tensor, b: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        end = end_of(*args, **kwargs)
         calls.append(a.shape[0] - end)
-        return _PoisonPastEnd.apply(grouped_mm(_PoisonPastEnd.apply(a, end), b, offs=offs), end)
+        return _PoisonPastEnd.apply(real(_PoisonPastEnd.apply(a, end), b, *args, **kwargs), end)
 
-    monkeypatch.setattr(torch, "_grouped_mm", poisoned)
+    monkeypatch.setattr(owner, name, poisoned)
     return calls
+
+
+def poison_grouped_mm(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """torch._grouped_mm(a, b, offs=ends), its rows from ends[-1] on poisoned."""
+    return _poison_past_end(monkeypatch, torch, "_grouped_mm", lambda offs: int(offs[-1]))
+
+
+def poison_gmm(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """grouped_gemm's gmm(a, b, batch_sizes, trans_b), its rows from sum(batch_sizes) on poisoned."""
+    import grouped_gemm.ops
+
+    return _poison_past_end(monkeypatch, grouped_gemm.ops, "gmm", lambda batch_sizes, trans_b=False: int(batch_sizes.sum()))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the row kernels take CPU tensors only in Triton's interpreter "
@@ -516,22 +528,6 @@ def _gpu_pass(moe: MoEFFN, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch
         y, _ = moe(x)
     (y.float() * weight).sum().backward()
     return y.detach().clone(), x.grad.clone(), grads(moe)
-
-
-def poison_gmm(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """grouped_gemm's gmm as poison_grouped_mm does torch._grouped_mm: its rows past the sum of the
-    group sizes NaN, input (their gradient) and output."""
-    import grouped_gemm.ops
-
-    gmm, calls = grouped_gemm.ops.gmm, []
-
-    def poisoned(a: torch.Tensor, b: torch.Tensor, batch_sizes: torch.Tensor, trans_b: bool = False) -> torch.Tensor:
-        end = int(batch_sizes.sum())
-        calls.append(a.shape[0] - end)
-        return _PoisonPastEnd.apply(gmm(_PoisonPastEnd.apply(a, end), b, batch_sizes, trans_b), end)
-
-    monkeypatch.setattr(grouped_gemm.ops, "gmm", poisoned)
-    return calls
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -74,7 +74,12 @@ class MoEFFN(nn.Module):
         if self.experts.backend != "torch":
             return True
         dropless = self.router.dropless or self.router.causal_mode
-        return dropless and not (self.experts.by_ends_applies(x) and rows_kernels_apply(x))
+        return dropless and not self._by_ends_applies(x)
+
+    def _by_ends_applies(self, x: Tensor) -> bool:
+        """Dropless rows by ends (_dropless_by_ends): the experts take them, and the rows get the
+        inverse map that keeps the uncomputed ones out."""
+        return self.experts.by_ends_applies(x) and rows_kernels_apply(x)
 
     def _experts_combined(self, xs: Tensor, gates: Tensor, rows: ExpertRows, counts: Tensor | None = None,
                           ends: Tensor | None = None) -> Tensor:
@@ -126,7 +131,7 @@ class MoEFFN(nn.Module):
             xs = gather_rows(x, rows).view(*table.shape, x.shape[1])  # (E, C, D)
             # index_select: its backward is one index_add (indexing's is a sort-based index_put)
             return self._experts_combined(xs, gates.index_select(0, table.reshape(-1)), rows)  # (T, D)
-        if routing.capacity is None and self.experts.by_ends_applies(x) and rows_kernels_apply(x):
+        if routing.capacity is None and self._by_ends_applies(x):
             return self._dropless_by_ends(x, routing, gates)
         table, counts = sort_by_expert(routing.indices, routing.positions, self.experts.n_experts)  # (M,), (E,)
         rows = rows_by_slot(table // top_k, table % top_k, top_k, x)  # a token's j-th choice: its slot j
