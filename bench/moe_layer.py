@@ -8,13 +8,14 @@ the host's launch latency), and back to back (the mean of --iters passes queued 
 synchronisation between them, as the layers of a training step run). Rows:
 - the dense MLP of the same FLOPs (every token through one MLP of the expert's size): the limit;
 - this project's expert choice (per sequence and per batch group), `torch` backend;
-- the dense MLP, expert choice and token choice cf 1 with the whole eager pass captured as one
-  CUDA graph (as train.cuda_graphs runs a model: the GPU's time alone), expert choice also with its
-  router head as PyTorch ops instead of its one-function dispatch (--expert-choice), the routed ones
-  also with their rows moved by gather / scatter_add instead of the token-major kernels (--rows;
-  expert choice then wholly PyTorch ops); not with --compile;
-- with --compile: the dense MLP, expert choice and token choice cf 1 compiled, and compiled with
-  torch.compile's CUDA graphs (mode="reduce-overhead");
+- the dense MLP, expert choice and token choice (cf 1, dropless on torch) with the whole eager
+  pass captured as one CUDA graph (as train.cuda_graphs runs a model: the GPU's time alone), expert
+  choice also with its router head as PyTorch ops instead of its one-function dispatch
+  (--expert-choice), the routed ones also with their rows moved by gather / scatter_add instead of
+  the token-major kernels (--rows; expert choice then wholly PyTorch ops; dropless then masks the
+  rows past its grouped GEMMs' end); not with --compile;
+- with --compile: the dense MLP, expert choice and token choice (cf 1, and dropless on torch)
+  compiled, and compiled with torch.compile's CUDA graphs (mode="reduce-overhead");
 - this project's token choice, top-1, capacity factor 1 (torch) and dropless (torch: torch._grouped_mm
   with no host sync, eager and as one CUDA graph; grouped_gemm; megablocks);
 - megablocks 0.10.0 dMoE (mlp_impl="grouped", top-1, dropless);
@@ -265,8 +266,8 @@ def main() -> None:
          "eager"),
         *family("mode token choice top-1 cf 1.0 (torch)", "mode token choice top-1 cf 1.0", "torch", token_choice,
                 routed=True),
-        ("mode token choice top-1 dropless (torch)", dropless, "eager"),
-        ("mode token choice top-1 dropless (torch, one CUDA graph)", dropless, "graph"),
+        *family("mode token choice top-1 dropless (torch)", "mode token choice top-1 dropless", "torch", dropless,
+                routed=True),
         ("mode token choice top-1 dropless (grouped_gemm)",
          lambda: ours(args, scheme="token_choice", dropless=True, backend="grouped_gemm"), "eager"),
         ("mode token choice top-1 dropless (megablocks)",

@@ -351,13 +351,28 @@ def test_dropless_by_ends_equals_slow_loop_reference(monkeypatch, n_noop, top_k,
     does not fit) by PyTorch's argsort. Rows past the end are NaN in the GEMMs' outputs and in the
     gradients they return: nothing of them may reach the output or any gradient."""
     from mode.kernels import sort_rows
-    from mode.layers import experts as experts_module
     from mode.routing import primitives
 
-    calls = poison_grouped_mm(monkeypatch)
     monkeypatch.setattr(sort_rows, "fits", lambda n, n_experts: layout == "counting sort kernel")
-    monkeypatch.setattr(experts_module.Experts, "by_ends_applies", lambda self, x: True)
     monkeypatch.setattr(primitives, "_rows_kernel_applies", lambda x: x.dtype == torch.float32)
+    _check_by_ends_against_slow_reference(monkeypatch, n_noop, top_k)
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+@pytest.mark.parametrize("n_noop", [0, N_NOOP])
+def test_dropless_by_ends_without_the_inverse_map_equals_slow_loop_reference(monkeypatch, n_noop, top_k):
+    """The same layout where the rows have no inverse map (under torch.compile, or with the row
+    kernels off): the gather's backward and the combine read every row, so Experts.by_ends zeroes
+    the rows past the end on the way out and their gradient on the way in; the NaN there must
+    still reach nothing."""
+    _check_by_ends_against_slow_reference(monkeypatch, n_noop, top_k)
+
+
+def _check_by_ends_against_slow_reference(monkeypatch: pytest.MonkeyPatch, n_noop: int, top_k: int) -> None:
+    from mode.layers import experts as experts_module
+
+    calls = poison_grouped_mm(monkeypatch)
+    monkeypatch.setattr(experts_module.Experts, "by_ends_applies", lambda self, x: True)
     moe = MoEFFN(16, 24, moe_cfg(scheme="token_choice", top_k=top_k, dropless=True, n_noop=n_noop, activation="gelu"))
     x = inputs().float().detach().requires_grad_(True)
     y1, gx1, g1, routing = run(moe, x)
@@ -623,6 +638,49 @@ def test_static_schemes_trace_as_one_graph(scheme: str) -> None:
     explained = torch._dynamo.explain(layer)(inputs())
     assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
     assert explained.graph_count == 1
+
+
+def test_dropless_by_ends_traces_as_one_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dropless token choice by ends reads nothing on the host: torch.compile traces it as one graph
+    (the rows by host counts split it in eight). bf16, as torch._grouped_mm's meta function requires;
+    Dynamo tracing only, by_ends forced on (on CPU it would not apply)."""
+    from mode.layers import experts as experts_module
+
+    monkeypatch.setattr(experts_module.Experts, "by_ends_applies", lambda self, x: True)
+    layer = MoEFFN(16, 32, moe_cfg(scheme="token_choice", top_k=2, dropless=True, n_noop=N_NOOP)).bfloat16()
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(layer)(inputs().bfloat16())
+    assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+    assert explained.graph_count == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_compiled_dropless_token_choice_is_one_graph_and_matches_eager() -> None:
+    """On a GPU where by ends applies, the compiled dropless layer (no inverse map: the experts mask
+    the rows past the end) traces as one graph and equals the eager layer (the row kernels)."""
+    torch.manual_seed(0)
+    moe = MoEFFN(256, 512, MoEConfig(n_experts=8, **GPU_CASES["token_choice_dropless"])).cuda()
+    x = torch.randn(4, 256, 256, device="cuda", requires_grad=True)
+    weight = torch.randn(4, 256, 256, device="cuda")
+    if not moe.experts.by_ends_applies(x.to(torch.bfloat16)):
+        pytest.skip(f"torch._grouped_mm is not one kernel on {torch.cuda.get_device_name()}")
+    torch._dynamo.reset()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        explained = torch._dynamo.explain(moe)(x)
+    assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+    eager = _gpu_pass(moe, x, weight)
+    torch._dynamo.reset()
+    compiled_moe = torch.compile(moe)
+    x.grad = None
+    moe.zero_grad(set_to_none=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y, _ = compiled_moe(x)
+    (y.float() * weight).sum().backward()
+    compiled = (y.detach(), x.grad.clone(), grads(moe))
+    for got, want in zip(compiled[:2], eager[:2]):
+        assert _rel(got, want) < GPU_REL_TOL
+    for name in eager[2]:
+        assert _rel(compiled[2][name], eager[2][name]) < GPU_REL_TOL, name
 
 
 @pytest.mark.parametrize("scheme", ["expert_choice", "expert_choice_grouped"])

@@ -12,10 +12,10 @@ the FFN hands its gates here and they multiply the activation (the down projecti
 which leaves the combine a plain sum; elsewhere the FFN's combine multiplies them, a pass over
 (rows, D) instead of (rows, F).
 
-Token choice without a capacity (dropless) has a third layout, in eager mode on a GPU (BY_ENDS):
+Token choice without a capacity (dropless) has a third layout on a GPU (BY_ENDS):
 - by ends: xs (R, D) every assignment sorted by expert, each expert's row end on the device; the
   rows past the last end (no-op slots) are never computed. On the torch backend nothing is read
-  on the host: no sync, static shapes, so the pass can be one CUDA graph.
+  on the host: no sync, static shapes, so the pass can be one CUDA graph, eager or compiled.
 
 Backends (config `moe.backend`), identical in results up to rounding:
 - torch:        padded -> two batched matmuls; by ends -> two torch._grouped_mm (the ends are its
@@ -106,29 +106,35 @@ class Experts(nn.Module):
         return self.grouped(xs.reshape(experts * rows, width), counts, gates).view(experts, rows, width)
 
     def by_ends_applies(self, x: Tensor) -> bool:
-        """Whether by_ends runs for tokens x: BY_ENDS, eager on a GPU; on torch, one whose
-        torch._grouped_mm is one kernel, bf16 compute, widths aligned to its 16-byte rows."""
-        if not (BY_ENDS and x.is_cuda and not torch.compiler.is_compiling()):
+        """Whether by_ends runs for tokens x: BY_ENDS, on a GPU; on torch (eager or compiled), one
+        whose torch._grouped_mm is one kernel, bf16 compute, widths aligned to its 16-byte rows; on
+        grouped_gemm, eager (its host copy would split a compiled graph anyway)."""
+        if not (BY_ENDS and x.is_cuda):
             return False
         if self.backend == "grouped_gemm":
-            return True
-        return (
-            self.backend == "torch" and hasattr(torch, "_grouped_mm") and _compute_dtype(x) == torch.bfloat16
-            and torch.cuda.get_device_capability(x.device) in _GROUPED_MM_CAPABILITIES
-            and all(size % 8 == 0 for size in self.w_in.shape[1:])
-        )
+            return not torch.compiler.is_compiling()
+        if self.backend != "torch" or not hasattr(torch, "_grouped_mm") or _compute_dtype(x) != torch.bfloat16:
+            return False
+        card = torch.cuda.get_device_properties(x.device)  # constant-folded under torch.compile
+        return (card.major, card.minor) in _GROUPED_MM_CAPABILITIES and all(size % 8 == 0 for size in self.w_in.shape[1:])
 
-    def by_ends(self, xs: Tensor, ends: Tensor, gates: Tensor | None = None) -> Tensor:
+    def by_ends(self, xs: Tensor, ends: Tensor, gates: Tensor | None = None, computed: Tensor | None = None) -> Tensor:
         """xs (R, D) sorted by expert, ends (E,) int32 on the device: expert e's rows end at ends[e]
         -> (R, D); gates (R,) each row's, or None. Rows from ends[-1] on are not computed: their
-        outputs (and their gradients in the backward) are undefined, and callers never read them."""
+        outputs (and their gradients in the backward) are undefined and the caller's inverse map
+        never reads them; or, with computed (R,) bool (False past the end) for a caller that reads
+        every row, they are zeros out and their gradient zeros in."""
+        if computed is not None:  # where, not a product: the undefined rows may hold NaN
+            xs = torch.where(computed.unsqueeze(-1), xs, 0)
         if self.backend == "grouped_gemm":  # gmm takes the group sizes on the host: one copy, a sync
             ends = ends.cpu()
-            return _gmm_mlp(self, xs, torch.diff(ends, prepend=ends.new_zeros(1)), gates)
-        dtype = _compute_dtype(xs)  # bf16 where it applies; the CPU tests run it in float32
-        with torch.autocast("cuda", enabled=False):
-            h = torch._grouped_mm(xs.to(dtype), self.w_in.to(dtype), offs=ends)  # (R, 2F or F)
-            return torch._grouped_mm(self.act(h, gates), self.w_out.to(dtype), offs=ends)  # (R, D)
+            ys = _gmm_mlp(self, xs, torch.diff(ends, prepend=ends.new_zeros(1)), gates)
+        else:
+            dtype = _compute_dtype(xs)  # bf16 where it applies; the CPU tests run it in float32
+            with torch.autocast("cuda", enabled=False):
+                h = torch._grouped_mm(xs.to(dtype), self.w_in.to(dtype), offs=ends)  # (R, 2F or F)
+                ys = torch._grouped_mm(self.act(h, gates), self.w_out.to(dtype), offs=ends)  # (R, D)
+        return ys if computed is None else torch.where(computed.unsqueeze(-1), ys, 0)
 
     def grouped(self, xs: Tensor, counts: Tensor, gates: Tensor | None = None) -> Tensor:
         """xs (M, D) sorted by expert, counts (E,) rows of each -> (M, D); gates (M,) each row's, or None."""

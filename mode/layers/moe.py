@@ -23,7 +23,6 @@ from mode.routing import (
     dropless_rows,
     gather_rows,
     rows_by_slot,
-    rows_kernels_apply,
     slot_table,
     sort_by_expert,
     token_choice_rows,
@@ -74,23 +73,20 @@ class MoEFFN(nn.Module):
         if self.experts.backend != "torch":
             return True
         dropless = self.router.dropless or self.router.causal_mode
-        return dropless and not self._by_ends_applies(x)
+        return dropless and not self.experts.by_ends_applies(x)
 
-    def _by_ends_applies(self, x: Tensor) -> bool:
-        """Dropless rows by ends (_dropless_by_ends): the experts take them, and the rows get the
-        inverse map that keeps the uncomputed ones out."""
-        return self.experts.by_ends_applies(x) and rows_kernels_apply(x)
 
     def _experts_combined(self, xs: Tensor, gates: Tensor, rows: ExpertRows, counts: Tensor | None = None,
-                          ends: Tensor | None = None) -> Tensor:
+                          ends: Tensor | None = None, computed: Tensor | None = None) -> Tensor:
         """The experts on their rows xs, padded (E, R, D), grouped (M, D) by counts (E,) on the host, or
-        (R, D) by ends (E,) on the device (Experts.by_ends); each row's output times its gate
-        (gates (R_total,), rows' order), summed into its token -> (T, D).
+        (R, D) by ends (E,) on the device (Experts.by_ends, computed its mask where the rows have no
+        inverse map); each row's output times its gate (gates (R_total,), rows' order), summed into
+        its token -> (T, D).
         Where the experts' activation kernel can take the gates, it applies them (the combine is then a
         plain sum, its backward a gather); otherwise the combine does."""
         to_experts = gates if self.experts.gates_in_activation(xs) else None
         if ends is not None:
-            ys = self.experts.by_ends(xs, ends, to_experts)  # (R, D)
+            ys = self.experts.by_ends(xs, ends, to_experts, computed)  # (R, D)
         elif counts is None:
             ys = self.experts.padded(xs, to_experts)  # (E, R, D)
         else:
@@ -131,7 +127,7 @@ class MoEFFN(nn.Module):
             xs = gather_rows(x, rows).view(*table.shape, x.shape[1])  # (E, C, D)
             # index_select: its backward is one index_add (indexing's is a sort-based index_put)
             return self._experts_combined(xs, gates.index_select(0, table.reshape(-1)), rows)  # (T, D)
-        if routing.capacity is None and self._by_ends_applies(x):
+        if routing.capacity is None and self.experts.by_ends_applies(x):
             return self._dropless_by_ends(x, routing, gates)
         table, counts = sort_by_expert(routing.indices, routing.positions, self.experts.n_experts)  # (M,), (E,)
         rows = rows_by_slot(table // top_k, table % top_k, top_k, x)  # a token's j-th choice: its slot j
@@ -140,6 +136,8 @@ class MoEFFN(nn.Module):
     def _dropless_by_ends(self, x: Tensor, routing: TokenChoiceRouting, gates: Tensor) -> Tensor:
         """Dropless token choice on static rows: all T*k assignments, sorted by expert on the device,
         the no-op ones last, where the grouped GEMMs stop (ends[-1]); the inverse map leaves those
-        rows out and their gate is the padded 0, so nothing past the end is ever read."""
-        rows, gate_index, ends = dropless_rows(routing.indices, routing.positions, self.experts.n_experts, x)
-        return self._experts_combined(gather_rows(x, rows), gates.index_select(0, gate_index), rows, ends=ends)  # (T, D)
+        rows out (or, without one, the experts zero them) and their gate is the padded 0, so nothing
+        past the end is ever read."""
+        rows, gate_index, ends, computed = dropless_rows(routing.indices, routing.positions, self.experts.n_experts, x)
+        row_gates = gates.index_select(0, gate_index)
+        return self._experts_combined(gather_rows(x, rows), row_gates, rows, ends=ends, computed=computed)  # (T, D)

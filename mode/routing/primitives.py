@@ -761,24 +761,29 @@ def sort_all_by_expert(slots: Tensor, positions: Tensor, n_experts: int) -> tupl
     return order, key.index_select(0, order) < n_experts, ends
 
 
-def dropless_rows(slots: Tensor, positions: Tensor, n_experts: int, x: Tensor) -> tuple[ExpertRows, Tensor, Tensor]:
+def dropless_rows(slots: Tensor, positions: Tensor, n_experts: int, x: Tensor
+                  ) -> tuple[ExpertRows, Tensor, Tensor, Tensor | None]:
     """Token choice's sync-free dropless layout of the tokens x (T, D): every assignment a row,
-    sorted by expert (sort_all_by_expert), the uncomputed ones last and out of the inverse map
-    (rows_by_slot) -> (ExpertRows over the N = T*k rows, gate_index (N,) each row's assignment or N
-    where no expert computes it (the caller's padded zero gate), ends (E,) int32).
+    sorted by expert (sort_all_by_expert), the uncomputed ones last -> (ExpertRows over the N = T*k
+    rows, gate_index (N,) each row's assignment or N where no expert computes it (the caller's
+    padded zero gate), ends (E,) int32, and computed).
 
-    On eager CUDA, two Triton launches (mode/kernels/sort_rows.py, a counting sort) instead of
-    about 17 PyTorch ops; the same layout. Needs the inverse map (rows_kernels_apply(x))."""
+    With the inverse map (rows_kernels_apply(x)) the uncomputed rows are left out of it and
+    computed is None; on eager CUDA the layout is two Triton launches (mode/kernels/sort_rows.py, a
+    counting sort) instead of about 17 PyTorch ops. Without it (torch.compile) the gather's backward
+    and the combine read every row: computed (N,) bool is returned for the experts to mask with."""
     tokens, top_k = slots.shape
     if _rows_kernel_applies(x):
         from mode.kernels import sort_rows
 
         if sort_rows.fits(slots.numel(), n_experts):
             ids, gate_index, inverse, ends = sort_rows.dropless_rows(slots, positions, n_experts)
-            return ExpertRows(ids, tokens, inverse), gate_index, ends
+            return ExpertRows(ids, tokens, inverse), gate_index, ends, None
     order, computed, ends = sort_all_by_expert(slots, positions, n_experts)
-    rows = rows_by_slot(order // top_k, order % top_k, top_k, x, computed)
-    return rows, torch.where(computed, order, slots.numel()), ends
+    gate_index = torch.where(computed, order, slots.numel())
+    if _rows_kernel_applies(x):
+        return rows_by_slot(order // top_k, order % top_k, top_k, x, computed), gate_index, ends, None
+    return ExpertRows(order // top_k, tokens, None), gate_index, ends, computed
 
 
 def count_ids(ids: Tensor, n: int) -> Tensor:
