@@ -758,6 +758,29 @@ def test_dropless_rows_kernel_matches_a_stable_argsort(tokens: int, top_k: int, 
         assert a.dtype == b.dtype and torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("tokens, top_k, n_experts, n_noop, capacity", [(1, 1, 4, 0, 1), (700, 2, 8, 2, 90),
+                                                                        (3000, 1, 8, 0, 375), (2500, 2, 40, 3, 40),
+                                                                        (600, 4, 3, 1, 900), (50, 2, 4, 0, 3)])
+def test_capacity_rows_kernel_matches_pytorch(tokens: int, top_k: int, n_experts: int, n_noop: int, capacity: int) -> None:
+    """Token choice with a capacity in two launches (sort_rows.capacity_rows: a counting sort in
+    GShard's priority order) equals positions_in_expert, slot_table and token_choice_rows' ids and
+    inverse exactly: dropping (capacity below the load), spare rows (above it), no-op slots, one
+    program and many."""
+    from mode.kernels import sort_rows
+    from mode.routing import positions_in_expert, slot_table
+
+    slots = torch.stack([torch.randperm(n_experts + n_noop)[:top_k] for _ in range(tokens)]).to(DEVICE)
+    positions, table, ids, inverse = sort_rows.capacity_rows(slots, n_experts, capacity)
+    want_positions = positions_in_expert(slots, n_experts, capacity)
+    want_table = slot_table(slots, want_positions, n_experts, capacity)
+    assert torch.equal(positions, want_positions)
+    assert torch.equal(table, want_table)
+    assert torch.equal(ids, torch.where(want_table < tokens * top_k, want_table // top_k, 0).reshape(-1))
+    want_inverse = torch.where(want_positions >= 0, slots * capacity + want_positions, -1).int()
+    assert inverse.dtype == torch.int32 and torch.equal(inverse, want_inverse)
+    assert (want_positions < 0).any() or capacity * n_experts >= tokens * top_k  # the cases drop, or leave rows empty
+
+
 def test_token_choice_rows_name_the_kept_assignments() -> None:
     """token_choice_rows' inverse: each kept choice's row in the (E, C) table, -1 for dropped and
     no-op choices; every row a token names holds that token."""

@@ -34,47 +34,95 @@ MAX_KEYS = 128
 
 
 @triton.jit
-def _keys(slots_ptr, positions_ptr, a, a_ok, n_experts):
-    """Each assignment's key: its expert, or n_experts where no expert computes it (position < 0)."""
-    slot = tl.load(slots_ptr + a, mask=a_ok, other=0)
-    position = tl.load(positions_ptr + a, mask=a_ok, other=-1)
-    return tl.where(position >= 0, slot, n_experts).to(tl.int32)
+def _keys(slots_ptr, positions_ptr, p, p_ok, tokens, n_experts, K: tl.constexpr, RANK_MAJOR: tl.constexpr):
+    """The p-th assignment in processing order -> (its key, its id a = t * K + j).
+
+    Token-major (dropless): a = p; the key is its expert, or n_experts where no expert computes
+    it (position < 0). Rank-major (a capacity's priority: every token's first choice, then every
+    second one): a = (p % T) * K + p // T; the key is its slot, no-op slots all n_experts."""
+    if RANK_MAJOR:
+        a = (p % tokens) * K + p // tokens
+        key = tl.minimum(tl.load(slots_ptr + a, mask=p_ok, other=0), n_experts)
+    else:
+        a = p
+        slot = tl.load(slots_ptr + a, mask=p_ok, other=0)
+        position = tl.load(positions_ptr + a, mask=p_ok, other=-1)
+        key = tl.where(position >= 0, slot, n_experts)
+    return key.to(tl.int32), a
 
 
 @triton.jit
-def _count(slots_ptr, positions_ptr, counts_ptr, n, n_experts, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _count(slots_ptr, positions_ptr, counts_ptr, n, tokens, n_experts, K: tl.constexpr, RANK_MAJOR: tl.constexpr,
+           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
-    a = pid.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    a_ok = a < n
-    key = _keys(slots_ptr, positions_ptr, a, a_ok, n_experts)
+    p = pid.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    p_ok = p < n
+    key, _ = _keys(slots_ptr, positions_ptr, p, p_ok, tokens, n_experts, K, RANK_MAJOR)
     keys = tl.arange(0, BLOCK_K)
-    hit = (key[:, None] == keys[None, :]) & a_ok[:, None]  # (BLOCK_N, BLOCK_K)
+    hit = (key[:, None] == keys[None, :]) & p_ok[:, None]  # (BLOCK_N, BLOCK_K)
     tl.store(counts_ptr + pid * BLOCK_K + keys, tl.sum(hit.to(tl.int32), axis=0))
+
+
+@triton.jit
+def _block_ranks(counts_ptr, key, p_ok, pid, programs, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Every block's key counts -> (each key's total (BLOCK_K,), each assignment's rank among the
+    assignments of its key in processing order (BLOCK_N,), the one-hot tile (BLOCK_N, BLOCK_K))."""
+    keys = tl.arange(0, BLOCK_K)
+    blocks = tl.arange(0, BLOCK_P)
+    counts = tl.load(counts_ptr + blocks[:, None] * BLOCK_K + keys[None, :], mask=(blocks < programs)[:, None], other=0)
+    totals = tl.sum(counts, axis=0)  # (BLOCK_K,): each key's assignments
+    before = tl.sum(tl.where((blocks < pid)[:, None], counts, 0), axis=0)  # this key's in earlier blocks
+    hit = (key[:, None] == keys[None, :]) & p_ok[:, None]  # (BLOCK_N, BLOCK_K)
+    in_block = tl.cumsum(hit.to(tl.int32), axis=0) - 1  # 0 for a key's first assignment in the block
+    rank = tl.sum(tl.where(hit, in_block + before[None, :], 0), axis=1)  # (BLOCK_N,)
+    return totals, rank, hit
 
 
 @triton.jit
 def _place(slots_ptr, positions_ptr, counts_ptr, ids_ptr, gate_index_ptr, inverse_ptr, ends_ptr, n, n_experts,
            programs, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr):
     pid = tl.program_id(0)
-    keys = tl.arange(0, BLOCK_K)
-    blocks = tl.arange(0, BLOCK_P)
-    counts = tl.load(counts_ptr + blocks[:, None] * BLOCK_K + keys[None, :], mask=(blocks < programs)[:, None], other=0)
-    totals = tl.sum(counts, axis=0)  # (BLOCK_K,): each key's rows
-    before = tl.sum(tl.where((blocks < pid)[:, None], counts, 0), axis=0)  # this key's rows in earlier blocks
-    key_start = tl.cumsum(totals, axis=0) - totals  # the rows of all lower keys
-    if pid == 0:  # each expert's row end: the cumulative rows through it
-        tl.store(ends_ptr + keys, tl.cumsum(totals, axis=0), mask=keys < n_experts)
     a = pid.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     a_ok = a < n
-    key = _keys(slots_ptr, positions_ptr, a, a_ok, n_experts)
-    hit = (key[:, None] == keys[None, :]) & a_ok[:, None]  # (BLOCK_N, BLOCK_K)
-    rank = tl.cumsum(hit.to(tl.int32), axis=0)  # inclusive: 1 for a key's first assignment in the block
-    first = key_start + before  # (BLOCK_K,): the key's first row for this block
-    row = tl.sum(tl.where(hit, rank - 1 + first[None, :], 0), axis=1).to(tl.int64)  # (BLOCK_N,)
+    key, _ = _keys(slots_ptr, positions_ptr, a, a_ok, n, n_experts, K, False)
+    totals, rank, _ = _block_ranks(counts_ptr, key, a_ok, pid, programs, BLOCK_K, BLOCK_P)
+    keys = tl.arange(0, BLOCK_K)
+    if pid == 0:  # each expert's row end: the cumulative rows through it
+        tl.store(ends_ptr + keys, tl.cumsum(totals, axis=0), mask=keys < n_experts)
+    key_start = tl.cumsum(totals, axis=0) - totals  # the rows of all lower keys
+    first = tl.sum(tl.where(key[:, None] == keys[None, :], key_start[None, :], 0), axis=1)
+    row = (first + rank).to(tl.int64)
     computed = key < n_experts
     tl.store(ids_ptr + row, a // K, mask=a_ok)
     tl.store(gate_index_ptr + row, tl.where(computed, a, n), mask=a_ok)
     tl.store(inverse_ptr + a, tl.where(computed, row, -1).to(tl.int32), mask=a_ok)
+
+
+@triton.jit
+def _place_capacity(slots_ptr, counts_ptr, positions_ptr, table_ptr, ids_ptr, inverse_ptr, n, tokens, n_experts,
+                    capacity, programs, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    BLOCK_P: tl.constexpr):
+    pid = tl.program_id(0)
+    p = pid.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    p_ok = p < n
+    key, a = _keys(slots_ptr, slots_ptr, p, p_ok, tokens, n_experts, K, True)
+    totals, rank, _ = _block_ranks(counts_ptr, key, p_ok, pid, programs, BLOCK_K, BLOCK_P)
+    keep = p_ok & (key < n_experts) & (rank < capacity)
+    row = key.to(tl.int64) * capacity + rank
+    tl.store(positions_ptr + a, tl.where(keep, rank, -1).to(tl.int64), mask=p_ok)
+    tl.store(inverse_ptr + a, tl.where(keep, row, -1).to(tl.int32), mask=p_ok)
+    tl.store(table_ptr + row, a, mask=keep)
+    tl.store(ids_ptr + row, a // K, mask=keep)
+    # The table's empty rows, a grid-stride share each: expert e's rows from its kept count on.
+    keys = tl.arange(0, BLOCK_K)
+    kept = tl.minimum(totals, capacity)  # (BLOCK_K,)
+    for start in range(pid * BLOCK_N, n_experts * capacity, programs * BLOCK_N):
+        r = start + tl.arange(0, BLOCK_N).to(tl.int64)
+        e = r // capacity
+        kept_e = tl.sum(tl.where(e[:, None] == keys[None, :], kept[None, :], 0), axis=1)
+        empty = (r < n_experts * capacity) & (r % capacity >= kept_e)
+        tl.store(table_ptr + r, n, mask=empty)
+        tl.store(ids_ptr + r, 0, mask=empty)
 
 
 def _tiles(n_assignments: int, n_experts: int) -> tuple[int, int, int]:
@@ -108,8 +156,36 @@ def dropless_rows(slots: Tensor, positions: Tensor, n_experts: int) -> tuple[Ten
     if n == 0:
         return ids, gate_index, inverse, ends.zero_()
     with on_device_of(slots):
-        _count[(programs,)](slots, positions, counts, n, n_experts, BLOCK_N=block_n, BLOCK_K=block_k)
+        _count[(programs,)](slots, positions, counts, n, n, n_experts, K=top_k, RANK_MAJOR=False, BLOCK_N=block_n,
+                            BLOCK_K=block_k)
         _place[(programs,)](slots, positions, counts, ids, gate_index, inverse, ends, n, n_experts, programs,
                             K=top_k, BLOCK_N=block_n, BLOCK_K=block_k,
                             BLOCK_P=triton.next_power_of_2(programs))
     return ids, gate_index, inverse, ends
+
+
+def capacity_rows(slots: Tensor, n_experts: int, capacity: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Token choice with a capacity: slots (T, k) int64 -> positions (T, k) int64 (each assignment's
+    row in its expert's buffer, -1 for a no-op slot or past the capacity: GShard's priority, every
+    first choice before any second one, earlier tokens first), table (E, C) int64 (each row's
+    assignment t * k + j, T * k where empty), ids (E * C,) int64 (each row's token, 0 where empty)
+    and inverse (T, k) int32 (each assignment's row e * C + position, -1 where none): what
+    primitives.positions_in_expert, slot_table and token_choice_rows compute, in two launches."""
+    tokens, top_k = slots.shape
+    n = tokens * top_k
+    block_k, block_n, programs = _tiles(n, n_experts)
+    slots = slots.contiguous()
+    counts = torch.empty(programs, block_k, dtype=torch.int32, device=slots.device)
+    positions = torch.empty(tokens, top_k, dtype=torch.int64, device=slots.device)
+    table = torch.empty(n_experts, capacity, dtype=torch.int64, device=slots.device)
+    ids = torch.empty(n_experts * capacity, dtype=torch.int64, device=slots.device)
+    inverse = torch.empty(tokens, top_k, dtype=torch.int32, device=slots.device)
+    if n == 0:
+        return positions, table.fill_(0), ids.zero_(), inverse
+    with on_device_of(slots):
+        _count[(programs,)](slots, slots, counts, n, tokens, n_experts, K=top_k, RANK_MAJOR=True, BLOCK_N=block_n,
+                            BLOCK_K=block_k)
+        _place_capacity[(programs,)](slots, counts, positions, table, ids, inverse, n, tokens, n_experts, capacity,
+                                     programs, K=top_k, BLOCK_N=block_n, BLOCK_K=block_k,
+                                     BLOCK_P=triton.next_power_of_2(programs))
+    return positions, table, ids, inverse

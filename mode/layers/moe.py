@@ -122,8 +122,11 @@ class MoEFFN(nn.Module):
         # (T*k + 1,): a 0 gate for empty rows (F.pad showed a host-device copy each way in an eager trace)
         gates = torch.cat([routing.gates.reshape(-1), routing.gates.new_zeros(1)])
         if routing.capacity is not None and self.experts.backend == "torch":
-            table = slot_table(routing.indices, routing.positions, self.experts.n_experts, routing.capacity)  # (E, C)
-            rows = token_choice_rows(table, routing.indices, routing.positions, x)
+            if routing.layout is not None:  # built by the router's counting sort with the positions
+                table, rows = routing.layout
+            else:
+                table = slot_table(routing.indices, routing.positions, self.experts.n_experts, routing.capacity)  # (E, C)
+                rows = token_choice_rows(table, routing.indices, routing.positions, x)
             xs = gather_rows(x, rows).view(*table.shape, x.shape[1])  # (E, C, D)
             # index_select: its backward is one index_add (indexing's is a sort-based index_put)
             return self._experts_combined(xs, gates.index_select(0, table.reshape(-1)), rows)  # (T, D)

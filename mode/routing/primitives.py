@@ -720,6 +720,28 @@ def positions_in_expert(slots: Tensor, n_experts: int, capacity: int | None) -> 
     return position.view(k, tokens).t()  # (T, k)
 
 
+class CapacityRows(NamedTuple):
+    """Token choice's (E, C) layout, built with the positions (capacity_positions)."""
+
+    table: Tensor  # (E, C) int64: slot_table's
+    rows: ExpertRows  # token_choice_rows' over the E*C rows
+
+
+def capacity_positions(slots: Tensor, n_experts: int, capacity: int | None, x: Tensor
+                       ) -> tuple[Tensor, CapacityRows | None]:
+    """positions_in_expert(slots, n_experts, capacity) for the tokens x (T, D), and where the row
+    kernels apply (eager CUDA) with a capacity, the (E, C) layout too, from one counting sort
+    (mode/kernels/sort_rows.capacity_rows: two launches for what takes about 25 PyTorch ops in
+    positions_in_expert, slot_table and token_choice_rows); else None (the FFN builds it)."""
+    if capacity is not None and _rows_kernel_applies(x):
+        from mode.kernels import sort_rows
+
+        if sort_rows.fits(slots.numel(), n_experts):
+            positions, table, ids, inverse = sort_rows.capacity_rows(slots, n_experts, capacity)
+            return positions, CapacityRows(table, ExpertRows(ids, slots.shape[0], inverse))
+    return positions_in_expert(slots, n_experts, capacity), None
+
+
 def slot_table(slots: Tensor, positions: Tensor, n_experts: int, capacity: int) -> Tensor:
     """Token choice with a capacity: (E, C) table of assignment ids (t * k + j) per expert row.
 

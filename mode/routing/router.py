@@ -8,9 +8,11 @@ import torch
 from torch import Tensor, nn
 
 from mode.routing.primitives import (
+    CapacityRows,
     ExpertRows,
     TokenChoiceHead,
     apply_gate,
+    capacity_positions,
     capacity_to_k,
     count_ids,
     expert_choice_dispatch,
@@ -265,10 +267,13 @@ class TokenChoiceRouting(Routing):
                computed (a no-op slot, or dropped over capacity). Dropless: 0 for every
                computed assignment (the grouped layout orders rows by sorting on the expert).
     capacity:  rows per expert, or None when dropless.
+    layout:    with a capacity, where the row kernels run: the FFN's (E, C) table and rows, from the
+               same counting sort as the positions (capacity_positions); None elsewhere.
     """
 
     positions: Tensor | None = None
     capacity: int | None = None
+    layout: CapacityRows | None = None  # with a capacity on eager CUDA: the (E, C) layout, built with positions
 
 
 def _expert_stats(
@@ -451,7 +456,7 @@ class TokenChoiceRouter(nn.Module):
         capacity = None if (self.dropless or self.causal_mode) else token_choice_capacity(tokens, n_slots, self.top_k, self.capacity_factor)
         head = token_choice_head(logits.view(tokens, n_slots), self.top_k, self.n_experts, capacity,
                                  self.lb_loss_weight, self.z_loss_weight)  # gates, slots (T, k) each
-        positions = positions_in_expert(head.slots, self.n_experts, capacity)  # (T, k)
+        positions, layout = capacity_positions(head.slots, self.n_experts, capacity, x)  # (T, k), eager CUDA: (E, C)
         if valid is not None and self.causal_mode:
             positions = torch.where(valid.reshape(-1, 1), positions, -1)  # padding: no expert computes it
             stats = self._stats_of_rows(head, positions, valid.reshape(-1, 1))
@@ -462,7 +467,7 @@ class TokenChoiceRouter(nn.Module):
                                   head.lb_loss, head.z_loss)
         return TokenChoiceRouting(
             indices=head.slots, gates=head.gates, logits=logits, aux_loss=head.aux_loss, stats=stats,
-            positions=positions, capacity=capacity,
+            positions=positions, capacity=capacity, layout=layout,
         )
 
     def _stats_of_rows(self, head: TokenChoiceHead, positions: Tensor, rows: Tensor) -> dict[str, Tensor]:
