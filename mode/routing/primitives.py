@@ -428,22 +428,17 @@ def _rows_kernel_applies(x: Tensor) -> bool:
     return ROWS_KERNEL and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and kernels.use_triton(x)
 
 
-def rows_kernels_apply(x: Tensor) -> bool:
-    """Whether rows into x (T, D) get an inverse map (ExpertRows.inverse): eager CUDA, float dtypes."""
-    return _rows_kernel_applies(x)
-
-
 def rows_by_slot(ids: Tensor, slots: Tensor, n_slots: int, x: Tensor, computed: Tensor | None = None) -> ExpertRows:
     """R rows, the r-th holding token ids[r] of x (T, D) as that token's slots[r]-th row (a token
     holds each slot at most once: its expert, or its j-th choice) -> ExpertRows, inverse (T, n_slots).
 
     computed (R,) bool: rows no expert computes (False) are left out of the inverse, so the sums
     through it (the combine, the gather's backward) never read them. Only with the inverse map
-    (rows_kernels_apply): the gather and combine by ids would read every row."""
+    (eager CUDA, float dtypes): the gather and combine by ids would read every row."""
     tokens = x.shape[0]
     if not _rows_kernel_applies(x):
         if computed is not None:
-            raise ValueError("rows_by_slot: rows left out (computed) need the inverse map (rows_kernels_apply(x))")
+            raise ValueError("rows_by_slot: rows left out (computed) need the inverse map (the row kernels, eager CUDA)")
         return ExpertRows(ids, tokens, None)
     row = torch.arange(ids.numel(), device=ids.device, dtype=torch.int32)  # (R,)
     if computed is not None:
@@ -756,6 +751,11 @@ def slot_table(slots: Tensor, positions: Tensor, n_experts: int, capacity: int) 
     return table[:-1].view(n_experts, capacity)
 
 
+def _expert_keys(slots: Tensor, positions: Tensor, n_experts: int) -> Tensor:
+    """(T, k) assignments -> (T*k,) sort keys: the expert, or n_experts where none computes it."""
+    return torch.where(positions >= 0, slots, n_experts).reshape(-1)
+
+
 def sort_by_expert(slots: Tensor, positions: Tensor, n_experts: int) -> tuple[Tensor, Tensor]:
     """Token choice, uneven loads: computed assignment ids (t * k + j) sorted by expert, and counts.
 
@@ -763,7 +763,7 @@ def sort_by_expert(slots: Tensor, positions: Tensor, n_experts: int) -> tuple[Te
     (int64) on the host. M is data-dependent: this syncs with the device once, and the
     grouped GEMMs, which read the group sizes on the host, need no second sync.
     """
-    key = torch.where(positions >= 0, slots, n_experts).reshape(-1)
+    key = _expert_keys(slots, positions, n_experts)
     order = key.argsort(stable=True)  # queued before the sync
     counts = count_ids(key, n_experts + 1)[:n_experts].cpu()
     return order[: int(counts.sum())], counts
@@ -777,7 +777,7 @@ def sort_all_by_expert(slots: Tensor, positions: Tensor, n_experts: int) -> tupl
     no-op slots, last), computed (T*k,) bool in that order, and ends (E,) int32: the cumulative row
     counts (torch._grouped_mm's offsets). Static shapes, unlike sort_by_expert: CUDA-graphable.
     """
-    key = torch.where(positions >= 0, slots, n_experts).reshape(-1)  # (T*k,)
+    key = _expert_keys(slots, positions, n_experts)
     order = key.argsort(stable=True)
     ends = count_ids(key, n_experts + 1)[:n_experts].cumsum(0, dtype=torch.int32)  # (E,)
     return order, key.index_select(0, order) < n_experts, ends
@@ -790,7 +790,7 @@ def dropless_rows(slots: Tensor, positions: Tensor, n_experts: int, x: Tensor
     rows, gate_index (N,) each row's assignment or N where no expert computes it (the caller's
     padded zero gate), ends (E,) int32, and computed).
 
-    With the inverse map (rows_kernels_apply(x)) the uncomputed rows are left out of it and
+    With the inverse map (the row kernels: eager CUDA) the uncomputed rows are left out of it and
     computed is None; on eager CUDA the layout is two Triton launches (mode/kernels/sort_rows.py, a
     counting sort) instead of about 17 PyTorch ops. Without it (torch.compile) the gather's backward
     and the combine read every row: computed (N,) bool is returned for the experts to mask with."""
