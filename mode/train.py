@@ -163,8 +163,7 @@ def _check_graphable(model: nn.Module, device: torch.device) -> None:
             raise ConfigError(
                 f"train.cuda_graphs: {name} reads its routing on the host: token choice with moe.dropless=true "
                 f"runs sync-free only on moe.backend=torch, on an H100/H200-class GPU (this is a "
-                f"{torch.cuda.get_device_name(device)}), with the Triton kernels on (MODE_KERNELS); "
-                f"use moe.capacity_factor instead of dropless"
+                f"{torch.cuda.get_device_name(device)}); use moe.capacity_factor instead of dropless"
             )
 
 

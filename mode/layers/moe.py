@@ -75,7 +75,6 @@ class MoEFFN(nn.Module):
         dropless = self.router.dropless or self.router.causal_mode
         return dropless and not self.experts.by_ends_applies(x)
 
-
     def _experts_combined(self, xs: Tensor, gates: Tensor, rows: ExpertRows, counts: Tensor | None = None,
                           ends: Tensor | None = None, computed: Tensor | None = None) -> Tensor:
         """The experts on their rows xs, padded (E, R, D), grouped (M, D) by counts (E,) on the host, or
