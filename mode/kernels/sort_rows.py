@@ -1,4 +1,4 @@
-"""Dropless token choice's row layout in two Triton launches: a stable counting sort by expert.
+"""Token choice's row layouts in two Triton launches each: a stable counting sort by expert.
 
 The torch backend's sync-free dropless layout (mode.routing.primitives.dropless_rows) makes
 every one of the N = T*k assignments a row, sorted by expert (stable: assignment order within an
@@ -15,8 +15,16 @@ the host's time than the GPU's. With E + 1 keys a counting sort does it in two:
   zero gate the caller pads, for rows no expert computes); per assignment, its row or -1 (the
   inverse map); program 0 writes each expert's row end (the grouped GEMMs' offsets).
 
-The same layout bit for bit as primitives.sort_all_by_expert and rows_by_slot
-(tests/test_kernels.py). No gradient: every output is an index.
+With a capacity (capacity_rows), the same sort runs in GShard's priority order (every first
+choice, then every second: rank-major keys, no-op slots sharing key E): _count, then
+_place_capacity, whose rank is the assignment's position in its expert's buffer. It writes the
+positions (-1 past the capacity), the (E, C) table of assignments with its row ids, the inverse
+map, and fills the table's empty rows (each expert's from its kept count on), a grid-stride
+share per program: about 25 PyTorch ops in positions_in_expert, slot_table and token_choice_rows.
+
+The same layouts bit for bit as primitives.sort_all_by_expert and rows_by_slot, and as
+positions_in_expert, slot_table and token_choice_rows (tests/test_kernels.py). No gradient:
+every output is an index.
 """
 from __future__ import annotations
 
@@ -85,12 +93,12 @@ def _place(slots_ptr, positions_ptr, counts_ptr, ids_ptr, gate_index_ptr, invers
     a = pid.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     a_ok = a < n
     key, _ = _keys(slots_ptr, positions_ptr, a, a_ok, n, n_experts, K, False)
-    totals, rank, _ = _block_ranks(counts_ptr, key, a_ok, pid, programs, BLOCK_K, BLOCK_P)
+    totals, rank, hit = _block_ranks(counts_ptr, key, a_ok, pid, programs, BLOCK_K, BLOCK_P)
     keys = tl.arange(0, BLOCK_K)
     if pid == 0:  # each expert's row end: the cumulative rows through it
         tl.store(ends_ptr + keys, tl.cumsum(totals, axis=0), mask=keys < n_experts)
     key_start = tl.cumsum(totals, axis=0) - totals  # the rows of all lower keys
-    first = tl.sum(tl.where(key[:, None] == keys[None, :], key_start[None, :], 0), axis=1)
+    first = tl.sum(tl.where(hit, key_start[None, :], 0), axis=1)  # its key's (rows past n: stores masked)
     row = (first + rank).to(tl.int64)
     computed = key < n_experts
     tl.store(ids_ptr + row, a // K, mask=a_ok)
