@@ -536,14 +536,11 @@ def test_gpu_backend_equals_torch_backend(backend, case):
         assert _rel(g2[name], g1[name]) < GPU_REL_TOL, name
 
 
-def _gpu_pass(moe: MoEFFN, x: torch.Tensor, weight: torch.Tensor, forward: Callable[..., Any] | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """One bf16 forward+backward of moe (through forward, e.g. its compiled wrapper, where given):
-    output, x's gradient, moe's parameter gradients."""
+def _gpu_pass(moe: MoEFFN, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     x.grad = None
     moe.zero_grad(set_to_none=True)
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        y, _ = (forward or moe)(x)
+        y, _ = moe(x)
     (y.float() * weight).sum().backward()
     return y.detach().clone(), x.grad.clone(), grads(moe)
 
@@ -673,7 +670,13 @@ def test_compiled_dropless_token_choice_is_one_graph_and_matches_eager() -> None
     assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
     eager = _gpu_pass(moe, x, weight)
     torch._dynamo.reset()
-    compiled = _gpu_pass(moe, x, weight, torch.compile(moe))
+    compiled_moe = torch.compile(moe)
+    x.grad = None
+    moe.zero_grad(set_to_none=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y, _ = compiled_moe(x)
+    (y.float() * weight).sum().backward()
+    compiled = (y.detach(), x.grad.clone(), grads(moe))
     for got, want in zip(compiled[:2], eager[:2]):
         assert _rel(got, want) < GPU_REL_TOL
     for name in eager[2]:
