@@ -66,9 +66,12 @@ def moe_ffn_flops(config: Config, tokens_per_group: int) -> float:
     """Per token of an MoE FFN: router over all E+N slots, plus the real experts' work.
 
     Expert choice: each real expert takes exactly C tokens of a group, so the cost is exact.
-    Token choice: each token has top_k assignments; under a balanced router a fraction
-    E / (E + N) of them land on real experts (no-op slots cost nothing). Dropped tokens are
-    not subtracted: this is the cost the layer is provisioned for.
+    Token choice with a capacity: each real expert is provisioned C = cf * T * top_k / (E + N)
+    rows of T tokens (at most T), E * C rows in all, which the padded layout (moe.backend torch)
+    computes, empty rows included; so a capacity factor above 1 costs more and one below 1
+    less (the grouped backends compute only the rows kept, at most this). Dropless: every token's
+    top_k assignments, of which a fraction E / (E + N) land on real experts under a balanced
+    router (no-op slots cost nothing).
     """
     moe = config.moe
     slots = moe.n_experts + moe.n_noop
@@ -79,8 +82,10 @@ def moe_ffn_flops(config: Config, tokens_per_group: int) -> float:
         capacity = expert_choice_capacity(config, tokens_per_group)
         assignments_per_token = moe.n_experts * capacity / tokens_per_group
         predictor = causal_predictor_flops(config, moe.n_experts)  # token choice needs no causal decision
-    else:
+    elif moe.dropless:
         assignments_per_token = moe.top_k * moe.n_experts / slots
+    else:  # E * C / T, C = cf * T * top_k / slots up to rounding, at most T
+        assignments_per_token = moe.n_experts * min(1.0, moe.capacity_factor * moe.top_k / slots)
     return router_flops(config.model.d_model, slots) + predictor + assignments_per_token * expert
 
 

@@ -74,6 +74,25 @@ def test_counter_matches_direct_count_for_expert_choice(monkeypatch, pattern, mo
     assert_counter_matches_direct_count(monkeypatch, config_from_dict(raw), 32)
 
 
+@pytest.mark.parametrize(
+    "pattern, moe",
+    [
+        (["dense", "moe"], {"n_experts": 4, "top_k": 1, "capacity_factor": 1.25}),  # C = 1.25 * 128 / 4 = 40
+        (["moe"], {"n_experts": 4, "top_k": 1, "capacity_factor": 0.5}),  # C = 16: half the tokens' worth
+        (["moe"], {"n_experts": 4, "top_k": 2, "capacity_factor": 2.0}),  # C = 2 * 128 * 2 / 4 = T: at most T
+        (["mode_integrated"], {"n_experts": 4, "n_noop": 4, "top_k": 2, "capacity_factor": 1.5}),  # C = 48
+        (["mode_staged"], {"n_experts": 2, "n_noop": 2, "top_k": 1, "capacity_factor": 1.25}),  # T = 4 * 8, C = 10
+    ],
+)
+def test_counter_matches_direct_count_for_token_choice_with_capacity(monkeypatch, pattern, moe) -> None:
+    """Token choice with a capacity computes E * C padded rows (moe.backend torch): the count scales
+    with the capacity factor. T = 4 sequences x 32 tokens; the shapes make C an integer."""
+    raw = _config(["dense"], seq_len=32, capacity=0.25).to_dict()
+    raw["model"]["block_pattern"] = pattern
+    raw["moe"].update(moe, scheme="token_choice")
+    assert_counter_matches_direct_count(monkeypatch, config_from_dict(raw), 32)
+
+
 def assert_counter_matches_direct_count(monkeypatch, config: Config, seq_len: int) -> None:
     model = LanguageModel(config).float().eval()
     tokens = torch.randint(0, 256, (4, seq_len))
