@@ -103,7 +103,7 @@ class MoEConfig(Section):
     )
     top_k: int = Field(1, gt=0, description="token choice: slots each token picks")
     capacity_factor: float = Field(
-        1.0, gt=0.0, description="expert choice: C = round(cf * T / (E+N)); token choice: C = ceil(cf * T * top_k / (E+N))"
+        1.0, gt=0.0, description="expert choice: C = cf * T / (E+N) rounded, halves up; token choice: C = ceil(cf * T * top_k / (E+N))"
     )
     dropless: bool = Field(False, description="token choice: no capacity, no token is ever dropped")
     group_size: int = Field(1, gt=0, description="expert choice: sequences per routing group; must divide the batch")
@@ -248,6 +248,17 @@ class Config(Section):
             raise ValueError(
                 "train.cuda_graphs needs static shapes: token choice runs on moe.backend=torch under CUDA "
                 f"graphs (got backend={m.backend})"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _groups_fill_the_batch(self) -> "Config":
+        """Expert choice routes groups of group_size sequences of one micro-batch (training and evaluation)."""
+        m, batch = self.moe, self.train.batch_size
+        if self.model.has_experts() and m.scheme == "expert_choice" and batch % m.group_size != 0:
+            raise ValueError(
+                f"moe.group_size ({m.group_size}) must divide train.batch_size ({batch}): expert choice "
+                "routes groups of group_size sequences of each micro-batch"
             )
         return self
 

@@ -144,6 +144,18 @@ def test_seq_len_beyond_max_seq_len_names_both(tmp_path: Path) -> None:
     assert "data.seq_len" in msg and "model.max_seq_len" in msg
 
 
+def test_expert_choice_group_that_does_not_divide_the_batch_names_both(tmp_path: Path) -> None:
+    raw = _set("model.block_pattern", ["dense", "moe"])
+    raw["moe"] = {"group_size": 3}  # batch_size 4
+    msg = _load_error(tmp_path, raw)
+    assert "moe.group_size (3) must divide train.batch_size (4)" in msg and "experiment.yaml" in msg
+    raw["moe"]["scheme"] = "token_choice"  # token choice has no groups
+    load_config(_write(tmp_path, raw))
+    raw["model"]["block_pattern"] = ["dense", "mod"]  # no experts, nothing to group
+    raw["moe"]["scheme"] = "expert_choice"
+    load_config(_write(tmp_path, raw))
+
+
 @pytest.mark.parametrize("source", ["text", "tokens"])
 def test_source_without_path_names_data_path(tmp_path: Path, source: str) -> None:
     msg = _load_error(tmp_path, _set("data.source", source))

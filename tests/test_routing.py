@@ -17,6 +17,7 @@ from mode.routing import (
     gather_tokens,
     scatter_add_tokens,
     split_tokens,
+    token_choice_capacity,
     token_mask,
     top_k_positions,
 )
@@ -55,6 +56,16 @@ def test_capacity_to_k_bounds_and_rounding_sweep() -> None:
                 assert abs(k - exact) <= 0.5 + 1e-9, (tokens, capacity, k)
             else:
                 assert k == 1 or abs(k - exact) <= 0.5 + 1e-9
+
+
+def test_capacity_rounds_halves_up_without_float_error() -> None:
+    assert capacity_to_k(20, 0.125) == 3 and capacity_to_k(36, 0.125) == 5  # 2.5 and 4.5: halves up
+    assert capacity_to_k(28, 0.125) == 4 and capacity_to_k(44, 0.125) == 6  # 3.5 and 5.5, as before
+    assert capacity_to_k(55, 1.5 / 11) == 8  # 7.5, which floats compute as 7.4999999999999991
+    assert capacity_to_k(30, 0.1) == 3  # 3.0000000000000004
+    assert token_choice_capacity(100, 10, 1, 1.1) == 11  # 11.000000000000002 is 11 tokens, not 12
+    assert token_choice_capacity(100, 10, 1, 1.13) == 12  # a real fraction still rounds up
+    assert token_choice_capacity(100, 3, 1, 1.0) == 34
 
 
 # ------------------------------------------------------------------------- top_k_positions

@@ -18,11 +18,17 @@ if TYPE_CHECKING:
     from mode.kernels.expert_choice import Dispatch
 
 
+# Decimals kept of a product like cf / slots * T before it is rounded to a whole number of tokens:
+# enough for any real capacity, and it removes float error (1.5 / 11 * 55 = 7.4999999999999991).
+_CAPACITY_DECIMALS = 9
+
+
 def capacity_to_k(num_tokens: int, capacity: float) -> int:
-    """Tokens a block (or expert) takes from a group of num_tokens: round(capacity * T), >= 1."""
+    """Tokens a block (or expert) takes from a group of num_tokens: capacity * T rounded to the
+    nearest whole token, halves up (0.125 * 20 = 2.5 takes 3), between 1 and T."""
     if not 0.0 < capacity:
         raise ValueError(f"capacity must be positive, got {capacity}")
-    return max(1, min(num_tokens, int(round(capacity * num_tokens))))
+    return max(1, min(num_tokens, math.floor(round(capacity * num_tokens, _CAPACITY_DECIMALS) + 0.5)))
 
 
 # True: on CUDA in eager mode, top_k_positions is one Triton kernel (mode/kernels/topk.py) instead of
@@ -689,7 +695,8 @@ def token_choice_capacity(num_tokens: int, n_slots: int, top_k: int, capacity_fa
     """Rows per expert under token choice: ceil(cf * T * top_k / n_slots), between 1 and T."""
     if not 0.0 < capacity_factor:
         raise ValueError(f"capacity_factor must be positive, got {capacity_factor}")
-    return max(1, min(num_tokens, math.ceil(capacity_factor * num_tokens * top_k / n_slots)))
+    exact = round(capacity_factor * num_tokens * top_k / n_slots, _CAPACITY_DECIMALS)  # 1.1 * 100 / 10: 11, not 12
+    return max(1, min(num_tokens, math.ceil(exact)))
 
 
 def positions_in_expert(slots: Tensor, n_experts: int, capacity: int | None) -> Tensor:

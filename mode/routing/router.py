@@ -291,7 +291,7 @@ class ExpertChoiceRouter(nn.Module):
     """Expert choice over E real + N no-op slots: each real expert takes its top-C tokens per group.
 
     Token-wise softmax over all E+N slots; expert e's gate for token t is that probability.
-    A group is `group_size` consecutive sequences; C = round(capacity_factor * T / (E+N)).
+    A group is `group_size` consecutive sequences; C = capacity_factor * T / (E+N) rounded (halves up).
     No-op slots take nothing: they only compete in the softmax. Routing: indices and gates
     (G, E, C), positions sorted within each expert; logits (G, T, E+N). Aux loss: the z-loss
     (load is balanced by construction). Stats: tokens_per_expert (E,) = G*C each; processed,
