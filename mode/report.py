@@ -1,0 +1,290 @@
+"""Compare run folders side by side: the table and the plot of an ablation.
+
+    python -m mode.report runs/mod-c0.125 runs/mod-c0.25 runs/dense [--out reports/capacity]
+
+For each run: the config fields in which the runs differ (the ablation's variables), its
+parameters and forward FLOPs per token, training FLOPs so far, the last train loss, the last
+and best validation losses, and the validation loss at the largest FLOP budget every run
+reached (isoFLOP, interpolated between evaluations), the median tokens/s, and its routed
+layers' averages at the last evaluation (share processed, share sent to no-op experts, share
+dropped). Runs are compared at equal training compute, as the Mixture-of-Depths paper does.
+
+Prints the table (Markdown). With --out it also writes report.md, report.json and
+val_loss_vs_flops.png there, each written whole (temporary file, then rename). A run still in
+progress can be read: a last metrics line cut short by a crash or a concurrent write is left
+out with a note; a bad line anywhere else is an error naming the file and line.
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import statistics
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from mode.config import Config, ConfigError, config_from_dict
+from mode.flops import model_flops
+from mode.model import LanguageModel
+from mode.train import METRICS
+from mode.utils import atomic_write_bytes, atomic_write_text
+
+CONFIG_FILE = "config.yaml"
+# Fields that name or decorate a run rather than define the experiment.
+IGNORED_FIELDS = ("train.out_dir", "train.progress")
+
+
+class ReportError(ValueError):
+    """A run folder that cannot be read: the message names the file (and line)."""
+
+
+@dataclass
+class Run:
+    name: str
+    path: Path
+    config: Config
+    train: list[dict[str, Any]]  # metrics lines with a train loss
+    evals: list[dict[str, Any]]  # metrics lines with a val_loss
+    notes: list[str] = field(default_factory=list)
+
+
+# ----------------------------------------------------------------------------- reading run folders
+def load_run(path: Path) -> Run:
+    """A run folder's resolved config and metrics; a missing or malformed file is a ReportError."""
+    if not path.is_dir():
+        raise ReportError(f"{path}: not a folder")
+    config = _read_config(path / CONFIG_FILE)
+    records, notes = _read_metrics(path / METRICS)
+    train = [r for r in records if "loss" in r]
+    evals = [r for r in records if "val_loss" in r]
+    return Run(path.name, path, config, train, evals, notes)
+
+
+def _read_config(path: Path) -> Config:
+    if not path.is_file():
+        raise ReportError(f"{path}: not found (is {path.parent} a run folder?)")
+    try:
+        raw = yaml.safe_load(path.read_text())
+        return config_from_dict(raw, str(path))
+    except (yaml.YAMLError, ConfigError) as e:
+        raise ReportError(f"{path}: {e}") from None
+
+
+def _read_metrics(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
+    """The JSON lines of metrics.jsonl. Only the last line may be cut short (a run writing it, or
+    killed while it did): it is left out with a note."""
+    if not path.is_file():
+        raise ReportError(f"{path}: not found (is {path.parent} a run folder?)")
+    lines = path.read_text().splitlines()
+    records, notes = [], []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            _check_record(record)
+        except (json.JSONDecodeError, ReportError) as e:
+            if number == len(lines):
+                notes.append(f"{path}: line {number} is incomplete and was left out")
+                continue
+            raise ReportError(f"{path}: line {number}: {e}") from None
+        records.append(record)
+    return records, notes
+
+
+def _check_record(record: Any) -> None:
+    if not isinstance(record, dict):
+        raise ReportError("not a JSON object")
+    for key in ("step", "flops"):
+        if not isinstance(record.get(key), (int, float)):
+            raise ReportError(f"no numeric {key!r}")
+
+
+# ----------------------------------------------------------------------------- comparing runs
+def flat_fields(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{'model': {'d_model': 64}} -> {'model.d_model': 64}; lists stay whole values."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flat_fields(value, f"{name}."))
+        else:
+            out[name] = value
+    return out
+
+
+def differing_fields(configs: list[Config]) -> list[str]:
+    """The dotted config fields whose values are not the same in every run, in config order."""
+    flats = [flat_fields(c.to_dict()) for c in configs]
+    names = list(dict.fromkeys(name for flat in flats for name in flat))
+    return [n for n in names if n not in IGNORED_FIELDS and len({json.dumps(f.get(n)) for f in flats}) > 1]
+
+
+def common_budget(runs: list[Run]) -> float | None:
+    """The largest training FLOPs at which every run has been evaluated: the smallest of their last
+    evaluations' (None when a run has no evaluation yet)."""
+    if not runs or any(not run.evals for run in runs):
+        return None
+    return min(run.evals[-1]["flops"] for run in runs)
+
+
+def val_loss_at(evals: list[dict[str, Any]], flops: float) -> float | None:
+    """The validation loss at `flops` training FLOPs, linear in FLOPs between the evaluations around
+    it; None before the first evaluation or past the last."""
+    points = [(r["flops"], r["val_loss"]) for r in evals]
+    for (f0, v0), (f1, v1) in zip(points, points[1:]):
+        if f0 <= flops <= f1:
+            return v0 if f1 == f0 else v0 + (v1 - v0) * (flops - f0) / (f1 - f0)
+    return points[0][1] if points and points[0][0] == flops else None
+
+
+def parameter_count(config: Config) -> int:
+    """The model's parameters, counted on the meta device (no memory, no initialisation cost)."""
+    with torch.device("meta"):
+        return LanguageModel(config).num_parameters()
+
+
+def routing_means(record: dict[str, Any] | None) -> dict[str, float]:
+    """Averages over the routed layers of one metrics line: processed, noop_fraction, dropped_fraction
+    (each where some layer reports it)."""
+    layers = (record or {}).get("routing") or {}
+    means = {}
+    for key in ("processed", "noop_fraction", "dropped_fraction"):
+        values = [stats[key] for stats in layers.values() if key in stats]
+        if values:
+            means[key] = statistics.fmean(values)
+    return means
+
+
+def summarize(run: Run, budget: float | None) -> dict[str, Any]:
+    """One run's row: numbers, or None where the run has none yet."""
+    last_eval = run.evals[-1] if run.evals else None
+    speeds = [r["tokens_per_s"] for r in run.train if "tokens_per_s" in r]
+    flops_so_far = max((r["flops"] for r in run.train + run.evals), default=0.0)
+    return {
+        "run": run.name,
+        "path": str(run.path),
+        "parameters": parameter_count(run.config),
+        "forward_flops_per_token": model_flops(run.config).forward_per_token,
+        "steps": max((r["step"] for r in run.train + run.evals), default=0),
+        "train_flops": flops_so_far,
+        "train_loss": run.train[-1]["loss"] if run.train else None,
+        "val_loss": last_eval["val_loss"] if last_eval else None,
+        "best_val_loss": min((r["val_loss"] for r in run.evals), default=None),
+        "val_loss_at_budget": None if budget is None else val_loss_at(run.evals, budget),
+        "tokens_per_s": statistics.median(speeds) if speeds else None,
+        "routing": routing_means(last_eval),
+    }
+
+
+# ----------------------------------------------------------------------------- output
+def _number(value: float | int | None, digits: int = 4) -> str:
+    """A table cell: '-' for none, 3 significant digits from 1e5 on, else `digits` decimals (ints whole)."""
+    if value is None:
+        return "-"
+    if abs(value) >= 1e5:
+        return f"{value:.3g}"
+    return str(value) if isinstance(value, int) else f"{value:.{digits}f}"
+
+
+def _value(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+
+
+def markdown_table(runs: list[Run], rows: list[dict[str, Any]], fields: list[str], budget: float | None) -> str:
+    """The report: the differing fields, then one line a run."""
+    header = ["run", *fields, "params", "fwd FLOPs/token", "steps", "train FLOPs", "train loss",
+              "val loss", "best val", f"val @ {_number(budget)} FLOPs", "tokens/s", "processed", "no-op", "dropped"]
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    for run, row in zip(runs, rows):
+        flat = flat_fields(run.config.to_dict())
+        routing = row["routing"]
+        cells = [row["run"], *(_value(flat.get(f)) for f in fields), _number(row["parameters"]),
+                 _number(row["forward_flops_per_token"]), str(row["steps"]), _number(row["train_flops"]),
+                 _number(row["train_loss"]), _number(row["val_loss"]), _number(row["best_val_loss"]),
+                 _number(row["val_loss_at_budget"]), _number(row["tokens_per_s"], 0),
+                 _number(routing.get("processed"), 3), _number(routing.get("noop_fraction"), 3),
+                 _number(routing.get("dropped_fraction"), 3)]
+        lines.append("| " + " | ".join(cells) + " |")
+    if not fields:
+        lines.append("\nThe runs' configs are the same in every field.")
+    return "\n".join(lines)
+
+
+def plot_png(runs: list[Run], budget: float | None) -> bytes:
+    """Validation loss (markers) and train loss (faint) of every run against training FLOPs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, run in enumerate(runs):
+        color = f"C{i % 10}"
+        if run.train:
+            ax.plot([r["flops"] for r in run.train], [r["loss"] for r in run.train], color=color, alpha=0.3)
+        if run.evals:
+            ax.plot([r["flops"] for r in run.evals], [r["val_loss"] for r in run.evals], "o-", color=color, label=run.name)
+    if budget is not None:
+        ax.axvline(budget, color="grey", linestyle="--", linewidth=1, label="common FLOP budget")
+    ax.set_xlabel("cumulative training FLOPs")
+    ax.set_ylabel("loss (nats/token); faint: train")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100)
+    plt.close(fig)
+    return buffer.getvalue()
+
+
+def write_report(out: Path, table: str, rows: list[dict[str, Any]], fields: list[str], budget: float | None,
+                 png: bytes) -> None:
+    if out.exists() and not out.is_dir():
+        raise ReportError(f"--out {out}: exists and is not a folder")
+    atomic_write_text(out / "report.md", table + "\n")
+    summary = {"differing_fields": fields, "common_flops_budget": budget, "runs": rows}
+    atomic_write_text(out / "report.json", json.dumps(summary, indent=2) + "\n")
+    atomic_write_bytes(out / "val_loss_vs_flops.png", png)
+
+
+def report(paths: list[Path], out: Path | None = None) -> str:
+    """Read the runs, return the table; with out, write report.md, report.json and the plot there."""
+    runs = [load_run(p) for p in paths]
+    names = [r.name for r in runs]
+    for run in runs:  # two folders of one name (runs/a/x, runs/b/x): name them by path
+        if names.count(run.name) > 1:
+            run.name = str(run.path)
+    fields = differing_fields([r.config for r in runs])
+    budget = common_budget(runs)
+    rows = [summarize(r, budget) for r in runs]
+    table = markdown_table(runs, rows, fields, budget)
+    notes = [n for r in runs for n in r.notes]
+    if notes:
+        table += "\n\n" + "\n".join(f"note: {n}" for n in notes)
+    if out is not None:
+        write_report(out, table, rows, fields, budget, plot_png(runs, budget))
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Compare run folders: a table and a loss-vs-FLOPs plot.")
+    parser.add_argument("runs", nargs="+", type=Path, help="run folders (each holds config.yaml and metrics.jsonl)")
+    parser.add_argument("--out", type=Path, default=None, help="also write report.md, report.json and a PNG here")
+    args = parser.parse_args(argv)
+    try:
+        print(report(args.runs, args.out))
+    except ReportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.out is not None:
+        print(f"written: {args.out}/report.md, report.json, val_loss_vs_flops.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

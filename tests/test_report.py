@@ -1,0 +1,134 @@
+"""mode.report: comparing run folders. Two real tiny runs end to end, then the pieces on written
+folders: the isoFLOP interpolation, the differing fields, cut-short and malformed metrics, errors."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mode.config import config_from_dict, load_config, save_config
+from mode.model import LanguageModel
+from mode.report import ReportError, differing_fields, load_run, main, report, val_loss_at
+from mode.train import METRICS, Trainer
+
+
+def _train(out_dir: Path, corpus: Path, capacity: float) -> None:
+    raw = {
+        "model": {"d_model": 32, "n_heads": 2, "n_layers": 2, "d_ff": 64, "max_seq_len": 32,
+                  "block_pattern": ["dense", "mod"]},
+        "routing": {"capacity": capacity},
+        "data": {"source": "text", "path": str(corpus), "seq_len": 32},
+        "train": {"batch_size": 2, "max_steps": 4, "warmup_steps": 1, "log_interval": 1, "eval_interval": 2,
+                  "eval_batches": 1, "checkpoint_interval": 100, "out_dir": str(out_dir), "progress": False,
+                  "device": "cpu"},
+    }
+    Trainer(config_from_dict(raw)).run()
+
+
+def _metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in (path / METRICS).read_text().splitlines()]
+
+
+def test_report_of_two_runs(tmp_path: Path, corpus: Path) -> None:
+    a, b = tmp_path / "cap25", tmp_path / "cap50"
+    _train(a, corpus, 0.25)
+    _train(b, corpus, 0.5)
+    out = tmp_path / "report"
+    table = report([a, b], out)
+
+    summary = json.loads((out / "report.json").read_text())
+    assert summary["differing_fields"] == ["routing.capacity"]  # out_dir differs too, but names the run
+    evals = {p.name: [r for r in _metrics(p) if "val_loss" in r] for p in (a, b)}
+    budget = min(e[-1]["flops"] for e in evals.values())
+    assert summary["common_flops_budget"] == budget
+    assert evals["cap25"][-1]["flops"] < evals["cap50"][-1]["flops"]  # fewer tokens routed: fewer FLOPs
+    for row in summary["runs"]:
+        run_evals = evals[row["run"]]
+        assert row["val_loss"] == run_evals[-1]["val_loss"]
+        assert row["best_val_loss"] == min(r["val_loss"] for r in run_evals)
+        assert row["steps"] == 4
+        assert row["parameters"] == LanguageModel(load_run(Path(row["path"])).config).num_parameters()
+        assert 0 < row["routing"]["processed"] < 1
+    at_budget = {row["run"]: row["val_loss_at_budget"] for row in summary["runs"]}
+    assert at_budget["cap25"] == evals["cap25"][-1]["val_loss"]  # its last evaluation is the budget
+    e0, e1 = evals["cap50"]  # the other run's two evaluations bracket the budget
+    assert e0["flops"] <= budget <= e1["flops"]
+    assert min(e0["val_loss"], e1["val_loss"]) <= at_budget["cap50"] <= max(e0["val_loss"], e1["val_loss"])
+    assert (out / "val_loss_vs_flops.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "report.md").read_text().strip() == table
+    lines = table.splitlines()
+    assert lines[0].startswith("| run | routing.capacity |")
+    assert lines[2].startswith("| cap25 | 0.25 |") and lines[3].startswith("| cap50 | 0.5 |")
+
+
+def _run_folder(path: Path, lines: list[str], **overrides: str) -> Path:
+    """A run folder written by hand: the default config (with overrides) and these metrics lines."""
+    path.mkdir(parents=True)
+    config = load_config(None, [f"--{k.replace('__', '.')}={v}" for k, v in overrides.items()])
+    save_config(config, path / "config.yaml")
+    (path / METRICS).write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+def _eval(step: int, flops: float, val_loss: float) -> str:
+    return json.dumps({"step": step, "flops": flops, "val_loss": val_loss, "routing": {}})
+
+
+def test_val_loss_at_interpolates_in_flops() -> None:
+    evals = [{"flops": 10.0, "val_loss": 3.0}, {"flops": 20.0, "val_loss": 2.0}, {"flops": 40.0, "val_loss": 1.0}]
+    assert val_loss_at(evals, 15.0) == pytest.approx(2.5, abs=1e-12)
+    assert val_loss_at(evals, 30.0) == pytest.approx(1.5, abs=1e-12)
+    assert val_loss_at(evals, 10.0) == 3.0 and val_loss_at(evals, 40.0) == 1.0
+    assert val_loss_at(evals, 5.0) is None and val_loss_at(evals, 41.0) is None
+    assert val_loss_at(evals[:1], 10.0) == 3.0
+
+
+def test_differing_fields_names_nested_and_list_fields() -> None:
+    base = load_config(None)
+    other = load_config(None, ["--model.block_pattern=[dense, moe]", "--moe.n_experts=4", "--train.out_dir=x"])
+    assert differing_fields([base, other]) == ["model.block_pattern", "moe.n_experts"]
+    assert differing_fields([base, load_config(None)]) == []
+
+
+def test_cut_short_last_line_is_left_out_with_a_note(tmp_path: Path) -> None:
+    run = _run_folder(tmp_path / "r", [_eval(1, 1.0, 3.0), _eval(2, 2.0, 2.5), '{"step": 3, "flo'])
+    loaded = load_run(run)
+    assert [r["step"] for r in loaded.evals] == [1, 2]
+    assert "line 3 is incomplete" in loaded.notes[0]
+    assert "note:" in report([run])
+
+
+def test_malformed_line_before_the_last_names_file_and_line(tmp_path: Path) -> None:
+    run = _run_folder(tmp_path / "r", [_eval(1, 1.0, 3.0), '{"step": 2}', _eval(3, 3.0, 2.0)])
+    with pytest.raises(ReportError, match=rf"{METRICS}: line 2: no numeric 'flops'"):
+        load_run(run)
+    run = _run_folder(tmp_path / "s", ["not json", _eval(2, 2.0, 2.0)])
+    with pytest.raises(ReportError, match="line 1"):
+        load_run(run)
+
+
+def test_bad_folders_and_out_are_clear_errors(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main([str(tmp_path / "missing")]) == 2
+    assert "missing: not a folder" in capsys.readouterr().err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main([str(empty)]) == 2
+    assert "config.yaml: not found" in capsys.readouterr().err
+    bad = _run_folder(tmp_path / "bad", [_eval(1, 1.0, 3.0)])
+    (bad / "config.yaml").write_text("model:\n  d_model: 64\n  colour: red\n")
+    assert main([str(bad)]) == 2
+    assert "model.colour: unknown key" in capsys.readouterr().err
+    good = _run_folder(tmp_path / "good", [_eval(1, 1.0, 3.0)])
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("keep me")
+    assert main([str(good), "--out", str(not_a_folder)]) == 2
+    assert "exists and is not a folder" in capsys.readouterr().err
+    assert not_a_folder.read_text() == "keep me"
+
+
+def test_runs_of_one_name_are_named_by_path(tmp_path: Path) -> None:
+    a = _run_folder(tmp_path / "a" / "run", [_eval(1, 1.0, 3.0)])
+    b = _run_folder(tmp_path / "b" / "run", [_eval(1, 1.0, 2.0)], train__lr=0.01)
+    table = report([a, b])
+    assert f"| {a} |" in table and f"| {b} |" in table
