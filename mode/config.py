@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal, Sequence, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -141,6 +141,11 @@ class DataConfig(Section):
     def _path_when_needed(self) -> "DataConfig":
         if self.source in ("text", "tokens") and not self.path:
             raise ValueError(f"data.path is required when data.source is '{self.source}'")
+        if self.source == "stdlib" and self.path:
+            raise ValueError(
+                f"data.path ({self.path}) is set but data.source is 'stdlib', which reads no path: "
+                "set data.source=text (a file or folder) or data.source=tokens (a .bin)"
+            )
         return self
 
 
@@ -275,16 +280,25 @@ class Config(Section):
         return self.model_dump(mode="json")
 
 
-def _format_errors(err: ValidationError, source: str) -> str:
+def _format_errors(err: ValidationError, source: str, overrides: Sequence[str] = ()) -> str:
+    """One line per error: the field path, what is wrong, the value given (a single value, not a
+    whole section a cross-field check saw), and the command-line override that set it, if one did."""
     lines = [f"invalid config {source}:"]
     for e in err.errors():
         path = ".".join(str(p) for p in e["loc"]) or "<root>"
         if e["type"] == "extra_forbidden":
-            lines.append(f"  {path}: unknown key")
+            line = f"  {path}: unknown key"
         else:
-            msg = e["msg"].removeprefix("Value error, ")
-            lines.append(f"  {path}: {msg} (got {e.get('input')!r})")
+            line = f"  {path}: {e['msg'].removeprefix('Value error, ')}"
+            if not isinstance(e.get("input"), dict):
+                line += f" (got {e.get('input')!r})"
+        given = [o for o in overrides if _override_key(o) == path]
+        lines.append(line + (f" [from the command line: {given[-1]}]" if given else ""))
     return "\n".join(lines)
+
+
+def _override_key(text: str) -> str:
+    return text.removeprefix("--").split("=", 1)[0]
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -317,13 +331,13 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     return out
 
 
-def config_from_dict(raw: dict[str, Any], source: str = "<dict>") -> Config:
+def config_from_dict(raw: dict[str, Any], source: str = "<dict>", overrides: Sequence[str] = ()) -> Config:
     if not isinstance(raw, dict):
         raise ConfigError(f"invalid config {source}: the top level must be a mapping of sections")
     try:
         return Config.model_validate(raw)
     except ValidationError as e:
-        raise ConfigError(_format_errors(e, source)) from None
+        raise ConfigError(_format_errors(e, source, overrides)) from None
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
@@ -339,8 +353,10 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
             raw = yaml.safe_load(p.read_text()) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {p} is not valid YAML: {e}") from e
+    if not isinstance(raw, dict):
+        raise ConfigError(f"invalid config {source}: the top level must be a mapping of sections")
     raw = apply_overrides(raw, overrides or [])
-    return config_from_dict(raw, source)
+    return config_from_dict(raw, source, overrides or [])
 
 
 def save_config(config: Config, path: str | Path) -> None:

@@ -82,7 +82,8 @@ def load_text(path: Path, val_fraction: float) -> TokenSplits:
     if not path.exists():
         raise DataError(f"data.path: {path} does not exist")
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+        # Hidden files and everything under hidden folders (.git, .venv, ...) are not text to learn.
+        files = sorted(p for p in path.rglob("*") if p.is_file() and not _hidden(p.relative_to(path)))
         files = [p for p in files if p.stat().st_size > 0]
         if not files:
             raise DataError(f"data.path: folder {path} holds no non-empty files")
@@ -93,7 +94,13 @@ def load_text(path: Path, val_fraction: float) -> TokenSplits:
     return _split_tail(tokens, val_fraction, BYTE_VOCAB, path)
 
 
+def _hidden(relative: Path) -> bool:
+    return any(part.startswith(".") for part in relative.parts)
+
+
 def load_token_file(path: Path, dtype: str, val_fraction: float) -> TokenSplits:
+    if path.is_dir():
+        raise DataError(f"data.path: {path} is a folder; data.source=tokens reads one .bin file of token ids")
     if not path.is_file():
         raise DataError(f"data.path: token file {path} does not exist")
     itemsize = np.dtype(dtype).itemsize

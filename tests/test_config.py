@@ -156,6 +156,30 @@ def test_expert_choice_group_that_does_not_divide_the_batch_names_both(tmp_path:
     load_config(_write(tmp_path, raw))
 
 
+def test_errors_name_the_override_and_never_dump_a_section(tmp_path: Path) -> None:
+    path = _write(tmp_path, BASE)
+    with pytest.raises(ConfigError) as info:
+        load_config(path, ["--train.lr=abc", "--model.n_heads=3"])
+    msg = str(info.value)
+    assert "train.lr:" in msg and "[from the command line: --train.lr=abc]" in msg
+    assert "must be divisible by n_heads (3)" in msg
+    assert "vocab_size" not in msg  # the model section a cross-field check saw is not printed
+    msg = _load_error(tmp_path, _set("train.lr", "abc"))
+    assert "from the command line" not in msg  # the file set it
+
+
+def test_path_with_the_stdlib_source_is_an_error(tmp_path: Path) -> None:
+    msg = _load_error(tmp_path, _set("data.path", "/some/corpus.txt"))
+    assert "data.path (/some/corpus.txt) is set but data.source is 'stdlib'" in msg
+
+
+def test_top_level_list_with_overrides_is_a_clear_error(tmp_path: Path) -> None:
+    path = tmp_path / "list.yaml"
+    path.write_text("- model\n- train\n")
+    with pytest.raises(ConfigError, match="list.yaml: the top level must be a mapping"):
+        load_config(path, ["--train.max_steps=1"])
+
+
 @pytest.mark.parametrize("source", ["text", "tokens"])
 def test_source_without_path_names_data_path(tmp_path: Path, source: str) -> None:
     msg = _load_error(tmp_path, _set("data.source", source))

@@ -117,6 +117,8 @@ def test_text_folder_split_by_file(tmp_path: Path) -> None:
         contents[name] = f"file {name}: " .encode() + bytes(range(j, j + 100))
         path.write_bytes(contents[name])
     (folder / ".hidden").write_bytes(b"not part of the corpus")
+    (folder / ".git" / "objects").mkdir(parents=True)  # nor is anything under a hidden folder
+    (folder / ".git" / "objects" / "pack").write_bytes(b"git internals")
     (folder / "empty.txt").write_bytes(b"")
     splits = load_splits(DataConfig(source="text", path=str(folder), val_fraction=fraction, seq_len=8))
     by_path = sorted(val_names + train_names)  # files are read in sorted path order
@@ -192,6 +194,11 @@ def test_empty_folder_and_empty_file_name_them(tmp_path: Path) -> None:
     empty.write_bytes(b"")
     with pytest.raises(DataError, match=str(empty)):
         load_splits(DataConfig(source="text", path=str(empty), seq_len=8))
+
+
+def test_folder_as_token_file_says_so(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match=rf"{tmp_path} is a folder; data.source=tokens reads one .bin file"):
+        load_splits(DataConfig(source="tokens", path=str(tmp_path), seq_len=8))
 
 
 @pytest.mark.parametrize("dtype, n_bytes", [("uint16", 0), ("uint16", 3), ("uint32", 0), ("uint32", 6)])
