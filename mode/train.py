@@ -422,6 +422,9 @@ class LaunchedStep:
     lr: float
     outputs: Outputs  # output_tensors of each micro-batch
     copy: HostCopy  # of outputs, then the gradient norm
+    # When its compute ended, for tokens/s: known at launch on a device that computes as it is
+    # launched (CPU); elsewhere the time its values are read (Trainer._report).
+    done_at: float | None = None
 
 
 class Trainer:
@@ -606,7 +609,10 @@ class Trainer:
         tokens = self.tokens_per_step
         self.state = RunState(step + 1, self.state.tokens + tokens, self.state.flops + tokens * self.flops_per_token)
         # One device-to-host transfer per step: losses, statistics, norm.
-        return LaunchedStep(self.state, lr, outputs, outputs_to_host(outputs, [grad_norm]))
+        launched = LaunchedStep(self.state, lr, outputs, outputs_to_host(outputs, [grad_norm]))
+        if self.device.type == "cpu":
+            launched.done_at = time.perf_counter()
+        return launched
 
     def finish_step(self, launched: LaunchedStep) -> dict[str, Any]:
         """A launched step's metrics: waits for its values alone (not for steps queued after it);
@@ -710,6 +716,7 @@ class Trainer:
                 continue
             self._report(in_flight)
             in_flight = None
+            paused_at = time.perf_counter()  # evaluation and checkpoints are not training time
             if step % t.eval_interval == 0 or step == t.max_steps:
                 evaluation = {"step": step, "tokens": self.state.tokens, "flops": self.state.flops, **self.evaluate()}
                 self.records.append(evaluation)
@@ -718,6 +725,7 @@ class Trainer:
                     self.bar.write(f"step {step}: val_loss {evaluation['val_loss']:.4f}")
             if step % t.checkpoint_interval == 0 or step == t.max_steps:
                 self.save_checkpoint()
+            self.window_start += time.perf_counter() - paused_at
         self.bar.close()
         if self.is_main:
             plot_losses(self.out_dir)
@@ -727,8 +735,9 @@ class Trainer:
         """Finish a launched step: progress bar, tokens/s, and its record at log intervals."""
         t = self.config.train
         metrics = self.finish_step(launched)
+        done_at = time.perf_counter() if launched.done_at is None else launched.done_at
         self.window_tokens += self.tokens_per_step
-        elapsed = time.perf_counter() - self.window_start
+        elapsed = done_at - self.window_start  # the compute of the window's steps, not pauses
         step = launched.state.step
         record = {"step": step, "tokens": launched.state.tokens, "flops": launched.state.flops, **metrics}
         record["tokens_per_s"] = self.window_tokens / max(elapsed, 1e-9)
@@ -737,7 +746,7 @@ class Trainer:
         if step % t.log_interval == 0 or step == t.max_steps:
             self.records.append(record)
             self.log(record)
-            self.window_start, self.window_tokens = time.perf_counter(), 0
+            self.window_start, self.window_tokens = done_at, 0
 
     def _progress_text(self, record: dict[str, Any]) -> str:
         fractions = " ".join(

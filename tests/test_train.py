@@ -7,6 +7,7 @@ import json
 import math
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -228,6 +229,31 @@ def test_the_loop_reads_a_step_after_queuing_the_next(tmp_path: Path, corpus: Pa
         expected = plain.train_step()
         assert {k: record[k] for k in expected} == expected, record["step"]
         assert (record["tokens"], record["flops"]) == (plain.state.tokens, plain.state.flops)
+
+
+def test_tokens_per_s_counts_training_compute_only(tmp_path: Path, corpus: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """tokens/s is the tokens of a log window over the time its steps computed: a clock that a
+    training forward advances by 1 s and an evaluation forward by 7 s gives every record exactly
+    tokens_per_step / 1 s, at and after evaluation and checkpoint steps too (the step read at
+    once before an evaluation, the one queued after it)."""
+    clock = [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    config = make_config(tmp_path / "run", corpus, train={"max_steps": 7, "eval_interval": 3, "checkpoint_interval": 2,
+                                                          "log_interval": 1, "eval_batches": 2})
+    trainer = Trainer(config)
+
+    def tick(module: torch.nn.Module, args: Any) -> None:
+        clock[0] += 1.0 if module.training else 7.0
+
+    trainer.model.register_forward_pre_hook(tick)
+    records = [r for r in trainer.run() if "loss" in r]
+    assert [r["step"] for r in records] == list(range(1, 8))
+    assert [r["tokens_per_s"] for r in records] == [trainer.tokens_per_step / 1.0] * 7
+    config = make_config(tmp_path / "run2", corpus, train={"max_steps": 6, "eval_interval": 3, "log_interval": 2})
+    trainer = Trainer(config)
+    trainer.model.register_forward_pre_hook(tick)
+    records = [r for r in trainer.run() if "loss" in r]  # windows of two steps
+    assert [r["tokens_per_s"] for r in records] == [trainer.tokens_per_step / 1.0] * 3
 
 
 def test_fresh_run_refuses_a_folder_with_a_checkpoint(tmp_path: Path, corpus: Path) -> None:
