@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any, Literal, Sequence, get_args
+from typing import Any, Callable, Literal, Sequence, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -357,6 +357,26 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         raise ConfigError(f"invalid config {source}: the top level must be a mapping of sections")
     raw = apply_overrides(raw, overrides or [])
     return config_from_dict(raw, source, overrides or [])
+
+
+def flat_fields(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{'model': {'d_model': 64}} -> {'model.d_model': 64}; lists stay whole values."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flat_fields(value, f"{name}."))
+        else:
+            out[name] = value
+    return out
+
+
+def field_differences(saved: dict[str, Any], config: Config, keep: Callable[[str], bool] = lambda name: True) -> list[str]:
+    """The fields (keep(name) true) where a saved config dict and config differ, each as
+    "model.d_ff (64 there, 96 here)". Fields the saved dict lacks (an older version's) are not compared."""
+    there, here = flat_fields(saved), flat_fields(config.to_dict())
+    return [f"{name} ({there[name]!r} there, {here.get(name)!r} here)"
+            for name in there if keep(name) and there[name] != here.get(name)]
 
 
 def save_config(config: Config, path: str | Path) -> None:

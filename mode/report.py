@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import yaml
 
-from mode.config import Config, ConfigError, config_from_dict
+from mode.config import Config, ConfigError, config_from_dict, flat_fields
 from mode.flops import model_flops
 from mode.model import LanguageModel
 from mode.train import METRICS
@@ -106,18 +106,6 @@ def _check_record(record: Any) -> None:
 
 
 # ----------------------------------------------------------------------------- comparing runs
-def flat_fields(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{'model': {'d_model': 64}} -> {'model.d_model': 64}; lists stay whole values."""
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            out.update(flat_fields(value, f"{name}."))
-        else:
-            out[name] = value
-    return out
-
-
 def differing_fields(configs: list[Config]) -> list[str]:
     """The dotted config fields whose values are not the same in every run, in config order."""
     flats = [flat_fields(c.to_dict()) for c in configs]

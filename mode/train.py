@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 from tqdm import tqdm
 
-from mode.config import Config, ConfigError, load_config, save_config
+from mode.config import Config, ConfigError, field_differences, load_config, save_config
 from mode.data import DataError, TokenSplits, batch_generator, load_splits, sample_batch
 from mode.flops import model_flops
 from mode.layers.moe import MoEFFN
@@ -412,6 +412,11 @@ class RunState:
 
 
 LOSS_KEYS = ("loss", "lm_loss", "aux_loss")  # what a step reports of ModelOutput
+RESUMABLE_FIELDS = (
+    "train.max_steps", "train.log_interval", "train.eval_interval", "train.eval_batches", "train.checkpoint_interval",
+    "train.progress", "train.out_dir", "train.device", "train.compile", "train.compile_mode", "train.cuda_graphs",
+    "train.init_from",  # a resumed run loads its own weights
+)
 
 
 @dataclass
@@ -467,6 +472,7 @@ class Trainer:
             self.graphed_step = GraphedMicroStep(self.model, self.optimization.backward, t.grad_accum)
         self.flops_per_token = model_flops(config).train_per_token
         self.state = RunState()
+        self.resume_changes: list[str] = []  # the RESUMABLE_FIELDS --resume changed
         self._prepare_run_folder(resume)
 
     # -- run folder and checkpoints
@@ -481,6 +487,11 @@ class Trainer:
             raise FileExistsError(
                 f"{self.out_dir} already holds a run ({checkpoint}); pass --resume to continue it "
                 f"or choose another --train.out_dir"
+            )
+        elif (self.out_dir / METRICS).exists():  # a new run would append its curve to the old one's
+            raise FileExistsError(
+                f"{self.out_dir} holds {METRICS} of a run that stopped before its first checkpoint: remove "
+                f"it (or the folder) or choose another --train.out_dir"
             )
         if self.is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -508,9 +519,13 @@ class Trainer:
 
     def load_checkpoint(self, path: Path) -> None:
         payload = load_checkpoint_file(path, self.device)
-        differ = model_differences(payload, self.config)
+        differ = field_differences(payload["config"], self.config, lambda name: not _may_change_on_resume(name))
         if differ:
-            raise ConfigError(f"--resume: the model section differs from the one saved in {path}: {differ}")
+            raise ConfigError(
+                f"--resume: the config differs from the run's, saved in {path}: {', '.join(differ)}. Resume with "
+                f"the run's settings ({self.out_dir / 'config.yaml'}), or start a new run in another --train.out_dir"
+            )
+        self.resume_changes = field_differences(payload["config"], self.config, _may_change_on_resume)
         if isinstance(self.optimization, DistributedOptimization):
             self.optimization.load_checkpoint(self.out_dir, payload)
         elif payload.get("sharded"):
@@ -774,17 +789,24 @@ def load_init_weights(model: LanguageModel, config: Config) -> None:
         payload = load_checkpoint_file(Path(path))
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(f"train.init_from: {e}") from None
-    differ = model_differences(payload, config)
+    differ = field_differences(payload["config"], config, lambda name: name.startswith("model."))
     if differ:
-        raise ConfigError(f"train.init_from: {path} holds another model: {differ}")
-    model.load_state_dict(payload["model"])
+        raise ConfigError(f"train.init_from: {path} holds another model: {', '.join(differ)}")
+    try:
+        model.load_state_dict(payload["model"])
+    except RuntimeError as e:  # routing or moe fields that add, drop or reshape weights
+        routed = field_differences(payload["config"], config, lambda name: name.startswith(("routing.", "moe.")))
+        first = str(e).strip().splitlines()[-1].strip()
+        raise ConfigError(
+            f"train.init_from: the weights in {path} do not fit this model ({first}); its routing / moe "
+            f"fields that differ: {', '.join(routed) or 'none'}"
+        ) from None
 
 
-def model_differences(payload: dict[str, Any], config: Config) -> str:
-    """The model fields where a checkpoint and config differ, e.g. "model.d_model (32 there, 64 here)"; "" if none."""
-    saved, wanted = payload["config"]["model"], config.model.model_dump(mode="json")
-    differ = sorted(k for k in set(saved) | set(wanted) if saved.get(k) != wanted.get(k))
-    return ", ".join(f"model.{k} ({saved.get(k)!r} there, {wanted.get(k)!r} here)" for k in differ)
+def _may_change_on_resume(name: str) -> bool:
+    """Fields a resumed run may change: how long it runs, how often it logs, evaluates and saves,
+    where and how it executes; every other field defines the curve it continues."""
+    return name in RESUMABLE_FIELDS or name.startswith("parallel.")
 
 
 def load_checkpoint_file(path: Path, device: torch.device | str = "cpu") -> dict[str, Any]:
@@ -854,6 +876,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError, FileExistsError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    for change in trainer.resume_changes:
+        print(f"note: --resume changes {change}", file=sys.stderr)
     print(
         f"model: {trainer.model.num_parameters() / 1e6:.2f}M parameters, blocks {config.model.block_kinds()}, "
         f"{model_flops(config).forward_per_token / 1e6:.2f} MFLOPs/token forward; run folder {trainer.out_dir}"

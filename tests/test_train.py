@@ -278,11 +278,45 @@ def test_resume_without_checkpoint_is_clear_error(tmp_path: Path, corpus: Path, 
     assert "no checkpoint" in capsys.readouterr().err
 
 
-def test_resume_with_another_model_is_refused(tmp_path: Path, corpus: Path) -> None:
+def test_resume_with_another_config_is_refused(tmp_path: Path, corpus: Path, capsys) -> None:
+    """--resume continues the run's curve: a field that defines it (the model, routing, data, the
+    optimizer's settings) may not change; how long and how it runs may, with a note."""
     out = tmp_path / "run"
     Trainer(make_config(out, corpus, train={"max_steps": 1})).run()
-    with pytest.raises(ConfigError, match=r"model section differs .*: model\.d_ff \(64 there, 96 here\)"):
+    saved = (out / CHECKPOINT).read_bytes()
+    with pytest.raises(ConfigError, match=r"config differs .*: model\.d_ff \(64 there, 96 here\)"):
         Trainer(make_config(out, corpus, model={"d_ff": 96}, train={"max_steps": 2}), resume=True)
+    with pytest.raises(ConfigError, match=r"routing\.capacity \(0\.25 there, 0\.5 here\), train\.lr"):
+        Trainer(make_config(out, corpus, routing={"capacity": 0.5}, train={"max_steps": 2, "lr": 1e-2}), resume=True)
+    with pytest.raises(ConfigError, match=r"routing\.router_bias \(False there, True here\)"):  # a new weight
+        Trainer(make_config(out, corpus, routing={"router_bias": True}, train={"max_steps": 2}), resume=True)
+    assert (out / CHECKPOINT).read_bytes() == saved
+    config_file = tmp_path / "x.yaml"
+    config_file.write_text(yaml.safe_dump(raw_config(out, corpus, train={"max_steps": 1})))
+    assert main(["--config", str(config_file), "--resume", "--train.max_steps=2", "--train.eval_interval=1"]) == 0
+    err = capsys.readouterr().err
+    assert "note: --resume changes train.max_steps (1 there, 2 here)" in err
+    assert "train.eval_interval (100 there, 1 here)" in err
+    assert train_losses(out).keys() == {1, 2}
+
+
+def test_fresh_run_refuses_a_folder_with_metrics_but_no_checkpoint(tmp_path: Path, corpus: Path) -> None:
+    """A run stopped before its first checkpoint leaves metrics.jsonl: a new run there would append
+    its curve to that one's."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / METRICS).write_text('{"step": 1, "flops": 1.0, "loss": 5.0}\n')
+    with pytest.raises(FileExistsError, match="stopped before its first checkpoint"):
+        Trainer(make_config(out, corpus, train={"max_steps": 1}))
+    assert (out / METRICS).read_text() == '{"step": 1, "flops": 1.0, "loss": 5.0}\n'
+
+
+def test_init_from_weights_that_do_not_fit_name_the_routing_fields(tmp_path: Path, corpus: Path) -> None:
+    Trainer(make_config(tmp_path / "a", corpus, train={"max_steps": 1})).run()
+    with pytest.raises(ConfigError, match=r"do not fit this model .*routing\.causal \('none' there, 'predictor' here\)"):
+        Trainer(make_config(tmp_path / "b", corpus, routing={"causal": "predictor"}, train={"init_from": str(tmp_path / "a")}))
+    fits = Trainer(make_config(tmp_path / "c", corpus, routing={"capacity": 0.5}, train={"init_from": str(tmp_path / "a")}))
+    assert fits.state.step == 0  # routing fields that keep the weights' shapes are a fine-tune's choice
 
 
 def test_init_from_starts_a_new_run_from_saved_weights(tmp_path: Path, corpus: Path) -> None:
