@@ -473,6 +473,7 @@ class Trainer:
         self.flops_per_token = model_flops(config).train_per_token
         self.state = RunState()
         self.resume_changes: list[str] = []  # the RESUMABLE_FIELDS --resume changed
+        self.saved_step: int | None = None  # the step the run folder's checkpoint holds
         self._prepare_run_folder(resume)
 
     # -- run folder and checkpoints
@@ -516,6 +517,7 @@ class Trainer:
         payload = self.checkpoint_payload()
         if self.is_main:
             atomic_torch_save(payload, self.out_dir / CHECKPOINT)
+        self.saved_step = self.state.step
 
     def load_checkpoint(self, path: Path) -> None:
         payload = load_checkpoint_file(path, self.device)
@@ -537,6 +539,7 @@ class Trainer:
             self.model.load_state_dict(payload["model"])
             self.optimization.load_state_dict(payload["optimizer"])
         self.state = RunState(**payload["state"])
+        self.saved_step = self.state.step
         torch.set_rng_state(payload["rng"].cpu())  # the payload was mapped to self.device
         if payload.get("cuda_rng") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all([state.cpu() for state in payload["cuda_rng"]])
@@ -882,9 +885,23 @@ def main(argv: list[str] | None = None) -> int:
         f"model: {trainer.model.num_parameters() / 1e6:.2f}M parameters, blocks {config.model.block_kinds()}, "
         f"{model_flops(config).forward_per_token / 1e6:.2f} MFLOPs/token forward; run folder {trainer.out_dir}"
     )
-    trainer.run()
+    try:
+        trainer.run()
+    except KeyboardInterrupt:  # stopped between steps or inside one: every file is whole (written, then renamed)
+        print(f"\n{interrupted_message(trainer)}", file=sys.stderr)
+        return 130
     print(f"done: run folder {trainer.out_dir}")
     return 0
+
+
+def interrupted_message(trainer: Trainer) -> str:
+    if trainer.saved_step is None:
+        return (f"interrupted at step {trainer.state.step}, before the run's first checkpoint: nothing to resume; "
+                f"remove {trainer.out_dir} to start the run again")
+    if (trainer.out_dir / METRICS).exists():
+        plot_losses(trainer.out_dir)
+    return (f"interrupted at step {trainer.state.step}; {trainer.out_dir / CHECKPOINT} holds step {trainer.saved_step}: "
+            "continue with --resume (the metrics logged after it are dropped then)")
 
 
 if __name__ == "__main__":

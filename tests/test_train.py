@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -298,6 +299,47 @@ def test_resume_with_another_config_is_refused(tmp_path: Path, corpus: Path, cap
     assert "note: --resume changes train.max_steps (1 there, 2 here)" in err
     assert "train.eval_interval (100 there, 1 here)" in err
     assert train_losses(out).keys() == {1, 2}
+
+
+def test_interrupt_exits_130_saying_where_to_resume(tmp_path: Path, corpus: Path, capsys,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    launch = Trainer.launch_step
+
+    def interrupted_at_step_4(self: Trainer) -> LaunchedStep:
+        if self.state.step == 3:
+            raise KeyboardInterrupt
+        return launch(self)
+
+    monkeypatch.setattr(Trainer, "launch_step", interrupted_at_step_4)
+    out = tmp_path / "run"
+    config_file = tmp_path / "x.yaml"
+    config_file.write_text(yaml.safe_dump(raw_config(out, corpus, train={"checkpoint_interval": 2})))
+    assert main(["--config", str(config_file)]) == 130
+    err = capsys.readouterr().err
+    assert f"interrupted at step 3; {out / CHECKPOINT} holds step 2: continue with --resume" in err
+    assert "Traceback" not in err
+    assert load_checkpoint_file(out)["state"]["step"] == 2
+    assert max(train_losses(out)) == 3  # the step in flight was reported
+    assert (out / "loss_vs_flops.png").is_file()
+    first = tmp_path / "early"
+    config_file.write_text(yaml.safe_dump(raw_config(first, corpus, train={"checkpoint_interval": 10})))
+    assert main(["--config", str(config_file)]) == 130
+    assert f"before the run's first checkpoint: nothing to resume; remove {first}" in capsys.readouterr().err
+
+
+def test_cuda_device_without_one_and_file_permissions(tmp_path: Path, corpus: Path, capsys) -> None:
+    """train.device=cuda on a machine without CUDA is an error naming the field; the run folder's
+    files get the permissions open() gives (the temporary files they are renamed from are 0600)."""
+    config_file = tmp_path / "x.yaml"
+    config_file.write_text(yaml.safe_dump(raw_config(tmp_path / "run", corpus, train={"max_steps": 1})))
+    if not torch.cuda.is_available():
+        assert main(["--config", str(config_file), "--train.device=cuda"]) == 2
+        assert "train.device is 'cuda' but no CUDA device is available" in capsys.readouterr().err
+    assert main(["--config", str(config_file)]) == 0
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in ("config.yaml", CHECKPOINT, METRICS, "loss_vs_flops.png"):
+        assert (tmp_path / "run" / name).stat().st_mode & 0o777 == 0o666 & ~umask, name
 
 
 def test_fresh_run_refuses_a_folder_with_metrics_but_no_checkpoint(tmp_path: Path, corpus: Path) -> None:
