@@ -108,7 +108,18 @@ def load_token_file(path: Path, dtype: str, val_fraction: float) -> TokenSplits:
     if size == 0 or size % itemsize:
         raise DataError(f"data.path: {path} has {size} bytes, not a whole number of {dtype} tokens (or is empty)")
     tokens = torch.from_numpy(np.fromfile(path, dtype=dtype).astype(np.int32))
+    if dtype == "uint16" and _looks_like_uint32(tokens):
+        raise DataError(
+            f"data.path: {path} read as uint16 has a 0 in every other token, as a file of uint32 ids does: "
+            "set data.token_dtype=uint32"
+        )
     return _split_tail(tokens, val_fraction, int(tokens.max()) + 1, path)
+
+
+def _looks_like_uint32(tokens: Tensor, sample: int = 1 << 20) -> bool:
+    """uint32 ids below 65536 read as uint16 (little-endian): every odd entry is a zero high half."""
+    head = tokens[: 2 * sample]
+    return head.numel() >= 64 and bool(head[1::2].max() == 0) and bool(head[0::2].max() > 0)
 
 
 def _split_tail(tokens: Tensor, val_fraction: float, vocab: int, path: Path) -> TokenSplits:

@@ -196,6 +196,15 @@ def test_empty_folder_and_empty_file_name_them(tmp_path: Path) -> None:
         load_splits(DataConfig(source="text", path=str(empty), seq_len=8))
 
 
+def test_uint32_file_read_as_uint16_says_so(tmp_path: Path) -> None:
+    path = tmp_path / "ids32.bin"
+    np.random.default_rng(0).integers(1, 50_000, size=500, dtype=np.uint32).tofile(path)
+    with pytest.raises(DataError, match="set data.token_dtype=uint32"):
+        load_splits(DataConfig(source="tokens", path=str(path), token_dtype="uint16", seq_len=8))
+    splits = load_splits(DataConfig(source="tokens", path=str(path), token_dtype="uint32", seq_len=8))
+    assert splits.train.numel() + splits.val.numel() == 500
+
+
 def test_folder_as_token_file_says_so(tmp_path: Path) -> None:
     with pytest.raises(DataError, match=rf"{tmp_path} is a folder; data.source=tokens reads one .bin file"):
         load_splits(DataConfig(source="tokens", path=str(tmp_path), seq_len=8))
