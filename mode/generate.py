@@ -2,6 +2,7 @@
 
     python -m mode.generate --checkpoint RUN_DIR_or_checkpoint.pt --prompt "def " \
         [--max-new-tokens N --temperature T --top-k K --top-p P --greedy --seed S]
+    python -m mode.generate --checkpoint RUN_DIR --prompt-ids "12 7 99"   # token ids in, ids out
 
 Python API: `generate(model, prompts, ...)` for a batch of prompts (token lists or byte-level
 text), and `Decoder` for prefill / decode steps with logits.
@@ -48,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import re
 import sys
 import warnings
 from dataclasses import dataclass
@@ -65,6 +67,7 @@ from mode.layers.mod import MoDBlock
 from mode.layers.rotary import RotaryAngles, apply_rotary
 from mode.model import LanguageModel
 from mode.routing import DepthRouter, ExpertChoiceRouter, TokenChoiceRouter, apply_gate
+from mode.utils import pick_device
 
 # The SDPA backends the decoder allows by default: the ones with no per-shape state. Decode
 # shapes change every step (the key window grows; a routed layer computes a varying number of
@@ -754,6 +757,23 @@ def decode_bytes(tokens: Sequence[int]) -> str:
     return bytes(t for t in tokens if 0 <= t < 256).decode("utf-8", errors="replace")
 
 
+def is_byte_level(model: LanguageModel) -> bool:
+    """Whether the model's token ids are UTF-8 bytes (text in, text out).
+
+    A model trained on a pre-tokenized .bin (data.source: tokens) reads ids of some other
+    tokenizer even at vocab_size 256, and a vocabulary other than 256 cannot be bytes.
+    """
+    config = model.config
+    return config.data.source != "tokens" and config.model.vocab_size == 256
+
+
+def _token_model(model: LanguageModel) -> str:
+    """Why a model is not byte-level, for error messages."""
+    config = model.config
+    return (f"this model reads token ids (data.source {config.data.source!r}, "
+            f"model.vocab_size {config.model.vocab_size}), not text")
+
+
 def generate(
     model: LanguageModel,
     prompts: Sequence[Sequence[int]] | Sequence[str],
@@ -776,6 +796,10 @@ def generate(
     if isinstance(prompts, str) or len(prompts) == 0:
         raise ValueError("prompts must be a non-empty list of prompts (token lists or strings)")
     as_text = all(isinstance(p, str) for p in prompts)
+    if any(isinstance(p, str) for p in prompts) and not is_byte_level(model):
+        # Byte-encoding the text would feed ids of the wrong tokenizer, and decode_bytes would
+        # drop every generated id >= 256: the caller would see the prompt and nothing else.
+        raise ValueError(f"text prompts need a byte-level model; {_token_model(model)}: give token lists")
     token_prompts = [encode_text(p) if isinstance(p, str) else list(p) for p in prompts]
     cfg = model.config.model
     for i, p in enumerate(token_prompts):
@@ -840,37 +864,129 @@ def load_model(checkpoint: str | Path, device: str | torch.device = "cpu") -> La
     return model
 
 
-def main(argv: list[str] | None = None) -> int:
+# ----------------------------------------------------------------------------- command line
+# The sampling flags' defaults: --greedy (the argmax) makes any other value meaningless.
+SAMPLING_DEFAULTS = {"--temperature": 1.0, "--top-k": 0, "--top-p": 1.0}
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Sample text from a trained MoD / MoDE model (causal routing).")
     parser.add_argument("--checkpoint", required=True, help="run folder or checkpoint.pt")
-    parser.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
+    parser.add_argument("--prompt", action="append", help="prompt text, byte-level models only (repeat for a batch)")
+    parser.add_argument(
+        "--prompt-ids", action="append",
+        help='prompt as token ids, e.g. "12 7 99" or "12,7,99"; the output is ids too (repeat for a batch). '
+        "Give --prompt or --prompt-ids, not both",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=200)
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--temperature", type=float, default=SAMPLING_DEFAULTS["--temperature"])
+    parser.add_argument("--top-k", type=int, default=SAMPLING_DEFAULTS["--top-k"])
+    parser.add_argument("--top-p", type=float, default=SAMPLING_DEFAULTS["--top-p"])
     parser.add_argument("--greedy", action="store_true", help="argmax decoding (temperature 0)")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--compile", action="store_true", help="torch.compile the decode step (pays off on long generations)")
-    args = parser.parse_args(argv)
-    from mode.utils import pick_device
+    return parser
 
-    try:
-        check_sampling(args.temperature, args.top_k, args.top_p, args.max_new_tokens)
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """Flag combinations that would otherwise be ignored silently."""
+    if (args.prompt is None) == (args.prompt_ids is None):
+        raise ValueError("give exactly one of --prompt (text) and --prompt-ids (token ids)")
+    if args.greedy:
+        given = {"--temperature": args.temperature, "--top-k": args.top_k, "--top-p": args.top_p}
+        # --temperature 0 is greedy already, so it agrees with --greedy
+        clash = [f for f, v in given.items() if v != SAMPLING_DEFAULTS[f] and not (f == "--temperature" and v == 0)]
+        if clash:
+            raise ValueError(f"--greedy takes the argmax and would ignore {', '.join(clash)}: drop one or the other")
+    check_sampling(args.temperature, args.top_k, args.top_p, args.max_new_tokens)
+
+
+def parse_prompt_ids(value: str, vocab_size: int) -> list[int]:
+    """'12 7 99' or '12,7,99' -> [12, 7, 99], each id checked to be in [0, vocab_size)."""
+    ids = []
+    for part in re.split(r"[\s,]+", value.strip()):
+        if not part:  # an empty value: _check_prompt reports it
+            continue
         try:
-            device = pick_device(args.device)
-        except RuntimeError as e:
-            raise ValueError(f"--device: {e}") from None
-        model = load_model(args.checkpoint, device)
-        texts = generate(
-            model, args.prompt, max_new_tokens=args.max_new_tokens, temperature=0.0 if args.greedy else args.temperature,
+            token = int(part)
+        except ValueError:
+            raise ValueError(f"--prompt-ids {value!r}: {part!r} is not an integer token id "
+                             "(give ids separated by spaces or commas)") from None
+        if not 0 <= token < vocab_size:
+            raise ValueError(f"--prompt-ids {value!r}: token id {token} is outside the vocabulary "
+                             f"[0, {vocab_size}) of this model (model.vocab_size)")
+        ids.append(token)
+    return ids
+
+
+def _label(flag: str, index: int, count: int) -> str:
+    return flag if count == 1 else f"{flag} #{index + 1}"
+
+
+def _cli_prompts(args: argparse.Namespace, model: LanguageModel) -> tuple[str, list[list[int]]]:
+    """(the flag the prompts came from, the prompts as token lists)."""
+    if args.prompt is None:
+        return "--prompt-ids", [parse_prompt_ids(v, model.config.model.vocab_size) for v in args.prompt_ids]
+    if not is_byte_level(model):
+        raise ValueError(f'--prompt: {_token_model(model)}; give the prompt as --prompt-ids "12 7 99"')
+    return "--prompt", [encode_text(p) for p in args.prompt]
+
+
+def _check_prompt(label: str, tokens: list[int], unit: str, max_seq_len: int, max_new_tokens: int) -> None:
+    """Checked here, not only in generate(), so that errors name the flag; and a prompt that fills
+    the context window is an error, not an empty sample. unit: what a token is, for the message."""
+    if not tokens:
+        raise ValueError(f"{label} is empty: a prompt needs at least one token")
+    if len(tokens) > max_seq_len:
+        raise ValueError(f"{label} has {len(tokens)} {unit}, longer than the context window model.max_seq_len ({max_seq_len})")
+    if len(tokens) == max_seq_len and max_new_tokens > 0:
+        raise ValueError(f"{label} has {len(tokens)} {unit}, the whole context window model.max_seq_len "
+                         f"({max_seq_len}): no room to generate")
+
+
+def _cut_notice(name: str, prompt_len: int, new: int, max_new_tokens: int, max_seq_len: int) -> str | None:
+    """A note when the context window, not --max-new-tokens, ended a sample (None otherwise)."""
+    if max_new_tokens <= max_seq_len - prompt_len or new < max_seq_len - prompt_len:
+        return None
+    return (f"note: {name}generated {new} new tokens, not --max-new-tokens {max_new_tokens}: the prompt "
+            f"({prompt_len} tokens) and the output fill the context window model.max_seq_len ({max_seq_len})")
+
+
+def _print_samples(args: argparse.Namespace, prompts: list[list[int]], outputs: list[list[int]], max_seq_len: int) -> None:
+    """Each prompt and its continuation (text, or ids for --prompt-ids); a header line before each
+    sample when there are several, since a text sample can span lines."""
+    many = len(prompts) > 1
+    for i, (prompt, new) in enumerate(zip(prompts, outputs)):
+        if many:
+            print(f"--- sample {i + 1} ---")
+        if args.prompt is not None:
+            print(args.prompt[i] + decode_bytes(new))
+        else:
+            print(" ".join(str(t) for t in prompt + new))
+        notice = _cut_notice(f"sample {i + 1}: " if many else "", len(prompt), len(new), args.max_new_tokens, max_seq_len)
+        if notice:
+            print(notice, file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        _check_flags(args)
+        model = load_model(args.checkpoint, pick_device(args.device, field="--device"))
+        flag, prompts = _cli_prompts(args, model)
+        max_seq_len = model.config.model.max_seq_len
+        unit = "UTF-8 bytes" if flag == "--prompt" else "tokens"
+        for i, p in enumerate(prompts):
+            _check_prompt(_label(flag, i, len(prompts)), p, unit, max_seq_len, args.max_new_tokens)
+        outputs = generate(
+            model, prompts, max_new_tokens=args.max_new_tokens, temperature=0.0 if args.greedy else args.temperature,
             top_k=args.top_k, top_p=args.top_p, seed=args.seed, compile=args.compile,
         )
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    for prompt, text in zip(args.prompt, texts):
-        print(prompt + text)
+    _print_samples(args, prompts, outputs, max_seq_len)
     return 0
 
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from mode.config import config_from_dict
-from mode.generate import Decoder, LayerCache, generate, layer_step, main
+from mode.generate import Decoder, LayerCache, generate, layer_step, load_model, main
 from mode.layers.mod import MoDBlock
 from mode.model import LanguageModel
 from mode.routing import DepthRouter, ExpertChoiceRouter, token_mask
@@ -344,6 +344,129 @@ def test_cli_errors_exit_2_and_cli_samples(tmp_path: Path, capsys) -> None:
     assert "empty" in capsys.readouterr().err
     assert main(["--checkpoint", str(tmp_path), "--prompt", "ab", "--max-new-tokens", "3", "--greedy", "--device", "cpu"]) == 0
     assert capsys.readouterr().out.startswith("ab")
+
+
+def save_checkpoint(model: LanguageModel, path: Path) -> Path:
+    """A checkpoint.pt as mode.train writes it (float32 weights)."""
+    torch.save({"format": "mode-checkpoint-v1", "config": model.config.to_dict(), "model": model.float().state_dict()}, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def byte_ckpt(tmp_path_factory) -> Path:
+    """A byte-level model (max_seq_len 48) saved as a checkpoint."""
+    return save_checkpoint(make_model("mod", "aux_loss"), tmp_path_factory.mktemp("byte") / "checkpoint.pt")
+
+
+@pytest.fixture(scope="module")
+def token_ckpt(tmp_path_factory) -> Path:
+    """A model trained on pre-tokenized ids (data.source tokens, vocab 1000) saved as a checkpoint."""
+    raw = make_config("mod").to_dict()
+    raw["model"]["vocab_size"] = 1000
+    raw["data"].update(source="tokens", path="corpus.bin")
+    torch.manual_seed(0)
+    model = LanguageModel(config_from_dict(raw))
+    return save_checkpoint(model, tmp_path_factory.mktemp("tokens") / "checkpoint.pt")
+
+
+def greedy(ckpt: Path, prompts: list, n: int) -> list:
+    """What generate() gives for the checkpoint the CLI loads: the reference for its output."""
+    return generate(load_model(ckpt), prompts, max_new_tokens=n, temperature=0)
+
+
+def test_cli_token_model_reads_prompt_ids_and_prints_ids(token_ckpt: Path, capsys) -> None:
+    base = ["--checkpoint", str(token_ckpt), "--greedy", "--max-new-tokens", "6", "--device", "cpu"]
+    assert main(base + ["--prompt-ids", "3 999, 7", "--prompt-ids", "12,0"]) == 0
+    new = greedy(token_ckpt, [[3, 999, 7], [12, 0]], 6)
+    assert any(t >= 256 for row in new for t in row)  # ids a byte decoder would have dropped
+    rows = [" ".join(map(str, ids)) for ids in ([3, 999, 7] + new[0], [12, 0] + new[1])]
+    assert capsys.readouterr().out == f"--- sample 1 ---\n{rows[0]}\n--- sample 2 ---\n{rows[1]}\n"
+    with pytest.raises(ValueError, match="reads token ids"):  # the Python API refuses text too
+        generate(load_model(token_ckpt), ["hello"], max_new_tokens=2)
+
+
+@pytest.mark.parametrize(
+    "prompt_args, message",
+    [
+        (["--prompt", "hello"], 'error: --prompt: this model reads token ids (data.source \'tokens\', '
+                                'model.vocab_size 1000), not text; give the prompt as --prompt-ids "12 7 99"'),
+        (["--prompt-ids", "5 1000"], "error: --prompt-ids '5 1000': token id 1000 is outside the vocabulary "
+                                     "[0, 1000) of this model (model.vocab_size)"),
+        (["--prompt-ids", "-1"], "error: --prompt-ids '-1': token id -1 is outside the vocabulary "
+                                 "[0, 1000) of this model (model.vocab_size)"),
+        (["--prompt-ids", "5 x"], "error: --prompt-ids '5 x': 'x' is not an integer token id "
+                                  "(give ids separated by spaces or commas)"),
+        (["--prompt-ids", "1", "--prompt-ids", " , "], "error: --prompt-ids #2 is empty: a prompt needs at least one token"),
+        (["--prompt-ids", "1", "--prompt", "a"], "error: give exactly one of --prompt (text) and --prompt-ids (token ids)"),
+        ([], "error: give exactly one of --prompt (text) and --prompt-ids (token ids)"),
+    ],
+    ids=["text-prompt", "id-past-vocab", "negative-id", "not-an-int", "empty", "both-flags", "no-prompt"],
+)
+def test_cli_prompt_errors_name_the_flag(token_ckpt: Path, capsys, prompt_args: list, message: str) -> None:
+    assert main(["--checkpoint", str(token_ckpt), "--device", "cpu"] + prompt_args) == 2
+    captured = capsys.readouterr()
+    assert captured.err == message + "\n" and captured.out == ""
+
+
+def test_cli_prompt_ids_on_a_byte_level_model_print_ids(byte_ckpt: Path, capsys) -> None:
+    assert main(["--checkpoint", str(byte_ckpt), "--prompt-ids", "104 105", "--greedy", "--max-new-tokens", "5"]) == 0
+    new = greedy(byte_ckpt, [[104, 105]], 5)[0]
+    assert capsys.readouterr().out == " ".join(map(str, [104, 105] + new)) + "\n"
+
+
+def test_cli_separates_several_text_samples_and_not_one(byte_ckpt: Path, capsys) -> None:
+    base = ["--checkpoint", str(byte_ckpt), "--greedy", "--max-new-tokens", "8"]
+    assert main(base + ["--prompt", "a\nb", "--prompt", "cd"]) == 0
+    first, second = greedy(byte_ckpt, ["a\nb", "cd"], 8)
+    assert capsys.readouterr().out == f"--- sample 1 ---\na\nb{first}\n--- sample 2 ---\ncd{second}\n"
+    assert main(base + ["--prompt", "cd"]) == 0
+    assert capsys.readouterr().out == f"cd{second}\n"  # one sample: the text alone, for pipes
+
+
+def test_cli_says_when_the_context_window_cuts_generation(byte_ckpt: Path, capsys) -> None:
+    base = ["--checkpoint", str(byte_ckpt), "--greedy"]
+    assert main(base + ["--prompt-ids", " ".join(["5"] * 45), "--max-new-tokens", "10"]) == 0  # max_seq_len 48
+    captured = capsys.readouterr()
+    assert len(captured.out.split()) == 48
+    assert captured.err == ("note: generated 3 new tokens, not --max-new-tokens 10: the prompt (45 tokens) and the "
+                            "output fill the context window model.max_seq_len (48)\n")
+    assert main(base + ["--prompt-ids", "5 5", "--prompt-ids", " ".join(["5"] * 46), "--max-new-tokens", "3"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err.startswith("note: sample 2: generated 2 new tokens, not --max-new-tokens 3:")
+    assert captured.err.count("\n") == 1  # sample 1 got its 3 tokens: no note
+    assert main(base + ["--prompt-ids", "5 5", "--max-new-tokens", "46"]) == 0  # exactly fills it: asked for, no note
+    assert capsys.readouterr().err == ""
+    # a prompt that fills the window leaves no room at all: an error, not an empty sample
+    assert main(base + ["--prompt", "a" * 48, "--max-new-tokens", "1"]) == 2
+    assert capsys.readouterr().err == ("error: --prompt has 48 UTF-8 bytes, the whole context window "
+                                       "model.max_seq_len (48): no room to generate\n")
+    assert main(base + ["--prompt", "a" * 48, "--max-new-tokens", "0"]) == 0  # nothing asked: nothing lost
+    assert capsys.readouterr().out == "a" * 48 + "\n"
+
+
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--temperature", "5"], "--temperature"),
+        (["--top-k", "3"], "--top-k"),
+        (["--top-p", "0.9", "--temperature", "0.5"], "--temperature, --top-p"),
+    ],
+    ids=["temperature", "top-k", "top-p-and-temperature"],
+)
+def test_cli_greedy_with_sampling_flags_is_an_error(byte_ckpt: Path, capsys, flags: list, named: str) -> None:
+    assert main(["--checkpoint", str(byte_ckpt), "--prompt", "ab", "--greedy"] + flags) == 2
+    assert capsys.readouterr().err == f"error: --greedy takes the argmax and would ignore {named}: drop one or the other\n"
+
+
+def test_cli_greedy_agrees_with_temperature_zero(byte_ckpt: Path, capsys) -> None:
+    assert main(["--checkpoint", str(byte_ckpt), "--prompt", "ab", "--greedy", "--temperature", "0", "--max-new-tokens", "3"]) == 0
+    assert capsys.readouterr().out == "ab" + greedy(byte_ckpt, ["ab"], 3)[0] + "\n"
+
+
+def test_cli_cuda_without_a_device_names_the_flag(byte_ckpt: Path, capsys, monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["--checkpoint", str(byte_ckpt), "--prompt", "ab", "--device", "cuda"]) == 2
+    assert capsys.readouterr().err == "error: --device is 'cuda' but no CUDA device is available\n"
 
 
 def test_masked_and_gathered_routed_rows_build_the_same_sparse_caches() -> None:
