@@ -427,9 +427,35 @@ class LaunchedStep:
     lr: float
     outputs: Outputs  # output_tensors of each micro-batch
     copy: HostCopy  # of outputs, then the gradient norm
-    # When its compute ended, for tokens/s: known at launch on a device that computes as it is
-    # launched (CPU); elsewhere the time its values are read (Trainer._report).
-    done_at: float | None = None
+    timer: "StepTimer"  # how long it computed, for tokens/s
+
+
+class StepTimer:
+    """How long one step computed: between two CUDA events the step's stream passes (the GPU's
+    view: the time it waited for the host's launches counts, evaluation and the host's pauses
+    between steps do not), or two host clock readings on CPU, which computes as it launches."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if device.type == "cuda" else None
+        self.start()
+
+    def start(self) -> None:
+        if self.events is None:
+            self.began = time.perf_counter()
+        else:
+            self.events[0].record()
+
+    def stop(self) -> None:
+        if self.events is None:
+            self.ended = time.perf_counter()
+        else:
+            self.events[1].record()
+
+    def seconds(self) -> float:
+        if self.events is None:
+            return self.ended - self.began
+        self.events[1].synchronize()  # just after the step's values: no wait to speak of
+        return self.events[0].elapsed_time(self.events[1]) / 1e3
 
 
 class Trainer:
@@ -608,6 +634,7 @@ class Trainer:
         t = self.config.train
         step = self.state.step
         outputs = []
+        timer = StepTimer(self.device)
         self.model.train()
         for micro in range(t.grad_accum):
             x, y = self.micro_batch(self.data.train, step, micro)
@@ -627,10 +654,9 @@ class Trainer:
         tokens = self.tokens_per_step
         self.state = RunState(step + 1, self.state.tokens + tokens, self.state.flops + tokens * self.flops_per_token)
         # One device-to-host transfer per step: losses, statistics, norm.
-        launched = LaunchedStep(self.state, lr, outputs, outputs_to_host(outputs, [grad_norm]))
-        if self.device.type == "cpu":
-            launched.done_at = time.perf_counter()
-        return launched
+        copy = outputs_to_host(outputs, [grad_norm])
+        timer.stop()
+        return LaunchedStep(self.state, lr, outputs, copy, timer)
 
     def finish_step(self, launched: LaunchedStep) -> dict[str, Any]:
         """A launched step's metrics: waits for its values alone (not for steps queued after it);
@@ -717,7 +743,7 @@ class Trainer:
             total=t.max_steps, initial=self.state.step, disable=not (t.progress and self.is_main),
             dynamic_ncols=True, file=sys.stdout,
         )
-        self.window_start, self.window_tokens = time.perf_counter(), 0
+        self.window_seconds, self.window_tokens = 0.0, 0
         in_flight: LaunchedStep | None = None
         while self.state.step < t.max_steps:
             try:
@@ -734,7 +760,6 @@ class Trainer:
                 continue
             self._report(in_flight)
             in_flight = None
-            paused_at = time.perf_counter()  # evaluation and checkpoints are not training time
             if step % t.eval_interval == 0 or step == t.max_steps:
                 evaluation = {"step": step, "tokens": self.state.tokens, "flops": self.state.flops, **self.evaluate()}
                 self.records.append(evaluation)
@@ -743,7 +768,6 @@ class Trainer:
                     self.bar.write(f"step {step}: val_loss {evaluation['val_loss']:.4f}")
             if step % t.checkpoint_interval == 0 or step == t.max_steps:
                 self.save_checkpoint()
-            self.window_start += time.perf_counter() - paused_at
         self.bar.close()
         if self.is_main:
             plot_losses(self.out_dir)
@@ -753,18 +777,17 @@ class Trainer:
         """Finish a launched step: progress bar, tokens/s, and its record at log intervals."""
         t = self.config.train
         metrics = self.finish_step(launched)
-        done_at = time.perf_counter() if launched.done_at is None else launched.done_at
         self.window_tokens += self.tokens_per_step
-        elapsed = done_at - self.window_start  # the compute of the window's steps, not pauses
+        self.window_seconds += launched.timer.seconds()
         step = launched.state.step
         record = {"step": step, "tokens": launched.state.tokens, "flops": launched.state.flops, **metrics}
-        record["tokens_per_s"] = self.window_tokens / max(elapsed, 1e-9)
+        record["tokens_per_s"] = self.window_tokens / max(self.window_seconds, 1e-9)
         self.bar.update(1)
         self.bar.set_postfix_str(self._progress_text(record))
         if step % t.log_interval == 0 or step == t.max_steps:
             self.records.append(record)
             self.log(record)
-            self.window_start, self.window_tokens = done_at, 0
+            self.window_seconds, self.window_tokens = 0.0, 0
 
     def _progress_text(self, record: dict[str, Any]) -> str:
         fractions = " ".join(
