@@ -843,8 +843,10 @@ def load_checkpoint_file(path: Path, device: torch.device | str = "cpu") -> dict
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
     try:
-        payload = torch.load(path, map_location=device, weights_only=False)
-    except Exception as e:  # a truncated or non-torch file
+        # weights_only: tensors, numbers, strings and containers, which is all a checkpoint holds;
+        # a file that would run code on loading (a pickle of anything else) is refused.
+        payload = torch.load(path, map_location=device, weights_only=True)
+    except Exception as e:  # a truncated or non-torch file, or one that is not weights only
         raise ValueError(f"{path} is not a readable checkpoint: {e}") from e
     if not isinstance(payload, dict) or payload.get("format") != "mode-checkpoint-v1":
         raise ValueError(f"{path} is not a mode checkpoint (no 'format: mode-checkpoint-v1' entry)")

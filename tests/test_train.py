@@ -25,6 +25,7 @@ from mode.train import (
     METRICS,
     POSITION_BINS,
     LaunchedStep,
+    RunState,
     TorchOptimization,
     Trainer,
     build_model,
@@ -391,6 +392,10 @@ def test_foreign_checkpoint_files_name_the_path(tmp_path: Path) -> None:
         load_checkpoint_file(text)
     with pytest.raises(FileNotFoundError, match="missing.pt"):
         load_checkpoint_file(tmp_path / "missing.pt")
+    code = tmp_path / "runs_code.pt"  # unpickling it would call a function: weights only refuses
+    torch.save({"format": "mode-checkpoint-v1", "hook": RunState}, code)
+    with pytest.raises(ValueError, match=rf"{code} is not a readable checkpoint"):
+        load_checkpoint_file(code)
 
 
 # ----------------------------------------------------------------------------- schedule
