@@ -1,0 +1,178 @@
+"""Run an ablation: one config, a grid of overrides, one run folder a point, then the report.
+
+    python -m mode.sweep --config configs/mod_tiny.yaml --out runs/capacity \
+        --vary routing.capacity=0.125,0.25,0.5 --vary routing.random=false,true [--train.max_steps=200 ...]
+
+Every point of the grid (the product of the --vary lists) is one training run, `python -m
+mode.train` in a process of its own, in `<out>/<field=value+...>`; overrides given without
+--vary apply to every run. Values are YAML, separated by commas outside brackets
+(`--vary model.block_pattern=[dense,mod],[dense,mode_integrated]`). Every point's config is
+checked before the first run starts, so a bad value fails at once, naming the field.
+
+Started again with the same arguments, a sweep skips its finished runs and resumes the others
+from their checkpoints, so a stopped sweep continues where it stopped. A run that fails is
+reported and the sweep goes on with the next. At the end `mode.report` compares every run
+(`<out>/report.md`, `report.json`, `val_loss_vs_flops.png`).
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+
+from mode.config import ConfigError, load_config
+from mode.report import ReportError, report
+from mode.train import CHECKPOINT, METRICS
+
+
+class SweepError(ValueError):
+    """Arguments that cannot make a sweep: the message names the flag or the point."""
+
+
+@dataclass
+class Point:
+    name: str  # its run folder's name
+    overrides: list[str]  # --field=value for each varied field
+
+
+# ----------------------------------------------------------------------------- the grid
+def split_values(text: str) -> list[str]:
+    """'0.1,0.2' -> ['0.1', '0.2']; commas inside [] or {} belong to one value ('[a,b],[c]')."""
+    values, depth, current = [], 0, ""
+    for char in text:
+        depth += char in "[{"
+        depth -= char in "]}"
+        if char == "," and depth == 0:
+            values.append(current)
+            current = ""
+        else:
+            current += char
+    values.append(current)
+    if depth != 0 or any(not v.strip() for v in values):
+        raise SweepError(f"--vary: cannot read the values {text!r} (empty value or unbalanced brackets)")
+    return [v.strip() for v in values]
+
+
+def parse_vary(text: str) -> tuple[str, list[str]]:
+    """'routing.capacity=0.125,0.25' -> ('routing.capacity', ['0.125', '0.25'])."""
+    field, sep, values = text.partition("=")
+    if not sep or "." not in field or field.startswith("-"):
+        raise SweepError(f"--vary {text!r}: expected section.field=value1,value2,...")
+    return field, split_values(values)
+
+
+def _name_value(value: str) -> str:
+    """A value as it reads in a folder name: YAML's compact form, brackets and spaces dropped."""
+    compact = yaml.safe_dump(yaml.safe_load(value), default_flow_style=True, width=1 << 16).strip()
+    compact = compact.removesuffix("...").strip()
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", compact).strip("-") or "empty"
+
+
+def grid(varied: list[tuple[str, list[str]]]) -> list[Point]:
+    """Every combination of the varied fields' values, the first field's slowest; each named by
+    its values (a field by its last name where that is unique: capacity=0.25+random=true)."""
+    fields = [field for field, _ in varied]
+    if len(set(fields)) != len(fields):
+        raise SweepError(f"--vary: a field is given twice ({', '.join(fields)})")
+    last = [f.rsplit(".", 1)[-1] for f in fields]
+    labels = [short if last.count(short) == 1 else full for short, full in zip(last, fields)]
+    points = []
+    for values in itertools.product(*(v for _, v in varied)):
+        name = "+".join(f"{label}={_name_value(v)}" for label, v in zip(labels, values))
+        points.append(Point(name, [f"--{field}={v}" for field, v in zip(fields, values)]))
+    names = [p.name for p in points]
+    if len(set(names)) != len(names):
+        raise SweepError(f"--vary: two points would share a run folder ({', '.join(names)}): give distinct values")
+    return points
+
+
+# ----------------------------------------------------------------------------- running
+def finished_steps(run_dir: Path) -> int | None:
+    """The step a run folder's checkpoint holds (None without one). mmap: only that is read."""
+    path = run_dir / CHECKPOINT
+    if not path.is_file():
+        return None
+    return int(torch.load(path, map_location="cpu", mmap=True, weights_only=True)["state"]["step"])
+
+
+def train_command(config: str, overrides: list[str], run_dir: Path, resume: bool) -> list[str]:
+    command = [sys.executable, "-m", "mode.train", "--config", config, *overrides, f"--train.out_dir={run_dir}"]
+    return command + (["--resume"] if resume else [])
+
+
+def plan(args: argparse.Namespace, common: list[str]) -> list[tuple[Point, list[str], int]]:
+    """(point, its overrides, its max_steps) for every point, each config checked first."""
+    points = grid([parse_vary(v) for v in args.vary])
+    planned = []
+    for point in points:
+        overrides = [*common, *point.overrides]
+        try:
+            config = load_config(args.config, overrides)
+        except ConfigError as e:
+            raise SweepError(f"point {point.name}: {e}") from None
+        planned.append((point, overrides, config.train.max_steps))
+    return planned
+
+
+def run_point(args: argparse.Namespace, point: Point, overrides: list[str], max_steps: int) -> str:
+    """Train (or finish) one point; returns what happened: finished before, done, or failed."""
+    run_dir = args.out / point.name
+    step = finished_steps(run_dir)
+    if step is not None and step >= max_steps:
+        return f"finished before (step {step})"
+    if step is None and (run_dir / METRICS).exists():  # stopped before its first checkpoint
+        (run_dir / METRICS).unlink()  # nothing to resume: the run starts again
+    command = train_command(args.config, overrides, run_dir, resume=step is not None)
+    print(f"\n== {point.name}: {'training' if step is None else f'resuming from step {step}'}", flush=True)
+    code = subprocess.call(command)
+    return "done" if code == 0 else f"failed (exit status {code}; its output is above)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description="Run a grid of config overrides, one training run each, then compare them.",
+        epilog="Other --section.field=value arguments apply to every run.",
+    )
+    parser.add_argument("--config", required=True, help="the YAML config every run starts from")
+    parser.add_argument("--out", required=True, type=Path, help="the sweep's folder: one run folder a point, the report")
+    parser.add_argument("--vary", action="append", required=True, help="section.field=value1,value2,... (repeat)")
+    parser.add_argument("--dry-run", action="store_true", help="print the runs and their commands, run nothing")
+    args, common = parser.parse_known_args(argv)
+    bad = [a for a in common if not (a.startswith("--") and "=" in a and "." in a.split("=", 1)[0])]
+    if bad:
+        parser.error(f"unrecognised arguments {bad}: overrides look like --section.field=value")
+    if any(a.startswith("--train.out_dir=") for a in common):
+        parser.error("--train.out_dir: each run's folder is <--out>/<point>; give --out instead")
+    try:
+        planned = plan(args, common)
+    except SweepError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"sweep: {len(planned)} runs in {args.out}")
+    for point, overrides, _ in planned:
+        command = train_command(args.config, overrides, args.out / point.name, resume=False)
+        print(f"  {point.name}: python {shlex.join(command[1:])}")
+    if args.dry_run:
+        return 0
+    outcomes = {point.name: run_point(args, point, overrides, steps) for point, overrides, steps in planned}
+    print("\n" + "\n".join(f"{name}: {outcome}" for name, outcome in outcomes.items()))
+    compared = [args.out / name for name, outcome in outcomes.items() if not outcome.startswith("failed")]
+    if compared:
+        try:
+            print("\n" + report(compared, args.out))
+        except ReportError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+    return 1 if len(compared) < len(outcomes) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""mode.sweep: the grid, its folder names, checking every point first, and real tiny sweeps that
+train, skip what is finished, resume what is not, and report."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mode.sweep import SweepError, grid, main, parse_vary, split_values
+from mode.train import CHECKPOINT, METRICS
+
+
+def test_values_split_on_commas_outside_brackets() -> None:
+    assert split_values("0.125,0.25") == ["0.125", "0.25"]
+    assert split_values("[dense,mod],[dense, mode_integrated]") == ["[dense,mod]", "[dense, mode_integrated]"]
+    for bad in ("[dense,mod", "0.1,,0.2", ""):
+        with pytest.raises(SweepError, match="cannot read the values"):
+            split_values(bad)
+    with pytest.raises(SweepError, match="expected section.field=value1,value2"):
+        parse_vary("capacity=0.1")
+
+
+def test_grid_is_the_product_named_by_values() -> None:
+    points = grid([parse_vary("routing.capacity=0.125,0.25"), parse_vary("routing.random=false,true")])
+    assert [p.name for p in points] == ["capacity=0.125+random=false", "capacity=0.125+random=true",
+                                        "capacity=0.25+random=false", "capacity=0.25+random=true"]
+    assert points[1].overrides == ["--routing.capacity=0.125", "--routing.random=true"]
+    patterns = grid([parse_vary("model.block_pattern=[dense,mod],[dense, mode_integrated]")])
+    assert [p.name for p in patterns] == ["block_pattern=dense-mod", "block_pattern=dense-mode_integrated"]
+    both = grid([parse_vary("routing.capacity=0.5"), parse_vary("train.capacity=1")])  # not a real field: naming only
+    assert both[0].name == "routing.capacity=0.5+train.capacity=1"  # the last names clash: full paths
+    with pytest.raises(SweepError, match="share a run folder"):
+        grid([parse_vary("routing.capacity=0.5,.5")])
+    with pytest.raises(SweepError, match="given twice"):
+        grid([parse_vary("routing.capacity=0.5"), parse_vary("routing.capacity=0.25")])
+
+
+def _config(tmp_path: Path, corpus: Path) -> Path:
+    path = tmp_path / "base.yaml"
+    path.write_text(yaml.safe_dump({
+        "model": {"d_model": 32, "n_heads": 2, "n_layers": 2, "d_ff": 64, "max_seq_len": 32, "block_pattern": ["dense", "mod"]},
+        "data": {"source": "text", "path": str(corpus), "seq_len": 32},
+        "train": {"batch_size": 2, "max_steps": 2, "warmup_steps": 1, "log_interval": 1, "eval_interval": 2,
+                  "eval_batches": 1, "checkpoint_interval": 2, "progress": False, "device": "cpu"},
+    }))
+    return path
+
+
+def _steps(run_dir: Path) -> list[int]:
+    return [r["step"] for r in map(json.loads, (run_dir / METRICS).read_text().splitlines()) if "loss" in r]
+
+
+def test_a_bad_point_fails_before_any_run(tmp_path: Path, corpus: Path, capsys) -> None:
+    out = tmp_path / "sweep"
+    config = str(_config(tmp_path, corpus))
+    assert main(["--config", config, "--out", str(out), "--vary", "routing.capacity=0.25,1.5"]) == 2
+    err = capsys.readouterr().err
+    assert "point capacity=1.5: invalid config" in err and "routing.capacity" in err
+    assert not out.exists()  # the valid point did not run either
+    with pytest.raises(SystemExit):
+        main(["--config", config, "--out", str(out), "--vary", "routing.capacity=0.25", "--train.out_dir=x"])
+    assert "--train.out_dir: each run's folder is" in capsys.readouterr().err
+
+
+def test_sweep_trains_skips_finished_runs_resumes_the_rest_and_reports(tmp_path: Path, corpus: Path, capsys) -> None:
+    out = tmp_path / "sweep"
+    args = ["--config", str(_config(tmp_path, corpus)), "--out", str(out), "--vary", "routing.capacity=0.25,0.5"]
+    assert main(args) == 0
+    runs = [out / "capacity=0.25", out / "capacity=0.5"]
+    for run, capacity in zip(runs, (0.25, 0.5)):
+        assert yaml.safe_load((run / "config.yaml").read_text())["routing"]["capacity"] == capacity
+        assert _steps(run) == [1, 2]
+    summary = json.loads((out / "report.json").read_text())
+    assert summary["differing_fields"] == ["routing.capacity"]
+    assert [r["run"] for r in summary["runs"]] == ["capacity=0.25", "capacity=0.5"]
+
+    saved = [(run / CHECKPOINT).stat().st_mtime_ns for run in runs]
+    (runs[1] / CHECKPOINT).unlink()  # as if the second run had stopped before its first checkpoint
+    capsys.readouterr()
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "capacity=0.25: finished before (step 2)" in printed and "capacity=0.5: done" in printed
+    assert (runs[0] / CHECKPOINT).stat().st_mtime_ns == saved[0]  # not trained again
+    assert _steps(runs[1]) == [1, 2]  # started again from scratch, its old lines dropped
+
+    assert main([*args, "--train.max_steps=3"]) == 0  # longer: both resume from their checkpoints
+    assert "resuming from step 2" in capsys.readouterr().out
+    assert [_steps(run) for run in runs] == [[1, 2, 3], [1, 2, 3]]
+
+
+def test_dry_run_prints_the_commands_and_runs_nothing(tmp_path: Path, corpus: Path, capsys) -> None:
+    out = tmp_path / "sweep"
+    config = _config(tmp_path, corpus)
+    assert main(["--config", str(config), "--out", str(out), "--vary", "model.block_pattern=[dense,mod],[mod]",
+                 "--dry-run", "--train.lr=0.001"]) == 0
+    printed = capsys.readouterr().out
+    assert "sweep: 2 runs" in printed
+    assert f"-m mode.train --config {config} --train.lr=0.001 '--model.block_pattern=[dense,mod]'" in printed
+    assert not out.exists()
