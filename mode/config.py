@@ -269,6 +269,11 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _experts_shard(self) -> "Config":
+        if self.parallel.expert_parallel > 1 and not self.model.has_experts():
+            raise ValueError(
+                f"parallel.expert_parallel ({self.parallel.expert_parallel}) shards experts, and model.block_pattern "
+                f"{self.model.block_pattern} has none (no moe, mode_staged or mode_integrated block): set it to 1"
+            )
         if self.model.has_experts() and self.moe.n_experts % self.parallel.expert_parallel != 0:
             raise ValueError(
                 f"parallel.expert_parallel ({self.parallel.expert_parallel}) must divide moe.n_experts "
@@ -289,10 +294,12 @@ def _format_errors(err: ValidationError, source: str, overrides: Sequence[str] =
         if e["type"] == "extra_forbidden":
             line = f"  {path}: unknown key"
         else:
-            line = f"  {path}: {e['msg'].removeprefix('Value error, ')}"
+            message = e["msg"].removeprefix("Value error, ")
+            # a check across sections (at the root) names its fields in its message
+            line = f"  {message}" if path == "<root>" else f"  {path}: {message}"
             if not isinstance(e.get("input"), dict):
                 line += f" (got {e.get('input')!r})"
-        given = [o for o in overrides if _override_key(o) == path]
+        given = [o for o in overrides if _override_key(o) == path or _override_key(o) in line]
         lines.append(line + (f" [from the command line: {given[-1]}]" if given else ""))
     return "\n".join(lines)
 

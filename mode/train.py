@@ -919,13 +919,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def interrupted_message(trainer: Trainer) -> str:
+def interrupted_message(trainer: Trainer, how: str = "interrupted") -> str:
+    """What a run stopped before its end left: which step its checkpoint holds, and how to go on.
+    Redraws the loss plot (rank 0)."""
     if trainer.saved_step is None:
-        return (f"interrupted at step {trainer.state.step}, before the run's first checkpoint: nothing to resume; "
+        return (f"{how} at step {trainer.state.step}, before the run's first checkpoint: nothing to resume; "
                 f"remove {trainer.out_dir} to start the run again")
-    if (trainer.out_dir / METRICS).exists():
+    if trainer.is_main and (trainer.out_dir / METRICS).exists():
         plot_losses(trainer.out_dir)
-    return (f"interrupted at step {trainer.state.step}; {trainer.out_dir / CHECKPOINT} holds step {trainer.saved_step}: "
+    return (f"{how} at step {trainer.state.step}; {trainer.out_dir / CHECKPOINT} holds step {trainer.saved_step}: "
             "continue with --resume (the metrics logged after it are dropped then)")
 
 

@@ -165,10 +165,13 @@ def test_stop_after_checkpoint_and_resume_continues_the_run(data_parallel):
     """Stop after step 4 (checkpoint at 3, step 4 logged), resume: steps 4-6 as uninterrupted."""
     out = data_parallel["tmp"] / "resumed"
     args = [f"--train.out_dir={out}"]
-    launch(data_parallel["config"], *args, "--stop-at-step=4")
+    stopped = launch(data_parallel["config"], *args, "--stop-at-step=4")
+    assert f"stopped by --stop-at-step at step 4; {out / CHECKPOINT} holds step 3: continue with --resume" in stopped.stdout
     first, _ = records(out)
     assert sorted(first) == [1, 2, 3, 4] and not (out / "deepspeed" / "step6").exists()
-    launch(data_parallel["config"], *args, "--resume")
+    assert (out / "loss_vs_flops.png").is_file()
+    resumed_run = launch(data_parallel["config"], *args, "--resume", "--train.eval_interval=50")
+    assert resumed_run.stdout.count("note: --resume changes train.eval_interval (100 there, 50 here)") == 1  # rank 0 alone
     resumed, resumed_val = records(out)
     uninterrupted, uninterrupted_val = records(data_parallel["dir"])
     assert sorted(resumed) == list(range(1, STEPS + 1))  # step 4 logged once: the stale record was dropped
@@ -178,6 +181,36 @@ def test_stop_after_checkpoint_and_resume_continues_the_run(data_parallel):
     payload = load_checkpoint_file(out / CHECKPOINT)
     assert payload["state"]["step"] == STEPS and payload["optimizer"]["tag"] == f"step{STEPS}"
     assert sorted(p.name for p in (out / "deepspeed").iterdir() if p.is_dir()) == ["step3", "step6"]
+
+
+def test_launch_arguments_and_environment_are_clear_errors(tmp_path, monkeypatch, capsys):
+    """launch/train.py's own flag and its need for a launcher: one error line, exit 2, before any
+    process group (in this process, as rank 0)."""
+    from mode.parallel.launch import main as launch_main
+
+    config = tmp_path / "x.yaml"
+    config.write_text("model: {block_pattern: [dense, moe]}\n")
+    for bad in (["--stop-at-step"], ["--stop-at-step=abc"], ["--stop-at-step", "0"]):
+        assert launch_main(["--config", str(config), *bad]) == 2
+        assert "error: --stop-at-step needs a number of optimizer steps >= 1" in capsys.readouterr().err
+    for name in ("RANK", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    assert launch_main(["--config", str(config)]) == 2
+    assert "runs one process per GPU under a launcher: torchrun" in capsys.readouterr().err
+
+
+def test_a_config_error_is_printed_once(tmp_path):
+    """Every rank reads the same config: rank 0 alone reports it, in one line."""
+    config = tmp_path / "x.yaml"
+    config.write_text("model: {block_pattern: [dense, moe]}\nparallel: {expert_parallel: 3}\n")
+    out = launch(config, "--train.device=cpu", expect_ok=False).stdout
+    assert out.count("error: invalid config") == 1, out
+    assert "parallel.expert_parallel (3) must divide moe.n_experts (8)" in out
+
+
+def test_expert_parallel_without_experts_is_refused():
+    with pytest.raises(ConfigError, match=r"parallel\.expert_parallel \(2\) shards experts, and model\.block_pattern"):
+        load_config(None, ["--model.block_pattern=[dense, mod]", "--parallel.expert_parallel=2"])
 
 
 # ----------------------------------------------------------------------------- expert parallel

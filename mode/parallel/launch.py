@@ -25,9 +25,15 @@ from mode.data import DataError
 from mode.flops import model_flops
 from mode.parallel.engine import DeepSpeedOptimization, Processes, init_distributed, quiet_deepspeed
 from mode.parallel.expert_parallel import apply_expert_parallel
-from mode.train import LaunchedStep, Trainer, build_model, parse_args
+from mode.train import LaunchedStep, Trainer, build_model, interrupted_message, parse_args
 
 ERRORS = (ConfigError, DataError, FileExistsError, FileNotFoundError)
+# Variables a launcher (torchrun, deepspeed, mpirun) sets in each process it starts.
+LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+
+
+class LaunchError(ValueError):
+    """launch/train.py's own arguments or environment: the message names the flag."""
 
 
 class Preempted(Exception):
@@ -86,47 +92,73 @@ def _launcher_args(argv: list[str]) -> tuple[list[str], int | None]:
             if "=" not in arg:
                 next(it, None)
         elif arg.startswith("--stop-at-step"):
-            stop_at = int(arg.split("=", 1)[1] if "=" in arg else next(it))
+            stop_at = _steps(arg.split("=", 1)[1] if "=" in arg else next(it, None))
         else:
             rest.append(arg)
     return rest, stop_at
 
 
+def _steps(value: str | None) -> int:
+    if value is None or not value.strip().isdigit() or int(value) < 1:
+        raise LaunchError(f"--stop-at-step needs a number of optimizer steps >= 1 (got {value!r})")
+    return int(value)
+
+
+def _check_launched() -> None:
+    if not any(name in os.environ for name in LAUNCHER_VARIABLES):
+        raise LaunchError(
+            "launch/train.py runs one process per GPU under a launcher: torchrun --nproc_per_node N "
+            "launch/train.py ... or deepspeed --num_gpus N launch/train.py ...; one process: python -m mode.train"
+        )
+
+
+def _say(rank: int, text: str, stream=sys.stdout) -> None:
+    """Rank 0 speaks for all (every rank reads the same config and files, so an error is the same
+    everywhere), in one write: lines of several processes do not interleave mid-line."""
+    if rank == 0:
+        stream.write(text + "\n")
+        stream.flush()
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv, stop_at = _launcher_args(list(sys.argv[1:] if argv is None else argv))
-    args, overrides = parse_args(argv)
-    quiet_deepspeed()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if {"-h", "--help"} & set(argv):
+        print(__doc__.split("\n\n")[0] + "\n    --stop-at-step N: leave the loop after N optimizer steps (a preemption drill)\n")
+    rank = int(os.environ.get("RANK", "0"))
     try:
+        argv, stop_at = _launcher_args(argv)
+        args, overrides = parse_args(argv)
+        _check_launched()
+        quiet_deepspeed()
         config = load_config(args.config, overrides)
         processes = init_distributed(config)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (ConfigError, LaunchError) as e:
+        _say(rank, f"error: {e}", sys.stderr)
         return 2
-    prefix = f"[rank {processes.rank}] " if processes.rank else ""
     try:
         try:
             trainer = build_trainer(config, processes, resume=args.resume)
         except ERRORS as e:
-            print(f"{prefix}error: {e}", file=sys.stderr)
+            _say(processes.rank, f"error: {e}", sys.stderr)
             return 2
         trainer.stop_at_step = stop_at
-        if processes.rank == 0:
-            print(
-                f"model: {trainer.model.num_parameters() / 1e6:.2f}M parameters on this rank, blocks "
-                f"{config.model.block_kinds()}, {model_flops(config).forward_per_token / 1e6:.2f} MFLOPs/token forward; "
-                f"{processes.world_size} processes ({processes.backend}, {processes.device.type}), "
-                f"ZeRO {config.parallel.zero_stage}, expert_parallel {config.parallel.expert_parallel}; "
-                f"run folder {trainer.out_dir}",
-                flush=True,
-            )
+        for change in trainer.resume_changes:
+            _say(processes.rank, f"note: --resume changes {change}", sys.stderr)
+        _say(processes.rank,
+             f"model: {trainer.model.num_parameters() / 1e6:.2f}M parameters on this rank, blocks "
+             f"{config.model.block_kinds()}, {model_flops(config).forward_per_token / 1e6:.2f} MFLOPs/token forward; "
+             f"{processes.world_size} processes ({processes.backend}, {processes.device.type}), "
+             f"ZeRO {config.parallel.zero_stage}, expert_parallel {config.parallel.expert_parallel}; "
+             f"run folder {trainer.out_dir}")
         try:
             trainer.run()
-        except Preempted as e:
-            if processes.rank == 0:
-                print(str(e), flush=True)
+        except Preempted:
+            _say(processes.rank, interrupted_message(trainer, "stopped by --stop-at-step"))
             return 0
-        if processes.rank == 0:
-            print(f"done: run folder {trainer.out_dir}", flush=True)
+        except KeyboardInterrupt:  # every rank stops at the same step (clean_stops); files are whole
+            _say(processes.rank, f"\n{interrupted_message(trainer)}", sys.stderr)
+            return 130
+        _say(processes.rank, f"done: run folder {trainer.out_dir}")
         return 0
     finally:
         if dist.is_initialized():
