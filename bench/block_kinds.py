@@ -17,8 +17,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/common.py, however this is started
-from common import add_model_args, add_routing_switches, apply_routing_switches  # noqa: E402
-from mod_step import COMPILE, Runner  # noqa: E402
+from common import (  # noqa: E402
+    add_model_args,
+    add_routing_switches,
+    apply_routing_switches,
+    gib,
+    kernels_in_use,
+    precision,
+    require_cuda_unless_tiny,
+)
+from mod_step import COMPILE, Runner, check_modes  # noqa: E402
 
 from mode.config import Config, config_from_dict
 from mode.flops import model_flops
@@ -26,7 +34,7 @@ from mode.flops import model_flops
 KINDS = ("dense", "mod", "moe", "mode_staged", "mode_integrated")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=2048)
@@ -35,23 +43,25 @@ def main() -> None:
     parser.add_argument("--noop", type=int, default=8, help="no-op experts of Integrated MoDE")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke run at a small shape")
     parser.add_argument("--modes", nargs="+", choices=list(COMPILE), default=["eager"],
                         help="how the models run: a table for each (CUDA-graph modes on a GPU only)")
     add_routing_switches(parser)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    require_cuda_unless_tiny(parser, args)
+    check_modes(parser, args.modes)
     apply_routing_switches(args)
     if args.tiny:
         args.batch, args.seq, args.width, args.heads, args.layers, args.ffn, args.vocab = 2, 64, 64, 4, 2, 128, 256
         args.experts, args.noop, args.warmup, args.iters = 4, 4, 1, 2
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     card = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    triton = kernels_in_use(device, {"top-k": args.topk, "MoE rows": args.rows,
+                                     "expert choice dispatch": args.expert_choice})
     print(f"card: {card}; B={args.batch} S={args.seq} D={args.width} layers={args.layers} ffn={args.ffn} "
           f"vocab={args.vocab}; pattern [dense, KIND]; {args.experts} experts, expert choice, capacity factor 1; "
-          f"top-k {args.topk}, MoE rows {args.rows}, expert choice dispatch {args.expert_choice}")
+          f"{precision(device)}; {triton}")
     for mode in args.modes:
-        if "CUDA graphs" in mode and device.type != "cuda":
-            raise SystemExit(f"--modes {mode!r} needs a CUDA GPU")
         print(f"\n{mode}\n")
         print("| block kind | fwd+bwd ms | step ms | peak GiB | forward MFLOPs/token | step ms / dense |")
         print("| --- | --- | --- | --- | --- | --- |")
@@ -60,7 +70,7 @@ def main() -> None:
             runner = Runner(kind_config(kind, args), mode, args, device)  # one round of --iters after --warmup
             fwd_bwd_ms, step_ms = statistics.median(runner.fwd_bwd_ms), statistics.median(runner.step_ms)
             dense_ms = dense_ms or step_ms
-            print(f"| {kind} | {fwd_bwd_ms:.2f} | {step_ms:.2f} | {runner.peak_gib:.2f} | "
+            print(f"| {kind} | {fwd_bwd_ms:.2f} | {step_ms:.2f} | {gib(runner.peak_gib)} | "
                   f"{model_flops(runner.model.config).forward_per_token / 1e6:.1f} | {step_ms / dense_ms:.3f} |",
                   flush=True)
             del runner

@@ -29,7 +29,7 @@ from torch import Tensor
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/common.py, however this is started
-from common import timed  # noqa: E402
+from common import precision, require_cuda_unless_tiny, timed  # noqa: E402
 
 from mode.config import config_from_dict
 from mode.model import LanguageModel
@@ -73,7 +73,7 @@ def _top_k_positions_with(kernel: bool, scores: Tensor, k: int) -> Tensor:
         primitives.TOPK_KERNEL = before
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=2048)
@@ -86,7 +86,8 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile the dense and the MoD block (table 1 then has those two rows)")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run at a small shape")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    require_cuda_unless_tiny(parser, args)
     if args.tiny:
         args.batch, args.seq, args.width, args.heads, args.ffn, args.iters = 2, 64, 32, 2, 64, 3
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -142,7 +143,7 @@ def main() -> None:
     card = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     print(f"card: {card}; torch {torch.__version__}; B={args.batch} S={args.seq} D={args.width} heads={args.heads} "
           f"ffn={args.ffn} capacity={args.capacity} (k={k}); {'compiled' if args.compile else 'eager'}, "
-          f"{'bf16 autocast' if device.type == 'cuda' else 'float32'}\n")
+          f"{precision(device)}\n")
     print("| forward+backward | wall ms | kernel ms | kernels |")
     print("| --- | --- | --- | --- |")
     profiles = {}

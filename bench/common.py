@@ -1,5 +1,6 @@
 """What the benchmarks share: the model-shape flags, the GELU MLP, a median timer (CUDA events on
-GPU) and a profiler report (wall time against GPU busy time, top kernels)."""
+GPU), a profiler report (wall time against GPU busy time, top kernels), and the checks and
+header words that say what a run can do on this machine."""
 from __future__ import annotations
 
 import argparse
@@ -10,6 +11,43 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+
+def require_cuda(parser: argparse.ArgumentParser) -> None:
+    """For the scripts that time GPU kernels only: a one-line error, not a traceback from the
+    first CUDA call, when no CUDA GPU is visible."""
+    if not torch.cuda.is_available():
+        parser.error("this benchmark times GPU kernels and needs a CUDA GPU; none is available (it has no CPU mode)")
+
+
+def require_cuda_unless_tiny(parser: argparse.ArgumentParser, args: argparse.Namespace, also: str = "") -> None:
+    """The default shape is a GPU's: on CPU it runs for many minutes, so only --tiny may run there.
+    also: the error's last words (another way the script lets one run on CPU)."""
+    if not args.tiny and not torch.cuda.is_available():
+        parser.error("no CUDA GPU available: the full shape is sized for a GPU (minutes on CPU); "
+                     f"--tiny is the CPU smoke run{also}")
+
+
+def precision(device: torch.device) -> str:
+    """What the timed passes compute in: the scripts autocast to bf16 on CUDA only."""
+    return "bf16 autocast" if device.type == "cuda" else "float32"
+
+
+def kernels_in_use(device: torch.device, switches: dict[str, str]) -> str:
+    """The header's kernel words: each switch as chosen on CUDA; elsewhere PyTorch ops, since
+    mode's Triton kernels run on CUDA only (mode.kernels.use_triton) whatever the switches say."""
+    from mode.kernels import triton_importable
+
+    if device.type != "cuda":
+        return "PyTorch ops (Triton kernels need CUDA)"
+    if not triton_importable():
+        return "PyTorch ops (Triton is not installed)"
+    return ", ".join(f"{name} {choice}" for name, choice in switches.items())
+
+
+def gib(value: float | None) -> str:
+    """A peak-memory cell: GiB, or "-" where none was measured (CPU keeps no allocator peak)."""
+    return "-" if value is None else f"{value:.2f}"
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:

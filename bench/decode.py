@@ -17,7 +17,7 @@ interleaved over --repeats runs (best kept). Prints a markdown table.
 CUDA graph, else "gather"); a dense and a MoD row for each one named, the ratio taken between
 the two models decoded the same way.
 
-    python bench/decode.py --profile [--tiny | --width 128 --heads 4 ...]
+    python bench/decode.py --profile [--tiny | --width 128 --heads 4 ...]   # a GPU, or --device cpu
 
 --profile: instead of timing, runs a few decode steps per model and batch under
 torch.profiler and prints, per decode step and per layer call (dense / routed), the aten
@@ -39,7 +39,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/common.py, however this is started
-from common import add_model_args, sync  # noqa: E402
+from common import add_model_args, require_cuda_unless_tiny, sync  # noqa: E402
 
 from mode.config import Config, config_from_dict
 from mode.generate import DECODE_SDPA_BACKENDS, Decoder
@@ -116,6 +116,15 @@ def decode_run(
     share = (after - before) / (batch * new_tokens * len(routed)) if routed else 1.0
     used = decoder.routed_rows + (" + CUDA graph" if decoder.cuda_graph else "") + (" + compile" if decoder.compile else "")
     return t1 - t0, batch * (new_tokens - 1) / (t3 - t2), share, used
+
+
+def check_device(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--device cuda needs a GPU; on a machine without one only --tiny (or an explicit --device cpu,
+    for a shape of one's own) runs, as the default shape is a GPU's and takes minutes on CPU."""
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA GPU available")
+    if args.device == "auto":
+        require_cuda_unless_tiny(parser, args, " (--device cpu runs the given shape on CPU anyway)")
 
 
 # ----------------------------------------------------------------------------- --profile
@@ -229,7 +238,7 @@ def print_profile(name: str, batch: int, result: dict, cuda: bool) -> None:
         print(f"top operators by GPU time over the {steps} steps:\n{result['kernels']}")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(parser)
     parser.add_argument("--capacity", type=float, default=0.125)
@@ -238,7 +247,9 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--repeats", type=int, default=3, help="interleaved runs per setting; the best is reported")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run at a small shape")
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                        help="auto: CUDA if there is a GPU (CPU with --tiny); without a GPU, anything but --tiny "
+                             "needs --device cpu")
     parser.add_argument("--profile", action="store_true", help="count ops, launches and syncs per decode step instead of timing")
     parser.add_argument("--profile-steps", type=int, default=8)
     parser.add_argument(
@@ -250,7 +261,8 @@ def main() -> None:
         "--routed-rows", nargs="+", default=["auto"], choices=["auto", "gather", "masked"],
         help="how a decode step runs a routed layer (mode.generate.Decoder's routed_rows); one MoD row each",
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    check_device(parser, args)
     if args.tiny:
         args.width, args.heads, args.layers, args.ffn, args.vocab = 64, 4, 4, 128, 256
         args.prompt, args.new_tokens, args.batches, args.repeats = 16, 16, [1, 4], 1

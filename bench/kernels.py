@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/common.py, however this is started
-from common import gpu_busy_ms, timed  # noqa: E402
+from common import gpu_busy_ms, require_cuda, timed  # noqa: E402
 
 from mode.kernels.cross_entropy import cross_entropy_and_grad
 from mode.kernels.gelu import gated_gelu
@@ -72,7 +72,7 @@ def fwd_bwd(fn: Callable[..., object], inputs: list[Tensor], extra: tuple[Tensor
     return run
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=2048)
@@ -82,7 +82,8 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32768, help="loss chunk: 2048 rows of this many logits")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=50)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    require_cuda(parser)  # GPU kernels only: no CPU mode to fall back to
     device = torch.device("cuda")
     tokens = args.batch * args.seq
     qkv = torch.randn(args.batch, args.seq, 3, args.heads, args.head_dim, device=device, dtype=torch.bfloat16, requires_grad=True)

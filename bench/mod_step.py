@@ -30,7 +30,11 @@ from common import (  # noqa: E402
     add_model_args,
     add_routing_switches,
     apply_routing_switches,
+    gib,
+    kernels_in_use,
+    precision,
     profile_report,
+    require_cuda_unless_tiny,
     timed,
     timed_back_to_back,
 )
@@ -65,6 +69,13 @@ def make_config(pattern: list[str], args: argparse.Namespace) -> Config:
 COMPILE = {"eager": None, "eager + CUDA graphs": None, "compiled": {}, "compiled + CUDA graphs": {"mode": "reduce-overhead"}}
 
 
+def check_modes(parser: argparse.ArgumentParser, modes: list[str] | None) -> None:
+    """A CUDA-graph mode named without a GPU is an error, not a mode quietly left out (an empty table)."""
+    for mode in modes or []:
+        if "CUDA graphs" in mode and not torch.cuda.is_available():
+            parser.error(f"--modes {mode!r} needs a CUDA GPU")
+
+
 class Runner:
     """One model, its fused AdamW and a fixed batch: timed forward+backward and whole steps."""
 
@@ -93,7 +104,7 @@ class Runner:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         self.time_round(self.args.warmup)
-        self.peak_gib = (torch.cuda.max_memory_allocated() - base) / 2**30 if device.type == "cuda" else float("nan")
+        self.peak_gib = (torch.cuda.max_memory_allocated() - base) / 2**30 if device.type == "cuda" else None
 
     def fwd_bwd(self) -> None:
         # Fresh gradients each pass, as a training step has (a CUDA-graphed backward owns the
@@ -133,7 +144,7 @@ def measure_pair(dense_cfg: Config, mod_cfg: Config, mode: str, args: argparse.N
     return dense, mod
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=2048)
@@ -155,7 +166,9 @@ def main() -> None:
     parser.add_argument("--router-score", choices=["reduction", "gemv"], default="reduction",
                         help="compiled MoD routers: a product summed over D that the compiler fuses, or a GEMV "
                              "(mode.routing.primitives.ONE_SCORE_REDUCTION)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    require_cuda_unless_tiny(parser, args)
+    check_modes(parser, args.modes)
     apply_routing_switches(args)
     primitives.ONE_SCORE_REDUCTION = args.router_score == "reduction"
     kernels.ENABLED = args.kernels == "triton"
@@ -173,8 +186,11 @@ def main() -> None:
     modes += [] if args.no_compile or args.no_graphs or device.type != "cuda" else ["compiled + CUDA graphs"]
     if args.modes:
         modes = [m for m in modes if m in args.modes]
+    triton = kernels_in_use(device, {"eager kernels": args.kernels, "top-k": args.topk})
     print(f"card: {card}; torch {torch.__version__}; B={args.batch} S={args.seq} D={args.width} "
-          f"layers={args.layers} ffn={args.ffn} vocab={args.vocab} capacity={args.capacity} on every other block, bf16, rows added back with {args.row_add}, eager kernels {args.kernels}, top-k {args.topk}, router score {args.router_score}, depth route {args.depth_route}")
+          f"layers={args.layers} ffn={args.ffn} vocab={args.vocab} capacity={args.capacity} on every other block, "
+          f"{precision(device)}, rows added back with {args.row_add}, {triton}, router score {args.router_score}, "
+          f"depth route {args.depth_route}")
     print(f"analytic forward FLOPs/token: dense {model_flops(dense_cfg).forward_per_token / 1e6:.1f}M, "
           f"MoD {model_flops(mod_cfg).forward_per_token / 1e6:.1f}M, ratio {flop_ratio:.3f}\n")
     print("| mode | model | fwd+bwd ms | step ms (AdamW) | steps back to back ms | peak GiB | fwd+bwd ratio | step ratio "
@@ -189,8 +205,8 @@ def main() -> None:
             torch.cuda.empty_cache()
         (d_fb, d_st, d_b2b, d_peak), (m_fb, m_st, m_b2b, m_peak) = rows["dense"], rows["MoD"]
         fb, st, b2b = m_fb / d_fb, m_st / d_st, m_b2b / d_b2b
-        print(f"| {mode} | dense | {d_fb:.2f} | {d_st:.2f} | {d_b2b:.2f} | {d_peak:.2f} | | | | |")
-        print(f"| {mode} | MoD | {m_fb:.2f} | {m_st:.2f} | {m_b2b:.2f} | {m_peak:.2f} | {fb:.3f} | {st:.3f} | {b2b:.3f} "
+        print(f"| {mode} | dense | {d_fb:.2f} | {d_st:.2f} | {d_b2b:.2f} | {gib(d_peak)} | | | | |")
+        print(f"| {mode} | MoD | {m_fb:.2f} | {m_st:.2f} | {m_b2b:.2f} | {gib(m_peak)} | {fb:.3f} | {st:.3f} | {b2b:.3f} "
               f"| {fb / flop_ratio:.3f} x, {st / flop_ratio:.3f} x, {b2b / flop_ratio:.3f} x |", flush=True)
     profile_modes = [] if args.profile is None else (args.profile or ["eager"])  # bare --profile: eager
     for mode in profile_modes:

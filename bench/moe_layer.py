@@ -53,6 +53,7 @@ from common import (  # noqa: E402
     apply_routing_switches,
     gpu_busy_ms,
     profile_report,
+    require_cuda,
     timed,
     timed_back_to_back,
 )
@@ -189,7 +190,7 @@ def deepspeed_moe(args: argparse.Namespace) -> Callable[[Tensor], Tensor]:
     return run
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=2048)
@@ -215,7 +216,8 @@ def main() -> None:
     parser.add_argument("--router", choices=["bf16", "fp32"], default="bf16",
                         help="bf16: float32 scores from a bf16 GEMM; fp32: from a float32 copy of x "
                              "(mode.routing.primitives.HALF_ROUTER)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    require_cuda(parser)  # GPU kernels only: no CPU mode to fall back to
     apply_routing_switches(args)
     primitives.HALF_ROUTER = args.router == "bf16"
     global UPSTREAM

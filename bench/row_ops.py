@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/common.py, however this is started
-from common import timed  # noqa: E402
+from common import require_cuda, timed  # noqa: E402
 
 
 def row(name: str, fn: Callable[[], object], device: torch.device) -> None:
@@ -33,10 +33,11 @@ def row(name: str, fn: Callable[[], object], device: torch.device) -> None:
         print(f"| {name} | not run: {str(e).splitlines()[0][:90]} |")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--bandwidth", type=float, default=4.8, help="the card's memory bandwidth in TB/s (H200 4.8, H100 3.35)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    require_cuda(parser)  # GPU kernels only: no CPU mode to fall back to
     device = torch.device("cuda")
     torch.manual_seed(0)
     tokens, width, experts, seq = 16384, 1024, 8, 2048

@@ -262,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = None
     try:
         fixed = ["--train.progress=false", "--train.max_steps=1000000"]
-        fixed.append(f"--parallel.expert_parallel={args.ep or processes.world_size}")
+        if config.model.has_experts():  # ep shards experts; a model without them keeps 1
+            fixed.append(f"--parallel.expert_parallel={args.ep or processes.world_size}")
         if args.batch is not None:
             fixed.append(f"--train.batch_size={args.batch}")
         if args.zero_stage is not None:

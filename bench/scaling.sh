@@ -80,7 +80,7 @@ import sys
 from pathlib import Path
 
 log_dir, card, gpus, impls = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4].split()
-rows, context = {}, {}
+rows, contexts = {}, {}  # contexts: label -> {process count: that run's description line}
 for log in sorted(log_dir.glob("run_*.log")):
     for line in log.read_text(errors="replace").splitlines():
         m = re.match(r"^\| (\S+) \| (\d+) \| ([\d,]+) \| ([\d.]+) \| ([^|]*) \|$", line)
@@ -90,10 +90,25 @@ for log in sorted(log_dir.glob("run_*.log")):
             parts = [p.strip() for p in line.strip("|").split("|")]
             rows.setdefault((parts[0], int(parts[1])), parts[2])  # a failed or skipped run
         elif line.startswith("# ") and not line.startswith("# step ms"):
-            context.setdefault(line.split(":", 1)[0][2:], line[2:])
+            n = int(log.stem.rsplit("_", 1)[1])  # run_<impl>_<n>.log
+            contexts.setdefault(line.split(":", 1)[0][2:], {})[n] = line[2:]
+
+
+def described(label: str) -> list[str]:
+    """The runs of one impl: one line where they differ only in the process count (written N),
+    else one line per count; every count's run is described, not only the first's."""
+    by_count = contexts[label]
+    general = {re.sub(rf"\bep {n}\b", "ep N", line.replace(f" x {n} (", " x N (")) for n, line in by_count.items()}
+    if len(by_count) == 1:
+        return [f"- {line}" for line in by_count.values()]
+    if len(general) == 1:
+        return [f"- {general.pop()}; N: the row's process count ({', '.join(map(str, sorted(by_count)))})"]
+    return [f"- {n} process{'es' if n > 1 else ''}, {line}" for n, line in sorted(by_count.items())]
+
+
 counts = sorted({n for _, n in rows})
 out = [f"## Training throughput, expert parallelism = GPUs, fixed tokens per GPU: {card} ({gpus} visible)", ""]
-out += [f"- {context[i]}" for i in impls if i in context]
+out += [line for i in impls if i in contexts for line in described(i)]
 out += ["", "| impl | GPUs | tokens/s | ms/step | peak GiB | speedup vs 1 GPU | efficiency |",
         "| --- | --- | --- | --- | --- | --- | --- |"]
 for impl in impls:
@@ -120,7 +135,7 @@ if pairs:
             fb = f"{rb[0] / 1e6:.3f}" if isinstance(rb, tuple) else "-"
             ratio = f"{ra[0] / rb[0]:.2f} x" if isinstance(ra, tuple) and isinstance(rb, tuple) else "-"
             out.append(f"| {n} | {a} | {fa} | {b} | {fb} | {ratio} |")
-out += ["", "Targets (issue 4): >= 1.8 x at 2 GPUs and >= 3.4 x at 4 GPUs; mode / deepspeed >= 1.5 x."]
+out += ["", "Targets: speedup >= 1.8 x at 2 GPUs and >= 3.4 x at 4 GPUs; mode / deepspeed >= 1.5 x."]
 text = "\n".join(out) + "\n"
 (log_dir / "table.md").write_text(text)
 print("\n" + text)

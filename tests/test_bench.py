@@ -3,19 +3,25 @@
 Timings are never asserted (a test is not a benchmark); what is checked is that each script
 still runs against the library as it is now and prints every row it promises, with positive
 numbers. bench/moe_layer.py, bench/row_ops.py and bench/kernels.py measure GPU kernels only
-and have no CPU mode.
+and have no CPU mode. Also checked: what each script refuses without a GPU (a one-line error,
+exit 2, not a traceback nor a GPU-sized run on CPU), and that the CPU headers say what runs there.
 """
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import re
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 180  # seconds per script (each takes a few seconds on 2 cores)
+CUDA = torch.cuda.is_available()
 
 
 def run(*args: str) -> str:
@@ -38,6 +44,81 @@ def number(cell: str) -> float:
     return float(re.sub(r"[, x]", "", cell))
 
 
+def header(text: str) -> str:
+    """The line that says what ran: the card, the shape, the precision and the kernels."""
+    return next(line for line in text.splitlines() if line.startswith("card: "))
+
+
+def check_cpu_header(text: str) -> None:
+    """Without CUDA the scripts run float32 PyTorch ops: the header must not claim bf16 or Triton."""
+    line = header(text)
+    if CUDA:
+        assert "bf16 autocast" in line, line
+    else:
+        assert "float32" in line and "PyTorch ops (Triton kernels need CUDA)" in line, line
+        assert "bf16" not in line and "triton" not in line, line
+
+
+def bench_module(name: str) -> ModuleType:
+    """bench/<name>.py imported in this process (its main then takes argv), sys.path as before:
+    the scripts put bench/ on it for their own imports."""
+    path = list(sys.path)
+    try:
+        spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path[:] = path
+
+
+def refusal(name: str, argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """The one-line error bench/<name>.py stops with, before any work (exit 2, as argparse's)."""
+    with pytest.raises(SystemExit) as stop:
+        bench_module(name).main(argv)
+    assert stop.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert ": error: " in last, last  # argparse's prog: here pytest's, not the script's name
+    return last
+
+
+@pytest.mark.parametrize("name", ["moe_layer", "kernels", "row_ops"])
+def test_gpu_only_scripts_need_cuda(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """The GPU-kernel benchmarks stop at once without CUDA (not at their first CUDA call)."""
+    if CUDA:  # the check lets a GPU run through (the benchmark itself is not run here)
+        bench_module("common").require_cuda(argparse.ArgumentParser())
+        return
+    assert "needs a CUDA GPU" in refusal(name, [], capsys)
+
+
+@pytest.mark.parametrize("name", ["mod_step", "block_kinds", "block_profile", "decode"])
+def test_full_shape_needs_cuda_or_tiny(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Without CUDA the GPU-sized default shape is refused (minutes on CPU); --tiny is named instead."""
+    if CUDA:
+        bench_module("common").require_cuda_unless_tiny(argparse.ArgumentParser(), argparse.Namespace(tiny=False))
+        return
+    message = refusal(name, [], capsys)
+    assert "sized for a GPU" in message and "--tiny is the CPU smoke run" in message, message
+
+
+def test_decode_device_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    """decode.py --device cpu runs a shape of one's own on CPU; --device cuda needs a GPU."""
+    decode = bench_module("decode")
+    decode.check_device(argparse.ArgumentParser(), argparse.Namespace(device="cpu", tiny=False))
+    if not CUDA:
+        assert "--device cuda: no CUDA GPU" in refusal("decode", ["--device", "cuda"], capsys)
+
+
+@pytest.mark.parametrize("name", ["mod_step", "block_kinds"])
+def test_cuda_graph_modes_need_cuda(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """--modes 'eager + CUDA graphs' without a GPU is an error, not an empty table."""
+    if CUDA:
+        bench_module("mod_step").check_modes(argparse.ArgumentParser(), ["eager + CUDA graphs"])
+        return
+    message = refusal(name, ["--tiny", "--modes", "eager", "eager + CUDA graphs"], capsys)
+    assert "--modes 'eager + CUDA graphs' needs a CUDA GPU" in message, message
+
+
 PROFILE_LINE = re.compile(r"### (.+): (\d+) passes under the profiler, ([\d.]+) ms wall per pass, GPU busy")
 
 
@@ -51,12 +132,17 @@ def test_mod_step_tiny() -> None:
     assert all(float(r[2]) > 0 for r in reports)
     assert all(number(r[2]) > 0 and number(r[3]) > 0 and number(r[4]) > 0 for r in rows)  # fwd+bwd, step, back to back ms
     assert all(number(v) > 0 for v in rows[1][6:9])  # the MoD / dense ratios
+    check_cpu_header(out)
+    assert all((number(r[5]) > 0) if CUDA else r[5] == "-" for r in rows)  # peak GiB: none measured on CPU
 
 
 def test_block_kinds_tiny() -> None:
-    rows = table_rows(run("bench/block_kinds.py", "--tiny"))
+    out = run("bench/block_kinds.py", "--tiny")
+    rows = table_rows(out)
     assert [r[0] for r in rows] == ["dense", "mod", "moe", "mode_staged", "mode_integrated"]
     assert all(number(r[1]) > 0 and number(r[2]) > 0 for r in rows)
+    check_cpu_header(out)
+    assert all((number(r[3]) > 0) if CUDA else r[3] == "-" for r in rows)  # peak GiB
     assert number(rows[0][5]) == 1.0  # step time against dense: dense itself
 
 

@@ -128,9 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         argv, stop_at = _launcher_args(argv)
         args, overrides = parse_args(argv)
+        config = load_config(args.config, overrides)
         _check_launched()
         quiet_deepspeed()
-        config = load_config(args.config, overrides)
         processes = init_distributed(config)
     except (ConfigError, LaunchError) as e:
         _say(rank, f"error: {e}", sys.stderr)
