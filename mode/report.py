@@ -3,11 +3,13 @@
     python -m mode.report runs/mod-c0.125 runs/mod-c0.25 runs/dense [--out reports/capacity]
 
 For each run: the config fields in which the runs differ (the ablation's variables), its
-parameters and forward FLOPs per token, training FLOPs so far, the last train loss, the last
-and best validation losses, and the validation loss at the largest FLOP budget every run
-reached (isoFLOP, interpolated between evaluations), the median tokens/s, and its routed
-layers' averages at the last evaluation (share processed, share sent to no-op experts, share
-dropped). Runs are compared at equal training compute, as the Mixture-of-Depths paper does.
+parameters and forward FLOPs per token, tokens per optimizer step (over every process, so runs
+of equal global batch read equal whatever their process count), training FLOPs so far, the
+last train loss, the last and best validation losses, and the validation loss at the largest
+FLOP budget every run reached (isoFLOP, interpolated between evaluations), the median
+tokens/s, and its routed layers' averages at the last evaluation (share processed, share sent
+to no-op experts, share dropped). Runs are compared at equal training compute, as the
+Mixture-of-Depths paper does.
 
 Prints the table (Markdown). With --out it also writes report.md, report.json and
 val_loss_vs_flops.png there, each written whole (temporary file, then rename). A run still in
@@ -160,6 +162,8 @@ def summarize(run: Run, budget: float | None) -> dict[str, Any]:
         "parameters": parameter_count(run.config),
         "forward_flops_per_token": model_flops(run.config).forward_per_token,
         "steps": max((r["step"] for r in run.train + run.evals), default=0),
+        # every process's micro-batches: equal global batches show equal, whatever the process count
+        "tokens_per_step": run.train[-1]["tokens"] // run.train[-1]["step"] if run.train and "tokens" in run.train[-1] else None,
         "train_flops": flops_so_far,
         "train_loss": run.train[-1]["loss"] if run.train else None,
         "val_loss": last_eval["val_loss"] if last_eval else None,
@@ -186,14 +190,15 @@ def _value(value: Any) -> str:
 
 def markdown_table(runs: list[Run], rows: list[dict[str, Any]], fields: list[str], budget: float | None) -> str:
     """The report: the differing fields, then one line a run."""
-    header = ["run", *fields, "params", "fwd FLOPs/token", "steps", "train FLOPs", "train loss",
+    header = ["run", *fields, "params", "fwd FLOPs/token", "steps", "tokens/step", "train FLOPs", "train loss",
               "val loss", "best val", f"val @ {_number(budget)} FLOPs", "tokens/s", "processed", "no-op", "dropped"]
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for run, row in zip(runs, rows):
         flat = flat_fields(run.config.to_dict())
         routing = row["routing"]
         cells = [row["run"], *(_value(flat.get(f)) for f in fields), _number(row["parameters"]),
-                 _number(row["forward_flops_per_token"]), str(row["steps"]), _number(row["train_flops"]),
+                 _number(row["forward_flops_per_token"]), str(row["steps"]), _number(row["tokens_per_step"]),
+                 _number(row["train_flops"]),
                  _number(row["train_loss"]), _number(row["val_loss"]), _number(row["best_val_loss"]),
                  _number(row["val_loss_at_budget"]), _number(row["tokens_per_s"], 0),
                  _number(routing.get("processed"), 3), _number(routing.get("noop_fraction"), 3),
