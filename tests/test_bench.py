@@ -125,7 +125,9 @@ PROFILE_LINE = re.compile(r"### (.+): (\d+) passes under the profiler, ([\d.]+) 
 def test_mod_step_tiny() -> None:
     out = run("bench/mod_step.py", "--tiny", "--profile")
     rows = table_rows(out)
-    assert [r[:2] for r in rows] == [["eager", "dense"], ["eager", "MoD"]]
+    # --tiny turns compile off; on CUDA the eager model is also timed as CUDA graphs
+    modes = ["eager", "eager + CUDA graphs"] if CUDA else ["eager"]
+    assert [r[:2] for r in rows] == [[mode, model] for mode in modes for model in ("dense", "MoD")]
     # --profile: one report per model, with its wall time per pass
     reports = PROFILE_LINE.findall(out)
     assert [r[0] for r in reports] == ["dense, eager forward+backward", "MoD, eager forward+backward"]
@@ -133,7 +135,7 @@ def test_mod_step_tiny() -> None:
     assert all(number(r[2]) > 0 and number(r[3]) > 0 and number(r[4]) > 0 for r in rows)  # fwd+bwd, step, back to back ms
     assert all(number(v) > 0 for v in rows[1][6:9])  # the MoD / dense ratios
     check_cpu_header(out)
-    assert all((number(r[5]) > 0) if CUDA else r[5] == "-" for r in rows)  # peak GiB: none measured on CPU
+    assert all((number(r[5]) >= 0) if CUDA else r[5] == "-" for r in rows)  # peak GiB (a tiny model's may read 0.00); none on CPU
 
 
 def test_block_kinds_tiny() -> None:
@@ -142,7 +144,7 @@ def test_block_kinds_tiny() -> None:
     assert [r[0] for r in rows] == ["dense", "mod", "moe", "mode_staged", "mode_integrated"]
     assert all(number(r[1]) > 0 and number(r[2]) > 0 for r in rows)
     check_cpu_header(out)
-    assert all((number(r[3]) > 0) if CUDA else r[3] == "-" for r in rows)  # peak GiB
+    assert all((number(r[3]) >= 0) if CUDA else r[3] == "-" for r in rows)  # peak GiB (0.00 for tiny models on a GPU)
     assert number(rows[0][5]) == 1.0  # step time against dense: dense itself
 
 
@@ -154,7 +156,7 @@ def test_decode_tiny() -> None:
 
 def test_scaling_tiny_on_two_gloo_processes() -> None:
     out = run("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "bench/scaling.py", "--tiny",
-              "--profile", "1")
+              "--profile", "1", "--train.device=cpu")  # CPU even where a GPU is (a one-GPU machine has no rank 1)
     rows = table_rows(out)
     assert len(rows) == 1 and rows[0][:2] == ["mode", "2"], out
     assert PROFILE_LINE.findall(out)[0][:2] == ("training steps on rank 0 of 2", "1")  # --profile 1: rank 0 only
@@ -166,7 +168,7 @@ def test_block_profile_tiny_compiled() -> None:
     out = run("bench/block_profile.py", "--tiny", "--compile", "--top", "2")
     rows = table_rows(out)
     assert [r[0] for r in rows[:2]] == ["dense block", "MoD block"] and rows[2][0].startswith("top-k"), out
-    assert "; compiled, float32" in out
+    assert ("; compiled, bf16 autocast" if CUDA else "; compiled, float32") in out
     assert all(number(r[1]) > 0 and number(r[2]) > 0 and number(r[3]) > 0 for r in rows[:2])
 
 
