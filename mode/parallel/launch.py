@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from typing import NoReturn
 
 import torch
@@ -30,6 +31,8 @@ from mode.train import LaunchedStep, Trainer, build_model, interrupted_message, 
 ERRORS = (ConfigError, DataError, FileExistsError, FileNotFoundError)
 # Variables a launcher (torchrun, deepspeed, mpirun) sets in each process it starts.
 LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+# How long a rank other than 0 waits before leaving on an error rank 0 reports (_fail).
+ERROR_GRACE_S = 5.0
 
 
 class LaunchError(ValueError):
@@ -120,6 +123,15 @@ def _say(rank: int, text: str, stream=sys.stdout) -> None:
         stream.flush()
 
 
+def _fail(rank: int, error: Exception) -> int:
+    """An error every rank meets: rank 0 prints it. The others wait before they exit, since the
+    launcher stops every process once one has failed, and rank 0 must have printed by then."""
+    _say(rank, f"error: {error}", sys.stderr)
+    if rank != 0:
+        time.sleep(ERROR_GRACE_S)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if {"-h", "--help"} & set(argv):
@@ -133,14 +145,12 @@ def main(argv: list[str] | None = None) -> int:
         quiet_deepspeed()
         processes = init_distributed(config)
     except (ConfigError, LaunchError) as e:
-        _say(rank, f"error: {e}", sys.stderr)
-        return 2
+        return _fail(rank, e)
     try:
         try:
             trainer = build_trainer(config, processes, resume=args.resume)
         except ERRORS as e:
-            _say(processes.rank, f"error: {e}", sys.stderr)
-            return 2
+            return _fail(processes.rank, e)
         trainer.stop_at_step = stop_at
         for change in trainer.resume_changes:
             _say(processes.rank, f"note: --resume changes {change}", sys.stderr)
