@@ -338,9 +338,13 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     return out
 
 
-def config_from_dict(raw: dict[str, Any], source: str = "<dict>", overrides: Sequence[str] = ()) -> Config:
+def _require_mapping(raw: Any, source: str) -> None:
     if not isinstance(raw, dict):
         raise ConfigError(f"invalid config {source}: the top level must be a mapping of sections")
+
+
+def config_from_dict(raw: dict[str, Any], source: str = "<dict>", overrides: Sequence[str] = ()) -> Config:
+    _require_mapping(raw, source)
     try:
         return Config.model_validate(raw)
     except ValidationError as e:
@@ -360,8 +364,7 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
             raw = yaml.safe_load(p.read_text()) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {p} is not valid YAML: {e}") from e
-    if not isinstance(raw, dict):
-        raise ConfigError(f"invalid config {source}: the top level must be a mapping of sections")
+    _require_mapping(raw, source)  # before the overrides go into it
     raw = apply_overrides(raw, overrides or [])
     return config_from_dict(raw, source, overrides or [])
 

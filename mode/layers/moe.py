@@ -66,10 +66,8 @@ class MoEFFN(nn.Module):
         """Whether a pass on tokens like x reads routing results on the host (so no CUDA graph can
         capture it): token choice sorted by expert with host counts, that is dropless (or under
         causal routing) except by ends on the torch backend, or on a grouped backend."""
-        if isinstance(self.router, ExpertChoiceRouter) and not self.router.causal_mode:
-            return False
         if isinstance(self.router, ExpertChoiceRouter):
-            return True  # causal decisions: variable counts
+            return self.router.causal_mode  # causal decisions: variable counts
         if self.experts.backend != "torch":
             return True
         dropless = self.router.dropless or self.router.causal_mode

@@ -802,7 +802,8 @@ def dropless_rows(slots: Tensor, positions: Tensor, n_experts: int, x: Tensor
     counting sort) instead of about 17 PyTorch ops. Without it (torch.compile) the gather's backward
     and the combine read every row: computed (N,) bool is returned for the experts to mask with."""
     tokens, top_k = slots.shape
-    if _rows_kernel_applies(x):
+    inverse_map = _rows_kernel_applies(x)
+    if inverse_map:
         from mode.kernels import sort_rows
 
         if sort_rows.fits(slots.numel(), n_experts):
@@ -810,7 +811,7 @@ def dropless_rows(slots: Tensor, positions: Tensor, n_experts: int, x: Tensor
             return ExpertRows(ids, tokens, inverse), gate_index, ends, None
     order, computed, ends = sort_all_by_expert(slots, positions, n_experts)
     gate_index = torch.where(computed, order, slots.numel())
-    if _rows_kernel_applies(x):
+    if inverse_map:
         return rows_by_slot(order // top_k, order % top_k, top_k, x, computed), gate_index, ends, None
     return ExpertRows(order // top_k, tokens, None), gate_index, ends, computed
 
