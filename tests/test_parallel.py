@@ -10,7 +10,8 @@ and losses in another order (all-reduce, all-to-all, accumulation), so they agre
 rounding. At step 1 (identical weights) that is all: FIRST_RTOL. Later, routing is
 discontinuous (top-k) and routers start near ties, so a rounding-level difference in the
 weights can flip one token's route: observed, up to 3e-6 relative on the loss and 6e-5 on
-the gradient norm over 6 steps; LOSS_RTOL and NORM_RTOL allow 30x that. A parallelism
+the gradient norm over 6 steps; LOSS_RTOL and NORM_RTOL allow 30x that (compiled runs and
+the step-1 gradient norm have their own, wider: see COMPILED_LOSS_RTOL). A parallelism
 error (a missed or doubled reduction, a misplaced expert, a lost token) moves them by 1e-2
 or more, from step 1.
 """
@@ -37,7 +38,14 @@ from mode.train import CHECKPOINT, METRICS, Trainer, load_checkpoint_file
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH_TIMEOUT = 240  # seconds per 2-process launch (the first one may build DeepSpeed's CPU comm op)
 FIRST_RTOL = 1e-5
+# The gradient norm at step 1 sums every gradient's square in another order when the batch is
+# split: compiled on a 16-core H100 host it read 1.02e-5 relative from the one-process run.
+FIRST_NORM_RTOL = 3e-5
 LOSS_RTOL = 1e-4
+# Compiled: Inductor's CPU kernels for the per-process batch and for the doubled batch round
+# differently, and on a 16-core H100 host (not on CI's) the loss at step 3 read 1.8e-4 relative
+# from the one-process run, the step-1 gradient norm 1.02e-5. Still 10x under a parallelism error.
+COMPILED_LOSS_RTOL = 1e-3
 NORM_RTOL = 2e-3
 STEPS = 6
 WORLD = 2
@@ -107,20 +115,26 @@ def single_process(raw: dict[str, Any], out_dir: Path, world: int = WORLD) -> Pa
     return out_dir
 
 
-def assert_same_curves(reference: Path, distributed: Path, steps: range) -> None:
+def relative_tolerance(step: int, key: str, loss_rtol: float) -> float:
+    if key == "grad_norm":
+        return FIRST_NORM_RTOL if step == 1 else max(NORM_RTOL, loss_rtol)
+    return FIRST_RTOL if step == 1 else loss_rtol
+
+
+def assert_same_curves(reference: Path, distributed: Path, steps: range, loss_rtol: float = LOSS_RTOL) -> None:
     (ref_train, ref_val), (dist_train, dist_val) = records(reference), records(distributed)
     for step in steps:
         for key in ("loss", "lm_loss", "aux_loss", "grad_norm"):
-            rtol = FIRST_RTOL if step == 1 else NORM_RTOL if key == "grad_norm" else LOSS_RTOL
+            rtol = relative_tolerance(step, key, loss_rtol)
             # The auxiliary loss is ~1e-3 of the objective and is where one flipped route shows
             # most (a z-loss over another set of chosen tokens: seen 1.5e-3 relative, 2.5e-6
             # absolute, in Staged MoDE). After step 1 it is judged on the objective's scale;
             # at step 1, where no route can have flipped, it is held to FIRST_RTOL.
-            atol = LOSS_RTOL * ref_train[step]["loss"] if key == "aux_loss" and step > 1 else 1e-7
+            atol = loss_rtol * ref_train[step]["loss"] if key == "aux_loss" and step > 1 else 1e-7
             assert dist_train[step][key] == pytest.approx(ref_train[step][key], rel=rtol, abs=atol), (step, key)
     assert set(dist_val) == set(ref_val)
     for step in ref_val:
-        assert dist_val[step]["val_loss"] == pytest.approx(ref_val[step]["val_loss"], rel=LOSS_RTOL), step
+        assert dist_val[step]["val_loss"] == pytest.approx(ref_val[step]["val_loss"], rel=loss_rtol), step
     assert_same_routing(ref_train[1]["routing"], dist_train[1]["routing"])
 
 
@@ -255,7 +269,8 @@ def expert_parallel_run(name: str, corpus: Path, tmp_path_factory, cache: dict) 
 def test_expert_parallel_equals_one_process_holding_every_expert(name, corpus, tmp_path_factory, expert_runs):
     run = expert_parallel_run(name, corpus, tmp_path_factory, expert_runs)
     reference = single_process(run["raw"], run["tmp"] / "single")
-    assert_same_curves(reference, run["dir"], range(1, STEPS + 1))
+    compiled = run["raw"]["train"].get("compile", False)
+    assert_same_curves(reference, run["dir"], range(1, STEPS + 1), COMPILED_LOSS_RTOL if compiled else LOSS_RTOL)
 
 
 def test_expert_parallel_checkpoint_loads_on_one_device(corpus, tmp_path_factory, expert_runs):
@@ -392,3 +407,21 @@ def test_launcher_exits_with_mains_code_and_its_output_written(tmp_path: Path) -
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     assert "error:" in proc.stderr and "missing.yaml" in proc.stderr
+
+
+def test_a_cpu_run_takes_deepspeeds_cpu_accelerator(monkeypatch) -> None:
+    """DeepSpeed picks its CUDA accelerator whenever a GPU is visible, and binds a CPU run over gloo
+    to cuda:<local_rank> (on a one-GPU machine rank 1 failed: cuda:1 out of range). The run's
+    device decides: here DeepSpeed is made to hold its CUDA accelerator, as on a GPU machine."""
+    import deepspeed.accelerator.real_accelerator as real
+    from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
+
+    from mode.parallel.engine import match_accelerator
+
+    monkeypatch.setattr(real, "ds_accelerator", CUDA_Accelerator())
+    assert real.get_accelerator().device_name() == "cuda"
+    match_accelerator("cpu")
+    assert real.get_accelerator().device_name() == "cpu"
+    assert real.get_accelerator().communication_backend_name() == "gloo"
+    match_accelerator("cuda")
+    assert real.get_accelerator().device_name() == "cuda"

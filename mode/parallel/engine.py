@@ -86,9 +86,29 @@ def init_distributed(config: Config) -> Processes:
         torch.cuda.set_device(local_rank)
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     backend = resolve_backend(config.parallel.backend, device.type)
+    match_accelerator(device.type)
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend=backend)
     return Processes(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
+
+
+def match_accelerator(device_type: str) -> None:
+    """DeepSpeed's accelerator for this run's device. DeepSpeed picks CUDA whenever a GPU is visible,
+    and then binds the process group and the engine to cuda:<local_rank>, even for a CPU run over gloo
+    (on a one-GPU machine rank 1 failed: cuda:1 out of range). A CPU run takes its CPU accelerator,
+    as on a machine without a GPU."""
+    from deepspeed.accelerator import get_accelerator, set_accelerator
+
+    if get_accelerator().device_name() == device_type:
+        return
+    if device_type == "cpu":
+        from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+        set_accelerator(CPU_Accelerator())
+    else:
+        from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
+
+        set_accelerator(CUDA_Accelerator())
 
 
 def quiet_deepspeed(level: int = logging.WARNING) -> None:
@@ -153,6 +173,7 @@ class DeepSpeedOptimization:
         self.clip_here = clips_itself(config, processes.device.type)
         self.ds_config = deepspeed_config(config, processes.world_size, processes.device.type)
         self.optimizer = build_optimizer(model, config, processes.device.type)
+        match_accelerator(processes.device.type)
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=self.optimizer, config=self.ds_config)
         # DeepSpeed's ZeRO 0 "all-reduce" on one process flattens every gradient into buckets,
         # averages over a group of one and copies back: an identity that cost about 3 ms a step
