@@ -164,6 +164,7 @@ def summarize(run: Run, budget: float | None) -> dict[str, Any]:
         "steps": max((r["step"] for r in run.train + run.evals), default=0),
         # every process's micro-batches: equal global batches show equal, whatever the process count
         "tokens_per_step": run.train[-1]["tokens"] // run.train[-1]["step"] if run.train and "tokens" in run.train[-1] else None,
+        "processes": run.train[-1].get("processes") if run.train else None,  # None: a run logged before it was recorded
         "train_flops": flops_so_far,
         "train_loss": run.train[-1]["loss"] if run.train else None,
         "val_loss": last_eval["val_loss"] if last_eval else None,
@@ -190,7 +191,7 @@ def _value(value: Any) -> str:
 
 def markdown_table(runs: list[Run], rows: list[dict[str, Any]], fields: list[str], budget: float | None) -> str:
     """The report: the differing fields, then one line a run."""
-    header = ["run", *fields, "params", "fwd FLOPs/token", "steps", "tokens/step", "train FLOPs", "train loss",
+    header = ["run", *fields, "params", "fwd FLOPs/token", "steps", "tokens/step", "processes", "train FLOPs", "train loss",
               "val loss", "best val", f"val @ {_number(budget)} FLOPs", "tokens/s", "processed", "no-op", "dropped"]
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for run, row in zip(runs, rows):
@@ -198,7 +199,7 @@ def markdown_table(runs: list[Run], rows: list[dict[str, Any]], fields: list[str
         routing = row["routing"]
         cells = [row["run"], *(_value(flat.get(f)) for f in fields), _number(row["parameters"]),
                  _number(row["forward_flops_per_token"]), str(row["steps"]), _number(row["tokens_per_step"]),
-                 _number(row["train_flops"]),
+                 _number(row["processes"]), _number(row["train_flops"]),
                  _number(row["train_loss"]), _number(row["val_loss"]), _number(row["best_val_loss"]),
                  _number(row["val_loss_at_budget"]), _number(row["tokens_per_s"], 0),
                  _number(routing.get("processed"), 3), _number(routing.get("noop_fraction"), 3),

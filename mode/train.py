@@ -782,6 +782,7 @@ class Trainer:
         step = launched.state.step
         record = {"step": step, "tokens": launched.state.tokens, "flops": launched.state.flops, **metrics}
         record["tokens_per_s"] = self.window_tokens / max(self.window_seconds, 1e-9)
+        record["processes"] = self.world_size  # tokens and tokens_per_s count every process's
         self.bar.update(1)
         self.bar.set_postfix_str(self._progress_text(record))
         if step % t.log_interval == 0 or step == t.max_steps:

@@ -173,6 +173,7 @@ def test_data_parallel_equals_one_process_with_the_doubled_batch(data_parallel):
     assert_same_curves(reference, data_parallel["dir"], range(1, STEPS + 1))
     train, _ = records(data_parallel["dir"])
     assert train[STEPS]["tokens"] == STEPS * 2 * 2 * WORLD * 32  # grad_accum * batch * world * seq
+    assert train[STEPS]["processes"] == WORLD and records(reference)[0][STEPS]["processes"] == 1
 
 
 def test_stop_after_checkpoint_and_resume_continues_the_run(data_parallel):

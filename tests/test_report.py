@@ -49,6 +49,7 @@ def test_report_of_two_runs(tmp_path: Path, corpus: Path) -> None:
         assert row["best_val_loss"] == min(r["val_loss"] for r in run_evals)
         assert row["steps"] == 4
         assert row["tokens_per_step"] == 2 * 32  # batch 2 x seq 32, one process
+        assert row["processes"] == 1
         assert row["parameters"] == LanguageModel(load_run(Path(row["path"])).config).num_parameters()
         assert 0 < row["routing"]["processed"] < 1
     at_budget = {row["run"]: row["val_loss_at_budget"] for row in summary["runs"]}
