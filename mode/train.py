@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import math
 import sys
@@ -27,7 +28,7 @@ from mode.flops import model_flops
 from mode.layers.moe import MoEFFN
 from mode.model import LanguageModel, ModelOutput
 from mode.routing import Routing, TokenChoiceRouting, token_mask
-from mode.utils import atomic_torch_save, atomic_write_text, pick_device
+from mode.utils import atomic_torch_save, atomic_write_bytes, atomic_write_text, pick_device
 
 CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.jsonl"
@@ -874,11 +875,11 @@ def plot_losses(run_dir: Path) -> Path:
     ax.set_title(run_dir.name)
     ax.legend()
     fig.tight_layout()
-    target = run_dir / "loss_vs_flops.png"
-    tmp = run_dir / ".loss_vs_flops.png.tmp"
-    fig.savefig(tmp, format="png", dpi=100)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=100)
     plt.close(fig)
-    tmp.replace(target)
+    target = run_dir / "loss_vs_flops.png"
+    atomic_write_bytes(target, png.getvalue())
     return target
 
 
