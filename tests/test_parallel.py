@@ -10,8 +10,8 @@ and losses in another order (all-reduce, all-to-all, accumulation), so they agre
 rounding. At step 1 (identical weights) that is all: FIRST_RTOL. Later, routing is
 discontinuous (top-k) and routers start near ties, so a rounding-level difference in the
 weights can flip one token's route: observed, up to 3e-6 relative on the loss and 6e-5 on
-the gradient norm over 6 steps; LOSS_RTOL and NORM_RTOL allow 30x that (compiled runs and
-the step-1 gradient norm have their own, wider: see COMPILED_LOSS_RTOL). A parallelism
+the gradient norm over 6 steps; LOSS_RTOL and NORM_RTOL allow 30x that (the step-1 gradient
+norm and compiled runs after step 1 have their own, wider: see COMPILED_LOSS_RTOL). A parallelism
 error (a missed or doubled reduction, a misplaced expert, a lost token) moves them by 1e-2
 or more, from step 1.
 """
@@ -42,11 +42,14 @@ FIRST_RTOL = 1e-5
 # split: compiled on a 16-core H100 host it read 1.02e-5 relative from the one-process run.
 FIRST_NORM_RTOL = 3e-5
 LOSS_RTOL = 1e-4
-# Compiled: Inductor's CPU kernels for the per-process batch and for the doubled batch round
-# differently, and on a 16-core H100 host (not on CI's) the loss at step 3 read 1.8e-4 relative
-# from the one-process run, the step-1 gradient norm 1.02e-5. Still 10x under a parallelism error.
-COMPILED_LOSS_RTOL = 1e-3
 NORM_RTOL = 2e-3
+# Compiled, after step 1: Inductor's CPU kernels for the per-process batch and for the doubled
+# batch round differently. On a 16-core H100 host (not on CI's 2 cores) the comparison came out
+# differently in each of three runs (one passed): the step-3 loss up to
+# 1.8e-4 and the step-3 gradient norm 2.1e-3 relative from the one-process run (the step-1
+# gradient norm 1.02e-5). Step 1 is held to FIRST_RTOL / FIRST_NORM_RTOL as in every case.
+COMPILED_LOSS_RTOL = 1e-3
+COMPILED_NORM_RTOL = 1e-2
 STEPS = 6
 WORLD = 2
 
@@ -115,17 +118,18 @@ def single_process(raw: dict[str, Any], out_dir: Path, world: int = WORLD) -> Pa
     return out_dir
 
 
-def relative_tolerance(step: int, key: str, loss_rtol: float) -> float:
+def relative_tolerance(step: int, key: str, loss_rtol: float, norm_rtol: float) -> float:
     if key == "grad_norm":
-        return FIRST_NORM_RTOL if step == 1 else max(NORM_RTOL, loss_rtol)
+        return FIRST_NORM_RTOL if step == 1 else norm_rtol
     return FIRST_RTOL if step == 1 else loss_rtol
 
 
-def assert_same_curves(reference: Path, distributed: Path, steps: range, loss_rtol: float = LOSS_RTOL) -> None:
+def assert_same_curves(reference: Path, distributed: Path, steps: range, loss_rtol: float = LOSS_RTOL,
+                       norm_rtol: float = NORM_RTOL) -> None:
     (ref_train, ref_val), (dist_train, dist_val) = records(reference), records(distributed)
     for step in steps:
         for key in ("loss", "lm_loss", "aux_loss", "grad_norm"):
-            rtol = relative_tolerance(step, key, loss_rtol)
+            rtol = relative_tolerance(step, key, loss_rtol, norm_rtol)
             # The auxiliary loss is ~1e-3 of the objective and is where one flipped route shows
             # most (a z-loss over another set of chosen tokens: seen 1.5e-3 relative, 2.5e-6
             # absolute, in Staged MoDE). After step 1 it is judged on the objective's scale;
@@ -270,8 +274,10 @@ def expert_parallel_run(name: str, corpus: Path, tmp_path_factory, cache: dict) 
 def test_expert_parallel_equals_one_process_holding_every_expert(name, corpus, tmp_path_factory, expert_runs):
     run = expert_parallel_run(name, corpus, tmp_path_factory, expert_runs)
     reference = single_process(run["raw"], run["tmp"] / "single")
-    compiled = run["raw"]["train"].get("compile", False)
-    assert_same_curves(reference, run["dir"], range(1, STEPS + 1), COMPILED_LOSS_RTOL if compiled else LOSS_RTOL)
+    if run["raw"]["train"].get("compile", False):
+        assert_same_curves(reference, run["dir"], range(1, STEPS + 1), COMPILED_LOSS_RTOL, COMPILED_NORM_RTOL)
+    else:
+        assert_same_curves(reference, run["dir"], range(1, STEPS + 1))
 
 
 def test_expert_parallel_checkpoint_loads_on_one_device(corpus, tmp_path_factory, expert_runs):
