@@ -185,7 +185,10 @@ def main(argv: list[str] | None = None) -> None:
     modes += [] if args.no_compile else ["compiled"]
     modes += [] if args.no_compile or args.no_graphs or device.type != "cuda" else ["compiled + CUDA graphs"]
     if args.modes:
-        modes = [m for m in modes if m in args.modes]
+        allowed, modes = modes, [m for m in modes if m in args.modes]
+        if not modes:  # an empty table would read as a run that measured nothing
+            parser.error(f"--modes {', '.join(args.modes)}: not run here (this run times {', '.join(allowed)}; "
+                         "--tiny and --no-compile turn torch.compile off, --no-graphs the CUDA-graph modes)")
     triton = kernels_in_use(device, {"eager kernels": args.kernels, "top-k": args.topk})
     print(f"card: {card}; torch {torch.__version__}; B={args.batch} S={args.seq} D={args.width} "
           f"layers={args.layers} ffn={args.ffn} vocab={args.vocab} capacity={args.capacity} on every other block, "
