@@ -11,6 +11,10 @@ tokens/s, and its routed layers' averages at the last evaluation (share processe
 to no-op experts, share dropped). Runs are compared at equal training compute, as the
 Mixture-of-Depths paper does.
 
+Runs that differ in `train.seed` and agree in every other differing field are one setting
+trained from several seeds: a second table gives each setting's mean and sample standard
+deviation over its seeds (the last, best and isoFLOP validation losses, the last train loss).
+
 Prints the table (Markdown). With --out it also writes report.md, report.json and
 val_loss_vs_flops.png there, each written whole (temporary file, then rename). A run still in
 progress can be read: a last metrics line cut short by a crash or a concurrent write is left
@@ -39,6 +43,10 @@ from mode.utils import atomic_write_bytes, atomic_write_text
 CONFIG_FILE = "config.yaml"
 # Fields that name or decorate a run rather than define the experiment.
 IGNORED_FIELDS = ("train.out_dir", "train.progress")
+SEED_FIELD = "train.seed"
+# The columns averaged over seeds: a run row's key, and its header.
+SEED_COLUMNS = (("val_loss", "val loss"), ("best_val_loss", "best val"), ("val_loss_at_budget", "val @ budget"),
+                ("train_loss", "train loss"))
 
 
 class ReportError(ValueError):
@@ -210,6 +218,53 @@ def markdown_table(runs: list[Run], rows: list[dict[str, Any]], fields: list[str
     return "\n".join(lines)
 
 
+def seed_groups(runs: list[Run], rows: list[dict[str, Any]], fields: list[str]) -> list[dict[str, Any]]:
+    """Runs of one setting from several seeds: runs grouped by their values of every differing field
+    but train.seed, in first-seen order; each group's setting, seeds and runs, and per SEED_COLUMNS
+    key the mean and sample standard deviation over the runs that have a value. Empty when the seed
+    does not differ or no setting has more than one run."""
+    if SEED_FIELD not in fields:
+        return []
+    setting_fields = [f for f in fields if f != SEED_FIELD]
+    groups: dict[str, dict[str, Any]] = {}
+    members: dict[str, list[dict[str, Any]]] = {}
+    for run, row in zip(runs, rows):
+        flat = flat_fields(run.config.to_dict())
+        setting = {f: flat.get(f) for f in setting_fields}
+        key = json.dumps(setting)
+        group = groups.setdefault(key, {"setting": setting, "seeds": [], "runs": []})
+        group["seeds"].append(flat.get(SEED_FIELD))
+        group["runs"].append(row["run"])
+        members.setdefault(key, []).append(row)
+    if all(len(group["runs"]) == 1 for group in groups.values()):
+        return []
+    for key, group in groups.items():
+        for column, _ in SEED_COLUMNS:
+            group[column] = _mean_and_spread([r[column] for r in members[key] if r[column] is not None])
+    return list(groups.values())
+
+
+def _mean_and_spread(values: list[float]) -> dict[str, Any]:
+    """n, mean and sample standard deviation (None where there are too few values for it)."""
+    return {"n": len(values), "mean": statistics.fmean(values) if values else None,
+            "std": statistics.stdev(values) if len(values) > 1 else None}
+
+
+def seed_table(groups: list[dict[str, Any]], fields: list[str]) -> str:
+    """The settings' means and sample standard deviations over their seeds."""
+    setting_fields = [f for f in fields if f != SEED_FIELD]
+    header = ["setting", *setting_fields, "seeds", *(name for _, name in SEED_COLUMNS)]
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    for i, group in enumerate(groups, start=1):
+        cells = [str(i), *(_value(group["setting"][f]) for f in setting_fields), ", ".join(map(str, group["seeds"]))]
+        for column, _ in SEED_COLUMNS:
+            stat = group[column]
+            mean = _number(stat["mean"])
+            cells.append(mean if stat["std"] is None else f"{mean} ± {_number(stat['std'])}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def plot_png(runs: list[Run], budget: float | None) -> bytes:
     """Validation loss (markers) and train loss (faint) of every run against training FLOPs."""
     import matplotlib
@@ -237,11 +292,11 @@ def plot_png(runs: list[Run], budget: float | None) -> bytes:
 
 
 def write_report(out: Path, table: str, rows: list[dict[str, Any]], fields: list[str], budget: float | None,
-                 png: bytes) -> None:
+                 groups: list[dict[str, Any]], png: bytes) -> None:
     if out.exists() and not out.is_dir():
         raise ReportError(f"--out {out}: exists and is not a folder")
     atomic_write_text(out / "report.md", table + "\n")
-    summary = {"differing_fields": fields, "common_flops_budget": budget, "runs": rows}
+    summary = {"differing_fields": fields, "common_flops_budget": budget, "runs": rows, "seed_groups": groups}
     atomic_write_text(out / "report.json", json.dumps(summary, indent=2) + "\n")
     atomic_write_bytes(out / "val_loss_vs_flops.png", png)
 
@@ -257,11 +312,14 @@ def report(paths: list[Path], out: Path | None = None) -> str:
     budget = common_budget(runs)
     rows = [summarize(r, budget) for r in runs]
     table = markdown_table(runs, rows, fields, budget)
+    groups = seed_groups(runs, rows, fields)
+    if groups:
+        table += "\n\nOver seeds (mean ± sample standard deviation):\n\n" + seed_table(groups, fields)
     notes = [n for r in runs for n in r.notes]
     if notes:
         table += "\n\n" + "\n".join(f"note: {n}" for n in notes)
     if out is not None:
-        write_report(out, table, rows, fields, budget, plot_png(runs, budget))
+        write_report(out, table, rows, fields, budget, groups, plot_png(runs, budget))
     return table
 
 

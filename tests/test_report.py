@@ -134,3 +134,30 @@ def test_runs_of_one_name_are_named_by_path(tmp_path: Path) -> None:
     b = _run_folder(tmp_path / "b" / "run", [_eval(1, 1.0, 2.0)], train__lr=0.01)
     table = report([a, b])
     assert f"| {a} |" in table and f"| {b} |" in table
+
+
+def test_runs_from_several_seeds_are_averaged_per_setting(tmp_path: Path) -> None:
+    """Runs differing in train.seed and agreeing in every other differing field are one setting: its
+    mean and sample standard deviation over the seeds, in a second table and in report.json."""
+    runs = [
+        _run_folder(tmp_path / "c25-s0", [_eval(2, 2.0, 3.0), _eval(4, 4.0, 2.0)], routing__capacity=0.25, train__seed=0),
+        _run_folder(tmp_path / "c25-s1", [_eval(2, 2.0, 3.4), _eval(4, 4.0, 2.4)], routing__capacity=0.25, train__seed=1),
+        _run_folder(tmp_path / "c50-s0", [_eval(2, 2.0, 2.8), _eval(4, 4.0, 1.5)], routing__capacity=0.5, train__seed=0),
+    ]
+    out = tmp_path / "report"
+    table = report(runs, out)
+    summary = json.loads((out / "report.json").read_text())
+    assert summary["differing_fields"] == ["routing.capacity", "train.seed"]
+    c25, c50 = summary["seed_groups"]
+    assert c25["setting"] == {"routing.capacity": 0.25} and c25["seeds"] == [0, 1]
+    assert c25["runs"] == ["c25-s0", "c25-s1"]
+    assert c25["val_loss"]["n"] == 2 and c25["val_loss"]["mean"] == pytest.approx(2.2)
+    assert c25["val_loss"]["std"] == pytest.approx(0.4 / 2**0.5)  # sample std of 2.0 and 2.4
+    assert c25["best_val_loss"]["mean"] == pytest.approx(2.2)
+    assert c50["seeds"] == [0] and c50["val_loss"] == {"n": 1, "mean": 1.5, "std": None}
+    seed_lines = table.split("Over seeds")[1].strip().splitlines()
+    assert seed_lines[2].startswith("| setting | routing.capacity | seeds | val loss |"), seed_lines
+    assert seed_lines[4].startswith("| 1 | 0.25 | 0, 1 | 2.2000 ± 0.2828 |"), seed_lines
+    assert seed_lines[5].startswith("| 2 | 0.5 | 0 | 1.5000 |"), seed_lines
+    # one run per setting: no second table
+    assert "Over seeds" not in report([runs[0], runs[2]])
