@@ -9,6 +9,10 @@ mode.train` in a process of its own, in `<out>/<field=value+...>`; overrides giv
 (`--vary model.block_pattern=[dense,mod],[dense,mode_integrated]`). Every point's config is
 checked before the first run starts, so a bad value fails at once, naming the field.
 
+Runs go one after another, their output inline; `--gpus 0,1,2,3` runs one on each listed GPU at
+once (CUDA_VISIBLE_DEVICES), `--jobs N` N at once on CPU; parallel runs write their output to
+`<run folder>/train.log` (appended to on resume) with the progress bar off.
+
 Started again with the same arguments, a sweep skips its finished runs and resumes the others
 from their checkpoints, so a stopped sweep continues where it stopped. A run that fails is
 reported and the sweep goes on with the next. At the end `mode.report` compares every run
@@ -18,10 +22,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
+import queue
 import re
 import shlex
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -122,7 +129,35 @@ def plan(args: argparse.Namespace, common: list[str]) -> list[tuple[Point, list[
     return planned
 
 
-def run_point(args: argparse.Namespace, point: Point, overrides: list[str], max_steps: int) -> str:
+@dataclass
+class Slots:
+    """How runs share the machine: `jobs` at once; with GPUs, each run holds one of them."""
+    jobs: int = 1
+    gpus: queue.Queue[str] | None = None
+
+    @property
+    def parallel(self) -> bool:
+        return self.jobs > 1
+
+
+def parse_slots(jobs: int | None, gpus: str | None) -> Slots:
+    """--jobs and --gpus -> Slots; a bad combination is a SweepError naming the flag."""
+    if jobs is not None and jobs < 1:
+        raise SweepError(f"--jobs {jobs}: must be at least 1")
+    if gpus is None:
+        return Slots(jobs or 1)
+    ids = [g.strip() for g in gpus.split(",")]
+    if not all(re.fullmatch(r"\d+", g) for g in ids) or len(set(ids)) != len(ids):
+        raise SweepError(f"--gpus {gpus!r}: expected distinct GPU indices separated by commas, e.g. 0,1,2,3")
+    if jobs is not None and jobs > len(ids):
+        raise SweepError(f"--jobs {jobs} with --gpus {gpus}: at most one run a GPU ({len(ids)} listed)")
+    free: queue.Queue[str] = queue.Queue()
+    for gpu in ids:
+        free.put(gpu)
+    return Slots(jobs or len(ids), free)
+
+
+def run_point(args: argparse.Namespace, point: Point, overrides: list[str], max_steps: int, slots: Slots) -> str:
     """Train (or finish) one point; returns what happened: finished before, done, or failed."""
     run_dir = args.out / point.name
     step = finished_steps(run_dir)
@@ -130,10 +165,38 @@ def run_point(args: argparse.Namespace, point: Point, overrides: list[str], max_
         return f"finished before (step {step})"
     if step is None and (run_dir / METRICS).exists():  # stopped before its first checkpoint
         (run_dir / METRICS).unlink()  # nothing to resume: the run starts again
-    command = train_command(args.config, overrides, run_dir, resume=step is not None)
-    print(f"\n== {point.name}: {'training' if step is None else f'resuming from step {step}'}", flush=True)
-    code = subprocess.call(command)
-    return "done" if code == 0 else f"failed (exit status {code}; its output is above)"
+    # progress is a field a resume may change: a parallel run's log gets no progress bar
+    extra = ["--train.progress=false"] if slots.parallel else []
+    command = train_command(args.config, [*overrides, *extra], run_dir, resume=step is not None)
+    what = "training" if step is None else f"resuming from step {step}"
+    if not slots.parallel:
+        print(f"\n== {point.name}: {what}", flush=True)
+        code = subprocess.call(command)
+        return "done" if code == 0 else f"failed (exit status {code}; its output is above)"
+    gpu = slots.gpus.get() if slots.gpus is not None else None
+    try:
+        env = os.environ if gpu is None else {**os.environ, "CUDA_VISIBLE_DEVICES": gpu}
+        log = run_dir / "train.log"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        print(f"== {point.name}: {what}{'' if gpu is None else f' on GPU {gpu}'} (output: {log})", flush=True)
+        with log.open("a") as out:
+            code = subprocess.call(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+    finally:
+        if gpu is not None:
+            slots.gpus.put(gpu)
+    outcome = "done" if code == 0 else f"failed (exit status {code}; see {log})"
+    print(f"== {point.name}: {outcome}", flush=True)
+    return outcome
+
+
+def run_all(args: argparse.Namespace, planned: list[tuple[Point, list[str], int]], slots: Slots) -> dict[str, str]:
+    """Every point's outcome, by name, in grid order (runs `slots.jobs` at a time)."""
+    if not slots.parallel:
+        return {point.name: run_point(args, point, overrides, steps, slots) for point, overrides, steps in planned}
+    with ThreadPoolExecutor(max_workers=slots.jobs) as pool:
+        futures = {point.name: pool.submit(run_point, args, point, overrides, steps, slots)
+                   for point, overrides, steps in planned}
+        return {name: future.result() for name, future in futures.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, type=Path, help="the sweep's folder: one run folder a point, the report")
     parser.add_argument("--vary", action="append", required=True, help="section.field=value1,value2,... (repeat)")
     parser.add_argument("--dry-run", action="store_true", help="print the runs and their commands, run nothing")
+    parser.add_argument("--gpus", default=None, help="run one point on each of these GPUs at once, e.g. 0,1,2,3")
+    parser.add_argument("--jobs", type=int, default=None,
+                        help="points run at once (default 1, or one a GPU of --gpus); parallel runs log to <run>/train.log")
     args, common = parser.parse_known_args(argv)
     bad = [a for a in common if not (a.startswith("--") and "=" in a and "." in a.split("=", 1)[0])]
     if bad:
@@ -152,17 +218,19 @@ def main(argv: list[str] | None = None) -> int:
     if any(a.startswith("--train.out_dir=") for a in common):
         parser.error("--train.out_dir: each run's folder is <--out>/<point>; give --out instead")
     try:
+        slots = parse_slots(args.jobs, args.gpus)
         planned = plan(args, common)
     except SweepError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"sweep: {len(planned)} runs in {args.out}")
+    at_once = "" if not slots.parallel else f", {slots.jobs} at once" + ("" if slots.gpus is None else f" on GPUs {args.gpus}")
+    print(f"sweep: {len(planned)} runs in {args.out}{at_once}")
     for point, overrides, _ in planned:
         command = train_command(args.config, overrides, args.out / point.name, resume=False)
         print(f"  {point.name}: python {shlex.join(command[1:])}")
     if args.dry_run:
         return 0
-    outcomes = {point.name: run_point(args, point, overrides, steps) for point, overrides, steps in planned}
+    outcomes = run_all(args, planned, slots)
     print("\n" + "\n".join(f"{name}: {outcome}" for name, outcome in outcomes.items()))
     compared = [args.out / name for name, outcome in outcomes.items() if not outcome.startswith("failed")]
     if compared:

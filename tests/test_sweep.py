@@ -3,12 +3,15 @@ train, skip what is finished, resume what is not, and report."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from mode.sweep import SweepError, grid, main, parse_vary, split_values
+from mode import sweep
+from mode.sweep import SweepError, grid, main, parse_slots, parse_vary, split_values
 from mode.train import CHECKPOINT, METRICS
 
 
@@ -99,3 +102,65 @@ def test_dry_run_prints_the_commands_and_runs_nothing(tmp_path: Path, corpus: Pa
     assert "sweep: 2 runs" in printed
     assert f"-m mode.train --config {config} --train.lr=0.001 '--model.block_pattern=[dense,mod]'" in printed
     assert not out.exists()
+
+
+def test_parallel_sweep_runs_at_once_logs_each_run_and_reports(tmp_path: Path, corpus: Path, capsys) -> None:
+    out = tmp_path / "sweep"
+    args = ["--config", str(_config(tmp_path, corpus)), "--out", str(out), "--vary", "train.seed=0,1", "--jobs", "2"]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "sweep: 2 runs in" in printed and "2 at once" in printed
+    for run in (out / "seed=0", out / "seed=1"):
+        assert _steps(run) == [1, 2]
+        assert f"done: run folder {run}" in (run / "train.log").read_text()  # its output went to its log
+        assert yaml.safe_load((run / "config.yaml").read_text())["train"]["progress"] is False
+        assert f"== {run.name}: done" in printed
+    summary = json.loads((out / "report.json").read_text())
+    assert [g["seeds"] for g in summary["seed_groups"]] == [[0, 1]]  # two seeds of one setting
+
+
+def test_gpus_give_each_concurrent_run_its_own_device(tmp_path: Path, monkeypatch) -> None:
+    """--gpus 5,7: two runs at a time, each with CUDA_VISIBLE_DEVICES one GPU no other running run
+    holds; every GPU is handed back. subprocess.call is replaced (no GPUs here): each run holds
+    its GPU for a while, so runs overlap."""
+    held: list[str] = []
+    seen: list[tuple[str, str]] = []
+    lock = threading.Lock()
+
+    def call(command: list[str], stdout, stderr, env) -> int:
+        gpu = env["CUDA_VISIBLE_DEVICES"]
+        with lock:
+            assert gpu not in held, (gpu, held)
+            held.append(gpu)
+            seen.append((command[command.index("--config") + 1], gpu))
+        time.sleep(0.2)
+        with lock:
+            held.remove(gpu)
+        return 0
+
+    monkeypatch.setattr(sweep.subprocess, "call", call)
+    monkeypatch.setattr(sweep, "finished_steps", lambda run_dir: None)
+    slots = parse_slots(None, "5,7")
+    assert slots.jobs == 2
+    points = grid([parse_vary("train.seed=0,1,2,3")])
+    planned = [(point, point.overrides, 2) for point in points]
+    args = type("Args", (), {"out": tmp_path / "sweep", "config": "x.yaml"})()
+    started = time.perf_counter()
+    outcomes = sweep.run_all(args, planned, slots)
+    assert list(outcomes) == ["seed=0", "seed=1", "seed=2", "seed=3"] and set(outcomes.values()) == {"done"}
+    assert time.perf_counter() - started < 0.7  # 4 runs of 0.2 s, two at a time
+    assert sorted({gpu for _, gpu in seen}) == ["5", "7"] and len(seen) == 4
+    assert sorted(slots.gpus.get_nowait() for _ in range(2)) == ["5", "7"]  # both handed back
+
+
+def test_bad_jobs_and_gpus_are_clear_errors(tmp_path: Path, corpus: Path, capsys) -> None:
+    for jobs, gpus, message in ((0, None, "--jobs 0: must be at least 1"),
+                                (None, "0,x", "--gpus '0,x': expected distinct GPU indices"),
+                                (None, "1,1", "--gpus '1,1': expected distinct GPU indices"),
+                                (3, "0,1", "--jobs 3 with --gpus 0,1: at most one run a GPU")):
+        with pytest.raises(SweepError, match=message.replace("(", r"\(")):
+            parse_slots(jobs, gpus)
+    out = tmp_path / "sweep"
+    assert main(["--config", str(_config(tmp_path, corpus)), "--out", str(out), "--vary", "train.seed=0,1",
+                 "--jobs", "0"]) == 2
+    assert "--jobs 0: must be at least 1" in capsys.readouterr().err and not out.exists()
