@@ -155,6 +155,13 @@ class TrainConfig(Section):
     batch_size: int = Field(16, gt=0, description="sequences per micro-batch")
     grad_accum: int = Field(1, gt=0)
     max_steps: int = Field(200, gt=0)
+    flops_budget: float | None = Field(
+        None, gt=0,
+        description=(
+            "train to this many training FLOPs (3 x forward, every process's tokens) instead of max_steps: "
+            "max_steps becomes the number of whole steps within it (isoFLOP comparisons)"
+        ),
+    )
     lr: float = Field(3e-3, gt=0)
     min_lr: float = Field(3e-4, ge=0)
     warmup_steps: int = Field(20, ge=0)

@@ -37,7 +37,7 @@ import yaml
 
 from mode.config import ConfigError, load_config
 from mode.report import ReportError, report
-from mode.train import CHECKPOINT, METRICS
+from mode.train import CHECKPOINT, METRICS, steps_within_budget
 
 
 class SweepError(ValueError):
@@ -123,9 +123,11 @@ def plan(args: argparse.Namespace, common: list[str]) -> list[tuple[Point, list[
         overrides = [*common, *point.overrides]
         try:
             config = load_config(args.config, overrides)
+            budgeted = config.train.flops_budget is not None  # one process: a sweep runs mode.train
+            max_steps = steps_within_budget(config) if budgeted else config.train.max_steps
         except ConfigError as e:
             raise SweepError(f"point {point.name}: {e}") from None
-        planned.append((point, overrides, config.train.max_steps))
+        planned.append((point, overrides, max_steps))
     return planned
 
 

@@ -73,6 +73,18 @@ class DistributedOptimization(Optimization, Protocol):
     def load_checkpoint(self, run_dir: Path, payload: dict[str, Any]) -> None: ...
 
 
+def steps_within_budget(config: Config, world_size: int = 1) -> int:
+    """train.flops_budget -> the whole optimizer steps whose training FLOPs (3 x forward, the tokens of
+    every process's micro-batches) fit in it; a budget under one step is a ConfigError."""
+    t = config.train
+    per_step = model_flops(config).train_per_token * t.grad_accum * t.batch_size * config.data.seq_len * world_size
+    steps = math.floor(round(t.flops_budget / per_step, 9))  # 300 steps' FLOPs give 300, not 299.99999
+    if steps < 1:
+        raise ConfigError(f"train.flops_budget ({t.flops_budget:.4g}) is less than one step's training FLOPs "
+                          f"({per_step:.4g} with {world_size} process(es))")
+    return steps
+
+
 def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """Decay matrices (linear and embedding weights), never norms' scales or biases."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -414,7 +426,7 @@ class RunState:
 
 LOSS_KEYS = ("loss", "lm_loss", "aux_loss")  # what a step reports of ModelOutput
 RESUMABLE_FIELDS = (
-    "train.max_steps", "train.log_interval", "train.eval_interval", "train.eval_batches", "train.checkpoint_interval",
+    "train.max_steps", "train.flops_budget", "train.log_interval", "train.eval_interval", "train.eval_batches", "train.checkpoint_interval",
     "train.progress", "train.out_dir", "train.device", "train.compile", "train.compile_mode", "train.cuda_graphs",
     "train.init_from",  # a resumed run loads its own weights
 )
@@ -498,6 +510,11 @@ class Trainer:
             _check_graphable(self.model, self.device)
             self.graphed_step = GraphedMicroStep(self.model, self.optimization.backward, t.grad_accum)
         self.flops_per_token = model_flops(config).train_per_token
+        self.notes: list[str] = []  # for the user, before training starts
+        if t.flops_budget is not None:  # before the run folder's config is written: it records the steps
+            t.max_steps = steps_within_budget(config, world_size)
+            self.notes.append(f"train.flops_budget={t.flops_budget:.4g}: max_steps={t.max_steps} "
+                              f"({self.tokens_per_step * self.flops_per_token:.4g} training FLOPs a step)")
         self.state = RunState()
         self.resume_changes: list[str] = []  # the RESUMABLE_FIELDS --resume changed
         self.saved_step: int | None = None  # the step the run folder's checkpoint holds
@@ -555,6 +572,7 @@ class Trainer:
                 f"the run's settings ({self.out_dir / 'config.yaml'}), or start a new run in another --train.out_dir"
             )
         self.resume_changes = field_differences(payload["config"], self.config, _may_change_on_resume)
+        self.notes += [f"--resume changes {change}" for change in self.resume_changes]
         if isinstance(self.optimization, DistributedOptimization):
             self.optimization.load_checkpoint(self.out_dir, payload)
         elif payload.get("sharded"):
@@ -906,8 +924,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError, FileExistsError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    for change in trainer.resume_changes:
-        print(f"note: --resume changes {change}", file=sys.stderr)
+    for note in trainer.notes:
+        print(f"note: {note}", file=sys.stderr)
     print(
         f"model: {trainer.model.num_parameters() / 1e6:.2f}M parameters, blocks {config.model.block_kinds()}, "
         f"{model_flops(config).forward_per_token / 1e6:.2f} MFLOPs/token forward; run folder {trainer.out_dir}"

@@ -164,3 +164,20 @@ def test_bad_jobs_and_gpus_are_clear_errors(tmp_path: Path, corpus: Path, capsys
     assert main(["--config", str(_config(tmp_path, corpus)), "--out", str(out), "--vary", "train.seed=0,1",
                  "--jobs", "0"]) == 2
     assert "--jobs 0: must be at least 1" in capsys.readouterr().err and not out.exists()
+
+
+def test_a_flops_budget_gives_each_point_the_steps_within_it(tmp_path: Path, corpus: Path) -> None:
+    """With train.flops_budget every point trains to the same FLOPs: the MoD model, cheaper a token
+    than the dense one, gets more steps, and the sweep counts a run finished at its own steps."""
+    import argparse
+
+    from mode.config import load_config
+    from mode.train import steps_within_budget
+
+    config = str(_config(tmp_path, corpus))
+    args = argparse.Namespace(config=config, vary=["model.block_pattern=[dense,mod],[dense,dense]"])
+    budget = ["--train.flops_budget=3e9"]
+    planned = sweep.plan(args, budget)
+    steps = [max_steps for _, _, max_steps in planned]
+    expected = [steps_within_budget(load_config(config, [*budget, *point.overrides])) for point, _, _ in planned]
+    assert steps == expected and steps[0] > steps[1] > 1

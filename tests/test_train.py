@@ -18,7 +18,7 @@ import yaml
 
 from mode.config import Config, ConfigError, TrainConfig, config_from_dict, load_config
 from mode.data import batch_generator, sample_batch
-from mode.flops import train_step_flops
+from mode.flops import model_flops, train_step_flops
 from mode.model import LanguageModel
 from mode.train import (
     CHECKPOINT,
@@ -719,3 +719,29 @@ def test_pool_summaries_equals_the_statistics_of_the_whole_batch() -> None:
     assert pooled["layer1"]["gate_mean"] == pytest.approx(float(whole.mean()), rel=1e-12)
     assert pooled["layer1"]["gate_std"] == pytest.approx(float(whole.std(correction=0)), rel=1e-9)
     assert pooled["layer1"]["tokens_per_expert"] == [7.0, 6.0]
+
+
+# ----------------------------------------------------------------------------- a FLOP budget
+def test_flops_budget_sets_the_whole_steps_within_it(tmp_path: Path, corpus: Path, capsys) -> None:
+    """train.flops_budget: max_steps becomes the whole steps whose training FLOPs fit (every process's
+    tokens), the run stops there, and its saved config records them; under one step is an error."""
+    from mode.train import steps_within_budget
+
+    config = make_config(tmp_path / "run", corpus)
+    per_step = model_flops(config).train_per_token * 4 * 32  # batch 4 x seq 32, one process
+    for budget, world, steps in ((3 * per_step, 1, 3), (3 * per_step * (1 - 1e-6), 1, 2), (6.5 * per_step, 2, 3)):
+        config.train.flops_budget = budget
+        assert steps_within_budget(config, world) == steps, (budget, world)
+    config.train.flops_budget = 0.5 * per_step
+    with pytest.raises(ConfigError, match=r"train\.flops_budget .* less than one step"):
+        steps_within_budget(config)
+
+    config = make_config(tmp_path / "run", corpus, train={"flops_budget": 5.5 * per_step, "max_steps": 100,
+                                                          "warmup_steps": 1})
+    trainer = Trainer(config)
+    assert config.train.max_steps == 5 and trainer.notes[0].startswith("train.flops_budget=")
+    records = trainer.run()
+    last = [r for r in records if "loss" in r][-1]
+    assert last["step"] == 5 and last["flops"] == pytest.approx(5 * per_step) and last["flops"] <= 5.5 * per_step
+    saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["train"]
+    assert saved["max_steps"] == 5 and saved["flops_budget"] == 5.5 * per_step

@@ -152,8 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         except ERRORS as e:
             return _fail(processes.rank, e)
         trainer.stop_at_step = stop_at
-        for change in trainer.resume_changes:
-            _say(processes.rank, f"note: --resume changes {change}", sys.stderr)
+        for note in trainer.notes:
+            _say(processes.rank, f"note: {note}", sys.stderr)
         _say(processes.rank,
              f"model: {trainer.model.num_parameters() / 1e6:.2f}M parameters on this rank, blocks "
              f"{config.model.block_kinds()}, {model_flops(config).forward_per_token / 1e6:.2f} MFLOPs/token forward; "
