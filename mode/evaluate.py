@@ -1,0 +1,73 @@
+"""Evaluate a trained run on more validation batches than training did, without touching its folder.
+
+    python -m mode.evaluate runs/mod_tiny-X --batches 64 [--device cpu] [--out eval.json]
+
+The checkpoint's weights and config, the validation batches training evaluates on (the same
+seeded draws, `--batches` of them instead of train.eval_batches), the same routing statistics,
+and under causal routing the loss with the causal decision as well. Prints the result as JSON;
+--out also writes it there (whole: temporary file, then rename). Nothing in the run folder is
+read but its checkpoint, nor written.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mode.config import ConfigError, config_from_dict
+from mode.data import DataError
+from mode.model import LanguageModel
+from mode.train import Trainer, load_checkpoint_file
+from mode.utils import atomic_write_text, pick_device
+
+
+def evaluate_checkpoint(path: Path, batches: int, device: str = "auto") -> dict[str, Any]:
+    """The validation loss and routing statistics of a run folder's (or checkpoint.pt's) weights
+    over `batches` validation batches; also its step and what was evaluated."""
+    if batches < 1:
+        raise ValueError(f"--batches {batches}: must be at least 1")
+    payload = load_checkpoint_file(path)
+    if "model" not in payload:  # a multi-process run under ZeRO keeps its weights sharded
+        raise ValueError(f"{path} holds no one-device model weights (a sharded multi-process checkpoint)")
+    config = config_from_dict(payload["config"], str(path))
+    t = config.train
+    t.eval_batches, t.device = batches, device
+    # Evaluation runs eager, from these weights: no compiling, no graphs, no other run's weights.
+    t.compile, t.compile_mode, t.cuda_graphs, t.init_from = False, "default", False, None
+    model = LanguageModel(config).to(pick_device(device, "--device"))
+    model.load_state_dict(payload["model"])
+    with tempfile.TemporaryDirectory(prefix="mode-evaluate-") as scratch:
+        t.out_dir = scratch  # the Trainer's run folder: a throwaway one, never the run's own
+        result = Trainer(config, model=model).evaluate()
+    step = int(payload["state"]["step"])
+    return {"checkpoint": str(path), "step": step, "batches": batches,
+            "tokens": batches * t.batch_size * config.data.seq_len, **result}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Evaluate a trained run's checkpoint on validation batches.")
+    parser.add_argument("run", type=Path, help="run folder or checkpoint.pt")
+    parser.add_argument("--batches", type=int, default=64, help="validation batches (of train.batch_size sequences)")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    args = parser.parse_args(argv)
+    try:
+        result = evaluate_checkpoint(args.run, args.batches, args.device)
+    except (ConfigError, DataError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out is not None:
+        atomic_write_text(args.out, text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    torch.set_grad_enabled(False)
+    sys.exit(main())
