@@ -28,6 +28,7 @@ import re
 import shlex
 import subprocess
 import sys
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -171,23 +172,31 @@ def run_point(args: argparse.Namespace, point: Point, overrides: list[str], max_
     extra = ["--train.progress=false"] if slots.parallel else []
     command = train_command(args.config, [*overrides, *extra], run_dir, resume=step is not None)
     what = "training" if step is None else f"resuming from step {step}"
-    if not slots.parallel:
-        print(f"\n== {point.name}: {what}", flush=True)
-        code = subprocess.call(command)
-        return "done" if code == 0 else f"failed (exit status {code}; its output is above)"
-    gpu = slots.gpus.get() if slots.gpus is not None else None
+    gpu = slots.gpus.get() if slots.gpus is not None else None  # held until the run ends
     try:
         env = os.environ if gpu is None else {**os.environ, "CUDA_VISIBLE_DEVICES": gpu}
-        log = run_dir / "train.log"
-        run_dir.mkdir(parents=True, exist_ok=True)
-        print(f"== {point.name}: {what}{'' if gpu is None else f' on GPU {gpu}'} (output: {log})", flush=True)
-        with log.open("a") as out:
-            code = subprocess.call(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+        what += "" if gpu is None else f" on GPU {gpu}"
+        return (_run_logged if slots.parallel else _run_inline)(point.name, command, env, what, run_dir)
     finally:
         if gpu is not None:
             slots.gpus.put(gpu)
+
+
+def _run_inline(name: str, command: list[str], env: Mapping[str, str], what: str, run_dir: Path) -> str:
+    print(f"\n== {name}: {what}", flush=True)
+    code = subprocess.call(command, env=env)
+    return "done" if code == 0 else f"failed (exit status {code}; its output is above)"
+
+
+def _run_logged(name: str, command: list[str], env: Mapping[str, str], what: str, run_dir: Path) -> str:
+    """A run beside others: its output to <run_dir>/train.log, a line when it starts and ends."""
+    log = run_dir / "train.log"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    print(f"== {name}: {what} (output: {log})", flush=True)
+    with log.open("a") as out:
+        code = subprocess.call(command, stdout=out, stderr=subprocess.STDOUT, env=env)
     outcome = "done" if code == 0 else f"failed (exit status {code}; see {log})"
-    print(f"== {point.name}: {outcome}", flush=True)
+    print(f"== {name}: {outcome}", flush=True)
     return outcome
 
 
@@ -225,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     except SweepError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    at_once = "" if not slots.parallel else f", {slots.jobs} at once" + ("" if slots.gpus is None else f" on GPUs {args.gpus}")
+    at_once = (f", {slots.jobs} at once" if slots.parallel else "") + ("" if slots.gpus is None else f" on GPUs {args.gpus}")
     print(f"sweep: {len(planned)} runs in {args.out}{at_once}")
     for point, overrides, _ in planned:
         command = train_command(args.config, overrides, args.out / point.name, resume=False)

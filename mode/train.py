@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from mode.config import Config, ConfigError, field_differences, load_config, save_config
 from mode.data import DataError, TokenSplits, batch_generator, load_splits, sample_batch
-from mode.flops import model_flops
+from mode.flops import model_flops, train_step_flops
 from mode.layers.moe import MoEFFN
 from mode.model import LanguageModel, ModelOutput
 from mode.routing import Routing, TokenChoiceRouting, token_mask
@@ -77,7 +77,7 @@ def steps_within_budget(config: Config, world_size: int = 1) -> int:
     """train.flops_budget -> the whole optimizer steps whose training FLOPs (3 x forward, the tokens of
     every process's micro-batches) fit in it; a budget under one step is a ConfigError."""
     t = config.train
-    per_step = model_flops(config).train_per_token * t.grad_accum * t.batch_size * config.data.seq_len * world_size
+    per_step = train_step_flops(config, world_size)
     steps = math.floor(round(t.flops_budget / per_step, 9))  # 300 steps' FLOPs give 300, not 299.99999
     if steps < 1:
         raise ConfigError(f"train.flops_budget ({t.flops_budget:.4g}) is less than one step's training FLOPs "
@@ -426,8 +426,9 @@ class RunState:
 
 LOSS_KEYS = ("loss", "lm_loss", "aux_loss")  # what a step reports of ModelOutput
 RESUMABLE_FIELDS = (
-    "train.max_steps", "train.flops_budget", "train.log_interval", "train.eval_interval", "train.eval_batches", "train.checkpoint_interval",
-    "train.progress", "train.out_dir", "train.device", "train.compile", "train.compile_mode", "train.cuda_graphs",
+    "train.max_steps", "train.flops_budget", "train.log_interval", "train.eval_interval", "train.eval_batches",
+    "train.checkpoint_interval", "train.progress", "train.out_dir", "train.device", "train.compile", "train.compile_mode",
+    "train.cuda_graphs",
     "train.init_from",  # a resumed run loads its own weights
 )
 
@@ -514,7 +515,7 @@ class Trainer:
         if t.flops_budget is not None:  # before the run folder's config is written: it records the steps
             t.max_steps = steps_within_budget(config, world_size)
             self.notes.append(f"train.flops_budget={t.flops_budget:.4g}: max_steps={t.max_steps} "
-                              f"({self.tokens_per_step * self.flops_per_token:.4g} training FLOPs a step)")
+                              f"({train_step_flops(config, world_size):.4g} training FLOPs a step)")
         self.state = RunState()
         self.resume_changes: list[str] = []  # the RESUMABLE_FIELDS --resume changed
         self.saved_step: int | None = None  # the step the run folder's checkpoint holds

@@ -127,7 +127,7 @@ def test_gpus_give_each_concurrent_run_its_own_device(tmp_path: Path, monkeypatc
     seen: list[tuple[str, str]] = []
     lock = threading.Lock()
 
-    def call(command: list[str], stdout, stderr, env) -> int:
+    def call(command: list[str], stdout=None, stderr=None, env=None) -> int:
         gpu = env["CUDA_VISIBLE_DEVICES"]
         with lock:
             assert gpu not in held, (gpu, held)
@@ -151,6 +151,10 @@ def test_gpus_give_each_concurrent_run_its_own_device(tmp_path: Path, monkeypatc
     assert time.perf_counter() - started < 0.7  # 4 runs of 0.2 s, two at a time
     assert sorted({gpu for _, gpu in seen}) == ["5", "7"] and len(seen) == 4
     assert sorted(slots.gpus.get_nowait() for _ in range(2)) == ["5", "7"]  # both handed back
+
+    seen.clear()  # one GPU: runs one after another, output inline, on that GPU
+    assert set(sweep.run_all(args, planned[:2], parse_slots(None, "3")).values()) == {"done"}
+    assert [gpu for _, gpu in seen] == ["3", "3"]
 
 
 def test_bad_jobs_and_gpus_are_clear_errors(tmp_path: Path, corpus: Path, capsys) -> None:
