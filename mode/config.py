@@ -156,7 +156,7 @@ class TrainConfig(Section):
     grad_accum: int = Field(1, gt=0)
     max_steps: int = Field(200, gt=0)
     flops_budget: float | None = Field(
-        None, gt=0,
+        None, gt=0, allow_inf_nan=False,
         description=(
             "train to this many training FLOPs (3 x forward, every process's tokens) instead of max_steps: "
             "max_steps becomes the number of whole steps within it (isoFLOP comparisons)"

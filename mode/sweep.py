@@ -28,10 +28,12 @@ import re
 import shlex
 import subprocess
 import sys
+import threading
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import yaml
@@ -39,6 +41,9 @@ import yaml
 from mode.config import ConfigError, load_config
 from mode.report import ReportError, report
 from mode.train import CHECKPOINT, METRICS, steps_within_budget
+
+
+INTERRUPTED = 130  # the exit status of a training stopped by Ctrl-C (mode.train), and of the sweep
 
 
 class SweepError(ValueError):
@@ -111,9 +116,29 @@ def finished_steps(run_dir: Path) -> int | None:
     return int(torch.load(path, map_location="cpu", mmap=True, weights_only=True)["state"]["step"])
 
 
-def train_command(config: str, overrides: list[str], run_dir: Path, resume: bool) -> list[str]:
-    command = [sys.executable, "-m", "mode.train", "--config", config, *overrides, f"--train.out_dir={run_dir}"]
+def train_command(config: str, overrides: list[str], run_dir: Path, resume: bool, parallel: bool = False) -> list[str]:
+    # progress is a field a resume may change: a parallel run's log gets no progress bar
+    quiet = ["--train.progress=false"] if parallel else []
+    command = [sys.executable, "-m", "mode.train", "--config", config, *overrides, *quiet, f"--train.out_dir={run_dir}"]
     return command + (["--resume"] if resume else [])
+
+
+_PRINT = threading.Lock()
+
+
+def say(line: str) -> None:
+    """One status line, whole: the parallel runs' threads print beside each other."""
+    with _PRINT:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+
+
+def outcome_of(code: int, where_output: str) -> str:
+    if code == 0:
+        return "done"
+    if code == INTERRUPTED:
+        return f"stopped (Ctrl-C; {where_output})"
+    return f"failed (exit status {code}; {where_output})"
 
 
 def plan(args: argparse.Namespace, common: list[str]) -> list[tuple[Point, list[str], int]]:
@@ -168,9 +193,7 @@ def run_point(args: argparse.Namespace, point: Point, overrides: list[str], max_
         return f"finished before (step {step})"
     if step is None and (run_dir / METRICS).exists():  # stopped before its first checkpoint
         (run_dir / METRICS).unlink()  # nothing to resume: the run starts again
-    # progress is a field a resume may change: a parallel run's log gets no progress bar
-    extra = ["--train.progress=false"] if slots.parallel else []
-    command = train_command(args.config, [*overrides, *extra], run_dir, resume=step is not None)
+    command = train_command(args.config, overrides, run_dir, resume=step is not None, parallel=slots.parallel)
     what = "training" if step is None else f"resuming from step {step}"
     gpu = slots.gpus.get() if slots.gpus is not None else None  # held until the run ends
     try:
@@ -182,21 +205,36 @@ def run_point(args: argparse.Namespace, point: Point, overrides: list[str], max_
             slots.gpus.put(gpu)
 
 
+def _call(command: list[str], **popen: Any) -> int:
+    """subprocess.call, except that on Ctrl-C it waits for the training, which had the same Ctrl-C,
+    to stop by itself (subprocess.call kills it after a quarter second), then raises KeyboardInterrupt."""
+    process = subprocess.Popen(command, **popen)
+    interrupted = False
+    while True:
+        try:
+            code = process.wait()
+            break
+        except KeyboardInterrupt:
+            interrupted = True
+    if interrupted:
+        raise KeyboardInterrupt
+    return code
+
+
 def _run_inline(name: str, command: list[str], env: Mapping[str, str], what: str, run_dir: Path) -> str:
-    print(f"\n== {name}: {what}", flush=True)
-    code = subprocess.call(command, env=env)
-    return "done" if code == 0 else f"failed (exit status {code}; its output is above)"
+    say(f"\n== {name}: {what}")
+    return outcome_of(_call(command, env=env), "its output is above")
 
 
 def _run_logged(name: str, command: list[str], env: Mapping[str, str], what: str, run_dir: Path) -> str:
     """A run beside others: its output to <run_dir>/train.log, a line when it starts and ends."""
     log = run_dir / "train.log"
     run_dir.mkdir(parents=True, exist_ok=True)
-    print(f"== {name}: {what} (output: {log})", flush=True)
+    say(f"== {name}: {what} (output: {log})")
     with log.open("a") as out:
-        code = subprocess.call(command, stdout=out, stderr=subprocess.STDOUT, env=env)
-    outcome = "done" if code == 0 else f"failed (exit status {code}; see {log})"
-    print(f"== {name}: {outcome}", flush=True)
+        code = _call(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+    outcome = outcome_of(code, f"see {log}")
+    say(f"== {name}: {outcome}")
     return outcome
 
 
@@ -204,10 +242,17 @@ def run_all(args: argparse.Namespace, planned: list[tuple[Point, list[str], int]
     """Every point's outcome, by name, in grid order (runs `slots.jobs` at a time)."""
     if not slots.parallel:
         return {point.name: run_point(args, point, overrides, steps, slots) for point, overrides, steps in planned}
-    with ThreadPoolExecutor(max_workers=slots.jobs) as pool:
+    pool = ThreadPoolExecutor(max_workers=slots.jobs)
+    try:
         futures = {point.name: pool.submit(run_point, args, point, overrides, steps, slots)
                    for point, overrides, steps in planned}
         return {name: future.result() for name, future in futures.items()}
+    except KeyboardInterrupt:
+        # The running trainings had the same Ctrl-C and stop at a checkpoint; none queued starts.
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    finally:
+        pool.shutdown(wait=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -236,12 +281,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     at_once = (f", {slots.jobs} at once" if slots.parallel else "") + ("" if slots.gpus is None else f" on GPUs {args.gpus}")
     print(f"sweep: {len(planned)} runs in {args.out}{at_once}")
-    for point, overrides, _ in planned:
-        command = train_command(args.config, overrides, args.out / point.name, resume=False)
-        print(f"  {point.name}: python {shlex.join(command[1:])}")
+    for point, overrides, steps in planned:
+        command = train_command(args.config, overrides, args.out / point.name, resume=False, parallel=slots.parallel)
+        print(f"  {point.name} ({steps} steps): python {shlex.join(command[1:])}")
     if args.dry_run:
         return 0
-    outcomes = run_all(args, planned, slots)
+    try:
+        outcomes = run_all(args, planned, slots)
+    except KeyboardInterrupt:
+        say(f"\nsweep stopped (Ctrl-C): each run keeps its last checkpoint; the same command continues it")
+        return INTERRUPTED
     print("\n" + "\n".join(f"{name}: {outcome}" for name, outcome in outcomes.items()))
     compared = [args.out / name for name, outcome in outcomes.items() if not outcome.startswith("failed")]
     if compared:

@@ -513,8 +513,9 @@ class Trainer:
         self.flops_per_token = model_flops(config).train_per_token
         self.notes: list[str] = []  # for the user, before training starts
         if t.flops_budget is not None:  # before the run folder's config is written: it records the steps
-            t.max_steps = steps_within_budget(config, world_size)
-            self.notes.append(f"train.flops_budget={t.flops_budget:.4g}: max_steps={t.max_steps} "
+            given, t.max_steps = t.max_steps, steps_within_budget(config, world_size)
+            instead = "" if given == t.max_steps else f", in place of the config's max_steps={given}"
+            self.notes.append(f"train.flops_budget={t.flops_budget:.4g}: max_steps={t.max_steps}{instead} "
                               f"({train_step_flops(config, world_size):.4g} training FLOPs a step)")
         self.state = RunState()
         self.resume_changes: list[str] = []  # the RESUMABLE_FIELDS --resume changed
@@ -528,6 +529,7 @@ class Trainer:
             if not checkpoint.is_file():
                 raise FileNotFoundError(f"--resume: no checkpoint at {checkpoint}")
             self.load_checkpoint(checkpoint)
+            self._check_not_past_the_end()
             self._truncate_metrics()
         elif checkpoint.exists():
             raise FileExistsError(
@@ -542,6 +544,15 @@ class Trainer:
         if self.is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             save_config(self.config, self.out_dir / "config.yaml")
+
+    def _check_not_past_the_end(self) -> None:
+        """A resume whose max_steps (or budget) ends before the checkpoint's step would leave the run
+        folder's config.yaml contradicting its checkpoint and metrics."""
+        t = self.config.train
+        if self.state.step > t.max_steps:
+            source = f" (train.flops_budget={t.flops_budget:.4g})" if t.flops_budget is not None else ""
+            raise ConfigError(f"--resume: the run is at step {self.state.step}, past train.max_steps={t.max_steps}"
+                              f"{source}; resume with at least its steps")
 
     def checkpoint_payload(self) -> dict[str, Any]:
         """Every rank builds it (a distributed engine saves collectively); rank 0 writes it."""

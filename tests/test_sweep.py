@@ -121,7 +121,7 @@ def test_parallel_sweep_runs_at_once_logs_each_run_and_reports(tmp_path: Path, c
 
 def test_gpus_give_each_concurrent_run_its_own_device(tmp_path: Path, monkeypatch) -> None:
     """--gpus 5,7: two runs at a time, each with CUDA_VISIBLE_DEVICES one GPU no other running run
-    holds; every GPU is handed back. subprocess.call is replaced (no GPUs here): each run holds
+    holds; every GPU is handed back. The training call is replaced (no GPUs here): each run holds
     its GPU for a while, so runs overlap."""
     held: list[str] = []
     seen: list[tuple[str, str]] = []
@@ -138,7 +138,7 @@ def test_gpus_give_each_concurrent_run_its_own_device(tmp_path: Path, monkeypatc
             held.remove(gpu)
         return 0
 
-    monkeypatch.setattr(sweep.subprocess, "call", call)
+    monkeypatch.setattr(sweep, "_call", call)
     monkeypatch.setattr(sweep, "finished_steps", lambda run_dir: None)
     slots = parse_slots(None, "5,7")
     assert slots.jobs == 2
@@ -185,3 +185,29 @@ def test_a_flops_budget_gives_each_point_the_steps_within_it(tmp_path: Path, cor
     steps = [max_steps for _, _, max_steps in planned]
     expected = [steps_within_budget(load_config(config, [*budget, *point.overrides])) for point, _, _ in planned]
     assert steps == expected and steps[0] > steps[1] > 1
+
+
+def test_ctrl_c_stops_a_parallel_sweep_at_once(tmp_path: Path, corpus: Path) -> None:
+    """Ctrl-C (SIGINT to the sweep's process group, as a terminal sends it): the running trainings
+    stop at their checkpoints, no queued point starts, and the sweep exits 130 with one line."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    out = tmp_path / "sweep"
+    command = [sys.executable, "-m", "mode.sweep", "--config", str(_config(tmp_path, corpus)), "--out", str(out),
+               "--vary", "train.seed=0,1,2,3", "--jobs", "2", "--train.max_steps=100000", "--train.checkpoint_interval=1"]
+    sweep_process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     start_new_session=True, cwd=Path(__file__).resolve().parents[1])
+    deadline = time.monotonic() + 120
+    started = [out / "seed=0" / CHECKPOINT, out / "seed=1" / CHECKPOINT]
+    while not all(p.exists() for p in started):  # both running runs have trained a step
+        assert time.monotonic() < deadline and sweep_process.poll() is None, sweep_process.communicate()
+        time.sleep(0.2)
+    os.killpg(sweep_process.pid, signal.SIGINT)
+    stdout, stderr = sweep_process.communicate(timeout=120)
+    assert sweep_process.returncode == 130, (stdout, stderr)
+    assert "sweep stopped (Ctrl-C)" in stdout and "Traceback" not in stdout + stderr, (stdout, stderr)
+    assert "== seed=0: stopped (Ctrl-C" in stdout and "== seed=1: stopped (Ctrl-C" in stdout
+    assert not (out / "seed=2").exists() and not (out / "seed=3").exists()  # the queued points never started

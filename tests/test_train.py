@@ -739,9 +739,20 @@ def test_flops_budget_sets_the_whole_steps_within_it(tmp_path: Path, corpus: Pat
     config = make_config(tmp_path / "run", corpus, train={"flops_budget": 5.5 * per_step, "max_steps": 100,
                                                           "warmup_steps": 1})
     trainer = Trainer(config)
-    assert config.train.max_steps == 5 and trainer.notes[0].startswith("train.flops_budget=")
+    assert config.train.max_steps == 5
+    assert trainer.notes[0].startswith("train.flops_budget=") and "in place of the config's max_steps=100" in trainer.notes[0]
     records = trainer.run()
     last = [r for r in records if "loss" in r][-1]
     assert last["step"] == 5 and last["flops"] == pytest.approx(5 * per_step) and last["flops"] <= 5.5 * per_step
     saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["train"]
     assert saved["max_steps"] == 5 and saved["flops_budget"] == 5.5 * per_step
+    resumed = Trainer(make_config(tmp_path / "run", corpus, train={"flops_budget": 5.5 * per_step, "max_steps": 5,
+                                                                   "warmup_steps": 1}), resume=True)
+    assert "in place of" not in resumed.notes[0]  # the run's own steps: nothing replaced
+    saved_config = (tmp_path / "run" / "config.yaml").read_bytes()
+    with pytest.raises(ConfigError, match=r"run is at step 5, past train\.max_steps=2 \(train\.flops_budget="):
+        Trainer(make_config(tmp_path / "run", corpus, train={"flops_budget": 2.5 * per_step, "warmup_steps": 1}),
+                resume=True)
+    assert (tmp_path / "run" / "config.yaml").read_bytes() == saved_config  # left as it was
+    with pytest.raises(ConfigError, match=r"train\.flops_budget"):
+        make_config(tmp_path / "inf", corpus, train={"flops_budget": float("inf")})
