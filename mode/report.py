@@ -44,6 +44,10 @@ CONFIG_FILE = "config.yaml"
 # Fields that name or decorate a run rather than define the experiment.
 IGNORED_FIELDS = ("train.out_dir", "train.progress")
 SEED_FIELD = "train.seed"
+# Fields that change how a run ran, not what it learned (a resume may change them): runs of one
+# setting from several seeds may differ in them and are still averaged together.
+RUN_FIELDS = ("train.log_interval", "train.eval_interval", "train.eval_batches", "train.checkpoint_interval",
+              "train.device", "train.compile", "train.compile_mode", "train.cuda_graphs")
 # The columns averaged over seeds: a run row's key, and its header.
 SEED_COLUMNS = (("val_loss", "val loss"), ("best_val_loss", "best val"), ("val_loss_at_budget", "val @ budget"),
                 ("train_loss", "train loss"))
@@ -225,7 +229,7 @@ def seed_groups(runs: list[Run], rows: list[dict[str, Any]], fields: list[str]) 
     does not differ or no setting has more than one run."""
     if SEED_FIELD not in fields:
         return []
-    setting_fields = [f for f in fields if f != SEED_FIELD]
+    setting_fields = _setting_fields(fields)
     groups: dict[str, dict[str, Any]] = {}
     members: dict[str, list[dict[str, Any]]] = {}
     for run, row in zip(runs, rows):
@@ -244,6 +248,12 @@ def seed_groups(runs: list[Run], rows: list[dict[str, Any]], fields: list[str]) 
     return list(groups.values())
 
 
+def _setting_fields(fields: list[str]) -> list[str]:
+    """The differing fields that define a setting: not the seed, nor how a run ran (parallel.*: the
+    same mathematics up to rounding)."""
+    return [f for f in fields if f != SEED_FIELD and f not in RUN_FIELDS and not f.startswith("parallel.")]
+
+
 def _mean_and_spread(values: list[float]) -> dict[str, Any]:
     """n, mean and sample standard deviation (None where there are too few values for it)."""
     return {"n": len(values), "mean": statistics.fmean(values) if values else None,
@@ -252,17 +262,23 @@ def _mean_and_spread(values: list[float]) -> dict[str, Any]:
 
 def seed_table(groups: list[dict[str, Any]], fields: list[str]) -> str:
     """The settings' means and sample standard deviations over their seeds."""
-    setting_fields = [f for f in fields if f != SEED_FIELD]
+    setting_fields = _setting_fields(fields)
     header = ["setting", *setting_fields, "seeds", *(name for _, name in SEED_COLUMNS)]
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for i, group in enumerate(groups, start=1):
         cells = [str(i), *(_value(group["setting"][f]) for f in setting_fields), ", ".join(map(str, group["seeds"]))]
         for column, _ in SEED_COLUMNS:
-            stat = group[column]
-            mean = _number(stat["mean"])
-            cells.append(mean if stat["std"] is None else f"{mean} ± {_number(stat['std'])}")
+            cells.append(_mean_cell(group[column], len(group["seeds"])))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _mean_cell(stat: dict[str, Any], seeds: int) -> str:
+    """mean ± std; '(n of N)' when some seeds have no value yet (a run without an evaluation)."""
+    if stat["n"] == 0:
+        return "-"
+    cell = _number(stat["mean"]) + ("" if stat["std"] is None else f" ± {_number(stat['std'])}")
+    return cell if stat["n"] == seeds else f"{cell} ({stat['n']} of {seeds})"
 
 
 def plot_png(runs: list[Run], budget: float | None) -> bytes:
@@ -315,6 +331,9 @@ def report(paths: list[Path], out: Path | None = None) -> str:
     groups = seed_groups(runs, rows, fields)
     if groups:
         table += "\n\nOver seeds (mean ± sample standard deviation):\n\n" + seed_table(groups, fields)
+    elif SEED_FIELD in fields:
+        table += (f"\n\nnote: no seed table: {SEED_FIELD} differs, but no two runs agree in every other field "
+                  f"that defines a setting ({', '.join(_setting_fields(fields))})")
     notes = [n for r in runs for n in r.notes]
     if notes:
         table += "\n\n" + "\n".join(f"note: {n}" for n in notes)

@@ -161,3 +161,17 @@ def test_runs_from_several_seeds_are_averaged_per_setting(tmp_path: Path) -> Non
     assert seed_lines[5].startswith("| 2 | 0.5 | 0 | 1.5000 |"), seed_lines
     # one run per setting: no second table
     assert "Over seeds" not in report([runs[0], runs[2]])
+
+
+def test_seed_groups_ignore_how_runs_ran_and_count_missing_values(tmp_path: Path) -> None:
+    """Seeds of one setting stay one setting when a resume changed how a run ran (eval_interval);
+    a seed with no evaluation yet is counted out, and the cell says how many seeds it averages."""
+    a = _run_folder(tmp_path / "s0", [_eval(2, 2.0, 3.0)], train__seed=0)
+    b = _run_folder(tmp_path / "s1", [_eval(2, 2.0, 3.2)], train__seed=1, train__eval_interval=7)
+    c = _run_folder(tmp_path / "s2", [json.dumps({"step": 1, "flops": 1.0, "loss": 4.0, "routing": {}})], train__seed=2)
+    table = report([a, b, c])
+    lines = table.split("Over seeds")[1].strip().splitlines()
+    assert lines[2].startswith("| setting | seeds | val loss |"), lines  # eval_interval is no setting field
+    assert lines[4].startswith("| 1 | 0, 1, 2 | 3.1000 ± 0.1414 (2 of 3) |"), lines
+    other = _run_folder(tmp_path / "lr", [_eval(2, 2.0, 3.0)], train__seed=5, train__lr=0.01)
+    assert "note: no seed table: train.seed differs, but no two runs agree" in report([a, other])
