@@ -1,12 +1,15 @@
 """Evaluate a trained run on more validation batches than training did, without touching its folder.
 
-    python -m mode.evaluate runs/mod_tiny-X --batches 64 [--device cpu] [--out eval.json]
+    python -m mode.evaluate runs/mod_tiny-X --batches 64 [--device cpu] [--out eval.json] [--data-path DIR]
 
 The checkpoint's weights and config, the validation batches training evaluates on (the same
 seeded draws, `--batches` of them instead of train.eval_batches), the same routing statistics,
-and under causal routing the loss with the causal decision as well. Prints the result as JSON;
---out also writes it there (whole: temporary file, then rename). Nothing in the run folder is
-read but its checkpoint, nor written.
+and under causal routing the loss with the causal decision as well. A multi-process run's
+checkpoint (its weights gathered) is evaluated in one process on its global batch
+(train.batch_size x its processes): the sequences its processes evaluated together. Prints the
+result as JSON; --out also writes it there (whole: temporary file, then rename). Nothing in the
+run folder is read but its checkpoint, nor written. --data-path points a text or token-file
+run at its data where it has moved (the split is by file, relative to the path: the same one).
 """
 from __future__ import annotations
 
@@ -26,16 +29,22 @@ from mode.train import Trainer, load_checkpoint_file
 from mode.utils import atomic_write_text, pick_device
 
 
-def evaluate_checkpoint(path: Path, batches: int, device: str = "auto") -> dict[str, Any]:
+def evaluate_checkpoint(path: Path, batches: int, device: str = "auto", data_path: str | None = None) -> dict[str, Any]:
     """The validation loss and routing statistics of a run folder's (or checkpoint.pt's) weights
     over `batches` validation batches; also its step and what was evaluated."""
     if batches < 1:
         raise ValueError(f"--batches {batches}: must be at least 1")
     payload = load_checkpoint_file(path)
-    if "model" not in payload:  # a multi-process run under ZeRO keeps its weights sharded
-        raise ValueError(f"{path} holds no one-device model weights (a sharded multi-process checkpoint)")
+    if "model" not in payload:
+        raise ValueError(f"{path} holds no model weights")
     config = config_from_dict(payload["config"], str(path))
+    if data_path is not None:
+        if config.data.source == "stdlib":
+            raise ValueError("--data-path: this run read the standard library's sources (data.source: stdlib), no path")
+        config.data.path = data_path
+    processes = _processes(payload)
     t = config.train
+    t.batch_size *= processes  # every process's rows of the global batch, in order
     t.eval_batches, t.device = batches, device
     # Evaluation runs eager, from these weights: no compiling, no graphs, no other run's weights.
     t.compile, t.compile_mode, t.cuda_graphs, t.init_from = False, "default", False, None
@@ -45,8 +54,15 @@ def evaluate_checkpoint(path: Path, batches: int, device: str = "auto") -> dict[
         t.out_dir = scratch  # the Trainer's run folder: a throwaway one, never the run's own
         result = Trainer(config, model=model).evaluate()
     step = int(payload["state"]["step"])
-    return {"checkpoint": str(path), "step": step, "batches": batches,
+    return {"checkpoint": str(path), "step": step, "batches": batches, "processes": processes,
             "tokens": batches * t.batch_size * config.data.seq_len, **result}
+
+
+def _processes(payload: dict[str, Any]) -> int:
+    """How many processes trained the checkpoint (launch/train.py records its layout; mode.train's: 1)."""
+    optimizer = payload.get("optimizer")
+    layout = optimizer.get("layout") if isinstance(optimizer, dict) else None
+    return int(layout["world_size"]) if isinstance(layout, dict) and "world_size" in layout else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,9 +71,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=int, default=64, help="validation batches (of train.batch_size sequences)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    parser.add_argument("--data-path", default=None, help="the run's data.path, where its text or token file now is")
     args = parser.parse_args(argv)
+    if args.out is not None and args.out.is_dir():
+        parser.error(f"--out {args.out}: is a folder; give a file name")
     try:
-        result = evaluate_checkpoint(args.run, args.batches, args.device)
+        result = evaluate_checkpoint(args.run, args.batches, args.device, args.data_path)
     except (ConfigError, DataError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -11,7 +11,7 @@ from mode.evaluate import evaluate_checkpoint, main
 from mode.train import METRICS, Trainer
 
 
-def _train(out_dir: Path, corpus: Path, **routing: object) -> None:
+def _train(out_dir: Path, corpus: Path | str, **routing: object) -> None:
     raw = {
         "model": {"d_model": 32, "n_heads": 2, "n_layers": 2, "d_ff": 64, "max_seq_len": 32,
                   "block_pattern": ["dense", "mod"]},
@@ -59,3 +59,19 @@ def test_command_line_prints_writes_and_refuses_bad_input(tmp_path: Path, corpus
     not_a_checkpoint.write_text("hello")
     assert main([str(not_a_checkpoint)]) == 2
     assert "is not a readable checkpoint" in capsys.readouterr().err
+
+
+def test_data_path_finds_moved_data_and_out_must_be_a_file(tmp_path: Path, corpus: Path, capsys) -> None:
+    data = tmp_path / "data.txt"
+    data.write_bytes(corpus.read_bytes())
+    run = tmp_path / "run"
+    _train(run, data)
+    last = [json.loads(line) for line in (run / METRICS).read_text().splitlines() if "val_loss" in line][-1]
+    moved = data.rename(tmp_path / "moved.txt")
+    capsys.readouterr()
+    assert main([str(run), "--batches", "3"]) == 2
+    assert "data.txt" in capsys.readouterr().err  # the path it looked for
+    assert evaluate_checkpoint(run, 3, "cpu", str(moved))["val_loss"] == last["val_loss"]
+    with pytest.raises(SystemExit):
+        main([str(run), "--out", str(tmp_path)])
+    assert "is a folder" in capsys.readouterr().err

@@ -180,6 +180,18 @@ def test_data_parallel_equals_one_process_with_the_doubled_batch(data_parallel):
     assert train[STEPS]["processes"] == WORLD and records(reference)[0][STEPS]["processes"] == 1
 
 
+def test_a_multi_process_checkpoint_evaluates_on_its_global_batch(data_parallel):
+    """mode.evaluate on a 2-process run's checkpoint: one process, the global batch of both
+    (batch_size x 2), repeats the run's last evaluation (to rounding: the sums run in another order)."""
+    from mode.evaluate import evaluate_checkpoint
+
+    _, evals = records(data_parallel["dir"])
+    last = evals[max(evals)]
+    result = evaluate_checkpoint(data_parallel["dir"], data_parallel["raw"]["train"]["eval_batches"], "cpu")
+    assert result["step"] == max(evals) and result["processes"] == WORLD
+    assert result["val_loss"] == pytest.approx(last["val_loss"], rel=LOSS_RTOL)
+
+
 def test_stop_after_checkpoint_and_resume_continues_the_run(data_parallel):
     """Stop after step 4 (checkpoint at 3, step 4 logged), resume: steps 4-6 as uninterrupted."""
     out = data_parallel["tmp"] / "resumed"
