@@ -10,7 +10,8 @@ mode.train` in a process of its own, in `<out>/<field=value+...>`; overrides giv
 checked before the first run starts, so a bad value fails at once, naming the field.
 
 Runs go one after another, their output inline; `--gpus 0,1,2,3` runs one on each listed GPU at
-once (CUDA_VISIBLE_DEVICES), `--jobs N` N at once on CPU; parallel runs write their output to
+once (CUDA_VISIBLE_DEVICES), `--jobs N` N at once on CPU (sharing the cores: OMP_NUM_THREADS =
+cores / N unless set); parallel runs write their output to
 `<run folder>/train.log` (appended to on resume) with the progress bar off.
 
 Started again with the same arguments, a sweep skips its finished runs and resumes the others
@@ -197,12 +198,24 @@ def run_point(args: argparse.Namespace, point: Point, overrides: list[str], max_
     what = "training" if step is None else f"resuming from step {step}"
     gpu = slots.gpus.get() if slots.gpus is not None else None  # held until the run ends
     try:
-        env = os.environ if gpu is None else {**os.environ, "CUDA_VISIBLE_DEVICES": gpu}
+        env = run_environment(gpu, slots.jobs)
         what += "" if gpu is None else f" on GPU {gpu}"
         return (_run_logged if slots.parallel else _run_inline)(point.name, command, env, what, run_dir)
     finally:
         if gpu is not None:
             slots.gpus.put(gpu)
+
+
+def run_environment(gpu: str | None, jobs: int) -> dict[str, str]:
+    """A run's environment: its GPU alone visible; CPU runs side by side share the cores (each
+    would start as many threads as the machine has, and N of them slow each other down),
+    unless OMP_NUM_THREADS is set already."""
+    env = dict(os.environ)
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpu
+    elif jobs > 1:
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // jobs)))
+    return env
 
 
 def _call(command: list[str], **popen: Any) -> int:

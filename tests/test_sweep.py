@@ -211,3 +211,15 @@ def test_ctrl_c_stops_a_parallel_sweep_at_once(tmp_path: Path, corpus: Path) -> 
     assert "sweep stopped (Ctrl-C)" in stdout and "Traceback" not in stdout + stderr, (stdout, stderr)
     assert "== seed=0: stopped (Ctrl-C" in stdout and "== seed=1: stopped (Ctrl-C" in stdout
     assert not (out / "seed=2").exists() and not (out / "seed=3").exists()  # the queued points never started
+
+
+def test_cpu_jobs_share_the_cores(monkeypatch) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(sweep.os, "cpu_count", lambda: 8)
+    assert sweep.run_environment(None, 4)["OMP_NUM_THREADS"] == "2"
+    assert sweep.run_environment(None, 16)["OMP_NUM_THREADS"] == "1"
+    assert "OMP_NUM_THREADS" not in sweep.run_environment(None, 1)  # one run: all the cores
+    gpu = sweep.run_environment("3", 4)
+    assert gpu["CUDA_VISIBLE_DEVICES"] == "3" and "OMP_NUM_THREADS" not in gpu
+    monkeypatch.setenv("OMP_NUM_THREADS", "5")
+    assert sweep.run_environment(None, 4)["OMP_NUM_THREADS"] == "5"  # the user's choice stands
