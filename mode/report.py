@@ -37,17 +37,13 @@ import yaml
 from mode.config import Config, ConfigError, config_from_dict, flat_fields
 from mode.flops import model_flops
 from mode.model import LanguageModel
-from mode.train import METRICS
+from mode.train import METRICS, describes_execution
 from mode.utils import atomic_write_bytes, atomic_write_text
 
 CONFIG_FILE = "config.yaml"
 # Fields that name or decorate a run rather than define the experiment.
 IGNORED_FIELDS = ("train.out_dir", "train.progress")
 SEED_FIELD = "train.seed"
-# Fields that change how a run ran, not what it learned (a resume may change them): runs of one
-# setting from several seeds may differ in them and are still averaged together.
-RUN_FIELDS = ("train.log_interval", "train.eval_interval", "train.eval_batches", "train.checkpoint_interval",
-              "train.device", "train.compile", "train.compile_mode", "train.cuda_graphs")
 # The columns averaged over seeds: a run row's key, and its header.
 SEED_COLUMNS = (("val_loss", "val loss"), ("best_val_loss", "best val"), ("val_loss_at_budget", "val @ budget"),
                 ("train_loss", "train loss"))
@@ -249,9 +245,9 @@ def seed_groups(runs: list[Run], rows: list[dict[str, Any]], fields: list[str]) 
 
 
 def _setting_fields(fields: list[str]) -> list[str]:
-    """The differing fields that define a setting: not the seed, nor how a run ran (parallel.*: the
-    same mathematics up to rounding)."""
-    return [f for f in fields if f != SEED_FIELD and f not in RUN_FIELDS and not f.startswith("parallel.")]
+    """The differing fields that define a setting: not the seed, nor how a run executed (runs of one
+    setting from several seeds may differ in that and are still averaged together)."""
+    return [f for f in fields if f != SEED_FIELD and not describes_execution(f)]
 
 
 def _mean_and_spread(values: list[float]) -> dict[str, Any]:

@@ -41,10 +41,7 @@ import yaml
 
 from mode.config import ConfigError, load_config
 from mode.report import ReportError, report
-from mode.train import CHECKPOINT, METRICS, steps_within_budget
-
-
-INTERRUPTED = 130  # the exit status of a training stopped by Ctrl-C (mode.train), and of the sweep
+from mode.train import CHECKPOINT, INTERRUPTED, METRICS, steps_within_budget
 
 
 class SweepError(ValueError):

@@ -425,12 +425,17 @@ class RunState:
 
 
 LOSS_KEYS = ("loss", "lm_loss", "aux_loss")  # what a step reports of ModelOutput
+# How a run executes, not what it learns: how often it logs, evaluates and saves, where and how
+# it runs (and parallel.*: the same mathematics up to rounding).
+EXECUTION_FIELDS = (
+    "train.log_interval", "train.eval_interval", "train.eval_batches", "train.checkpoint_interval", "train.device",
+    "train.compile", "train.compile_mode", "train.cuda_graphs",
+)
 RESUMABLE_FIELDS = (
-    "train.max_steps", "train.flops_budget", "train.log_interval", "train.eval_interval", "train.eval_batches",
-    "train.checkpoint_interval", "train.progress", "train.out_dir", "train.device", "train.compile", "train.compile_mode",
-    "train.cuda_graphs",
+    "train.max_steps", "train.flops_budget", "train.progress", "train.out_dir", *EXECUTION_FIELDS,
     "train.init_from",  # a resumed run loads its own weights
 )
+INTERRUPTED = 130  # the exit status of a run stopped by Ctrl-C
 
 
 @dataclass
@@ -518,7 +523,6 @@ class Trainer:
             self.notes.append(f"train.flops_budget={t.flops_budget:.4g}: max_steps={t.max_steps}{instead} "
                               f"({train_step_flops(config, world_size):.4g} training FLOPs a step)")
         self.state = RunState()
-        self.resume_changes: list[str] = []  # the RESUMABLE_FIELDS --resume changed
         self.saved_step: int | None = None  # the step the run folder's checkpoint holds
         self._prepare_run_folder(resume)
 
@@ -583,8 +587,8 @@ class Trainer:
                 f"--resume: the config differs from the run's, saved in {path}: {', '.join(differ)}. Resume with "
                 f"the run's settings ({self.out_dir / 'config.yaml'}), or start a new run in another --train.out_dir"
             )
-        self.resume_changes = field_differences(payload["config"], self.config, _may_change_on_resume)
-        self.notes += [f"--resume changes {change}" for change in self.resume_changes]
+        changes = field_differences(payload["config"], self.config, _may_change_on_resume)
+        self.notes += [f"--resume changes {change}" for change in changes]
         if isinstance(self.optimization, DistributedOptimization):
             self.optimization.load_checkpoint(self.out_dir, payload)
         elif payload.get("sharded"):
@@ -861,10 +865,15 @@ def load_init_weights(model: LanguageModel, config: Config) -> None:
         ) from None
 
 
+def describes_execution(name: str) -> bool:
+    """Whether a config field says how a run executes (EXECUTION_FIELDS, parallel.*), not what it learns."""
+    return name in EXECUTION_FIELDS or name.startswith("parallel.")
+
+
 def _may_change_on_resume(name: str) -> bool:
     """Fields a resumed run may change: how long it runs, how often it logs, evaluates and saves,
     where and how it executes; every other field defines the curve it continues."""
-    return name in RESUMABLE_FIELDS or name.startswith("parallel.")
+    return name in RESUMABLE_FIELDS or describes_execution(name)
 
 
 def load_checkpoint_file(path: Path, device: torch.device | str = "cpu") -> dict[str, Any]:
@@ -946,7 +955,7 @@ def main(argv: list[str] | None = None) -> int:
         trainer.run()
     except KeyboardInterrupt:  # stopped between steps or inside one: every file is whole (written, then renamed)
         print(f"\n{interrupted_message(trainer)}", file=sys.stderr)
-        return 130
+        return INTERRUPTED
     print(f"done: run folder {trainer.out_dir}")
     return 0
 

@@ -26,7 +26,7 @@ from mode.data import DataError
 from mode.flops import model_flops
 from mode.parallel.engine import DeepSpeedOptimization, Processes, init_distributed, quiet_deepspeed
 from mode.parallel.expert_parallel import apply_expert_parallel
-from mode.train import LaunchedStep, Trainer, build_model, interrupted_message, parse_args
+from mode.train import INTERRUPTED, LaunchedStep, Trainer, build_model, interrupted_message, parse_args
 
 ERRORS = (ConfigError, DataError, FileExistsError, FileNotFoundError)
 # Variables a launcher (torchrun, deepspeed, mpirun) sets in each process it starts.
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         except KeyboardInterrupt:  # every rank stops at the same step (clean_stops); files are whole
             _say(processes.rank, f"\n{interrupted_message(trainer)}", sys.stderr)
-            return 130
+            return INTERRUPTED
         _say(processes.rank, f"done: run folder {trainer.out_dir}")
         return 0
     finally:
