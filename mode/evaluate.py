@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from mode.config import ConfigError, config_from_dict
+from mode.config import ConfigError
 from mode.data import DataError
-from mode.model import LanguageModel
+from mode.generate import model_from_payload
 from mode.train import Trainer, load_checkpoint_file
 from mode.utils import atomic_write_text, pick_device
 
@@ -35,9 +35,8 @@ def evaluate_checkpoint(path: Path, batches: int, device: str = "auto", data_pat
     if batches < 1:
         raise ValueError(f"--batches {batches}: must be at least 1")
     payload = load_checkpoint_file(path)
-    if "model" not in payload:
-        raise ValueError(f"{path} holds no model weights")
-    config = config_from_dict(payload["config"], str(path))
+    model = model_from_payload(payload, str(path), pick_device(device, "--device"))
+    config = model.config  # changed below in train and data fields only, which the model does not read
     if data_path is not None:
         if config.data.source == "stdlib":
             raise ValueError("--data-path: this run read the standard library's sources (data.source: stdlib), no path")
@@ -48,8 +47,6 @@ def evaluate_checkpoint(path: Path, batches: int, device: str = "auto", data_pat
     t.eval_batches, t.device = batches, device
     # Evaluation runs eager, from these weights: no compiling, no graphs, no other run's weights.
     t.compile, t.compile_mode, t.cuda_graphs, t.init_from = False, "default", False, None
-    model = LanguageModel(config).to(pick_device(device, "--device"))
-    model.load_state_dict(payload["model"])
     with tempfile.TemporaryDirectory(prefix="mode-evaluate-") as scratch:
         t.out_dir = scratch  # the Trainer's run folder: a throwaway one, never the run's own
         result = Trainer(config, model=model).evaluate()

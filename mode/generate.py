@@ -54,7 +54,7 @@ import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -851,13 +851,18 @@ def generate(
 # ----------------------------------------------------------------------------- loading
 def load_model(checkpoint: str | Path, device: str | torch.device = "cpu") -> LanguageModel:
     """A LanguageModel from a run folder or checkpoint.pt written by mode.train (errors are clear)."""
-    from mode.config import config_from_dict
     from mode.train import load_checkpoint_file
 
-    payload = load_checkpoint_file(Path(checkpoint), device)
-    config = config_from_dict(payload["config"], str(checkpoint))
+    return model_from_payload(load_checkpoint_file(Path(checkpoint), device), str(checkpoint), device)
+
+
+def model_from_payload(payload: dict[str, Any], source: str, device: str | torch.device) -> LanguageModel:
+    """The model a loaded checkpoint holds, with its own config (model.config), in eval mode."""
+    from mode.config import config_from_dict
+
+    config = config_from_dict(payload["config"], source)
     if "model" not in payload:
-        raise ValueError(f"{checkpoint} holds no model weights")
+        raise ValueError(f"{source} holds no model weights")
     model = LanguageModel(config).to(device)
     model.load_state_dict(payload["model"])
     model.eval()
