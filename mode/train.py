@@ -522,6 +522,9 @@ class Trainer:
             instead = "" if given == t.max_steps else f", in place of the config's max_steps={given}"
             self.notes.append(f"train.flops_budget={t.flops_budget:.4g}: max_steps={t.max_steps}{instead} "
                               f"({train_step_flops(config, world_size):.4g} training FLOPs a step)")
+        if t.warmup_steps >= t.max_steps:  # legal (a short smoke run), but a budget sweep's small points land here unseen
+            self.notes.append(f"train.warmup_steps={t.warmup_steps} is not below max_steps={t.max_steps}: the learning "
+                              f"rate never reaches train.lr={t.lr:g} and there is no decay")
         self.state = RunState()
         self.saved_step: int | None = None  # the step the run folder's checkpoint holds
         self._prepare_run_folder(resume)

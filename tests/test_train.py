@@ -756,3 +756,12 @@ def test_flops_budget_sets_the_whole_steps_within_it(tmp_path: Path, corpus: Pat
     assert (tmp_path / "run" / "config.yaml").read_bytes() == saved_config  # left as it was
     with pytest.raises(ConfigError, match=r"train\.flops_budget"):
         make_config(tmp_path / "inf", corpus, train={"flops_budget": float("inf")})
+
+
+def test_warmup_not_below_the_run_is_a_note(tmp_path: Path, corpus: Path) -> None:
+    """A run whose warmup covers all of its steps (a budget sweep's smallest point) trains, and says so;
+    a warmup shorter than the run adds no note."""
+    short = Trainer(make_config(tmp_path / "short", corpus, train={"max_steps": 3, "warmup_steps": 3}))
+    assert any("train.warmup_steps=3 is not below max_steps=3" in note for note in short.notes), short.notes
+    usual = Trainer(make_config(tmp_path / "usual", corpus, train={"max_steps": 3, "warmup_steps": 2}))
+    assert not any("warmup_steps" in note for note in usual.notes), usual.notes
