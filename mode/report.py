@@ -38,7 +38,7 @@ from mode.config import Config, ConfigError, config_from_dict, flat_fields
 from mode.flops import model_flops
 from mode.model import LanguageModel
 from mode.train import METRICS, describes_execution
-from mode.utils import atomic_write_bytes, atomic_write_text
+from mode.utils import MetricsError, atomic_write_bytes, atomic_write_text, read_metrics
 
 CONFIG_FILE = "config.yaml"
 # Fields that name or decorate a run rather than define the experiment.
@@ -86,33 +86,13 @@ def _read_config(path: Path) -> Config:
 
 
 def _read_metrics(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
-    """The JSON lines of metrics.jsonl. Only the last line may be cut short (a run writing it, or
-    killed while it did): it is left out with a note."""
+    """The records of metrics.jsonl (mode.utils.read_metrics: a last line cut short is left out with a note)."""
     if not path.is_file():
         raise ReportError(f"{path}: not found (is {path.parent} a run folder?)")
-    lines = path.read_text().splitlines()
-    records, notes = [], []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-            _check_record(record)
-        except (json.JSONDecodeError, ReportError) as e:
-            if number == len(lines):
-                notes.append(f"{path}: line {number} is incomplete and was left out")
-                continue
-            raise ReportError(f"{path}: line {number}: {e}") from None
-        records.append(record)
-    return records, notes
-
-
-def _check_record(record: Any) -> None:
-    if not isinstance(record, dict):
-        raise ReportError("not a JSON object")
-    for key in ("step", "flops"):
-        if not isinstance(record.get(key), (int, float)):
-            raise ReportError(f"no numeric {key!r}")
+    try:
+        return read_metrics(path)
+    except MetricsError as e:
+        raise ReportError(str(e)) from None
 
 
 # ----------------------------------------------------------------------------- comparing runs

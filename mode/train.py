@@ -28,7 +28,14 @@ from mode.flops import model_flops, train_step_flops
 from mode.layers.moe import MoEFFN
 from mode.model import LanguageModel, ModelOutput
 from mode.routing import Routing, TokenChoiceRouting, token_mask
-from mode.utils import atomic_torch_save, atomic_write_bytes, atomic_write_text, pick_device
+from mode.utils import (
+    atomic_torch_save,
+    atomic_write_bytes,
+    atomic_write_text,
+    pick_device,
+    read_metrics,
+    remove_stale_temporaries,
+)
 
 CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.jsonl"
@@ -538,6 +545,9 @@ class Trainer:
             self.load_checkpoint(checkpoint)
             self._check_not_past_the_end()
             self._truncate_metrics()
+            if self.is_main:  # a checkpoint write killed outright (SIGKILL, out of memory) left its temporary
+                self.notes += [f"removed {stale.name}, a checkpoint write that never finished"
+                               for stale in remove_stale_temporaries(checkpoint)]
         elif checkpoint.exists():
             raise FileExistsError(
                 f"{self.out_dir} already holds a run ({checkpoint}); pass --resume to continue it "
@@ -606,15 +616,18 @@ class Trainer:
         self.saved_step = self.state.step
         torch.set_rng_state(payload["rng"].cpu())  # the payload was mapped to self.device
         if payload.get("cuda_rng") is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all([state.cpu() for state in payload["cuda_rng"]])
+            restore_cuda_rng(payload["cuda_rng"])
 
     def _truncate_metrics(self) -> None:
-        """Drop records a crashed run logged after its last checkpoint, so the curve continues."""
+        """Drop records a crashed run logged after its last checkpoint, so the curve continues; a last
+        line cut short by the crash goes with them (a bad line elsewhere is an error naming it)."""
         path = self.out_dir / METRICS
         if not (self.is_main and path.exists()):
             return
-        kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= self.state.step]
-        atomic_write_text(path, "".join(line + "\n" for line in kept))
+        records, notes = read_metrics(path)
+        self.notes += notes
+        kept = [record for record in records if record["step"] <= self.state.step]
+        atomic_write_text(path, "".join(json.dumps(record) + "\n" for record in kept))  # as log() wrote them
 
     def mean_over_ranks(self, values: dict[str, float]) -> dict[str, float]:
         """Losses averaged over data-parallel ranks (each rank saw its share of the batch)."""
@@ -879,6 +892,14 @@ def _may_change_on_resume(name: str) -> bool:
     return name in RESUMABLE_FIELDS or describes_execution(name)
 
 
+def restore_cuda_rng(states: Sequence[Tensor]) -> None:
+    """The CUDA generators' states a checkpoint saved (one per GPU its process saw), on the GPUs this
+    process sees: a run saved on a machine with more GPUs resumes on one with fewer; GPUs it did not
+    have keep their seeds."""
+    for index, state in enumerate(states[: torch.cuda.device_count()]):
+        torch.cuda.set_rng_state(state.cpu(), index)
+
+
 def load_checkpoint_file(path: Path, device: torch.device | str = "cpu") -> dict[str, Any]:
     """Read a checkpoint written by this project; a missing or foreign file is a clear error."""
     path = Path(path)
@@ -904,7 +925,7 @@ def plot_losses(run_dir: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = [json.loads(line) for line in (run_dir / METRICS).read_text().splitlines() if line]
+    records, _ = read_metrics(run_dir / METRICS)  # a line cut short by a crash is left out
     train = [(r["flops"], r["loss"]) for r in records if "loss" in r]
     val = [(r["flops"], r["val_loss"]) for r in records if "val_loss" in r]
     fig, ax = plt.subplots(figsize=(6, 4))

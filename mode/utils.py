@@ -1,6 +1,7 @@
 """Small helpers shared by training, generation and benchmarks."""
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -36,6 +37,22 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    _sync_folder(path.parent)
+
+
+def _sync_folder(folder: Path) -> None:
+    """fsync a folder, so a rename into it survives a power loss (POSIX; a no-op where folders
+    cannot be opened, as on Windows)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -43,14 +60,67 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 
 def atomic_torch_save(obj: Any, path: Path) -> None:
+    """torch.save to a temporary file beside `path`, flushed to disk, then renamed over it: a crash,
+    Ctrl-C or power loss leaves the previous file whole, never an empty or half-written one."""
     fd, tmp = _temporary_beside(path)
-    os.close(fd)
     try:
-        torch.save(obj, tmp)
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    _sync_folder(path.parent)
+
+
+def remove_stale_temporaries(path: Path) -> list[Path]:
+    """Delete the temporary files an atomic write of `path` left beside it when its process was killed
+    outright (SIGKILL, out of memory: no chance to clean up); returns them. Call it only where no
+    other process is writing `path`."""
+    stale = sorted(path.parent.glob(f".{path.name}.*.tmp"))
+    for leftover in stale:
+        leftover.unlink(missing_ok=True)
+    return stale
+
+
+class MetricsError(ValueError):
+    """A metrics.jsonl line that is not a record; the message names the file and line."""
+
+
+def read_metrics(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
+    """The records of a metrics.jsonl file, and notes. Only its last line may be cut short (a run
+    writing it, or killed while it did): that line is left out with a note. A bad line anywhere
+    else is a MetricsError naming the file and line. Every record is a JSON object with a numeric
+    step and flops."""
+    lines = path.read_text().splitlines()
+    records: list[dict[str, Any]] = []
+    notes: list[str] = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            problem = _record_problem(record)
+        except json.JSONDecodeError as e:
+            problem = str(e)
+        if problem is None:
+            records.append(record)
+        elif number == len(lines):
+            notes.append(f"{path}: line {number} is incomplete ({problem}) and was left out")
+        else:
+            raise MetricsError(f"{path}: line {number}: {problem}")
+    return records, notes
+
+
+def _record_problem(record: Any) -> str | None:
+    if not isinstance(record, dict):
+        return "not a JSON object"
+    for key in ("step", "flops"):
+        if isinstance(record.get(key), bool) or not isinstance(record.get(key), (int, float)):
+            return f"no numeric {key!r}"
+    return None
 
 
 def pick_device(name: str, field: str = "train.device") -> torch.device:

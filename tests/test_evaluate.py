@@ -75,3 +75,27 @@ def test_data_path_finds_moved_data_and_out_must_be_a_file(tmp_path: Path, corpu
     with pytest.raises(SystemExit):
         main([str(run), "--out", str(tmp_path)])
     assert "is a folder" in capsys.readouterr().err
+
+
+def test_random_routing_repeats_the_runs_own_evaluation(tmp_path: Path, corpus: Path) -> None:
+    """routing.random draws from the generators: evaluation starts them where the checkpoint saved them,
+    which is where the run's own last evaluation found them."""
+    run = tmp_path / "run"
+    _train(run, corpus, random=True)
+    last = [json.loads(line) for line in (run / METRICS).read_text().splitlines() if "val_loss" in line][-1]
+    assert evaluate_checkpoint(run, 3, "cpu")["val_loss"] == last["val_loss"]
+
+
+def test_a_run_compiled_with_cuda_graphs_evaluates_eager(tmp_path: Path, corpus: Path) -> None:
+    """A checkpoint whose config says compile=true, compile_mode=reduce-overhead (the README's GPU recipe)
+    evaluates eager: its train fields are switched off in an order each assignment's check accepts."""
+    import torch
+
+    run = tmp_path / "run"
+    _train(run, corpus)
+    payload = torch.load(run / "checkpoint.pt", weights_only=False)
+    payload["config"]["train"].update(compile=True, compile_mode="reduce-overhead")
+    torch.save(payload, run / "checkpoint.pt")
+    result = evaluate_checkpoint(run, 3, "cpu")
+    last = [json.loads(line) for line in (run / METRICS).read_text().splitlines() if "val_loss" in line][-1]
+    assert result["val_loss"] == last["val_loss"]

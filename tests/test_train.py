@@ -765,3 +765,52 @@ def test_warmup_not_below_the_run_is_a_note(tmp_path: Path, corpus: Path) -> Non
     assert any("train.warmup_steps=3 is not below max_steps=3" in note for note in short.notes), short.notes
     usual = Trainer(make_config(tmp_path / "usual", corpus, train={"max_steps": 3, "warmup_steps": 2}))
     assert not any("warmup_steps" in note for note in usual.notes), usual.notes
+
+
+# ----------------------------------------------------------------------------- what a killed run leaves
+def test_resume_after_a_kill_mid_write(tmp_path: Path, corpus: Path, capsys) -> None:
+    """A run killed outright (SIGKILL, out of memory) can leave metrics.jsonl's last line cut short and a
+    checkpoint's temporary file beside it: --resume drops both, saying so, and continues the curve; a
+    damaged line before the last is an error naming the file and line, and the file is left as it was."""
+    run = tmp_path / "run"
+    Trainer(make_config(run, corpus, train={"max_steps": 4, "checkpoint_interval": 2})).run()
+    metrics = run / METRICS
+    whole = metrics.read_text()
+    metrics.write_text(whole + '{"step": 5, "flops": 1.0, "lo')  # the kill came mid-line
+    stale = run / ".checkpoint.pt.abc123.tmp"
+    stale.write_bytes(b"half a checkpoint")
+    config = make_config(run, corpus, train={"max_steps": 6, "checkpoint_interval": 2})
+    resumed = Trainer(config, resume=True)
+    assert any("line" in note and "incomplete" in note for note in resumed.notes), resumed.notes
+    assert any(".checkpoint.pt.abc123.tmp" in note for note in resumed.notes), resumed.notes
+    assert not stale.exists() and metrics.read_text() == whole
+    resumed.run()
+    assert sorted(train_losses(run)) == list(range(1, 7))
+
+    lines = metrics.read_text().splitlines()
+    lines[2] = lines[2][:20]  # damaged in the middle: not a crash's doing, so not silently dropped
+    damaged = "\n".join(lines) + "\n"
+    metrics.write_text(damaged)
+    assert main(["--config", str(_yaml(tmp_path, config)), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert f"{metrics}: line 3" in err, err
+    assert metrics.read_text() == damaged
+
+
+def _yaml(tmp_path: Path, config: Config) -> Path:
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config.to_dict()))
+    return path
+
+
+def test_cuda_generators_restore_onto_fewer_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkpoint saved by a process that saw 3 GPUs resumes where it sees 1: the states of the GPUs
+    present are restored, the others left out (set_rng_state_all would index GPUs that are not there)."""
+    from mode.train import restore_cuda_rng
+
+    restored: list[tuple[int, torch.Tensor]] = []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: restored.append((device, state)))
+    states = [torch.full((4,), i, dtype=torch.uint8) for i in range(3)]
+    restore_cuda_rng(states)
+    assert [device for device, _ in restored] == [0] and torch.equal(restored[0][1], states[0])
