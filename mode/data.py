@@ -6,7 +6,8 @@ Sources:
 - `text`: a user's text file, or a folder of text files (split by file; one file, or a
   folder too small for the hash to put files on both sides, is split by position).
 - `tokens`: a pre-tokenized uint16/uint32 file in nanoGPT's `.bin` layout (a flat array of
-  token ids); the last val_fraction of it is validation.
+  token ids); the last val_fraction of it is validation. The file is memory-mapped, as nanoGPT
+  does: a batch reads its windows, never the whole file (a corpus larger than memory trains).
 
 Tokens are bytes (vocabulary 256) for the two text sources. Batches are drawn at random
 offsets by a generator seeded from (seed, step), so a resumed run sees the same data as an
@@ -15,6 +16,7 @@ uninterrupted one without saving any sampler state.
 from __future__ import annotations
 
 import hashlib
+import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,14 +37,15 @@ class DataError(ValueError):
 
 @dataclass
 class TokenSplits:
-    train: Tensor  # (N_train,) token ids, stored compactly (uint8 bytes or int32)
+    train: Tensor  # (N_train,) token ids, stored compactly (uint8 bytes; uint16 / uint32 mapped from a token file)
     val: Tensor  # (N_val,)
     vocab_size: int
 
 
 def _is_val_file(relative: str, val_fraction: float) -> bool:
-    """Deterministic, platform-independent split by a hash of the file's relative path."""
-    digest = hashlib.sha256(relative.encode()).digest()
+    """Deterministic, platform-independent split by a hash of the file's relative path (its bytes as the
+    file system gives them: a name that is not UTF-8 hashes too)."""
+    digest = hashlib.sha256(os.fsencode(relative)).digest()
     return int.from_bytes(digest[:8], "big") / 2**64 < val_fraction
 
 
@@ -107,19 +110,21 @@ def load_token_file(path: Path, dtype: str, val_fraction: float) -> TokenSplits:
     size = path.stat().st_size
     if size == 0 or size % itemsize:
         raise DataError(f"data.path: {path} has {size} bytes, not a whole number of {dtype} tokens (or is empty)")
-    tokens = torch.from_numpy(np.fromfile(path, dtype=dtype).astype(np.int32))
-    if dtype == "uint16" and _looks_like_uint32(tokens):
+    # Copy-on-write mapping: pages are read when a batch touches them and nothing is written back;
+    # writable, so torch shares the memory without a warning (no training code writes to it).
+    mapped = np.memmap(path, dtype=dtype, mode="c")
+    if dtype == "uint16" and _looks_like_uint32(mapped):
         raise DataError(
             f"data.path: {path} read as uint16 has a 0 in every other token, as a file of uint32 ids does: "
             "set data.token_dtype=uint32"
         )
-    return _split_tail(tokens, val_fraction, int(tokens.max()) + 1, path)
+    return _split_tail(torch.from_numpy(mapped), val_fraction, int(mapped.max()) + 1, path)
 
 
-def _looks_like_uint32(tokens: Tensor, sample: int = 1 << 20) -> bool:
+def _looks_like_uint32(tokens: np.ndarray, sample: int = 1 << 20) -> bool:
     """uint32 ids below 65536 read as uint16 (little-endian): every odd entry is a zero high half."""
     head = tokens[: 2 * sample]
-    return head.numel() >= 64 and bool(head[1::2].max() == 0) and bool(head[0::2].max() > 0)
+    return head.size >= 64 and int(head[1::2].max()) == 0 and int(head[0::2].max()) > 0
 
 
 def _split_tail(tokens: Tensor, val_fraction: float, vocab: int, path: Path) -> TokenSplits:
@@ -138,10 +143,17 @@ def load_splits(cfg: DataConfig) -> TokenSplits:
         splits = load_token_file(Path(cfg.path), cfg.token_dtype, cfg.val_fraction)
     for name, part in (("train", splits.train), ("validation", splits.val)):
         if part.numel() < cfg.seq_len + 1:
+            remedy = "raise data.val_fraction or lower data.seq_len" if name == "validation" else "lower data.seq_len"
             raise DataError(
-                f"data: the {name} split has {part.numel()} tokens, fewer than data.seq_len + 1 = {cfg.seq_len + 1}"
+                f"data: the {name} split of {describe_source(cfg)} has {part.numel()} tokens, fewer than "
+                f"data.seq_len + 1 = {cfg.seq_len + 1}: {remedy}"
             )
     return splits
+
+
+def describe_source(cfg: DataConfig) -> str:
+    """Where a run's tokens come from, for messages: the standard library's folder, or data.path."""
+    return f"the standard library at {stdlib_root()}" if cfg.source == "stdlib" else f"data.path {cfg.path}"
 
 
 def sample_batch(tokens: Tensor, batch_size: int, seq_len: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from mode.config import Config, ConfigError, field_differences, load_config, save_config
-from mode.data import DataError, TokenSplits, batch_generator, load_splits, sample_batch
+from mode.data import DataError, TokenSplits, batch_generator, describe_source, load_splits, sample_batch
 from mode.flops import model_flops, train_step_flops
 from mode.layers.moe import MoEFFN
 from mode.model import LanguageModel, ModelOutput
@@ -484,6 +484,14 @@ class StepTimer:
         return self.events[0].elapsed_time(self.events[1]) / 1e3
 
 
+def _token_dtype_hint(config: Config, data: TokenSplits) -> str:
+    """A vocabulary past uint16's range from a file read as uint32 is most likely uint16 ids read in pairs."""
+    d = config.data
+    if d.source == "tokens" and d.token_dtype == "uint32" and data.vocab_size > 1 << 16:
+        return "; if the file holds uint16 ids, set data.token_dtype=uint16"
+    return ""
+
+
 class Trainer:
     # Exceptions that stop a run between two steps (an interrupt; launch/train.py's --stop-at-step):
     # the step still in flight is reported before the run stops.
@@ -508,7 +516,7 @@ class Trainer:
         if self.data.vocab_size > config.model.vocab_size:
             raise ConfigError(
                 f"model.vocab_size ({config.model.vocab_size}) is smaller than the data's vocabulary "
-                f"({self.data.vocab_size} token ids)"
+                f"({self.data.vocab_size} token ids in {describe_source(config.data)}){_token_dtype_hint(config, self.data)}"
             )
         self.model = model if model is not None else build_model(config, self.device, resume)
         t = config.train

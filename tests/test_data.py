@@ -281,3 +281,54 @@ def test_batch_generator_is_the_same_in_another_process() -> None:
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == str(here)
+
+
+# ----------------------------------------------------------------------------- audit: stop 23
+@pytest.mark.parametrize("dtype", ["uint16", "uint32"])
+def test_token_file_is_mapped_not_read_whole(tmp_path: Path, dtype: str) -> None:
+    """The splits are views of a memory map of the file in its own dtype (nanoGPT's layout, read as
+    nanoGPT reads it): no int32 copy of a corpus that may not fit in memory."""
+    ids = np.arange(4096, dtype=dtype)
+    path = tmp_path / "t.bin"
+    ids.tofile(path)
+    splits = load_splits(DataConfig(source="tokens", path=str(path), token_dtype=dtype, val_fraction=0.25, seq_len=16))
+    assert splits.train.dtype == getattr(torch, dtype) and splits.val.dtype == getattr(torch, dtype)
+    assert splits.val.data_ptr() == splits.train.data_ptr() + splits.train.numel() * ids.itemsize  # one mapping
+
+
+def test_uint32_ids_past_int32_range_are_a_vocabulary_error(tmp_path: Path) -> None:
+    """An id of 2**31 or more is counted as itself (a widening to int32 wrapped it negative, past the
+    vocabulary check, to crash in the embedding): the error names the file and the dtype to try."""
+    from mode.config import ConfigError, config_from_dict
+    from mode.train import Trainer
+
+    ids = np.arange(200, dtype=np.uint32)
+    ids[5] = 2**31 + 3
+    path = tmp_path / "big_ids.bin"
+    ids.tofile(path)
+    assert load_splits(DataConfig(source="tokens", path=str(path), token_dtype="uint32", seq_len=8)).vocab_size == 2**31 + 4
+    raw = {"model": {"vocab_size": 256, "d_model": 16, "n_heads": 2, "n_layers": 1, "d_ff": 32, "max_seq_len": 8},
+           "data": {"source": "tokens", "path": str(path), "token_dtype": "uint32", "seq_len": 8},
+           "train": {"device": "cpu", "out_dir": str(tmp_path / "run"), "progress": False}}
+    with pytest.raises(ConfigError, match=rf"vocabulary \(2147483652 token ids in data.path {path}\).*token_dtype=uint16"):
+        Trainer(config_from_dict(raw))
+    assert not (tmp_path / "run").exists()  # refused before the run folder was made
+
+
+def test_a_file_name_that_is_not_utf8_is_split_like_any(tmp_path: Path) -> None:
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    for i in range(30):
+        (folder / f"f{i:02d}.txt").write_bytes(b"text %d " % i * 20)
+    with open(os.path.join(os.fsencode(folder), b"caf\xe9.txt"), "wb") as f:
+        f.write(b"latin-1 named file " * 20)
+    splits = load_splits(DataConfig(source="text", path=str(folder), val_fraction=0.2, seq_len=8))
+    assert splits.train.numel() + splits.val.numel() > 30 * 20 * 7
+    assert _is_val_file("f00.txt", 0.2) == _is_val_file(os.fsdecode(b"f00.txt"), 0.2)
+
+
+def test_a_short_validation_split_names_the_source_and_the_remedy(tmp_path: Path) -> None:
+    path = tmp_path / "small.txt"
+    path.write_bytes(b"x" * 200)
+    with pytest.raises(DataError, match=rf"validation split of data.path {path} has 20 tokens.*raise data.val_fraction"):
+        load_splits(DataConfig(source="text", path=str(path), val_fraction=0.1, seq_len=32))
