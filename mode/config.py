@@ -21,7 +21,8 @@ class ConfigError(ValueError):
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: an infinite learning rate or rope base trains to NaN; refused at load instead.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     @field_validator("*", mode="before")
     @classmethod
@@ -156,7 +157,7 @@ class TrainConfig(Section):
     grad_accum: int = Field(1, gt=0)
     max_steps: int = Field(200, gt=0)
     flops_budget: float | None = Field(
-        None, gt=0, allow_inf_nan=False,
+        None, gt=0,
         description=(
             "train to this many training FLOPs (3 x forward, every process's tokens) instead of max_steps: "
             "max_steps becomes the number of whole steps within it (isoFLOP comparisons)"
@@ -358,6 +359,38 @@ def config_from_dict(raw: dict[str, Any], source: str = "<dict>", overrides: Seq
         raise ConfigError(_format_errors(e, source, overrides)) from None
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """yaml.safe_load, except that a key given twice in one mapping is an error: YAML itself keeps the
+    last one silently, and a second `train:` section would drop the whole first one."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor` merges may be overridden
+                continue
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice (lines {seen[key]} and {line}); YAML would keep the last",
+                    key_node.start_mark,
+                )
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def read_yaml_file(path: Path) -> Any:
+    """A YAML file's contents, strictly (_StrictLoader); unreadable text or bad YAML is a ConfigError naming it."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path} is not UTF-8 text ({e})") from None
+    try:
+        return yaml.load(text, Loader=_StrictLoader)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+
+
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
     """Read a YAML config (or the defaults when path is None) and apply --a.b=value overrides."""
     raw: dict[str, Any] = {}
@@ -365,13 +398,14 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     if path is not None:
         p = Path(path)
         source = str(p)
+        if p.is_dir():
+            raise ConfigError(f"config file {p} is a folder; give a YAML file (see configs/)")
         if not p.is_file():
             raise ConfigError(f"config file not found: {p}")
-        try:
-            raw = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {p} is not valid YAML: {e}") from e
+        raw = read_yaml_file(p) or {}
     _require_mapping(raw, source)  # before the overrides go into it
+    # A section whose keys are all commented out reads as null: an empty section, all defaults.
+    raw = {name: {} if value is None else value for name, value in raw.items()}
     raw = apply_overrides(raw, overrides or [])
     return config_from_dict(raw, source, overrides or [])
 

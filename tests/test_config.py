@@ -265,3 +265,42 @@ def test_defaults_round_trip(tmp_path: Path) -> None:
     save_config(cfg, tmp_path / "c.yaml")
     assert load_config(tmp_path / "c.yaml") == cfg
 
+
+
+# ----------------------------------------------------------------------------- audit: stop 23
+def test_a_key_given_twice_is_an_error_naming_both_lines(tmp_path: Path) -> None:
+    """YAML keeps the last of two equal keys without a word: a second `train:` section would drop the first."""
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("train:\n  lr: 0.001\n  max_steps: 3\nmodel:\n  d_model: 32\ntrain:\n  batch_size: 2\n")
+    with pytest.raises(ConfigError, match=r"twice\.yaml.*key 'train' is given twice \(lines 1 and 6\)"):
+        load_config(twice)
+    field = tmp_path / "field.yaml"
+    field.write_text("train:\n  max_steps: 3\n  max_steps: 5\n")
+    with pytest.raises(ConfigError, match=r"key 'max_steps' is given twice \(lines 2 and 3\)"):
+        load_config(field)
+    merged = tmp_path / "merged.yaml"  # a YAML merge overridden by an explicit key is not a duplicate
+    merged.write_text("train:\n  <<: {lr: 0.001, max_steps: 3}\n  max_steps: 5\n")
+    assert load_config(merged).train.max_steps == 5 and load_config(merged).train.lr == 0.001
+
+
+def test_infinite_and_nan_numbers_are_refused(tmp_path: Path) -> None:
+    for override in ("--train.lr=.inf", "--model.rope_base=.inf", "--train.grad_clip=.nan"):
+        with pytest.raises(ConfigError, match=override.split("=")[0].removeprefix("--")):
+            load_config(_write(tmp_path, BASE), [override])
+
+
+def test_an_empty_section_is_all_defaults_and_takes_overrides(tmp_path: Path) -> None:
+    path = tmp_path / "empty_section.yaml"
+    path.write_text("model:\n  # d_model: 64\ntrain:\n  max_steps: 7\n")
+    config = load_config(path, ["--model.n_layers=3"])
+    assert config.model.n_layers == 3 and config.model.d_model == Config().model.d_model
+    assert config.train.max_steps == 7
+
+
+def test_a_folder_or_non_utf8_file_names_itself(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=rf"{tmp_path} is a folder"):
+        load_config(tmp_path)
+    latin = tmp_path / "latin.yaml"
+    latin.write_bytes(b"train:\n  out_dir: caf\xe9\n")
+    with pytest.raises(ConfigError, match=r"latin\.yaml is not UTF-8"):
+        load_config(latin)
