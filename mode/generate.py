@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import re
 import sys
 import warnings
@@ -61,7 +62,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from mode.config import Config, ConfigError, config_from_dict
 from mode.layers.block import TransformerBlock
+from mode.layers.experts import check_backend
 from mode.layers.mlp import SwiGLU
 from mode.layers.mod import MoDBlock
 from mode.layers.rotary import RotaryAngles, apply_rotary
@@ -307,6 +310,7 @@ class Decoder:
             for _ in model.blocks
         ]
         self.positions = torch.zeros(batch, dtype=torch.long)  # next absolute position per row (host)
+        self.batch = batch
         self.max_len = max_len
         self.device = param.device
         # A CUDA graph needs a step without host syncs: the static step, with dense FFNs only (an
@@ -409,8 +413,8 @@ class Decoder:
         rotary = model.rotary
         if first == last:  # every computed row is at one absolute position: one angle for all, as views
             angles = RotaryAngles(rotary.cos_full[first].view(1, 1, 1, -1), rotary.sin_signed[first].view(1, 1, 1, -1))
-        else:
-            pos = _to_device(self.positions, self.device)
+        else:  # a finished row may stand at the end of the window: its (unused) angle is clamped to the table
+            pos = _to_device(self.positions.clamp(max=model.config.model.max_seq_len - 1), self.device)
             angles = RotaryAngles(
                 rotary.cos_full.index_select(0, pos).view(batch, 1, 1, -1),
                 rotary.sin_signed.index_select(0, pos).view(batch, 1, 1, -1),
@@ -631,9 +635,14 @@ class Decoder:
     def logits(self, hidden: Tensor) -> Tensor:
         return self.model.lm_head(self.model.norm(hidden)).float()
 
+    def _check_batch(self, what: str, rows: int) -> None:
+        if rows != self.batch:
+            raise ValueError(f"Decoder.{what}: {rows} rows, but the decoder was built for batch {self.batch}")
+
     @torch.no_grad()
     def prefill(self, prompts: Sequence[Sequence[int]]) -> Tensor:
         """Right-padded prefill of B prompts -> logits at each prompt's last token (B, V)."""
+        self._check_batch("prefill", len(prompts))
         lengths = torch.tensor([len(p) for p in prompts])
         tokens = torch.zeros(len(prompts), int(lengths.max()), dtype=torch.long)
         for i, p in enumerate(prompts):
@@ -646,6 +655,9 @@ class Decoder:
     @torch.no_grad()
     def step(self, tokens: Tensor, active: Tensor | None = None) -> Tensor:
         """One decode step: tokens (B,) (on any device) -> logits (B, V). Inactive rows (finished) compute nothing."""
+        self._check_batch("step", tokens.numel())
+        if active is not None and active.numel() != self.batch:
+            raise ValueError(f"Decoder.step: active has {active.numel()} rows, the decoder {self.batch}")
         active = torch.ones(tokens.shape[0], dtype=torch.bool) if active is None else active.cpu()
         if self.routed_rows == "masked":
             return self._static_decode(tokens.reshape(-1), active.view(-1), logits=True)
@@ -721,8 +733,8 @@ def _static_pieces(compiled: bool) -> tuple:
 
 # ----------------------------------------------------------------------------- sampling
 def check_sampling(temperature: float, top_k: int, top_p: float, max_new_tokens: int) -> None:
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
+    if not (math.isfinite(temperature) and temperature >= 0):  # NaN fails every comparison
+        raise ValueError(f"temperature must be a finite number >= 0 (0 is greedy), got {temperature}")
     if top_k < 0:
         raise ValueError(f"top_k must be >= 0 (0 disables it), got {top_k}")
     if not 0.0 < top_p <= 1.0:
@@ -735,7 +747,10 @@ def sample(logits: Tensor, temperature: float, top_k: int, top_p: float, generat
     """logits (B, V) -> tokens (B,): greedy at temperature 0, else top-k then nucleus (top-p) sampling."""
     if temperature == 0:
         return logits.argmax(-1)
-    logits = logits.float() / temperature
+    # Shifted so the largest is 0 before dividing: a tiny temperature then sends the others to -inf
+    # (greedy in the limit) instead of every logit to +-inf and the softmax to NaN.
+    logits = logits.float()
+    logits = (logits - logits.amax(-1, keepdim=True)) / temperature
     if 0 < top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -858,15 +873,33 @@ def load_model(checkpoint: str | Path, device: str | torch.device = "cpu") -> La
 
 def model_from_payload(payload: dict[str, Any], source: str, device: str | torch.device) -> LanguageModel:
     """The model a loaded checkpoint holds, with its own config (model.config), in eval mode."""
-    from mode.config import config_from_dict
-
+    if not isinstance(payload.get("config"), dict):
+        raise ValueError(f"{source} holds no config: not a checkpoint written by mode.train")
     config = config_from_dict(payload["config"], source)
     if "model" not in payload:
         raise ValueError(f"{source} holds no model weights")
+    _backend_that_runs_here(config, source)
     model = LanguageModel(config).to(device)
-    model.load_state_dict(payload["model"])
+    try:
+        model.load_state_dict(payload["model"])
+    except RuntimeError as e:  # missing, unexpected or reshaped weights
+        raise ValueError(f"{source}: its weights do not fit the model its config describes ({e})") from None
     model.eval()
     return model
+
+
+def _backend_that_runs_here(config: Config, source: str) -> None:
+    """A model trained on moe.backend grouped_gemm or megablocks (GPU extensions) loaded where that
+    backend cannot run: the torch backend computes the same experts from the same weights (the
+    backends differ only in how they compute), so it takes over, with a note on stderr."""
+    if not config.model.has_experts() or config.moe.backend == "torch":
+        return
+    try:
+        check_backend(config.moe.backend)
+    except ConfigError as e:
+        print(f"note: {source}: moe.backend={config.moe.backend!r} cannot run here ({e}); its experts run on "
+              "moe.backend='torch' (the same weights and results)", file=sys.stderr)
+        config.moe.backend = "torch"
 
 
 # ----------------------------------------------------------------------------- command line
@@ -891,7 +924,22 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--compile", action="store_true", help="torch.compile the decode step (pays off on long generations)")
+    parser.add_argument(
+        "--dtype", default="auto", choices=list(DTYPES),
+        help="the weights' dtype while sampling; auto: bfloat16 on a GPU (as training's autocast computes, and what "
+        "flash attention's variable-length decode kernel needs), float32 on CPU",
+    )
     return parser
+
+
+DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def sampling_dtype(name: str, device: torch.device) -> torch.dtype:
+    """--dtype -> the dtype the model samples in (auto: bfloat16 on CUDA, float32 elsewhere)."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
 
 
 def _check_flags(args: argparse.Namespace) -> None:
@@ -978,7 +1026,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         _check_flags(args)
-        model = load_model(args.checkpoint, pick_device(args.device, field="--device"))
+        device = pick_device(args.device, field="--device")
+        model = load_model(args.checkpoint, device).to(sampling_dtype(args.dtype, device))
         flag, prompts = _cli_prompts(args, model)
         max_seq_len = model.config.model.max_seq_len
         unit = "UTF-8 bytes" if flag == "--prompt" else "tokens"

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from mode.config import config_from_dict
-from mode.generate import Decoder, LayerCache, generate, layer_step, load_model, main
+from mode.generate import Decoder, LayerCache, generate, layer_step, load_model, main, sample
 from mode.layers.mod import MoDBlock
 from mode.model import LanguageModel
 from mode.routing import DepthRouter, ExpertChoiceRouter, token_mask
@@ -597,3 +597,92 @@ def test_a_row_at_the_context_window_waits_while_the_others_decode() -> None:
         outputs[rows] = [decoder.step(torch.tensor([0, 3 + i]), torch.tensor([False, True]))[1] for i in range(4)]
     for a, b in zip(outputs["gather"], outputs["masked"]):
         assert (a - b).abs().max() <= F64_TOL
+
+
+# ----------------------------------------------------------------------------- audit: stop 23
+def test_a_full_window_row_beside_two_others_at_different_positions() -> None:
+    """With two other rows at different positions the gather step looks up an angle per row, the
+    finished one's (at max_seq_len, past the rotary table) included: it is clamped, as the static
+    step's is, and the others decode as they would alone."""
+    model = make_model("mod", "aux_loss")  # max_seq_len 48
+    for rows in ("gather", "masked"):
+        decoder = Decoder(model, 3, 48, routed_rows=rows)
+        decoder.prefill([[5] * 47, [6] * 3, [7] * 5])
+        decoder.step(torch.tensor([1, 2, 3]))  # row 0 reaches position 48
+        alone = Decoder(model, 2, 48, routed_rows=rows)
+        alone.prefill([[6] * 3, [7] * 5])
+        alone.step(torch.tensor([2, 3]))
+        for i in range(3):
+            got = decoder.step(torch.tensor([0, 4 + i, 5 + i]), torch.tensor([False, True, True]))[1:]
+            want = alone.step(torch.tensor([4 + i, 5 + i]))
+            assert (got - want).abs().max() <= F64_TOL, rows
+    outputs = generate(model, [[5] * 48, [6] * 3, [7] * 10], max_new_tokens=3, temperature=0)
+    assert outputs[0] == [] and outputs[1:] == [generate(model, [p], max_new_tokens=3, temperature=0)[0]
+                                                for p in ([6] * 3, [7] * 10)]
+
+
+def test_temperature_nan_is_refused_and_a_tiny_one_is_greedy() -> None:
+    model = make_model("mod", "aux_loss")
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="temperature must be a finite number"):
+            generate(model, [[1, 2]], max_new_tokens=2, temperature=bad)
+    logits = torch.tensor([[0.5, 3.0, -1.0, 2.9], [10.0, -4.0, 9.99, 0.0]])
+    assert sample(logits, 1e-45, 0, 1.0, torch.Generator().manual_seed(0)).tolist() == [1, 0]
+
+
+def test_a_checkpoint_without_config_or_with_other_weights_is_a_clear_error(tmp_path: Path, capsys) -> None:
+    model = make_model("mod", "aux_loss").float()
+    no_config = tmp_path / "no_config.pt"
+    torch.save({"format": "mode-checkpoint-v1", "model": model.state_dict()}, no_config)
+    other = make_model("mod", "aux_loss").float()
+    weights = {name: value for name, value in other.state_dict().items() if "predictor" not in name}
+    weights["embed.weight"] = torch.zeros(3, 3)
+    mismatched = tmp_path / "mismatched.pt"
+    torch.save({"format": "mode-checkpoint-v1", "config": model.config.to_dict(), "model": weights}, mismatched)
+    for path, message in ((no_config, "holds no config"), (mismatched, "weights do not fit")):
+        assert main(["--checkpoint", str(path), "--prompt", "x", "--greedy"]) == 2
+        err = capsys.readouterr().err
+        assert str(path) in err and message in err, err
+
+
+def test_a_gpu_backend_model_samples_on_the_torch_backend_where_its_backend_cannot_run(tmp_path: Path, capsys,
+                                                                                       monkeypatch) -> None:
+    """The experts' weights do not depend on moe.backend: a run trained on grouped_gemm loads where that
+    cannot run, on the torch backend, with a note, and samples what the torch model samples."""
+    import mode.generate as generate_module
+    from mode.config import ConfigError
+
+    def no_gpu_backend(name: str) -> None:
+        if name != "torch":
+            raise ConfigError(f"moe.backend={name!r} needs a CUDA GPU")
+
+    monkeypatch.setattr(generate_module, "check_backend", no_gpu_backend)
+    model = make_model("mode_integrated", "aux_loss").float()
+    raw = model.config.to_dict()
+    raw["moe"]["backend"] = "grouped_gemm"
+    ckpt = tmp_path / "checkpoint.pt"
+    torch.save({"format": "mode-checkpoint-v1", "config": raw, "model": model.state_dict()}, ckpt)
+    loaded = load_model(ckpt)
+    assert loaded.config.moe.backend == "torch" and "grouped_gemm" in capsys.readouterr().err
+    assert generate(loaded, [[1, 2, 3]], max_new_tokens=4, temperature=0) == generate(
+        model, [[1, 2, 3]], max_new_tokens=4, temperature=0)
+
+
+def test_cli_dtype_auto_is_bfloat16_on_a_gpu_and_float32_on_cpu(byte_ckpt: Path, capsys) -> None:
+    from mode.generate import sampling_dtype
+
+    assert sampling_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    assert sampling_dtype("auto", torch.device("cpu")) == torch.float32
+    assert sampling_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
+    assert main(["--checkpoint", str(byte_ckpt), "--prompt", "ab", "--max-new-tokens", "3", "--greedy",
+                 "--device", "cpu", "--dtype", "bfloat16"]) == 0
+    assert capsys.readouterr().out.startswith("ab")
+
+
+def test_a_decoder_fed_another_batch_size_says_so() -> None:
+    decoder = Decoder(make_model("mod", "aux_loss"), 2, 48)
+    with pytest.raises(ValueError, match="Decoder.prefill: 3 rows, but the decoder was built for batch 2"):
+        decoder.prefill([[1], [2], [3]])
+    decoder.prefill([[1], [2]])
+    with pytest.raises(ValueError, match="Decoder.step: 1 rows"):
+        decoder.step(torch.tensor([1]))
