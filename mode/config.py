@@ -307,9 +307,19 @@ def _format_errors(err: ValidationError, source: str, overrides: Sequence[str] =
             line = f"  {message}" if path == "<root>" else f"  {path}: {message}"
             if not isinstance(e.get("input"), dict):
                 line += f" (got {e.get('input')!r})"
-        given = [o for o in overrides if _override_key(o) == path or _override_key(o) in line]
+        given = [o for o in overrides if _names_the_error(_override_key(o), path, line, e["type"])]
         lines.append(line + (f" [from the command line: {given[-1]}]" if given else ""))
     return "\n".join(lines)
+
+
+def _names_the_error(key: str, path: str, line: str, kind: str) -> bool:
+    """Whether the override of `key` set what an error at `path` reports: the field itself, a field the
+    line names, or a field inside it (an unknown section `--trian.lr` fails as `trian`; a check of the
+    section `train` names `min_lr` in its message)."""
+    if key == path or key in line:
+        return True
+    inside = key.startswith(f"{path}.") or path == "<root>"
+    return inside and (kind == "extra_forbidden" or key.rsplit(".", 1)[-1] in line)
 
 
 def _override_key(text: str) -> str:

@@ -304,3 +304,14 @@ def test_a_folder_or_non_utf8_file_names_itself(tmp_path: Path) -> None:
     latin.write_bytes(b"train:\n  out_dir: caf\xe9\n")
     with pytest.raises(ConfigError, match=r"latin\.yaml is not UTF-8"):
         load_config(latin)
+
+
+@pytest.mark.parametrize("override, line", [
+    ("--trian.lr=1", "trian: unknown key [from the command line: --trian.lr=1]"),
+    ("--train.min_lr=0.5", "must not exceed lr (0.001) [from the command line: --train.min_lr=0.5]"),
+    ("--model.d_model=31", "divisible by n_heads (2) [from the command line: --model.d_model=31]"),
+])
+def test_errors_of_a_section_or_an_unknown_one_name_the_override(tmp_path: Path, override: str, line: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(_write(tmp_path, BASE), [override, "--train.batch_size=4"])
+    assert line in str(info.value) and "batch_size=4]" not in str(info.value)
