@@ -983,7 +983,14 @@ def _cli_prompts(args: argparse.Namespace, model: LanguageModel) -> tuple[str, l
         return "--prompt-ids", [parse_prompt_ids(v, model.config.model.vocab_size) for v in args.prompt_ids]
     if not is_byte_level(model):
         raise ValueError(f'--prompt: {_token_model(model)}; give the prompt as --prompt-ids "12 7 99"')
-    return "--prompt", [encode_text(p) for p in args.prompt]
+    prompts = []
+    for i, text in enumerate(args.prompt):
+        try:
+            prompts.append(encode_text(text))
+        except UnicodeEncodeError:  # bytes the shell passed that are not UTF-8 (kept as surrogates)
+            raise ValueError(f"{_label('--prompt', i, len(args.prompt))} is not valid UTF-8 text: give its bytes "
+                             'as --prompt-ids "104 105"') from None
+    return "--prompt", prompts
 
 
 def _check_prompt(label: str, tokens: list[int], unit: str, max_seq_len: int, max_new_tokens: int) -> None:

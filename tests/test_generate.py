@@ -686,3 +686,10 @@ def test_a_decoder_fed_another_batch_size_says_so() -> None:
     decoder.prefill([[1], [2]])
     with pytest.raises(ValueError, match="Decoder.step: 1 rows"):
         decoder.step(torch.tensor([1]))
+
+
+def test_a_prompt_that_is_not_utf8_names_the_flag(byte_ckpt: Path, capsys) -> None:
+    import os
+
+    assert main(["--checkpoint", str(byte_ckpt), "--prompt", "ok", "--prompt", os.fsdecode(b"caf\xe9"), "--greedy"]) == 2
+    assert "--prompt #2 is not valid UTF-8 text" in capsys.readouterr().err
