@@ -390,27 +390,43 @@ def routed_layers(output: ModelOutput) -> Iterator[tuple[str, Routing]]:
             yield f"layer{i}.ffn", ffn
 
 
-def position_histogram(routing: Routing, bins: int) -> Tensor:
-    """How often each position (in `bins` equal buckets of the sequence) is chosen; (bins,).
+def chosen_positions(output: ModelOutput, seq_len: int) -> Iterator[tuple[str, Tensor]]:
+    """(name, the sequence positions (N,) in [0, seq_len) its routing chose) for every router whose
+    indices are tokens: depth routers, and expert choice (token choice's indices are slots: left out).
 
-    Only for expert-choice routings, whose indices are positions (token choice's are slots).
-    """
-    seq = routing.logits.shape[1]
-    positions = routing.indices.flatten() % seq
-    return torch.bincount(positions * bins // seq, minlength=bins).float().cpu()
+    An expert-choice index is a token's place in its group of group_size sequences laid end to end;
+    inside a Staged MoDE block the group is of the depth router's chosen tokens, whose index in the
+    flattened (B, k) chosen set maps back to a position through the depth router's own indices."""
+    for i, (depth, ffn) in enumerate(zip(output.routings, output.ffn_routings)):
+        if depth is not None:
+            yield f"layer{i}", depth.indices.reshape(-1) % seq_len  # (B, k) positions in their sequences
+        if ffn is None or isinstance(ffn, TokenChoiceRouting):
+            continue
+        groups, group_tokens = ffn.logits.shape[:2]
+        offsets = torch.arange(groups, device=ffn.indices.device).unsqueeze(1) * group_tokens  # (G, 1)
+        flat = (ffn.indices.reshape(groups, -1) + offsets).reshape(-1)  # index among all B * T_inner tokens
+        yield f"layer{i}.ffn", (flat % seq_len if depth is None else depth.indices.reshape(-1)[flat])
 
 
-def average_summaries(summaries: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
-    """Mean of per-layer statistics over several micro-batches."""
+def position_histogram(positions: Tensor, seq_len: int, bins: int) -> Tensor:
+    """How often each of `bins` equal buckets of the sequence was chosen: positions (N,) -> (bins,)."""
+    return torch.bincount(positions * bins // seq_len, minlength=bins).float().cpu()
+
+
+def average_summaries(summaries: list[dict[str, dict[str, Any]]], sum_counts: bool = False) -> dict[str, dict[str, Any]]:
+    """Per-layer statistics over several micro-batches: means averaged; counts (COUNT_STATS) summed
+    with sum_counts (the micro-batches of one optimizer step: its tokens, as over processes), else
+    averaged (per validation batch)."""
     out: dict[str, dict[str, Any]] = {}
     for layer in summaries[0]:
         out[layer] = {}
         for key, first in summaries[0][layer].items():
             values = [s[layer][key] for s in summaries]
+            divisor = 1 if sum_counts and key in COUNT_STATS else len(values)
             if isinstance(first, list):
-                out[layer][key] = [round(sum(col) / len(col), 5) for col in zip(*values)]
+                out[layer][key] = [round(sum(col) / divisor, 5) for col in zip(*values)]
             else:
-                out[layer][key] = round(sum(values) / len(values), 5)
+                out[layer][key] = round(sum(values) / divisor, 5)
     return out
 
 
@@ -724,7 +740,7 @@ class Trainer:
         micro_losses, summaries, (norm,) = parse_outputs(launched.outputs, LOSS_KEYS, launched.copy)
         losses = self.mean_over_ranks({key: sum(m[key] for m in micro_losses) / t.grad_accum for key in LOSS_KEYS})
         summaries = self.pool_over_ranks(summaries)
-        routing = average_summaries(summaries) if summaries[0] else {}
+        routing = average_summaries(summaries, sum_counts=True) if summaries[0] else {}
         return {**losses, "lr": launched.lr, "grad_norm": norm, "routing": routing}
 
     def _new_step(self) -> None:
@@ -758,9 +774,9 @@ class Trainer:
             micro_losses, summary = read_output(out, ("lm_loss",))
             total += micro_losses["lm_loss"]
             summaries.append(summary)
-            for name, r in routed_layers(out):
-                if not isinstance(r, TokenChoiceRouting):
-                    histograms[name] = histograms.get(name, 0) + position_histogram(r, POSITION_BINS)
+            for name, positions in chosen_positions(out, self.config.data.seq_len):
+                histograms[name] = histograms.get(name, 0) + position_histogram(positions, self.config.data.seq_len,
+                                                                                 POSITION_BINS)
         routing = average_summaries(self.pool_over_ranks(summaries)) if summaries[0] else {}
         for name, hist in histograms.items():
             hist = torch.tensor(self.mean_of_lists([hist.tolist()])[0])  # every rank's positions

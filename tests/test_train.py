@@ -814,3 +814,42 @@ def test_cuda_generators_restore_onto_fewer_gpus(monkeypatch: pytest.MonkeyPatch
     states = [torch.full((4,), i, dtype=torch.uint8) for i in range(3)]
     restore_cuda_rng(states)
     assert [device for device, _ in restored] == [0] and torch.equal(restored[0][1], states[0])
+
+
+# ----------------------------------------------------------------------------- audit: stop 23, statistics
+@pytest.mark.parametrize("block", ["moe", "mode_staged"])
+def test_chosen_positions_are_positions_in_the_sequence(tmp_path: Path, corpus: Path, block: str) -> None:
+    """position_share bins sequence positions: an expert-choice group of 2 sequences maps its indices back
+    to (sequence, position), and a Staged MoDE block's FFN router, which indexes the depth router's chosen
+    tokens, maps through the depth router's indices. Checked against a slow loop over every index."""
+    from mode.train import chosen_positions
+
+    seq = 32
+    config = make_config(tmp_path / "run", corpus, model={"block_pattern": [block]}, moe={"group_size": 2})
+    model = LanguageModel(config).eval()
+    out = model(torch.randint(0, 256, (4, seq)))
+    got = dict(chosen_positions(out, seq))
+    depth, ffn = out.routings[0], out.ffn_routings[0]
+    want = []
+    for g in range(ffn.indices.shape[0]):
+        for index in ffn.indices[g].reshape(-1).tolist():
+            if depth is None:  # group g is sequences 2g, 2g+1 end to end
+                want.append(index % seq)
+            else:  # group g is the chosen tokens of sequences 2g, 2g+1 (k each), end to end
+                k = depth.indices.shape[1]
+                sequence, rank = 2 * g + index // k, index % k
+                want.append(int(depth.indices[sequence, rank]))
+    assert got["layer0.ffn"].tolist() == want
+    assert int(got["layer0.ffn"].max()) < seq
+
+
+def test_tokens_per_expert_counts_the_whole_step_under_accumulation(tmp_path: Path, corpus: Path) -> None:
+    """tokens_per_expert counts the rows of one optimizer step: grad_accum=2 of batch 2 logs what one batch
+    of 4 does (expert choice: C rows of each sequence, so exactly), as processes add up theirs."""
+    records = {}
+    for accum, batch in ((1, 4), (2, 2)):
+        config = make_config(tmp_path / f"a{accum}", corpus, model={"block_pattern": ["moe"]},
+                             train={"grad_accum": accum, "batch_size": batch, "max_steps": 1})
+        records[accum] = Trainer(config).run()[0]["routing"]["layer0.ffn"]
+    assert records[1]["tokens_per_expert"] == records[2]["tokens_per_expert"]
+    assert records[1]["processed"] == pytest.approx(records[2]["processed"], abs=0.1)
