@@ -370,8 +370,14 @@ def token_ckpt(tmp_path_factory) -> Path:
 
 
 def greedy(ckpt: Path, prompts: list, n: int) -> list:
-    """What generate() gives for the checkpoint the CLI loads: the reference for its output."""
-    return generate(load_model(ckpt), prompts, max_new_tokens=n, temperature=0)
+    """What generate() gives for the checkpoint the CLI loads, on the device and in the dtype the CLI's
+    defaults pick (--device auto, --dtype auto): the reference for its output."""
+    from mode.generate import sampling_dtype
+    from mode.utils import pick_device
+
+    device = pick_device("auto")
+    model = load_model(ckpt, device).to(sampling_dtype("auto", device))
+    return generate(model, prompts, max_new_tokens=n, temperature=0)
 
 
 def test_cli_token_model_reads_prompt_ids_and_prints_ids(token_ckpt: Path, capsys) -> None:
