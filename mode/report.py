@@ -212,8 +212,12 @@ def seed_groups(runs: list[Run], rows: list[dict[str, Any]], fields: list[str]) 
         flat = flat_fields(run.config.to_dict())
         setting = {f: flat.get(f) for f in setting_fields}
         key = json.dumps(setting)
-        group = groups.setdefault(key, {"setting": setting, "seeds": [], "runs": []})
-        group["seeds"].append(flat.get(SEED_FIELD))
+        group = groups.setdefault(key, {"setting": setting, "seeds": [], "runs": [], "repeats": []})
+        seed = flat.get(SEED_FIELD)
+        if seed in group["seeds"]:  # the same seed run another way (compiled, graphed): one sample, not two
+            group["repeats"].append(row["run"])
+            continue
+        group["seeds"].append(seed)
         group["runs"].append(row["run"])
         members.setdefault(key, []).append(row)
     if all(len(group["runs"]) == 1 for group in groups.values()):
@@ -307,6 +311,10 @@ def report(paths: list[Path], out: Path | None = None) -> str:
     groups = seed_groups(runs, rows, fields)
     if groups:
         table += "\n\nOver seeds (mean ± sample standard deviation):\n\n" + seed_table(groups, fields)
+        repeats = [name for group in groups for name in group["repeats"]]
+        if repeats:
+            table += (f"\n\nnote: left out of the seed table, each a seed its setting already has (a run that "
+                      f"differs only in how it executed): {', '.join(repeats)}")
     elif SEED_FIELD in fields:
         table += (f"\n\nnote: no seed table: {SEED_FIELD} differs, but no two runs agree in every other field "
                   f"that defines a setting ({', '.join(_setting_fields(fields))})")

@@ -32,6 +32,7 @@ from mode.utils import (
     atomic_torch_save,
     atomic_write_bytes,
     atomic_write_text,
+    interrupts_deferred,
     pick_device,
     read_metrics,
     remove_stale_temporaries,
@@ -611,10 +612,11 @@ class Trainer:
         return payload
 
     def save_checkpoint(self) -> None:
-        payload = self.checkpoint_payload()
-        if self.is_main:
-            atomic_torch_save(payload, self.out_dir / CHECKPOINT)
-        self.saved_step = self.state.step
+        with interrupts_deferred():  # a Ctrl-C while writing stops the run after the checkpoint is whole
+            payload = self.checkpoint_payload()
+            if self.is_main:
+                atomic_torch_save(payload, self.out_dir / CHECKPOINT)
+            self.saved_step = self.state.step
 
     def load_checkpoint(self, path: Path) -> None:
         payload = load_checkpoint_file(path, self.device)

@@ -1,11 +1,14 @@
 """Small helpers shared by training, generation and benchmarks."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import tempfile
+import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -131,3 +134,21 @@ def pick_device(name: str, field: str = "train.device") -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"{field} is 'cuda' but no CUDA device is available")
     return torch.device(name)
+
+
+@contextlib.contextmanager
+def interrupts_deferred() -> Iterator[None]:
+    """Ctrl-C (SIGINT) held back until the block ends, then raised as KeyboardInterrupt: a checkpoint
+    being written is finished (seconds) instead of abandoned half-way, where torch.save's zip writer
+    would turn the interrupt into a RuntimeError. In the main thread only (signals go there)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
+    if caught:
+        raise KeyboardInterrupt

@@ -175,3 +175,15 @@ def test_seed_groups_ignore_how_runs_ran_and_count_missing_values(tmp_path: Path
     assert lines[4].startswith("| 1 | 0, 1, 2 | 3.1000 ± 0.1414 (2 of 3) |"), lines
     other = _run_folder(tmp_path / "lr", [_eval(2, 2.0, 3.0)], train__seed=5, train__lr=0.01)
     assert "note: no seed table: train.seed differs, but no two runs agree" in report([a, other])
+
+
+def test_a_seed_run_twice_counts_once_in_the_seed_table(tmp_path: Path) -> None:
+    """Seed 0 plain and seed 0 compiled are one sample of the setting, not two: the second is left out of
+    the mean and spread, with a note naming it."""
+    a = _run_folder(tmp_path / "s0", [_eval(2, 2.0, 3.0)], train__seed=0)
+    again = _run_folder(tmp_path / "s0-compiled", [_eval(2, 2.0, 3.1)], train__seed=0, train__compile=True)
+    b = _run_folder(tmp_path / "s1", [_eval(2, 2.0, 3.4)], train__seed=1)
+    table = report([a, again, b])
+    lines = table.split("Over seeds")[1].strip().splitlines()
+    assert lines[4].startswith("| 1 | 0, 1 | 3.2000 ± 0.2828 |"), lines
+    assert "note: left out of the seed table, each a seed its setting already has" in table and "s0-compiled" in table

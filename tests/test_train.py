@@ -853,3 +853,29 @@ def test_tokens_per_expert_counts_the_whole_step_under_accumulation(tmp_path: Pa
         records[accum] = Trainer(config).run()[0]["routing"]["layer0.ffn"]
     assert records[1]["tokens_per_expert"] == records[2]["tokens_per_expert"]
     assert records[1]["processed"] == pytest.approx(records[2]["processed"], abs=0.1)
+
+
+def test_ctrl_c_while_a_checkpoint_is_written_finishes_it_then_stops(tmp_path: Path, corpus: Path, capsys,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ctrl-C that lands while checkpoint.pt is written is held until the write ends: the checkpoint is
+    the new one, the message names its step, and the exit is 130 without a traceback (an interrupt
+    inside torch.save's zip writer came out as a RuntimeError and exit status 1)."""
+    import signal
+
+    import mode.train as train_module
+
+    real_save = train_module.atomic_torch_save
+
+    def interrupted_save(obj: Any, path: Path) -> None:
+        os.kill(os.getpid(), signal.SIGINT)  # delivered now, in the middle of the write
+        real_save(obj, path)
+
+    monkeypatch.setattr(train_module, "atomic_torch_save", interrupted_save)
+    out = tmp_path / "run"
+    config_file = tmp_path / "x.yaml"
+    config_file.write_text(yaml.safe_dump(raw_config(out, corpus, train={"checkpoint_interval": 2})))
+    assert main(["--config", str(config_file)]) == 130
+    err = capsys.readouterr().err
+    assert f"{out / CHECKPOINT} holds step 2" in err and "Traceback" not in err, err
+    assert load_checkpoint_file(out)["state"]["step"] == 2
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored

@@ -28,7 +28,9 @@ from mode.parallel.engine import DeepSpeedOptimization, Processes, init_distribu
 from mode.parallel.expert_parallel import apply_expert_parallel
 from mode.train import INTERRUPTED, LaunchedStep, Trainer, build_model, interrupted_message, parse_args
 
-ERRORS = (ConfigError, DataError, FileExistsError, FileNotFoundError)
+# Errors every process would report alike (the config, the data, the run folder, an unreadable
+# checkpoint or metrics file): printed once, without a traceback, as mode.train prints them.
+ERRORS = (ConfigError, DataError, FileExistsError, FileNotFoundError, ValueError)
 # Variables a launcher (torchrun, deepspeed, mpirun) sets in each process it starts.
 LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 # How long a rank other than 0 waits before leaving on an error rank 0 reports (_fail).
