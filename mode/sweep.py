@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import queue
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import threading
@@ -39,9 +41,9 @@ from typing import Any
 import torch
 import yaml
 
-from mode.config import ConfigError, load_config
+from mode.config import Config, ConfigError, field_differences, load_config
 from mode.report import ReportError, report
-from mode.train import CHECKPOINT, INTERRUPTED, METRICS, steps_within_budget
+from mode.train import CHECKPOINT, INTERRUPTED, METRICS, may_change_on_resume, steps_within_budget
 
 
 class SweepError(ValueError):
@@ -56,19 +58,30 @@ class Point:
 
 # ----------------------------------------------------------------------------- the grid
 def split_values(text: str) -> list[str]:
-    """'0.1,0.2' -> ['0.1', '0.2']; commas inside [] or {} belong to one value ('[a,b],[c]')."""
-    values, depth, current = [], 0, ""
+    """'0.1,0.2' -> ['0.1', '0.2']; commas inside [] or {} or quotes belong to one value
+    ('[a,b],[c]', '"a,b",c'). Each value must be YAML."""
+    values, depth, quote, current = [], 0, "", ""
     for char in text:
-        depth += char in "[{"
-        depth -= char in "]}"
-        if char == "," and depth == 0:
+        if quote:
+            quote = "" if char == quote else quote
+        elif char in "\"'":
+            quote = char
+        else:
+            depth += char in "[{"
+            depth -= char in "]}"
+        if char == "," and depth == 0 and not quote:
             values.append(current)
             current = ""
         else:
             current += char
     values.append(current)
-    if depth != 0 or any(not v.strip() for v in values):
-        raise SweepError(f"--vary: cannot read the values {text!r} (empty value or unbalanced brackets)")
+    if depth != 0 or quote or any(not v.strip() for v in values):
+        raise SweepError(f"--vary: cannot read the values {text!r} (an empty value, or unbalanced brackets or quotes)")
+    for value in values:
+        try:
+            yaml.safe_load(value)
+        except yaml.YAMLError as e:
+            raise SweepError(f"--vary: the value {value.strip()!r} is not YAML ({str(e).splitlines()[0]})") from None
     return [v.strip() for v in values]
 
 
@@ -106,12 +119,37 @@ def grid(varied: list[tuple[str, list[str]]]) -> list[Point]:
 
 
 # ----------------------------------------------------------------------------- running
-def finished_steps(run_dir: Path) -> int | None:
-    """The step a run folder's checkpoint holds (None without one). mmap: only that is read."""
+def existing_run(run_dir: Path) -> tuple[int, dict[str, Any]] | None:
+    """(the step, the config) a run folder's checkpoint holds; None without one. mmap: the weights
+    are not read. An unreadable checkpoint is a SweepError naming it."""
     path = run_dir / CHECKPOINT
     if not path.is_file():
         return None
-    return int(torch.load(path, map_location="cpu", mmap=True, weights_only=True)["state"]["step"])
+    try:
+        payload = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        return int(payload["state"]["step"]), payload["config"]
+    except Exception as e:  # truncated, not a zip, not a mode checkpoint
+        raise SweepError(f"{path} is not a readable checkpoint ({type(e).__name__}: {str(e).splitlines()[0]}): "
+                         "remove it (or its run folder) to train that point again") from None
+
+
+def finished_steps(run_dir: Path) -> int | None:
+    """The step a run folder's checkpoint holds (None without one)."""
+    run = existing_run(run_dir)
+    return None if run is None else run[0]
+
+
+def check_existing_run(run_dir: Path, config: Config) -> None:
+    """A point's folder may hold a run from an earlier sweep: it must be this point's, up to the
+    fields a resume may change (max_steps, budget, how it executes), or it would be skipped as
+    finished, or resumed, as this sweep's. SweepError naming the fields that differ."""
+    run = existing_run(run_dir)
+    if run is None:
+        return
+    differ = field_differences(run[1], config, lambda name: not may_change_on_resume(name))
+    if differ:
+        raise SweepError(f"{run_dir} holds a run with other settings: {', '.join(differ)}. Give the sweep another "
+                         "--out, or remove that folder to train the point again")
 
 
 def train_command(config: str, overrides: list[str], run_dir: Path, resume: bool, parallel: bool = False) -> list[str]:
@@ -141,17 +179,26 @@ def outcome_of(code: int, where_output: str) -> str:
 
 def plan(args: argparse.Namespace, common: list[str]) -> list[tuple[Point, list[str], int]]:
     """(point, its overrides, its max_steps) for every point, each config checked first."""
+    if args.out.exists() and not args.out.is_dir():
+        raise SweepError(f"--out {args.out}: is a file; the sweep's folder holds one run folder a point")
     points = grid([parse_vary(v) for v in args.vary])
     planned = []
+    settings: dict[str, str] = {}  # each point's config (its folder left out) -> its name
     for point in points:
         overrides = [*common, *point.overrides]
         try:
-            config = load_config(args.config, overrides)
+            config = load_config(args.config, [*overrides, f"--train.out_dir={args.out / point.name}"])
             budgeted = config.train.flops_budget is not None  # one process: a sweep runs mode.train
             max_steps = steps_within_budget(config) if budgeted else config.train.max_steps
         except ConfigError as e:
             raise SweepError(f"point {point.name}: {e}") from None
+        check_existing_run(args.out / point.name, config)
         planned.append((point, overrides, max_steps))
+        # Two spellings of one value (3e-3, 0.003) are two points that train alike.
+        setting = json.dumps({**config.to_dict(), "train": {**config.to_dict()["train"], "out_dir": None}}, sort_keys=True)
+        if setting in settings:
+            raise SweepError(f"points {settings[setting]} and {point.name} give the same config: a value is given twice")
+        settings[setting] = point.name
     return planned
 
 
@@ -215,20 +262,42 @@ def run_environment(gpu: str | None, jobs: int) -> dict[str, str]:
     return env
 
 
+_RUNNING: set[subprocess.Popen] = set()  # the trainings running now (a SIGTERM passes them a Ctrl-C)
+_RUNNING_LOCK = threading.Lock()
+
+
 def _call(command: list[str], **popen: Any) -> int:
     """subprocess.call, except that on Ctrl-C it waits for the training, which had the same Ctrl-C,
     to stop by itself (subprocess.call kills it after a quarter second), then raises KeyboardInterrupt."""
     process = subprocess.Popen(command, **popen)
+    with _RUNNING_LOCK:
+        _RUNNING.add(process)
     interrupted = False
-    while True:
-        try:
-            code = process.wait()
-            break
-        except KeyboardInterrupt:
-            interrupted = True
+    try:
+        while True:
+            try:
+                code = process.wait()
+                break
+            except KeyboardInterrupt:
+                interrupted = True
+    finally:
+        with _RUNNING_LOCK:
+            _RUNNING.discard(process)
     if interrupted:
         raise KeyboardInterrupt
     return code
+
+
+def _stop_on_sigterm(signum: int, frame: Any) -> None:
+    """SIGTERM (kill, timeout, a job scheduler) reaches the sweep alone, where a terminal's Ctrl-C
+    reaches its trainings too: each running training gets a Ctrl-C (it stops at its checkpoint) and
+    the sweep stops as on Ctrl-C, waiting for them. Left running, they would go on writing their
+    folders while a restarted sweep resumed the same runs."""
+    with _RUNNING_LOCK:
+        running = list(_RUNNING)
+    for process in running:
+        process.send_signal(signal.SIGINT)
+    raise KeyboardInterrupt
 
 
 def _run_inline(name: str, command: list[str], env: Mapping[str, str], what: str, run_dir: Path) -> str:
@@ -292,14 +361,18 @@ def main(argv: list[str] | None = None) -> int:
     at_once = (f", {slots.jobs} at once" if slots.parallel else "") + ("" if slots.gpus is None else f" on GPUs {args.gpus}")
     print(f"sweep: {len(planned)} runs in {args.out}{at_once}")
     for point, overrides, steps in planned:
-        command = train_command(args.config, overrides, args.out / point.name, resume=False, parallel=slots.parallel)
-        print(f"  {point.name} ({steps} steps): python {shlex.join(command[1:])}")
+        done = finished_steps(args.out / point.name)
+        state = "" if done is None else (f", finished" if done >= steps else f", resumes from step {done}")
+        command = train_command(args.config, overrides, args.out / point.name, resume=done is not None,
+                                parallel=slots.parallel)
+        print(f"  {point.name} ({steps} steps{state}): python {shlex.join(command[1:])}")
     if args.dry_run:
         return 0
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
     try:
         outcomes = run_all(args, planned, slots)
     except KeyboardInterrupt:
-        say(f"\nsweep stopped (Ctrl-C): each run keeps its last checkpoint; the same command continues it")
+        say(f"\nsweep stopped (Ctrl-C or SIGTERM): each run keeps its last checkpoint; the same command continues it")
         return INTERRUPTED
     print("\n" + "\n".join(f"{name}: {outcome}" for name, outcome in outcomes.items()))
     compared = [args.out / name for name, outcome in outcomes.items() if not outcome.startswith("failed")]

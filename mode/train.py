@@ -620,13 +620,13 @@ class Trainer:
 
     def load_checkpoint(self, path: Path) -> None:
         payload = load_checkpoint_file(path, self.device)
-        differ = field_differences(payload["config"], self.config, lambda name: not _may_change_on_resume(name))
+        differ = field_differences(payload["config"], self.config, lambda name: not may_change_on_resume(name))
         if differ:
             raise ConfigError(
                 f"--resume: the config differs from the run's, saved in {path}: {', '.join(differ)}. Resume with "
                 f"the run's settings ({self.out_dir / 'config.yaml'}), or start a new run in another --train.out_dir"
             )
-        changes = field_differences(payload["config"], self.config, _may_change_on_resume)
+        changes = field_differences(payload["config"], self.config, may_change_on_resume)
         self.notes += [f"--resume changes {change}" for change in changes]
         if isinstance(self.optimization, DistributedOptimization):
             self.optimization.load_checkpoint(self.out_dir, payload)
@@ -912,7 +912,7 @@ def describes_execution(name: str) -> bool:
     return name in EXECUTION_FIELDS or name.startswith("parallel.")
 
 
-def _may_change_on_resume(name: str) -> bool:
+def may_change_on_resume(name: str) -> bool:
     """Fields a resumed run may change: how long it runs, how often it logs, evaluates and saves,
     where and how it executes; every other field defines the curve it continues."""
     return name in RESUMABLE_FIELDS or describes_execution(name)

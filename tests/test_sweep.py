@@ -17,6 +17,19 @@ from mode.train import CHECKPOINT, METRICS
 
 def test_values_split_on_commas_outside_brackets() -> None:
     assert split_values("0.125,0.25") == ["0.125", "0.25"]
+    assert split_values('"a,b",c') == ['"a,b"', "c"] and split_values("'x, y',[1,2]") == ["'x, y'", "[1,2]"]
+    for bad in ("'x", '"a,b'):
+        with pytest.raises(SweepError, match="unbalanced brackets or quotes"):
+            split_values(bad)
+    with pytest.raises(SweepError, match="is not YAML"):
+        split_values("a: b: c,d")
+
+
+def test_one_value_spelled_twice_is_refused(tmp_path: Path, corpus: Path, capsys) -> None:
+    """3e-3 (a string to YAML, a float to the config) and 0.003 name two folders but train alike."""
+    args = ["--config", str(_config(tmp_path, corpus)), "--out", str(tmp_path / "s"), "--vary", "train.lr=3e-3,0.003"]
+    assert main(args) == 2
+    assert "points lr=3e-3 and lr=0.003 give the same config" in capsys.readouterr().err
     assert split_values("[dense,mod],[dense, mode_integrated]") == ["[dense,mod]", "[dense, mode_integrated]"]
     for bad in ("[dense,mod", "0.1,,0.2", ""):
         with pytest.raises(SweepError, match="cannot read the values"):
@@ -179,7 +192,7 @@ def test_a_flops_budget_gives_each_point_the_steps_within_it(tmp_path: Path, cor
     from mode.train import steps_within_budget
 
     config = str(_config(tmp_path, corpus))
-    args = argparse.Namespace(config=config, vary=["model.block_pattern=[dense,mod],[dense,dense]"])
+    args = argparse.Namespace(config=config, out=tmp_path / "sweep", vary=["model.block_pattern=[dense,mod],[dense,dense]"])
     budget = ["--train.flops_budget=3e9"]
     planned = sweep.plan(args, budget)
     steps = [max_steps for _, _, max_steps in planned]
@@ -208,7 +221,7 @@ def test_ctrl_c_stops_a_parallel_sweep_at_once(tmp_path: Path, corpus: Path) -> 
     os.killpg(sweep_process.pid, signal.SIGINT)
     stdout, stderr = sweep_process.communicate(timeout=120)
     assert sweep_process.returncode == 130, (stdout, stderr)
-    assert "sweep stopped (Ctrl-C)" in stdout and "Traceback" not in stdout + stderr, (stdout, stderr)
+    assert "sweep stopped (Ctrl-C or SIGTERM)" in stdout and "Traceback" not in stdout + stderr, (stdout, stderr)
     assert "== seed=0: stopped (Ctrl-C" in stdout and "== seed=1: stopped (Ctrl-C" in stdout
     assert not (out / "seed=2").exists() and not (out / "seed=3").exists()  # the queued points never started
 
@@ -223,3 +236,63 @@ def test_cpu_jobs_share_the_cores(monkeypatch) -> None:
     assert gpu["CUDA_VISIBLE_DEVICES"] == "3" and "OMP_NUM_THREADS" not in gpu
     monkeypatch.setenv("OMP_NUM_THREADS", "5")
     assert sweep.run_environment(None, 4)["OMP_NUM_THREADS"] == "5"  # the user's choice stands
+
+
+# ----------------------------------------------------------------------------- audit: stop 23
+def test_a_restarted_sweep_refuses_runs_made_with_other_settings(tmp_path: Path, corpus: Path, capsys) -> None:
+    """A finished point's folder is skipped only when its run is this point's: a restart with another
+    setting (or an edited config file) names the folder and the field, and runs nothing; a longer
+    max_steps is an extension, not another setting."""
+    out = tmp_path / "sweep"
+    args = ["--config", str(_config(tmp_path, corpus)), "--out", str(out), "--vary", "routing.capacity=0.25,0.5"]
+    assert main(args) == 0
+    before = {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    capsys.readouterr()
+    assert main([*args, "--train.lr=0.001"]) == 2
+    err = capsys.readouterr().err
+    assert f"{out / 'capacity=0.25'} holds a run with other settings: train.lr" in err, err
+    assert {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()} == before
+    assert main([*args, "--train.max_steps=3", "--dry-run"]) == 0
+    assert "(3 steps, resumes from step 2)" in capsys.readouterr().out
+
+
+def test_an_unreadable_checkpoint_or_a_file_as_out_is_a_clear_error(tmp_path: Path, corpus: Path, capsys) -> None:
+    out = tmp_path / "sweep"
+    args = ["--config", str(_config(tmp_path, corpus)), "--out", str(out), "--vary", "routing.capacity=0.25,0.5"]
+    (out / "capacity=0.5").mkdir(parents=True)
+    (out / "capacity=0.5" / CHECKPOINT).write_text("garbage")
+    assert main(args) == 2
+    assert f"{out / 'capacity=0.5' / CHECKPOINT} is not a readable checkpoint" in capsys.readouterr().err
+    assert not (out / "capacity=0.25").exists()  # nothing ran
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    assert main(["--config", str(_config(tmp_path, corpus)), "--out", str(a_file), "--vary", "train.seed=0,1"]) == 2
+    assert f"--out {a_file}: is a file" in capsys.readouterr().err
+
+
+def test_sigterm_stops_the_sweep_and_its_trainings(tmp_path: Path, corpus: Path) -> None:
+    """SIGTERM to the sweep's process alone (kill, timeout, a scheduler): its trainings get a Ctrl-C and
+    stop at their checkpoints, none is left running to write beside a restarted sweep, and it exits 130."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    out = tmp_path / "sweep"
+    command = [sys.executable, "-m", "mode.sweep", "--config", str(_config(tmp_path, corpus)), "--out", str(out),
+               "--vary", "train.seed=0,1,2,3", "--jobs", "2", "--train.max_steps=100000", "--train.checkpoint_interval=1"]
+    sweep_process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     start_new_session=True, cwd=Path(__file__).resolve().parents[1])
+    deadline = time.monotonic() + 120
+    started = [out / "seed=0" / CHECKPOINT, out / "seed=1" / CHECKPOINT]
+    while not all(p.exists() for p in started):
+        assert time.monotonic() < deadline and sweep_process.poll() is None, sweep_process.communicate()
+        time.sleep(0.2)
+    os.kill(sweep_process.pid, signal.SIGTERM)  # the sweep alone, not its process group
+    stdout, stderr = sweep_process.communicate(timeout=120)
+    assert sweep_process.returncode == 130, (stdout, stderr)
+    assert "== seed=0: stopped (Ctrl-C" in stdout and "== seed=1: stopped (Ctrl-C" in stdout, stdout
+    sizes = [(out / f"seed={i}" / METRICS).stat().st_size for i in (0, 1)]
+    time.sleep(2)
+    assert [(out / f"seed={i}" / METRICS).stat().st_size for i in (0, 1)] == sizes  # nobody writes any more
+    assert not (out / "seed=2").exists()
