@@ -180,7 +180,8 @@ def _value(value: Any) -> str:
 def markdown_table(runs: list[Run], rows: list[dict[str, Any]], fields: list[str], budget: float | None) -> str:
     """The report: the differing fields, then one line a run."""
     header = ["run", *fields, "params", "fwd FLOPs/token", "steps", "tokens/step", "processes", "train FLOPs", "train loss",
-              "val loss", "best val", f"val @ {_number(budget)} FLOPs", "tokens/s", "processed", "no-op", "dropped"]
+              "val loss", "best val", "val @ common FLOPs" if budget is None else f"val @ {_number(budget)} FLOPs",
+              "tokens/s", "processed", "no-op", "dropped"]
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for run, row in zip(runs, rows):
         flat = flat_fields(run.config.to_dict())
@@ -193,7 +194,7 @@ def markdown_table(runs: list[Run], rows: list[dict[str, Any]], fields: list[str
                  _number(routing.get("processed"), 3), _number(routing.get("noop_fraction"), 3),
                  _number(routing.get("dropped_fraction"), 3)]
         lines.append("| " + " | ".join(cells) + " |")
-    if not fields:
+    if not fields and len(runs) > 1:
         lines.append("\nThe runs' configs are the same in every field.")
     return "\n".join(lines)
 
