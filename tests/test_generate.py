@@ -369,13 +369,13 @@ def token_ckpt(tmp_path_factory) -> Path:
     return save_checkpoint(model, tmp_path_factory.mktemp("tokens") / "checkpoint.pt")
 
 
-def greedy(ckpt: Path, prompts: list, n: int) -> list:
-    """What generate() gives for the checkpoint the CLI loads, on the device and in the dtype the CLI's
-    defaults pick (--device auto, --dtype auto): the reference for its output."""
+def greedy(ckpt: Path, prompts: list, n: int, device_flag: str = "auto") -> list:
+    """What generate() gives for the checkpoint the CLI loads, on the device the CLI's --device picks and
+    in the dtype --dtype auto gives there: the reference for its output."""
     from mode.generate import sampling_dtype
     from mode.utils import pick_device
 
-    device = pick_device("auto")
+    device = pick_device(device_flag)
     model = load_model(ckpt, device).to(sampling_dtype("auto", device))
     return generate(model, prompts, max_new_tokens=n, temperature=0)
 
@@ -383,7 +383,7 @@ def greedy(ckpt: Path, prompts: list, n: int) -> list:
 def test_cli_token_model_reads_prompt_ids_and_prints_ids(token_ckpt: Path, capsys) -> None:
     base = ["--checkpoint", str(token_ckpt), "--greedy", "--max-new-tokens", "6", "--device", "cpu"]
     assert main(base + ["--prompt-ids", "3 999, 7", "--prompt-ids", "12,0"]) == 0
-    new = greedy(token_ckpt, [[3, 999, 7], [12, 0]], 6)
+    new = greedy(token_ckpt, [[3, 999, 7], [12, 0]], 6, "cpu")
     assert any(t >= 256 for row in new for t in row)  # ids a byte decoder would have dropped
     rows = [" ".join(map(str, ids)) for ids in ([3, 999, 7] + new[0], [12, 0] + new[1])]
     assert capsys.readouterr().out == f"--- sample 1 ---\n{rows[0]}\n--- sample 2 ---\n{rows[1]}\n"
