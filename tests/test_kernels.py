@@ -175,7 +175,8 @@ def _gelu_float64_times(t: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
 def test_gated_gelu_float32_is_as_close_to_exact_as_pytorchs_gelu() -> None:
     """float32 in and out, h on [-13, 13], gate 1, against float64: the kernel's GELU (an erf fit with
     |error| <= 1.5e-7) within 3e-7 (1 + |h|) of exact, and its largest error no more than PyTorch's
-    own float32 GELU's (measured: 4.1e-7 against 9.8e-7); h's gradient within 3e-7 (1 + |h|) too.
+    own float32 GELU's or half a float32 ulp at 13 (measured: 4.1e-7 against PyTorch's 9.8e-7 on one
+    machine, 3.6e-7 on another; half an ulp 4.8e-7); h's gradient within 3e-7 (1 + |h|) too.
     Then with gates and a random incoming gradient: the gates' gradient, a float32 sum of 1000
     products, to rtol 1e-5."""
     h = torch.linspace(-13, 13, 26001, device=DEVICE).view(1, -1)
@@ -185,7 +186,12 @@ def test_gated_gelu_float32_is_as_close_to_exact_as_pytorchs_gelu() -> None:
     bound = 3e-7 * (1 + h.double().abs())
     assert ((got.double() - want).abs() <= bound).all()
     assert ((got_grad.double() - want_grad).abs() <= bound).all()
-    assert (got.double() - want).abs().max() <= (F.gelu(h).double() - want).abs().max()
+    # No worse than PyTorch's own float32 GELU, or than rounding to float32 at the range's end (half an
+    # ulp of 13): PyTorch's own error depends on the CPU's vector unit (9.8e-7 measured on one machine,
+    # 3.6e-7 on an AVX2-only one), so it alone is no fixed bar.
+    half_ulp = (torch.tensor(13.0).nextafter(torch.tensor(14.0)) - 13.0).item() / 2
+    pytorch_error = (F.gelu(h).double() - want).abs().max().item()
+    assert (got.double() - want).abs().max().item() <= max(pytorch_error, half_ulp)
 
     h = torch.randn(5, 1000, device=DEVICE) * 3
     gates = torch.rand(5, device=DEVICE) + 0.5

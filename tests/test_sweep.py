@@ -3,6 +3,10 @@ train, skip what is finished, resume what is not, and report."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -200,14 +204,9 @@ def test_a_flops_budget_gives_each_point_the_steps_within_it(tmp_path: Path, cor
     assert steps == expected and steps[0] > steps[1] > 1
 
 
-def test_ctrl_c_stops_a_parallel_sweep_at_once(tmp_path: Path, corpus: Path) -> None:
-    """Ctrl-C (SIGINT to the sweep's process group, as a terminal sends it): the running trainings
-    stop at their checkpoints, no queued point starts, and the sweep exits 130 with one line."""
-    import os
-    import signal
-    import subprocess
-    import sys
-
+def _a_long_parallel_sweep(tmp_path: Path, corpus: Path) -> tuple[subprocess.Popen, Path]:
+    """A sweep of 4 long points, 2 at a time, in a session of its own, returned once both running
+    trainings have written a checkpoint; and its folder."""
     out = tmp_path / "sweep"
     command = [sys.executable, "-m", "mode.sweep", "--config", str(_config(tmp_path, corpus)), "--out", str(out),
                "--vary", "train.seed=0,1,2,3", "--jobs", "2", "--train.max_steps=100000", "--train.checkpoint_interval=1"]
@@ -218,6 +217,13 @@ def test_ctrl_c_stops_a_parallel_sweep_at_once(tmp_path: Path, corpus: Path) -> 
     while not all(p.exists() for p in started):  # both running runs have trained a step
         assert time.monotonic() < deadline and sweep_process.poll() is None, sweep_process.communicate()
         time.sleep(0.2)
+    return sweep_process, out
+
+
+def test_ctrl_c_stops_a_parallel_sweep_at_once(tmp_path: Path, corpus: Path) -> None:
+    """Ctrl-C (SIGINT to the sweep's process group, as a terminal sends it): the running trainings
+    stop at their checkpoints, no queued point starts, and the sweep exits 130 with one line."""
+    sweep_process, out = _a_long_parallel_sweep(tmp_path, corpus)
     os.killpg(sweep_process.pid, signal.SIGINT)
     stdout, stderr = sweep_process.communicate(timeout=120)
     assert sweep_process.returncode == 130, (stdout, stderr)
@@ -273,21 +279,7 @@ def test_an_unreadable_checkpoint_or_a_file_as_out_is_a_clear_error(tmp_path: Pa
 def test_sigterm_stops_the_sweep_and_its_trainings(tmp_path: Path, corpus: Path) -> None:
     """SIGTERM to the sweep's process alone (kill, timeout, a scheduler): its trainings get a Ctrl-C and
     stop at their checkpoints, none is left running to write beside a restarted sweep, and it exits 130."""
-    import os
-    import signal
-    import subprocess
-    import sys
-
-    out = tmp_path / "sweep"
-    command = [sys.executable, "-m", "mode.sweep", "--config", str(_config(tmp_path, corpus)), "--out", str(out),
-               "--vary", "train.seed=0,1,2,3", "--jobs", "2", "--train.max_steps=100000", "--train.checkpoint_interval=1"]
-    sweep_process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     start_new_session=True, cwd=Path(__file__).resolve().parents[1])
-    deadline = time.monotonic() + 120
-    started = [out / "seed=0" / CHECKPOINT, out / "seed=1" / CHECKPOINT]
-    while not all(p.exists() for p in started):
-        assert time.monotonic() < deadline and sweep_process.poll() is None, sweep_process.communicate()
-        time.sleep(0.2)
+    sweep_process, out = _a_long_parallel_sweep(tmp_path, corpus)
     os.kill(sweep_process.pid, signal.SIGTERM)  # the sweep alone, not its process group
     stdout, stderr = sweep_process.communicate(timeout=120)
     assert sweep_process.returncode == 130, (stdout, stderr)
