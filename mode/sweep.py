@@ -368,12 +368,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {point.name} ({steps} steps{state}): python {shlex.join(command[1:])}")
     if args.dry_run:
         return 0
-    signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    previous = signal.signal(signal.SIGTERM, _stop_on_sigterm)
     try:
         outcomes = run_all(args, planned, slots)
     except KeyboardInterrupt:
         say(f"\nsweep stopped (Ctrl-C or SIGTERM): each run keeps its last checkpoint; the same command continues it")
         return INTERRUPTED
+    finally:  # main() called in a process that goes on (a test, a notebook) gets its own handler back
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
     print("\n" + "\n".join(f"{name}: {outcome}" for name, outcome in outcomes.items()))
     compared = [args.out / name for name, outcome in outcomes.items() if not outcome.startswith("failed")]
     if compared:

@@ -288,3 +288,10 @@ def test_sigterm_stops_the_sweep_and_its_trainings(tmp_path: Path, corpus: Path)
     time.sleep(2)
     assert [(out / f"seed={i}" / METRICS).stat().st_size for i in (0, 1)] == sizes  # nobody writes any more
     assert not (out / "seed=2").exists()
+
+
+def test_the_sweep_gives_back_the_callers_sigterm_handler(tmp_path: Path, corpus: Path) -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    args = ["--config", str(_config(tmp_path, corpus)), "--out", str(tmp_path / "s"), "--vary", "train.seed=0"]
+    assert main(args) == 0
+    assert signal.getsignal(signal.SIGTERM) is before
