@@ -444,3 +444,21 @@ def test_a_cpu_run_takes_deepspeeds_cpu_accelerator(monkeypatch) -> None:
     assert real.get_accelerator().communication_backend_name() == "gloo"
     match_accelerator("cuda")
     assert real.get_accelerator().device_name() == "cuda"
+
+
+def test_random_routing_on_two_processes_equals_one_process(corpus, tmp_path) -> None:
+    """routing.random draws the global micro-batch's scores on every process and keeps its own rows
+    (mode.routing.primitives.RANDOM_SCORE_ROWS, set by mode/parallel): 2 processes route and train as
+    one process with the doubled batch, as learned routing does. (Each process drew alike for its own
+    sequences before: the loss differed by about 1e-2 after a few steps.) mode.evaluate of the checkpoint,
+    one process on the global batch, repeats the run's last evaluation."""
+    from mode.evaluate import evaluate_checkpoint
+
+    raw = raw_config(corpus, tmp_path / "dist", model={"block_pattern": ["dense", "mod"]},
+                     routing={"capacity": 0.25, "random": True}, parallel={"zero_stage": 0, "expert_parallel": 1})
+    launch(write_config(raw, tmp_path / "config.yaml"))
+    reference = single_process(raw, tmp_path / "single")
+    assert_same_curves(reference, tmp_path / "dist", range(1, STEPS + 1))
+    _, evals = records(tmp_path / "dist")
+    result = evaluate_checkpoint(tmp_path / "dist", raw["train"]["eval_batches"], "cpu")
+    assert result["val_loss"] == pytest.approx(evals[max(evals)]["val_loss"], rel=LOSS_RTOL)

@@ -22,6 +22,24 @@ if TYPE_CHECKING:
 # enough for any real capacity, and it removes float error (1.5 / 11 * 55 = 7.4999999999999991).
 _CAPACITY_DECIMALS = 9
 
+# (this process's rank, the number of processes) over which the data-parallel batch is split, set
+# by mode/parallel for multi-process training: the random-routing ablation then draws the scores of
+# every process's sequences and keeps its own rows, so N processes draw what one process draws for
+# the N-fold batch (their generators are seeded alike and stay in step).
+RANDOM_SCORE_ROWS: tuple[int, int] = (0, 1)
+
+
+def random_scores(scores: Tensor) -> Tensor:
+    """The random-routing ablation's scores: uniform, shaped as scores (G, T) (G sequences or
+    groups of this process); under data parallelism the rows this process's sequences would have
+    in the global batch (RANDOM_SCORE_ROWS)."""
+    rank, world = RANDOM_SCORE_ROWS
+    if world == 1:
+        return torch.rand_like(scores)
+    rows = scores.shape[0]
+    every = torch.rand((world * rows, *scores.shape[1:]), dtype=scores.dtype, device=scores.device)  # (W*G, T)
+    return every[rank * rows : (rank + 1) * rows]
+
 
 def capacity_to_k(num_tokens: int, capacity: float) -> int:
     """Tokens a block (or expert) takes from a group of num_tokens: capacity * T rounded to the
@@ -298,7 +316,7 @@ class _RouteTokens(torch.autograd.Function):
         groups, tokens, width = x.shape
         scores = router_scores(x, weight, bias).squeeze(-1)  # (G, T) float32
         # The random-routing ablation changes only which tokens are chosen; gates stay learned.
-        indices, flat = top_k_flat(torch.rand_like(scores) if random else scores, k)  # (G, k) sorted, (G*k,)
+        indices, flat = top_k_flat(random_scores(scores) if random else scores, k)  # (G, k) sorted, (G*k,)
         rows = x.reshape(-1, width).index_select(0, flat)  # (G*k, D)
         gates = apply_gate(scores.gather(1, indices), gate)  # (G, k)
         ctx.save_for_backward(flat, rows, weight, gates)
@@ -353,7 +371,7 @@ def route_tokens(x: Tensor, weight: Tensor, bias: Tensor | None, k: int, gate: s
         return DepthRoute(indices, gates, chosen, residual, scores, flat)
     with torch.no_grad():
         scores = router_scores(x, weight, bias).squeeze(-1)  # (G, T)
-    indices = top_k_positions(torch.rand_like(scores) if random else scores, k)
+    indices = top_k_positions(random_scores(scores) if random else scores, k)
     chosen, residual = split_tokens(x, indices, grad_in_place=grad_in_place)  # (G, k, D), (G, T, D)
     gates = apply_gate(router_scores(chosen, weight, bias).squeeze(-1), gate)  # (G, k), the gradient's path
     return DepthRoute(indices, gates, chosen, residual, scores, None)

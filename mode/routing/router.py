@@ -21,6 +21,7 @@ from mode.routing.primitives import (
     expert_major_ids,
     gather_rows,
     positions_in_expert,
+    random_scores,
     route_tokens,
     router_scores,
     router_z_loss,
@@ -226,7 +227,7 @@ class DepthRouter(nn.Module):
         k = capacity_to_k(scores.shape[1], self.capacity)
         # The stochastic-routing ablation changes only *which* tokens are chosen; the gate
         # still comes from the learned score, so learned vs random differs in one thing.
-        selection = torch.rand_like(scores) if self.random else scores
+        selection = random_scores(scores) if self.random else scores
         return top_k_positions(selection.detach(), k)
 
     def _causal_terms(self, x: Tensor, scores: Tensor, indices: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
