@@ -25,7 +25,7 @@ import torch
 from mode.config import ConfigError
 from mode.data import DataError
 from mode.generate import model_from_payload
-from mode.train import Trainer, load_checkpoint_file, restore_cuda_rng
+from mode.train import Trainer, load_checkpoint_file, restore_rng
 from mode.utils import atomic_write_text, pick_device
 
 
@@ -51,19 +51,13 @@ def evaluate_checkpoint(path: Path, batches: int, device: str = "auto", data_pat
     with tempfile.TemporaryDirectory(prefix="mode-evaluate-") as scratch:
         t.out_dir = scratch  # the Trainer's run folder: a throwaway one, never the run's own
         trainer = Trainer(config, model=model)
-        restore_rng(payload, trainer.device)  # random routing draws from the generators the run evaluated with
+        # The generators as saved, which is how the run's own evaluation at that step found them (evaluation
+        # leaves them as it found them): routing.random draws the same.
+        restore_rng(payload)
         result = trainer.evaluate()
     step = int(payload["state"]["step"])
     return {"checkpoint": str(path), "step": step, "batches": batches, "processes": processes,
             "tokens": batches * t.batch_size * config.data.seq_len, **result}
-
-
-def restore_rng(payload: dict[str, Any], device: torch.device) -> None:
-    """The random generators as the checkpoint saved them, which is how the run's own evaluation at that
-    step found them (evaluation leaves them as it found them): routing.random draws the same."""
-    torch.set_rng_state(payload["rng"].cpu())
-    if device.type == "cuda" and payload.get("cuda_rng") is not None:
-        restore_cuda_rng(payload["cuda_rng"])
 
 
 def _processes(payload: dict[str, Any]) -> int:

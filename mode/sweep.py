@@ -41,9 +41,9 @@ from typing import Any
 import torch
 import yaml
 
-from mode.config import Config, ConfigError, field_differences, load_config
+from mode.config import Config, ConfigError, load_config
 from mode.report import ReportError, report
-from mode.train import CHECKPOINT, INTERRUPTED, METRICS, may_change_on_resume, steps_within_budget
+from mode.train import CHECKPOINT, INTERRUPTED, METRICS, curve_differences, steps_within_budget
 
 
 class SweepError(ValueError):
@@ -146,7 +146,7 @@ def check_existing_run(run_dir: Path, config: Config) -> None:
     run = existing_run(run_dir)
     if run is None:
         return
-    differ = field_differences(run[1], config, lambda name: not may_change_on_resume(name))
+    differ = curve_differences(run[1], config)
     if differ:
         raise SweepError(f"{run_dir} holds a run with other settings: {', '.join(differ)}. Give the sweep another "
                          "--out, or remove that folder to train the point again")
@@ -183,11 +183,11 @@ def plan(args: argparse.Namespace, common: list[str]) -> list[tuple[Point, list[
         raise SweepError(f"--out {args.out}: is a file; the sweep's folder holds one run folder a point")
     points = grid([parse_vary(v) for v in args.vary])
     planned = []
-    settings: dict[str, str] = {}  # each point's config (its folder left out) -> its name
+    settings: dict[str, str] = {}  # each point's config -> its name
     for point in points:
         overrides = [*common, *point.overrides]
         try:
-            config = load_config(args.config, [*overrides, f"--train.out_dir={args.out / point.name}"])
+            config = load_config(args.config, overrides)
             budgeted = config.train.flops_budget is not None  # one process: a sweep runs mode.train
             max_steps = steps_within_budget(config) if budgeted else config.train.max_steps
         except ConfigError as e:
@@ -195,7 +195,7 @@ def plan(args: argparse.Namespace, common: list[str]) -> list[tuple[Point, list[
         check_existing_run(args.out / point.name, config)
         planned.append((point, overrides, max_steps))
         # Two spellings of one value (3e-3, 0.003) are two points that train alike.
-        setting = json.dumps({**config.to_dict(), "train": {**config.to_dict()["train"], "out_dir": None}}, sort_keys=True)
+        setting = json.dumps(config.to_dict(), sort_keys=True)
         if setting in settings:
             raise SweepError(f"points {settings[setting]} and {point.name} give the same config: a value is given twice")
         settings[setting] = point.name

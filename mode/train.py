@@ -620,13 +620,13 @@ class Trainer:
 
     def load_checkpoint(self, path: Path) -> None:
         payload = load_checkpoint_file(path, self.device)
-        differ = field_differences(payload["config"], self.config, lambda name: not may_change_on_resume(name))
+        differ = curve_differences(payload["config"], self.config)
         if differ:
             raise ConfigError(
                 f"--resume: the config differs from the run's, saved in {path}: {', '.join(differ)}. Resume with "
                 f"the run's settings ({self.out_dir / 'config.yaml'}), or start a new run in another --train.out_dir"
             )
-        changes = field_differences(payload["config"], self.config, may_change_on_resume)
+        changes = field_differences(payload["config"], self.config, _may_change_on_resume)
         self.notes += [f"--resume changes {change}" for change in changes]
         if isinstance(self.optimization, DistributedOptimization):
             self.optimization.load_checkpoint(self.out_dir, payload)
@@ -640,9 +640,7 @@ class Trainer:
             self.optimization.load_state_dict(payload["optimizer"])
         self.state = RunState(**payload["state"])
         self.saved_step = self.state.step
-        torch.set_rng_state(payload["rng"].cpu())  # the payload was mapped to self.device
-        if payload.get("cuda_rng") is not None and torch.cuda.is_available():
-            restore_cuda_rng(payload["cuda_rng"])
+        restore_rng(payload)
 
     def _truncate_metrics(self) -> None:
         """Drop records a crashed run logged after its last checkpoint, so the curve continues; a last
@@ -912,10 +910,23 @@ def describes_execution(name: str) -> bool:
     return name in EXECUTION_FIELDS or name.startswith("parallel.")
 
 
-def may_change_on_resume(name: str) -> bool:
+def _may_change_on_resume(name: str) -> bool:
     """Fields a resumed run may change: how long it runs, how often it logs, evaluates and saves,
     where and how it executes; every other field defines the curve it continues."""
     return name in RESUMABLE_FIELDS or describes_execution(name)
+
+
+def curve_differences(saved: dict[str, Any], config: Config) -> list[str]:
+    """The fields in which config differs from a run's saved config and that define the curve a resume
+    continues (every one but those _may_change_on_resume), each as field_differences words them."""
+    return field_differences(saved, config, lambda name: not _may_change_on_resume(name))
+
+
+def restore_rng(payload: dict[str, Any]) -> None:
+    """The random generators as a checkpoint saved them: the CPU's, and the CUDA ones of the GPUs here."""
+    torch.set_rng_state(payload["rng"].cpu())  # the payload may have been mapped to a GPU
+    if payload.get("cuda_rng") is not None and torch.cuda.is_available():
+        restore_cuda_rng(payload["cuda_rng"])
 
 
 def restore_cuda_rng(states: Sequence[Tensor]) -> None:

@@ -8,7 +8,7 @@ import signal
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, BinaryIO, Callable, Iterator
 
 import torch
 
@@ -28,12 +28,13 @@ def _temporary_beside(path: Path) -> tuple[int, str]:
     return fd, tmp
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write to a temporary file beside `path`, then rename: a crash never leaves half a file."""
+def _atomic_write(path: Path, write: Callable[[BinaryIO], object]) -> None:
+    """write(file) into a temporary file beside `path`, flushed to disk, then renamed over it and the
+    rename flushed: a crash, Ctrl-C or power loss leaves the previous file whole, never half a file."""
     fd, tmp = _temporary_beside(path)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -58,24 +59,16 @@ def _sync_folder(folder: Path) -> None:
         os.close(fd)
 
 
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    _atomic_write(path, lambda f: f.write(data))
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     atomic_write_bytes(path, text.encode())
 
 
 def atomic_torch_save(obj: Any, path: Path) -> None:
-    """torch.save to a temporary file beside `path`, flushed to disk, then renamed over it: a crash,
-    Ctrl-C or power loss leaves the previous file whole, never an empty or half-written one."""
-    fd, tmp = _temporary_beside(path)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _sync_folder(path.parent)
+    _atomic_write(path, lambda f: torch.save(obj, f))
 
 
 def remove_stale_temporaries(path: Path) -> list[Path]:
