@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mode.config import Config, ModelConfig
-from mode.routing.primitives import capacity_to_k
+from mode.routing.primitives import capacity_to_k, token_choice_capacity
 
 
 def attention_pairs_per_token(seq_len: int, causal: bool) -> float:
@@ -62,14 +62,15 @@ def mod_block_flops(config: Config, seq_len: int, causal: bool = True) -> float:
     return router_flops(config.model.d_model, 1) + causal_predictor_flops(config, 1) + (k / seq_len) * inner
 
 
-def moe_ffn_flops(config: Config, tokens_per_group: int) -> float:
+def moe_ffn_flops(config: Config, tokens_per_group: int, tokens_per_batch: int) -> float:
     """Per token of an MoE FFN: router over all E+N slots, plus the real experts' work.
 
     Expert choice: each real expert takes exactly C tokens of a group, so the cost is exact.
-    Token choice with a capacity: each real expert is provisioned C = cf * T * top_k / (E + N)
-    rows of T tokens (at most T), E * C rows in all, which the padded layout (moe.backend torch)
-    computes, empty rows included; so a capacity factor above 1 costs more and one below 1
-    less (the grouped backends compute only the rows kept, at most this). Dropless: every token's
+    Token choice with a capacity: it routes a micro-batch's T tokens (tokens_per_batch), and each
+    real expert is provisioned C = ceil(cf * T * top_k / (E + N)) rows (between 1 and T), E * C
+    rows in all, which the padded layout (moe.backend torch) computes, empty rows included; so a
+    capacity factor above 1 costs more and one below 1 less (the grouped backends compute only
+    the rows kept, at most this). Dropless: every token's
     top_k assignments, of which a fraction E / (E + N) land on real experts under a balanced
     router (no-op slots cost nothing).
     """
@@ -84,8 +85,9 @@ def moe_ffn_flops(config: Config, tokens_per_group: int) -> float:
         predictor = causal_predictor_flops(config, moe.n_experts)  # token choice needs no causal decision
     elif moe.dropless:
         assignments_per_token = moe.top_k * moe.n_experts / slots
-    else:  # E * C / T, C = cf * T * top_k / slots up to rounding, at most T
-        assignments_per_token = moe.n_experts * min(1.0, moe.capacity_factor * moe.top_k / slots)
+    else:  # E * C / T, C rounded up as the router rounds it
+        capacity = token_choice_capacity(tokens_per_batch, slots, moe.top_k, moe.capacity_factor)
+        assignments_per_token = moe.n_experts * capacity / tokens_per_batch
     return router_flops(config.model.d_model, slots) + predictor + assignments_per_token * expert
 
 
@@ -95,20 +97,29 @@ def expert_choice_capacity(config: Config, tokens_per_group: int) -> int:
 
 
 def block_flops(kind: str, config: Config, seq_len: int, causal: bool = True) -> float:
-    """Forward FLOPs per token of one block of the given kind at sequence length seq_len."""
+    """Forward FLOPs per token of one block of the given kind at sequence length seq_len.
+
+    An MoE FFN's token-choice capacity depends on how many tokens it routes at once: a
+    micro-batch of train.batch_size sequences (each process its own under data parallelism).
+    """
     model = config.model
     if kind == "dense":
         return dense_block_flops(model, seq_len, causal)
     if kind == "mod":
         return mod_block_flops(config, seq_len, causal)
-    group_tokens = seq_len * getattr(getattr(config, "moe", None), "group_size", 1)
     if kind in ("moe", "mode_integrated"):
-        return attention_flops(model, seq_len, causal) + moe_ffn_flops(config, group_tokens)
+        return attention_flops(model, seq_len, causal) + _moe_ffn_flops_at(config, seq_len)
     if kind == "mode_staged":
         k = capacity_to_k(seq_len, config.routing.capacity)
-        inner = attention_flops(model, k, causal) + moe_ffn_flops(config, k * config.moe.group_size)
+        inner = attention_flops(model, k, causal) + _moe_ffn_flops_at(config, k)  # the MoE sees k tokens a sequence
         return router_flops(model.d_model, 1) + causal_predictor_flops(config, 1) + (k / seq_len) * inner
     raise ValueError(f"no FLOP formula for block kind {kind!r}")
+
+
+def _moe_ffn_flops_at(config: Config, tokens_per_sequence: int) -> float:
+    """moe_ffn_flops where each sequence brings tokens_per_sequence tokens to the FFN."""
+    group = tokens_per_sequence * config.moe.group_size
+    return moe_ffn_flops(config, group, tokens_per_sequence * config.train.batch_size)
 
 
 @dataclass

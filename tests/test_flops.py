@@ -82,11 +82,16 @@ def test_counter_matches_direct_count_for_expert_choice(monkeypatch, pattern, mo
         (["moe"], {"n_experts": 4, "top_k": 2, "capacity_factor": 2.0}),  # C = 2 * 128 * 2 / 4 = T: at most T
         (["mode_integrated"], {"n_experts": 4, "n_noop": 4, "top_k": 2, "capacity_factor": 1.5}),  # C = 48
         (["mode_staged"], {"n_experts": 2, "n_noop": 2, "top_k": 1, "capacity_factor": 1.25}),  # T = 4 * 8, C = 10
+        # C rounded up: a count of cf * T * top_k / slots would be short by the rounding.
+        (["moe"], {"n_experts": 3, "top_k": 1, "capacity_factor": 1.0}),  # C = ceil(128 / 3) = 43
+        (["mode_staged"], {"n_experts": 3, "top_k": 2, "capacity_factor": 1.25}),  # T = 32, C = ceil(26.67) = 27
+        (["moe"], {"n_experts": 4, "top_k": 1, "capacity_factor": 0.01}),  # C = ceil(0.32): at least 1 row
     ],
 )
 def test_counter_matches_direct_count_for_token_choice_with_capacity(monkeypatch, pattern, moe) -> None:
-    """Token choice with a capacity computes E * C padded rows (moe.backend torch): the count scales
-    with the capacity factor. T = 4 sequences x 32 tokens; the shapes make C an integer."""
+    """Token choice with a capacity computes E * C padded rows (moe.backend torch), C rounded up
+    from cf * T * top_k / slots over the micro-batch's T tokens (4 sequences of 32, or of the k
+    chosen under Staged MoDE): the count scales with the capacity factor and rounds as the router."""
     raw = _config(["dense"], seq_len=32, capacity=0.25).to_dict()
     raw["model"]["block_pattern"] = pattern
     raw["moe"].update(moe, scheme="token_choice")
