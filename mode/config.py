@@ -126,6 +126,9 @@ class MoEConfig(Section):
             raise ValueError("dropless applies to scheme token_choice only (expert choice never drops)")
         if self.scheme == "expert_choice" and self.top_k != 1:
             raise ValueError("top_k applies to scheme token_choice only; leave it at 1 for expert_choice")
+        if self.scheme == "token_choice" and self.group_size != 1:
+            # Token choice routes each token on its own; a capacity spans the whole micro-batch.
+            raise ValueError("group_size applies to scheme expert_choice only; leave it at 1 for token_choice")
         return self
 
 

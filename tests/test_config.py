@@ -149,10 +149,18 @@ def test_expert_choice_group_that_does_not_divide_the_batch_names_both(tmp_path:
     raw["moe"] = {"group_size": 3}  # batch_size 4
     msg = _load_error(tmp_path, raw)
     assert "moe.group_size (3) must divide train.batch_size (4)" in msg and "experiment.yaml" in msg
-    raw["moe"]["scheme"] = "token_choice"  # token choice has no groups
-    load_config(_write(tmp_path, raw))
     raw["model"]["block_pattern"] = ["dense", "mod"]  # no experts, nothing to group
-    raw["moe"]["scheme"] = "expert_choice"
+    load_config(_write(tmp_path, raw))
+
+
+def test_a_group_size_under_token_choice_is_an_error(tmp_path: Path) -> None:
+    """Token choice routes each token on its own (a capacity spans the micro-batch): a group size
+    there would be ignored, so it is refused, as top_k is under expert choice."""
+    raw = _set("model.block_pattern", ["dense", "moe"])
+    raw["moe"] = {"scheme": "token_choice", "group_size": 2}  # divides batch_size 4
+    msg = _load_error(tmp_path, raw)
+    assert "group_size applies to scheme expert_choice only" in msg and "experiment.yaml" in msg
+    raw["moe"]["group_size"] = 1
     load_config(_write(tmp_path, raw))
 
 
