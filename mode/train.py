@@ -27,7 +27,7 @@ from mode.data import DataError, TokenSplits, batch_generator, describe_source, 
 from mode.flops import model_flops, train_step_flops
 from mode.layers.moe import MoEFFN
 from mode.model import LanguageModel, ModelOutput
-from mode.routing import Routing, TokenChoiceRouting, token_mask
+from mode.routing import CausalPredictor, Routing, TokenChoiceRouting, token_mask
 from mode.utils import (
     atomic_torch_save,
     atomic_write_bytes,
@@ -102,9 +102,19 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, An
 
 
 @contextlib.contextmanager
-def clipped_gradients(optimizer: torch.optim.Optimizer, grads: list[Tensor], norm: Tensor, max_norm: float) -> Iterator[None]:
+def clipped_gradients(
+    optimizer: torch.optim.Optimizer,
+    grads: list[Tensor],
+    norm: Tensor,
+    max_norm: float,
+    apart: Sequence[tuple[list[Tensor], Tensor]] = (),
+) -> Iterator[None]:
     """Inside, optimizer.step() steps on the gradients times min(1, max_norm / (norm + 1e-6)),
     clip_grad_norm_'s factor; max_norm <= 0 clips nothing.
+
+    apart: more (gradients, their norm) groups, each clipped by its own norm, not counted in
+    `norm` (the causal predictors: see TorchOptimization). Every gradient the optimizer steps
+    on belongs to grads or to one group of apart.
 
     A fused AdamW applies the factor inside its own pass over the gradients (its grad_scale,
     with which GradScaler unscales, divides them by 1 / factor): one read and write of every
@@ -114,8 +124,13 @@ def clipped_gradients(optimizer: torch.optim.Optimizer, grads: list[Tensor], nor
     if max_norm <= 0:
         yield
         return
-    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    if not optimizer.defaults.get("fused"):
+    coef = _clip_factor(norm, max_norm)
+    fused = bool(optimizer.defaults.get("fused"))
+    for group_grads, group_norm in apart:
+        if group_grads:  # the fused step multiplies these by coef too: their own factor over it
+            group_coef = _clip_factor(group_norm, max_norm)
+            torch._foreach_mul_(group_grads, group_coef / coef if fused else group_coef)
+    if not fused:
         torch._foreach_mul_(grads, coef)
         yield
         return
@@ -124,6 +139,22 @@ def clipped_gradients(optimizer: torch.optim.Optimizer, grads: list[Tensor], nor
         yield
     finally:
         del optimizer.grad_scale  # this step only
+
+
+def _clip_factor(norm: Tensor, max_norm: float) -> Tensor:
+    return (max_norm / (norm + 1e-6)).clamp(max=1.0)
+
+
+def split_predictor_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """(the model's parameters, the causal predictors' parameters), each with a gradient.
+
+    The predictors (routing.causal=predictor) are clipped apart from the model: their loss must
+    never reach the language model, and in one global norm it would, by scaling the model's
+    clipping (DESIGN.md: the predictor does not touch the LM loss).
+    """
+    predictor_ids = {id(p) for m in model.modules() if isinstance(m, CausalPredictor) for p in m.parameters()}
+    params = [p for p in model.parameters() if p.grad is not None]
+    return [p for p in params if id(p) not in predictor_ids], [p for p in params if id(p) in predictor_ids]
 
 
 class TorchOptimization:
@@ -160,9 +191,11 @@ class TorchOptimization:
     def step(self, lr: float) -> Tensor:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        params, predictor_params = split_predictor_parameters(self.model)
+        grads, predictor_grads = [p.grad for p in params], [p.grad for p in predictor_params]
         norm = torch.nn.utils.get_total_norm(grads, 2.0)
-        with clipped_gradients(self.optimizer, grads, norm, self.grad_clip):
+        apart = [(predictor_grads, torch.nn.utils.get_total_norm(predictor_grads, 2.0))] if predictor_grads else []
+        with clipped_gradients(self.optimizer, grads, norm, self.grad_clip, apart):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=not self.keep_grads)
         return norm.detach()

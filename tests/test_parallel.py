@@ -357,8 +357,10 @@ def test_multi_process_run_starts_from_one_device_weights(corpus, tmp_path):
 
 def test_one_process_through_deepspeed_equals_the_plain_trainer(corpus, tmp_path):
     """ZeRO 0 on one process skips DeepSpeed's gradient reduction (an identity there) and clips
-    through the optimizer: the curve is the plain Trainer's, MoD and expert-choice MoE blocks."""
+    through the optimizer: the curve is the plain Trainer's, MoD and expert-choice MoE blocks.
+    Causal predictors with a heavy loss: both clip them apart from the model by their own norm."""
     raw = raw_config(corpus, tmp_path / "dist", model={"block_pattern": ["mod", "moe"]},
+                     routing={"causal": "predictor", "causal_loss_weight": 10.0},
                      parallel={"zero_stage": 0, "expert_parallel": 1})
     launch(write_config(raw, tmp_path / "config.yaml"), world=1)
     reference = single_process(raw, tmp_path / "single", world=1)

@@ -578,6 +578,56 @@ def test_clipped_gradients_step_like_clip_grad_norm(fused: bool, max_norm: float
     assert any(not torch.allclose(a, b, rtol=0, atol=1e-4) for a, b in zip(inside, unclipped)) is clipped
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_clipped_gradients_clip_a_group_apart_by_its_own_norm(fused: bool) -> None:
+    """apart=[(grads, norm)]: that group is clipped by its own norm, the rest by theirs, as two
+    clip_grad_norm_ calls would; with a fused AdamW the group's factor is taken over the rest's."""
+    def steps(inside: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        main_params = [torch.nn.Parameter(torch.randn(5, 7)), torch.nn.Parameter(torch.randn(7))]
+        apart_params = [torch.nn.Parameter(torch.randn(3, 4))]
+        optimizer = torch.optim.AdamW(main_params + apart_params, lr=1e-2, weight_decay=0.1, fused=fused)
+        for scale in (0.2, 30.0, 0.01):  # the group's norm below, far above and near the main one's
+            for p in main_params:
+                p.grad = torch.randn_like(p) * 0.2
+            for p in apart_params:
+                p.grad = torch.randn_like(p) * scale
+            if inside:
+                grads, apart = [p.grad for p in main_params], [p.grad for p in apart_params]
+                norms = [torch.nn.utils.get_total_norm(g, 2.0) for g in (grads, apart)]
+                with clipped_gradients(optimizer, grads, norms[0], 0.05, [(apart, norms[1])]):
+                    optimizer.step()
+            else:
+                torch.nn.utils.clip_grad_norm_(main_params, 0.05)
+                torch.nn.utils.clip_grad_norm_(apart_params, 0.05)
+                optimizer.step()
+        return [p.detach().clone() for p in main_params + apart_params]
+
+    for a, b in zip(steps(True), steps(False), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_the_predictors_loss_never_changes_how_the_model_is_clipped(tmp_path: Path, corpus: Path) -> None:
+    """routing.causal=predictor: the predictors are clipped by their own norm, so their loss weight
+    leaves every other parameter bit-identical under clipping (one global norm coupled them: a
+    larger predictor loss clipped the language model harder), and grad_norm is the model's."""
+    params, norms = {}, {}
+    for weight in (0.01, 100.0):
+        config = make_config(tmp_path / f"w{weight}", corpus, routing={"causal": "predictor", "causal_loss_weight": weight},
+                             train={"max_steps": 4, "grad_clip": 0.05})  # every step clipped
+        torch.manual_seed(0)
+        model = build_model(config, "cpu")
+        Trainer(config, model=model).run()
+        params[weight] = dict(model.named_parameters())
+        norms[weight] = [r["grad_norm"] for r in read_metrics(Path(config.train.out_dir)) if "grad_norm" in r]
+    predictor = [n for n in params[0.01] if ".predictor." in n]
+    assert predictor  # the test reaches the predictors
+    for name, p in params[0.01].items():
+        same = torch.equal(p, params[100.0][name])
+        assert same is (name not in predictor), name  # the predictors' own steps do differ
+    assert norms[0.01] == norms[100.0] and len(norms[0.01]) == 4
+
+
 # Eager and compiled bf16 steps round differently (fused, reordered arithmetic); over six
 # steps of a tiny model the losses stay within 2e-2 nats of each other, while a step that
 # read a gradient or loss overwritten by a later CUDA-graph replay would be off by far more.

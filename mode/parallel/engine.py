@@ -48,7 +48,7 @@ from torch import Tensor, nn
 
 from mode.config import Config, ConfigError
 from mode.parallel.expert_parallel import ExpertParallelExperts, full_state_dict
-from mode.train import clipped_gradients, parameter_groups
+from mode.train import clipped_gradients, parameter_groups, split_predictor_parameters
 
 DEEPSPEED_DIR = "deepspeed"  # inside the run folder
 
@@ -206,9 +206,10 @@ class DeepSpeedOptimization:
             group["lr"] = lr
         if self.clip_here:
             # Under ZeRO 0 the engine steps our AdamW itself (no wrapper), which applies the factor.
-            params = [p for p in self.model.parameters() if p.grad is not None]
+            params, predictor_params = split_predictor_parameters(self.model)
             norm = self._exact_norm(params)
-            with clipped_gradients(self.engine.optimizer, [p.grad for p in params], norm, self.grad_clip):
+            apart = [([p.grad for p in predictor_params], self._exact_norm(predictor_params))] if predictor_params else []
+            with clipped_gradients(self.engine.optimizer, [p.grad for p in params], norm, self.grad_clip, apart):
                 self.engine.step()
         else:
             norm = None
