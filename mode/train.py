@@ -442,9 +442,27 @@ def chosen_positions(output: ModelOutput, seq_len: int) -> Iterator[tuple[str, T
         yield f"layer{i}.ffn", (flat % seq_len if depth is None else depth.indices.reshape(-1)[flat])
 
 
+def position_bins(seq_len: int) -> int:
+    """POSITION_BINS, or one bin a position in sequences shorter than that."""
+    return min(POSITION_BINS, seq_len)
+
+
 def position_histogram(positions: Tensor, seq_len: int, bins: int) -> Tensor:
-    """How often each of `bins` equal buckets of the sequence was chosen: positions (N,) -> (bins,)."""
+    """How often each of `bins` buckets of the sequence was chosen: positions (N,) -> (bins,).
+    Bucket b holds the positions p with p * bins // seq_len == b (bucket_widths)."""
     return torch.bincount(positions * bins // seq_len, minlength=bins).float().cpu()
+
+
+def bucket_widths(seq_len: int, bins: int) -> Tensor:
+    """How many positions each bucket of position_histogram holds: equal where bins divides seq_len."""
+    return position_histogram(torch.arange(seq_len), seq_len, bins)
+
+
+def position_share(histogram: Tensor, seq_len: int) -> list[float]:
+    """Each bucket's share of the choices per position it holds, normalised to sum to 1: a router
+    choosing every position equally often reads 1 / bins in every bucket, whatever their widths."""
+    density = histogram / bucket_widths(seq_len, len(histogram))
+    return [round(float(v), 4) for v in density / density.sum()]
 
 
 def average_summaries(summaries: list[dict[str, dict[str, Any]]], sum_counts: bool = False) -> dict[str, dict[str, Any]]:
@@ -461,6 +479,11 @@ def average_summaries(summaries: list[dict[str, dict[str, Any]]], sum_counts: bo
                 out[layer][key] = [round(sum(col) / divisor, 5) for col in zip(*values)]
             else:
                 out[layer][key] = round(sum(values) / divisor, 5)
+        if "gate_std" in out[layer]:
+            # Every micro-batch has as many gates: the spread of all of them pools through the
+            # second moment, as over processes (pool_summaries), not as a mean of the spreads.
+            second = sum(s[layer]["gate_std"] ** 2 + s[layer]["gate_mean"] ** 2 for s in summaries) / len(summaries)
+            out[layer]["gate_std"] = round(math.sqrt(max(0.0, second - out[layer]["gate_mean"] ** 2)), 5)
     return out
 
 
@@ -808,12 +831,12 @@ class Trainer:
             total += micro_losses["lm_loss"]
             summaries.append(summary)
             for name, positions in chosen_positions(out, self.config.data.seq_len):
-                histograms[name] = histograms.get(name, 0) + position_histogram(positions, self.config.data.seq_len,
-                                                                                 POSITION_BINS)
+                seq_len = self.config.data.seq_len
+                histograms[name] = histograms.get(name, 0) + position_histogram(positions, seq_len, position_bins(seq_len))
         routing = average_summaries(self.pool_over_ranks(summaries)) if summaries[0] else {}
         for name, hist in histograms.items():
             hist = torch.tensor(self.mean_of_lists([hist.tolist()])[0])  # every rank's positions
-            routing[name]["position_share"] = [round(float(v), 4) for v in hist / hist.sum()]
+            routing[name]["position_share"] = position_share(hist, self.config.data.seq_len)
         losses = {"val_loss": total / t.eval_batches}
         if self.config.routing.causal != "none":
             losses["val_loss_causal"] = self._causal_val_loss(routing)

@@ -771,6 +771,39 @@ def test_pool_summaries_equals_the_statistics_of_the_whole_batch() -> None:
     assert pooled["layer1"]["tokens_per_expert"] == [7.0, 6.0]
 
 
+@pytest.mark.parametrize("sum_counts", [False, True])
+def test_average_summaries_pools_the_spread_of_every_micro_batch(sum_counts: bool) -> None:
+    """Micro-batches (of a step, or validation batches) pool like processes: the spread of all
+    their gates through the second moment, not the mean of their spreads (which reads low when
+    the micro-batches' means differ); means average, counts add over a step's micro-batches."""
+    from mode.train import average_summaries
+
+    gates = [torch.rand(40, dtype=torch.float64) * 0.2, 0.6 + torch.rand(40, dtype=torch.float64) * 0.2]
+    summaries = [{"layer1": {"gate_mean": float(g.mean()), "gate_std": float(g.std(correction=0)),
+                             "tokens_per_expert": [float(i), 2.0]}} for i, g in enumerate(gates)]
+    whole = torch.cat(gates)
+    stats = average_summaries(summaries, sum_counts=sum_counts)["layer1"]
+    assert stats["gate_mean"] == pytest.approx(float(whole.mean()), abs=1e-5)  # rounded to 5 decimals
+    assert stats["gate_std"] == pytest.approx(float(whole.std(correction=0)), abs=2e-5)
+    assert stats["gate_std"] > max(summaries[0]["layer1"]["gate_std"], summaries[1]["layer1"]["gate_std"]) + 0.1
+    assert stats["tokens_per_expert"] == ([1.0, 4.0] if sum_counts else [0.5, 2.0])
+
+
+@pytest.mark.parametrize("seq_len", [12, 20, 40, 256])
+def test_position_share_reads_a_uniform_router_as_uniform_whatever_the_sequence_length(seq_len: int) -> None:
+    """Buckets hold unequal numbers of positions where 16 does not divide seq_len (and sequences
+    shorter than 16 get one bucket a position): each bucket's share is per position it holds."""
+    from mode.train import position_bins, position_histogram, position_share
+
+    bins = position_bins(seq_len)
+    positions = torch.arange(seq_len).repeat(3)  # every position chosen three times
+    share = position_share(position_histogram(positions, seq_len, bins), seq_len)
+    assert len(share) == min(16, seq_len)
+    assert share == pytest.approx([1 / bins] * bins, abs=1e-4)
+    late = position_share(position_histogram(torch.arange(seq_len // 2, seq_len), seq_len, bins), seq_len)
+    assert sum(late[: bins // 2 - 1]) == 0 and sum(late) == pytest.approx(1.0, abs=SHARE_SUM_ATOL)
+
+
 # ----------------------------------------------------------------------------- a FLOP budget
 def test_flops_budget_sets_the_whole_steps_within_it(tmp_path: Path, corpus: Path, capsys) -> None:
     """train.flops_budget: max_steps becomes the whole steps whose training FLOPs fit (every process's
