@@ -60,6 +60,7 @@ def test_compiled_model_matches_eager(reduction: bool, monkeypatch: pytest.Monke
     (["mod", "mod"], {"random": True}),  # MoD after MoD: the second adds into the first's output
     (["mode_staged", "dense"], {}),
     (["dense", "mod"], {"causal": "predictor"}),  # the predictor saves x: the copy path
+    (["mod", "dense"], {}),  # the first block adds into the embeddings' output
 ])
 def test_routed_updates_in_place_equal_the_copy_path(pattern: list[str], routing: dict, monkeypatch) -> None:
     """LanguageModel's MoD blocks add their updates into the residual stream in place
@@ -103,3 +104,23 @@ def test_a_mod_block_on_its_own_leaves_its_input_alone() -> None:
     assert torch.equal(x.detach(), before)
     changed = (out.detach() != before).any(-1)  # (B, S): the chosen tokens
     assert changed.sum(-1).tolist() == [info.routing.indices.shape[1]] * 2
+
+
+def test_rotary_tables_stay_float32_when_the_model_is_cast_to_bfloat16() -> None:
+    """model.to(torch.bfloat16), as sampling runs a model, leaves the rotary tables float32:
+    training rotates with float32 tables under autocast. The rotation of bf16 q and k then equals
+    the float32 rotation rounded once, not a rotation by tables rounded to bf16 (2e-3 off)."""
+    from mode.layers.rotary import apply_rotary
+
+    model = tiny(["dense", "mod"])
+    reference = {name: t.clone() for name, t in model.rotary.named_buffers()}
+    model.to(torch.bfloat16)
+    assert next(model.parameters()).dtype == torch.bfloat16
+    for name, table in model.rotary.named_buffers():
+        assert table.dtype == torch.float32 and torch.equal(table, reference[name]), name
+    q = torch.randn(2, 32, 4, 8).to(torch.bfloat16)
+    rotated = apply_rotary(q, model.rotary.prefix(32))
+    assert rotated.dtype == torch.bfloat16
+    assert torch.equal(rotated, apply_rotary(q.float(), model.rotary.prefix(32)).to(torch.bfloat16))
+    model.to(torch.float64)  # widening casts apply as usual
+    assert all(t.dtype == torch.float64 for t in model.rotary.buffers())

@@ -49,6 +49,18 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_full", torch.cat((cos, cos), dim=-1), persistent=False)  # (S_max, hd)
         self.register_buffer("sin_signed", torch.cat((-sin, sin), dim=-1), persistent=False)  # (S_max, hd)
 
+    def _apply(self, fn, recurse: bool = True) -> "RotaryEmbedding":
+        """Casts keep the tables float32 where they would narrow them (model.to(torch.bfloat16),
+        as sampling runs it): training under autocast rotates with float32 tables, and so must
+        sampling (bf16 tables move the angles by up to 2e-3). Devices change as usual."""
+        tables = dict(self.named_buffers(recurse=False))
+        super()._apply(fn, recurse)
+        for name, table in tables.items():
+            cast = getattr(self, name)
+            if cast.is_floating_point() and torch.finfo(cast.dtype).bits < torch.finfo(table.dtype).bits:
+                setattr(self, name, table.to(cast.device))
+        return self
+
     def angles(self, positions: Tensor) -> RotaryAngles:
         """positions (S,) or (B, S) -> RotaryAngles for those positions."""
         if positions.dim() == 1:
