@@ -408,6 +408,17 @@ def test_aux_losses_and_stats():
     assert math.isclose(float(routing.stats["noop_fraction"]), float((routing.indices >= E).float().mean()))
 
 
+@pytest.mark.parametrize("group_size", [1, 2])
+def test_expert_choice_aux_loss_is_the_weighted_z_loss(group_size):
+    """Expert choice has no balancing loss (every expert takes C tokens): its aux_loss is
+    moe.z_loss_weight x the mean over tokens of logsumexp(router logits)^2, the weight the config's."""
+    moe = MoEFFN(16, 24, moe_cfg(scheme="expert_choice", n_noop=N_NOOP, group_size=group_size, z_loss_weight=0.3))
+    _, routing = moe(inputs().float())
+    z = routing.logits.logsumexp(-1).square().mean()
+    torch.testing.assert_close(routing.aux_loss, 0.3 * z)
+    assert routing.aux_loss.requires_grad
+
+
 @pytest.mark.parametrize("top_k", [1, 2])
 @pytest.mark.parametrize("kw", [dict(capacity_factor=0.5), dict(dropless=True)], ids=["dropping", "dropless"])
 def test_token_choice_stats_from_counts_equal_the_per_row_stats(kw, top_k):
