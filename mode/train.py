@@ -611,8 +611,10 @@ class Trainer:
             self.notes.append(f"train.flops_budget={t.flops_budget:.4g}: max_steps={t.max_steps}{instead} "
                               f"({train_step_flops(config, world_size):.4g} training FLOPs a step)")
         if t.warmup_steps >= t.max_steps:  # legal (a short smoke run), but a budget sweep's small points land here unseen
+            reach = ("reaches train.lr={lr:g} only at the last step" if t.warmup_steps == t.max_steps
+                     else "never reaches train.lr={lr:g}").format(lr=t.lr)
             self.notes.append(f"train.warmup_steps={t.warmup_steps} is not below max_steps={t.max_steps}: the learning "
-                              f"rate never reaches train.lr={t.lr:g} and there is no decay")
+                              f"rate {reach} and there is no decay")
         self.state = RunState()
         self.saved_step: int | None = None  # the step the run folder's checkpoint holds
         self._prepare_run_folder(resume)
@@ -1062,6 +1064,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError, FileExistsError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # while the data and model are built: no step has run
+        print("\ninterrupted before training started: nothing to resume; run the command again", file=sys.stderr)
+        return INTERRUPTED
     for note in trainer.notes:
         print(f"note: {note}", file=sys.stderr)
     print(

@@ -328,6 +328,29 @@ def test_interrupt_exits_130_saying_where_to_resume(tmp_path: Path, corpus: Path
     assert f"before the run's first checkpoint: nothing to resume; remove {first}" in capsys.readouterr().err
 
 
+def test_interrupt_while_the_trainer_is_built_exits_130_and_the_command_runs_again(
+        tmp_path: Path, corpus: Path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C before the first step (the data and model being built; here as late as it gets, the
+    run folder prepared): one line, exit 130, no traceback; the same command then trains."""
+    prepare = Trainer._prepare_run_folder
+
+    def interrupted_after_preparing(self: Trainer, resume: bool) -> None:
+        prepare(self, resume)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Trainer, "_prepare_run_folder", interrupted_after_preparing)
+    out = tmp_path / "run"
+    config_file = tmp_path / "x.yaml"
+    config_file.write_text(yaml.safe_dump(raw_config(out, corpus, train={"max_steps": 1})))
+    assert main(["--config", str(config_file)]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted before training started: nothing to resume; run the command again" in err
+    assert "Traceback" not in err
+    monkeypatch.setattr(Trainer, "_prepare_run_folder", prepare)
+    assert main(["--config", str(config_file)]) == 0
+    assert train_losses(out).keys() == {1}
+
+
 def test_cuda_device_without_one_and_file_permissions(tmp_path: Path, corpus: Path, capsys) -> None:
     """train.device=cuda on a machine without CUDA is an error naming the field; the run folder's
     files get the permissions open() gives (the temporary files they are renamed from are 0600)."""
@@ -845,7 +868,12 @@ def test_warmup_not_below_the_run_is_a_note(tmp_path: Path, corpus: Path) -> Non
     """A run whose warmup covers all of its steps (a budget sweep's smallest point) trains, and says so;
     a warmup shorter than the run adds no note."""
     short = Trainer(make_config(tmp_path / "short", corpus, train={"max_steps": 3, "warmup_steps": 3}))
-    assert any("train.warmup_steps=3 is not below max_steps=3" in note for note in short.notes), short.notes
+    assert any("train.warmup_steps=3 is not below max_steps=3: the learning rate reaches train.lr=0.003 only at "
+               "the last step" in note for note in short.notes), short.notes
+    assert learning_rate(2, short.config.train) == pytest.approx(short.config.train.lr)  # as the note says
+    longer = Trainer(make_config(tmp_path / "longer", corpus, train={"max_steps": 3, "warmup_steps": 4}))
+    assert any("rate never reaches train.lr=0.003" in note for note in longer.notes), longer.notes
+    assert learning_rate(2, longer.config.train) < longer.config.train.lr
     usual = Trainer(make_config(tmp_path / "usual", corpus, train={"max_steps": 3, "warmup_steps": 2}))
     assert not any("warmup_steps" in note for note in usual.notes), usual.notes
 
