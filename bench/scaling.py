@@ -64,7 +64,7 @@ from mode.layers.mlp import SwiGLU  # noqa: E402
 from mode.layers.moe import MoEFFN  # noqa: E402
 from mode.model import LanguageModel, ModelOutput  # noqa: E402
 from mode.parallel.engine import DeepSpeedOptimization, Processes, init_distributed, quiet_deepspeed  # noqa: E402
-from mode.parallel.launch import build_trainer  # noqa: E402
+from mode.parallel.launch import build_trainer, exit_without_teardown  # noqa: E402
 from mode.train import Trainer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -302,4 +302,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_teardown(main())  # as launch/train.py: gloo's threads once aborted the interpreter's teardown

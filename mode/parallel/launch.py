@@ -190,7 +190,12 @@ def run_and_exit(argv: list[str] | None = None) -> NoReturn:
     communication stack destroyed while running), and the launcher reported a finished run as
     failed. os._exit skips that teardown; the output streams are flushed first.
     """
-    code = main(argv)
+    exit_without_teardown(main(argv))
+
+
+def exit_without_teardown(code: int) -> NoReturn:
+    """Flush the output streams and leave the process with `code`, skipping the interpreter's
+    teardown (run_and_exit says why); for any script that ran DeepSpeed or gloo."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
