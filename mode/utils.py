@@ -131,7 +131,8 @@ def pick_device(name: str, field: str = "train.device") -> torch.device:
 
 @contextlib.contextmanager
 def interrupts_deferred() -> Iterator[None]:
-    """Ctrl-C (SIGINT) held back until the block ends, then raised as KeyboardInterrupt: a checkpoint
+    """Ctrl-C (SIGINT) held back until the block ends, then handed to the handler that was there (by
+    default: raised as KeyboardInterrupt; launch/train.py's marks a stop for every process): a checkpoint
     being written is finished (seconds) instead of abandoned half-way, where torch.save's zip writer
     would turn the interrupt into a RuntimeError. In the main thread only (signals go there)."""
     if threading.current_thread() is not threading.main_thread():
@@ -143,5 +144,8 @@ def interrupts_deferred() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
-    if caught:
-        raise KeyboardInterrupt
+    if caught:  # delivered now, to the handler that was there (which raises KeyboardInterrupt by default)
+        if callable(previous):
+            previous(signal.SIGINT, None)
+        else:
+            raise KeyboardInterrupt

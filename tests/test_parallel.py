@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -365,6 +367,63 @@ def test_one_process_through_deepspeed_equals_the_plain_trainer(corpus, tmp_path
     launch(write_config(raw, tmp_path / "config.yaml"), world=1)
     reference = single_process(raw, tmp_path / "single", world=1)
     assert_same_curves(reference, tmp_path / "dist", range(1, STEPS + 1))
+
+
+def worker_ranks(launcher_pid: int, world: int) -> dict[int, int]:
+    """{rank: pid} of the workers a torch.distributed.run process started (its children)."""
+    found: dict[int, int] = {}
+    for pid in (int(p) for p in subprocess.run(["pgrep", "-P", str(launcher_pid)], capture_output=True,
+                                               text=True).stdout.split()):
+        environ = dict(item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in item)
+        if "RANK" in environ:
+            found[int(environ["RANK"])] = pid
+    assert len(found) == world, found
+    return found
+
+
+@pytest.mark.parametrize("signalled", [[1], [0, 1]], ids=["rank 1 alone", "every rank"])
+def test_ctrl_c_stops_every_process_at_the_same_step(corpus, tmp_path, signalled: list[int]) -> None:
+    """SIGINT to some ranks of an expert-parallel run (kill -INT, a scheduler, a terminal's Ctrl-C):
+    each rank that gets it marks a request, every rank reads the marks in the next all-reduce and
+    stops at the same step. Raised where it landed, one rank could wait in the all-to-all while
+    another reported its last step (an all-reduce): both hung. Each worker exits 130 with the
+    interrupted line, the checkpoint holds a step, and --resume continues the run."""
+    raw = raw_config(corpus, tmp_path / "dist", train={"max_steps": 100000, "checkpoint_interval": 2,
+                                                       "eval_interval": 100000},
+                     parallel={"zero_stage": 0, "expert_parallel": 2})
+    config = write_config(raw, tmp_path / "config.yaml")
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={WORLD}", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", str(ROOT / "launch" / "train.py"), "--config", str(config)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        metrics = tmp_path / "dist" / METRICS
+        deadline = time.monotonic() + LAUNCH_TIMEOUT
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):  # training, past a checkpoint
+            assert proc.poll() is None and time.monotonic() < deadline, "the run did not start"
+            time.sleep(0.2)
+        ranks = worker_ranks(proc.pid, WORLD)
+        for rank in signalled:
+            os.kill(ranks[rank], signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"the processes did not stop within 60 s of the SIGINT (hung):\n{out[-4000:]}")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    # torchrun's summary: the first worker to leave exited 130 (it then stops the others, which
+    # leave at the same moment, with 130 or by its SIGTERM), after rank 0 printed the stop.
+    assert "exitcode  : 130" in out and "exitcode  : 1 " not in out, out[-4000:]
+    assert "interrupted at step" in out and "continue with --resume" in out, out[-4000:]
+    assert not re.search(r'File ".*/(mode|launch)/', out), out[-4000:]  # no traceback from the workers (torchrun's own is there)
+    saved = load_checkpoint_file(tmp_path / "dist")["state"]["step"]
+    assert saved >= 2
+    raw["train"]["max_steps"] = saved + 2
+    launch(write_config(raw, tmp_path / "config.yaml"), "--resume")
+    assert max(records(tmp_path / "dist")[0]) == saved + 2
 
 
 # ----------------------------------------------------------------------------- config and JSON

@@ -14,9 +14,10 @@ sharded checkpoint in the run folder's deepspeed/.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,8 @@ from mode.train import INTERRUPTED, LaunchedStep, Trainer, build_model, interrup
 ERRORS = (ConfigError, DataError, FileExistsError, FileNotFoundError, ValueError)
 # Variables a launcher (torchrun, deepspeed, mpirun) sets in each process it starts.
 LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+# The key under which each rank's stop request rides in the losses' all-reduce (LaunchTrainer).
+STOP_KEY = "_stop_requested"
 # How long a rank other than 0 waits before leaving on an error rank 0 reports (_fail).
 ERROR_GRACE_S = 5.0
 
@@ -47,12 +50,45 @@ class Preempted(Exception):
 
 
 class LaunchTrainer(Trainer):
-    """The Trainer, plus a way to stop mid-run (tests of resume; drills for preemption)."""
+    """The Trainer, plus a way to stop mid-run (tests of resume; drills for preemption), and
+    Ctrl-C made collective.
+
+    A signal reaches each process wherever it is: raised there as KeyboardInterrupt, one rank
+    would go on to report its last step (an all-reduce) while another still waits inside the
+    step's all-to-all, and both would wait forever. So during run() a first SIGINT only marks a
+    request; every rank's mark travels in the losses' all-reduce (mean_over_ranks), which every
+    rank runs at the same point, and every rank raises KeyboardInterrupt at its next step's
+    launch: all stop at the same step, as --stop-at-step stops them. A second SIGINT raises at
+    once (the way out of a run that no longer reaches an all-reduce).
+    """
 
     stop_at_step: int | None = None
     clean_stops = (KeyboardInterrupt, Preempted)  # every rank stops at the same step: reporting it stays collective
+    stop_requested = False  # this rank got a SIGINT during run()
+    stop_everywhere = False  # some rank did, as the last all-reduce told every rank
+
+    def run(self) -> list[dict[str, Any]]:
+        previous = signal.signal(signal.SIGINT, self._request_stop)
+        try:
+            return super().run()
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+    def _request_stop(self, signum: int, frame: Any) -> None:
+        if self.stop_requested:
+            raise KeyboardInterrupt
+        self.stop_requested = True
+        print(f"[rank {self.rank}] Ctrl-C: every process stops after the step in progress (Ctrl-C again to stop "
+              "at once)", file=sys.stderr, flush=True)
+
+    def mean_over_ranks(self, values: dict[str, float]) -> dict[str, float]:
+        pooled = super().mean_over_ranks({**values, STOP_KEY: float(self.stop_requested)})
+        self.stop_everywhere = self.stop_everywhere or pooled.pop(STOP_KEY) > 0
+        return pooled
 
     def launch_step(self) -> LaunchedStep:
+        if self.stop_everywhere:
+            raise KeyboardInterrupt
         if self.stop_at_step is not None and self.state.step >= self.stop_at_step:
             raise Preempted(f"stopped after step {self.state.step} (--stop-at-step)")
         return super().launch_step()
@@ -171,8 +207,12 @@ def main(argv: list[str] | None = None) -> int:
         except Preempted:
             _say(processes.rank, interrupted_message(trainer, "stopped by --stop-at-step"))
             return 0
-        except KeyboardInterrupt:  # every rank stops at the same step (clean_stops); files are whole
+        except KeyboardInterrupt:  # files are whole; a first Ctrl-C stops every rank at the same step
             _say(processes.rank, f"\n{interrupted_message(trainer)}", sys.stderr)
+            if trainer.stop_everywhere:
+                # Every rank is here: none leaves before rank 0 has spoken, since a launcher stops
+                # the others (SIGTERM) once one has exited with a failure's status.
+                dist.barrier()
             return INTERRUPTED
         _say(processes.rank, f"done: run folder {trainer.out_dir}")
         return 0
