@@ -53,7 +53,7 @@ def evaluate_checkpoint(path: Path, batches: int, device: str = "auto", data_pat
         trainer = Trainer(config, model=model)
         # The generators as saved, which is how the run's own evaluation at that step found them (evaluation
         # leaves them as it found them): routing.random draws the same.
-        restore_rng(payload)
+        restore_rng(payload, trainer.device)
         result = trainer.evaluate()
     step = int(payload["state"]["step"])
     return {"checkpoint": str(path), "step": step, "batches": batches, "processes": processes,

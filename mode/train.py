@@ -662,6 +662,11 @@ class Trainer:
             "state": vars(self.state).copy(),
             "rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            # The generator of the GPU the run computed on (rank 0's): every process of a
+            # multi-process run draws alike from its own GPU's (routing.random: the global batch's
+            # scores), so this is the state of every process's GPU, which the list above, of the
+            # GPUs rank 0's process saw, does not give for the others.
+            "cuda_rng_run": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None,
         }
         if isinstance(self.optimization, DistributedOptimization):
             payload.update(self.optimization.save_checkpoint(self.out_dir, payload))
@@ -698,7 +703,7 @@ class Trainer:
             self.optimization.load_state_dict(payload["optimizer"])
         self.state = RunState(**payload["state"])
         self.saved_step = self.state.step
-        restore_rng(payload)
+        restore_rng(payload, self.device)
 
     def _truncate_metrics(self) -> None:
         """Drop records a crashed run logged after its last checkpoint, so the curve continues; a last
@@ -980,11 +985,15 @@ def curve_differences(saved: dict[str, Any], config: Config) -> list[str]:
     return field_differences(saved, config, lambda name: not _may_change_on_resume(name))
 
 
-def restore_rng(payload: dict[str, Any]) -> None:
-    """The random generators as a checkpoint saved them: the CPU's, and the CUDA ones of the GPUs here."""
+def restore_rng(payload: dict[str, Any], device: torch.device | None = None) -> None:
+    """The random generators as a checkpoint saved them: the CPU's, and the CUDA ones of the GPUs here;
+    a CUDA `device` (the one this process computes on) takes the generator of the GPU the run computed on."""
     torch.set_rng_state(payload["rng"].cpu())  # the payload may have been mapped to a GPU
     if payload.get("cuda_rng") is not None and torch.cuda.is_available():
         restore_cuda_rng(payload["cuda_rng"])
+    run_state = payload.get("cuda_rng_run")
+    if run_state is not None and device is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(run_state.cpu(), device)
 
 
 def restore_cuda_rng(states: Sequence[Tensor]) -> None:

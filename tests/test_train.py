@@ -927,6 +927,27 @@ def test_cuda_generators_restore_onto_fewer_gpus(monkeypatch: pytest.MonkeyPatch
     assert [device for device, _ in restored] == [0] and torch.equal(restored[0][1], states[0])
 
 
+def test_each_process_resumes_its_gpu_generator_from_the_one_the_run_computed_on(monkeypatch) -> None:
+    """A multi-process run's checkpoint holds rank 0's generators: the list of every GPU its process
+    saw (GPU 1's never advanced there) and the one it computed on (cuda_rng_run). Every process draws
+    alike from its own GPU (routing.random), so rank 1, on GPU 1, must resume GPU 1's generator from
+    cuda_rng_run, not from the list, which would restart its draws from the seed."""
+    from mode.train import restore_rng
+
+    restored: dict[int, torch.Tensor] = {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: restored.__setitem__(
+        device if isinstance(device, int) else torch.device(device).index, state))
+    advanced, seed_state = torch.full((4,), 7, dtype=torch.uint8), torch.full((4,), 1, dtype=torch.uint8)
+    payload = {"rng": torch.get_rng_state(), "cuda_rng": [advanced, seed_state], "cuda_rng_run": advanced}
+    restore_rng(payload, torch.device("cuda", 1))
+    assert torch.equal(restored[1], advanced) and torch.equal(restored[0], advanced)
+    restored.clear()
+    restore_rng({**payload, "cuda_rng_run": None}, torch.device("cuda", 1))  # a checkpoint from before
+    assert torch.equal(restored[1], seed_state)
+
+
 # ----------------------------------------------------------------------------- audit: stop 23, statistics
 @pytest.mark.parametrize("block", ["moe", "mode_staged"])
 def test_chosen_positions_are_positions_in_the_sequence(tmp_path: Path, corpus: Path, block: str) -> None:
