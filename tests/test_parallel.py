@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -330,6 +331,27 @@ def test_resume_with_another_layout_is_a_clear_error(corpus, tmp_path_factory, e
     assert result.returncode != 0 and "cannot follow" in result.stdout
     with pytest.raises(ConfigError, match="sharded over its processes"):
         Trainer(config_from_dict(run["raw"] | {"parallel": {}}), resume=True)
+
+
+def test_a_shard_only_one_process_reads_missing_is_an_error_every_process_reports(corpus, tmp_path_factory,
+                                                                                    expert_runs, tmp_path):
+    """Rank 1's optimizer shard of an ep=2 run gone: rank 1 alone meets it, yet every process stops
+    before training with one error naming the rank and the file (rank 1 left silently, and rank 0
+    trained on until the all-to-all failed)."""
+    run = expert_parallel_run("moe_expert_choice", corpus, tmp_path_factory, expert_runs)
+    copy = tmp_path / "dist"
+    shutil.copytree(run["dir"], copy)
+    tag = load_checkpoint_file(copy)["optimizer"]["tag"]  # the step checkpoint.pt resumes from
+    (shard,) = copy.glob(f"deepspeed/{tag}/expp_rank_1_*optim_states.pt")
+    shard.unlink()
+    raw = json.loads(json.dumps(run["raw"]))
+    raw["train"].update(out_dir=str(copy), max_steps=STEPS + 2)
+    result = launch(write_config(raw, tmp_path / "config.yaml"), "--resume", expect_ok=False)
+    assert result.returncode != 0
+    assert "--resume: DeepSpeed's checkpoint" in result.stdout and "[rank 1]" in result.stdout, result.stdout[-4000:]
+    assert shard.name in result.stdout, result.stdout[-4000:]
+    assert "[rank 0]" not in result.stdout.split("--resume: DeepSpeed's checkpoint")[1].splitlines()[0]  # rank 0 loaded
+    assert max(records(copy)[0]) == STEPS  # nothing trained
 
 
 def test_four_processes_with_ep_2_equal_one_process(corpus, tmp_path):

@@ -288,14 +288,27 @@ class DeepSpeedOptimization:
                 "checkpoint.pt, load into any layout)"
             )
         load_dir = Path(run_dir) / info["dir"]
-        path, client = self.engine.load_checkpoint(
-            str(load_dir), tag=info["tag"], load_optimizer_states=True, load_lr_scheduler_states=False
-        )
-        if path is None:
-            raise FileNotFoundError(f"--resume: DeepSpeed checkpoint {load_dir / info['tag']} is missing or unreadable")
-        if client.get("mode_state") != payload["state"]:
-            raise ConfigError(
-                f"--resume: {load_dir / info['tag']} holds step {client.get('mode_state')} but checkpoint.pt "
-                f"says {payload['state']}"
-            )
+        error = self._load_engine(load_dir, info["tag"], payload["state"])
+        # Some files only one process reads (its optimizer shard): agree before anyone trains, so
+        # that every process stops with every process's error, not one alone (which the launcher
+        # would see as a crash, its message unprinted, while the others waited in a collective).
+        errors = [None] * self.processes.world_size
+        dist.all_gather_object(errors, error)
+        failed = [f"[rank {rank}] {e}" for rank, e in enumerate(errors) if e is not None]
+        if failed:
+            raise ConfigError(f"--resume: DeepSpeed's checkpoint {load_dir / info['tag']}: {'; '.join(failed)}")
         self._last_tag = info["tag"]
+
+    def _load_engine(self, load_dir: Path, tag: str, state: dict[str, Any]) -> str | None:
+        """Load this process's share of DeepSpeed's checkpoint: None, or what went wrong."""
+        try:
+            path, client = self.engine.load_checkpoint(
+                str(load_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False
+            )
+        except (OSError, RuntimeError, KeyError, ValueError, EOFError) as e:  # a file missing, cut short or foreign
+            return f"{type(e).__name__}: {e}"
+        if path is None:
+            return "missing or unreadable"
+        if client.get("mode_state") != state:
+            return f"holds step {client.get('mode_state')} but checkpoint.pt says {state}"
+        return None
