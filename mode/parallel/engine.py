@@ -25,8 +25,10 @@ would clip by the *mean over ranks* of each rank's local norm, which with expert
 parallelism is not the norm of the gradient (each rank holds other experts); there we
 compute the exact global norm (shared parameters once, experts summed over the
 expert-parallel group) and clip ourselves, with DeepSpeed's clipping off. ZeRO 1/2 gave
-the exact norm too with ep = world size (tests/test_parallel.py); with expert-data-parallel
-replicas (ep < world size) DeepSpeed's own formula for expert norms applies, unchecked.
+the exact norm too with ep = world size, and with expert-data-parallel replicas (ep < world
+size: 4 processes, ep 2, ZeRO 2), both checked against one process (tests/test_parallel.py).
+The causal predictors are clipped apart by their own norm under ZeRO 0 (mode.train's
+split_predictor_parameters); DeepSpeed's ZeRO 1/2 clipping counts them in its one norm.
 
 The learning rate is the project's schedule: the loop passes it to step(), which writes it
 into the optimizer's parameter groups; DeepSpeed has no scheduler.
