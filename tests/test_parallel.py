@@ -295,6 +295,21 @@ def test_expert_parallel_equals_one_process_holding_every_expert(name, corpus, t
         assert_same_curves(reference, run["dir"], range(1, STEPS + 1))
 
 
+def test_expert_parallel_run_under_zero_2_resumes_as_uninterrupted(corpus, tmp_path_factory, expert_runs):
+    """Stop after step 4 and resume an ep=2, ZeRO 2 run (Integrated MoDE, no-op experts): each
+    process's expert slice and optimizer shard come back, and steps 4-6 are the uninterrupted run's."""
+    run = expert_parallel_run("mode_integrated", corpus, tmp_path_factory, expert_runs)
+    config = write_config(run["raw"], run["tmp"] / "resume.yaml")
+    out = run["tmp"] / "resumed"
+    launch(config, f"--train.out_dir={out}", "--stop-at-step=4")
+    launch(config, f"--train.out_dir={out}", "--resume")
+    resumed, uninterrupted = records(out)[0], records(run["dir"])[0]
+    assert sorted(resumed) == list(range(1, STEPS + 1))
+    for step in range(1, STEPS + 1):
+        for key in ("loss", "grad_norm"):
+            assert resumed[step][key] == pytest.approx(uninterrupted[step][key], rel=1e-6), (step, key)
+
+
 def test_expert_parallel_checkpoint_loads_on_one_device(corpus, tmp_path_factory, expert_runs):
     """checkpoint.pt of an ep=2 run: every expert gathered, in order; a one-process model loads it."""
     run = expert_parallel_run("moe_expert_choice", corpus, tmp_path_factory, expert_runs)
