@@ -85,13 +85,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(config: Path, *args: str, expect_ok: bool = True, world: int = WORLD) -> subprocess.CompletedProcess:
-    """launch/train.py on `world` CPU processes; the process group is killed on timeout."""
+def start(config: Path, *args: str, world: int = WORLD) -> tuple[list[str], subprocess.Popen]:
+    """launch/train.py started on `world` CPU processes, in a process group of its own: (command, process)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", "--master_addr=127.0.0.1",
            f"--master_port={free_port()}", str(ROOT / "launch" / "train.py"), "--config", str(config), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    return cmd, subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                 start_new_session=True)
+
+
+def launch(config: Path, *args: str, expect_ok: bool = True, world: int = WORLD) -> subprocess.CompletedProcess:
+    """launch/train.py on `world` CPU processes; the process group is killed on timeout."""
+    cmd, proc = start(config, *args, world=world)
     try:
         out, _ = proc.communicate(timeout=LAUNCH_TIMEOUT)
     except subprocess.TimeoutExpired:
@@ -428,12 +433,7 @@ def test_ctrl_c_stops_every_process_at_the_same_step(corpus, tmp_path, signalled
     raw = raw_config(corpus, tmp_path / "dist", train={"max_steps": 100000, "checkpoint_interval": 2,
                                                        "eval_interval": 100000},
                      parallel={"zero_stage": 0, "expert_parallel": 2})
-    config = write_config(raw, tmp_path / "config.yaml")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={WORLD}", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", str(ROOT / "launch" / "train.py"), "--config", str(config)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    _, proc = start(write_config(raw, tmp_path / "config.yaml"))
     try:
         metrics = tmp_path / "dist" / METRICS
         deadline = time.monotonic() + LAUNCH_TIMEOUT
