@@ -129,10 +129,11 @@ def main(argv: list[str] | None = None) -> None:
         fresh_gradients()
 
     def routing_alone() -> None:
-        with autocast:
-            routed = mod.router.route(x)
+        with autocast:  # as MoDBlock.forward routes and adds back, in place where the block would
+            routed = mod.router.route(x, owns_gradient=mod.add_in_place)
             routing = routed.routing
-            out = add_gated_tokens(routed.residual, routing.indices, routing.gates, routed.chosen, flat=routed.flat)
+            out = add_gated_tokens(routed.residual, routing.indices, routing.gates, routed.chosen,
+                                   mod.add_in_place and routed.residual_writable, routed.flat)
         out.backward(grad)
         fresh_gradients()
 

@@ -159,14 +159,21 @@ def dense_mlp(args: argparse.Namespace) -> nn.Module:
 def megablocks_dmoe(args: argparse.Namespace) -> Callable[[Tensor], Tensor]:
     from megablocks.layers.arguments import Arguments
     from megablocks.layers.dmoe import dMoE
+    from megablocks.layers.moe import clear_load_balancing_loss
 
     margs = Arguments(
         hidden_size=args.width, ffn_hidden_size=args.ffn, moe_num_experts=args.experts, moe_top_k=1,
         mlp_impl="grouped", bf16=True, fp16=False, device=torch.cuda.current_device(),
-        **(dict(mlp_type="glu", activation_fn=F.silu) if args.activation == "swiglu" else dict(mlp_type="mlp")),
+        # the activation of every other row: megablocks' default GELU is the tanh approximation
+        **(dict(mlp_type="glu", activation_fn=F.silu) if args.activation == "swiglu" else dict(mlp_type="mlp", activation_fn=F.gelu)),
     )
     layer = dMoE(margs).cuda().to(PARAM_DTYPE[args.params])
-    run = lambda x: layer(x.view(args.batch, args.seq, args.width))[0]  # noqa: E731
+
+    def run(x: Tensor) -> Tensor:
+        y = layer(x.view(args.batch, args.seq, args.width))[0]
+        clear_load_balancing_loss()  # dMoE saves its loss's inputs for the training loop in a global list
+        return y
+
     run.params = list(layer.parameters())
     return run
 
@@ -241,16 +248,24 @@ def main(argv: list[str] | None = None) -> None:
         that had also run reduce-overhead rows; each alone ran right.)"""
         name = lambda mode: f"{stem} ({tag + ', ' if tag else ''}{mode})"  # noqa: E731
         if args.compile:
-            return [(eager_name, build, "eager"), (name("compiled"), lambda: torch.compile(build()), "eager"),
+            rows = [(eager_name, build, "eager"), (name("compiled"), lambda: torch.compile(build()), "eager"),
                     (name("compiled + CUDA graphs"), lambda: torch.compile(build(), **graphs), "eager")]
-        rows = [(eager_name, build, "eager"), (name("one CUDA graph"), build, "graph")]
-        if expert_choice:
-            rows.append((name("one CUDA graph, router head by PyTorch ops"),
-                         lambda: with_switch("EXPERT_CHOICE_KERNEL", False, build()), "graph"))
-        if routed:
-            rows.append((name("one CUDA graph, rows by gather/scatter_add"),
-                         lambda: with_switch("ROWS_KERNEL", False, build()), "graph"))
+            modes = ["eager", "compiled", "compiled + CUDA graphs"]
+        else:
+            rows = [(eager_name, build, "eager"), (name("one CUDA graph"), build, "graph")]
+            if expert_choice:
+                rows.append((name("one CUDA graph, router head by PyTorch ops"),
+                             lambda: with_switch("EXPERT_CHOICE_KERNEL", False, build()), "graph"))
+            if routed:
+                rows.append((name("one CUDA graph, rows by gather/scatter_add"),
+                             lambda: with_switch("ROWS_KERNEL", False, build()), "graph"))
+            modes = ["eager"] + ["one CUDA graph"] * (len(rows) - 1)
+        run_mode.update({row[0]: mode for row, mode in zip(rows, modes)})
         return rows
+
+    # How each row runs (eager, one CUDA graph, compiled, ...): its "x dense" columns divide by
+    # the dense MLP run the same way. Rows outside a family run eager.
+    run_mode: dict[str, str] = {}
 
     dense = lambda: dense_mlp(args).cuda().to(PARAM_DTYPE[args.params])  # noqa: E731
     mlp = "SwiGLU" if args.activation == "swiglu" else "GELU"
@@ -287,29 +302,33 @@ def main(argv: list[str] | None = None) -> None:
     # Rows that launch many small kernels from the host (eager token choice, megablocks, DeepSpeed)
     # vary with the host from pass to pass; one round measures each row at one moment only.
     times: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name, step, _ in layers if step is not None}
+    busy: dict[str, list[float]] = {name: [] for name in times}  # --busy: GPU busy ms, one per round
     for _ in range(args.rounds):
         for name, step, _ in layers:
             if step is not None:
                 print(f"timing: {name}", file=sys.stderr, flush=True)
                 times[name][0].append(timed(step, args.warmup, args.iters, x.device))
                 times[name][1].append(timed_back_to_back(step, 2, args.iters, x.device))
-    busy = {name: gpu_busy_ms(step, args.iters) for name, step, _ in layers if step is not None} if args.busy else {}
-    print(f"\n{args.rounds} interleaved round(s), each cell the median over them\n")
+                if args.busy:
+                    busy[name].append(gpu_busy_ms(step, args.iters))
+    print(f"\n{args.rounds} interleaved round(s), each cell the median over them; each \"x dense\" divides by "
+          "the dense MLP run the same way (eager, one CUDA graph, compiled, compiled + CUDA graphs)\n")
     busy_head = (" GPU busy ms | x dense |", " --- | --- |") if args.busy else ("", "")
     print("| implementation | ms, each pass synchronised | x dense | ms, back to back | x dense |" + busy_head[0])
     print("| --- | --- | --- | --- | --- |" + busy_head[1])
-    dense_ms = dense_b2b = dense_busy = None
+    medians = {name: [statistics.median(t) for t in (*times[name], busy[name]) if t] for name in times}
+    dense_rows = {run_mode[name]: name for name, step, _ in layers if name.startswith("dense ") and name in medians}
     for name, step, failure in layers:
         if step is None:
             print(f"| {name} | not run: {failure} | | | |" + " | |" * args.busy)
             continue
-        ms, b2b = (statistics.median(t) for t in times[name])
-        dense_ms, dense_b2b = dense_ms or ms, dense_b2b or b2b
-        cells = f"| {name} | {ms:.2f} | {ms / dense_ms:.2f} | {b2b:.2f} | {b2b / dense_b2b:.2f} |"
-        if args.busy:  # a pass the profiler saw no kernel of (a CUDA graph, on some setups): said, not a 0
-            dense_busy = busy[name] if dense_busy is None else dense_busy  # the first row: the dense MLP
-            ratio = f"{busy[name] / dense_busy:.3f}" if busy[name] and dense_busy else ""
-            cells += f" {busy[name]:.3f} | {ratio} |" if busy[name] else " no kernels seen | |"
+        cells = f"| {name} |"
+        dense = medians.get(dense_rows.get(run_mode.get(name, "eager"), ""))  # None: that dense row did not run
+        for i, value in enumerate(medians[name]):
+            # a pass the profiler saw no kernel of (a CUDA graph, on some setups): said, not a 0
+            shown = "no kernels seen" if i == 2 and not value else f"{value:.{3 if i == 2 else 2}f}"
+            ratio = f"{value / dense[i]:.{3 if i == 2 else 2}f}" if dense and value and dense[i] else "-"
+            cells += f" {shown} | {ratio} |"
         print(cells, flush=True)
     for name, step, _ in layers:
         if step is not None and any(p in name for p in args.profile):

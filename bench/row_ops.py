@@ -6,7 +6,8 @@ Rows (median microseconds, CUDA events, same process and card):
 - gathering the rows expert choice picks (8 experts x 2048 of 16384 tokens, a token taken
   0 to 8 times), and the three ways to add them back: index_add (what index_select's
   backward does), index_put with accumulate, scatter_add (what mode.routing uses);
-- the router's projection in float32 (as mode computes it) and in bf16;
+- the router's projection in float32 and in bf16 (mode's default: a bf16 GEMM with float32
+  output, mode.routing.primitives.HALF_ROUTER);
 - single-query attention over a (64, 16, 2049, 64) bf16 KV cache on each SDPA backend, and
   the memory-efficient backend with the (B, 1, 1, L) length mask a routed layer's decode uses,
   beside the time to read the cache once at the card's nominal bandwidth (--bandwidth, TB/s).
@@ -76,6 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     slots = length + 128
     packed = torch.randn(2, batch * slots, heads, head_dim, device=device, dtype=torch.bfloat16)
     cu_q = torch.arange(batch + 1, device=device, dtype=torch.int32)
+    cu_k = cu_q * slots  # outside the timed calls, as a decode step would have it ready
     q_packed = q[:, :, 0].contiguous()  # (B, H, hd)
     sparse = torch.randint(200, 400, (batch,), device=device, dtype=torch.int32)  # a routed layer's lengths
     for label, used in (("every slot of 2049", torch.full((batch,), length, device=device, dtype=torch.int32)),
@@ -83,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
         for splits in (None, 1, 4, 16):
             kwargs = {} if splits is None else {"num_splits": splits}
             row(f"decode attention, flash varlen, {label}, num_splits {splits}", lambda: torch.ops.aten._flash_attention_forward(
-                q_packed, packed[0], packed[1], cu_q, cu_q * slots, 1, slots, 0.0, False, False, seqused_k=used, **kwargs), device)
+                q_packed, packed[0], packed[1], cu_q, cu_k, 1, slots, 0.0, False, False, seqused_k=used, **kwargs), device)
     nominal = 2 * batch * heads * length * head_dim * 2 / (args.bandwidth * 1e12) * 1e6
     print(f"| reading the cache once at {args.bandwidth} TB/s | {nominal:.1f} |")
 
