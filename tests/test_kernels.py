@@ -234,7 +234,8 @@ def test_use_triton_only_for_cuda_tensors_in_eager_mode(monkeypatch: pytest.Monk
     assert not use_triton(torch.zeros(2))  # CPU tensors: the PyTorch path
     if torch.cuda.is_available():
         x = torch.zeros(2, device="cuda")
-        assert use_triton(x)
+        assert use_triton(x) and use_triton(x.bfloat16())
+        assert not use_triton(x.double())  # the kernels compute in float32: float64 keeps the PyTorch ops
         monkeypatch.setattr(kernels, "ENABLED", False)
         assert not use_triton(x)
 
@@ -265,6 +266,19 @@ def test_cross_entropy_and_grad_matches_float64(dtype: torch.dtype) -> None:
     torch.testing.assert_close(loss.double(), want_loss, rtol=1e-5, atol=1e-5)  # float32 log-sum-exp
     tol = ONE_BF16_ROUNDING if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(grad.double(), want_grad, **tol)
+
+
+def test_cross_entropy_kernel_on_logits_near_float32s_lowest() -> None:
+    """Rows whose every logit is below -3.0e38 (a diverged model): a finite loss and gradient, as
+    F.cross_entropy gives (the running max started at -3.0e38, above them: -inf and inf)."""
+    from mode.kernels.cross_entropy import cross_entropy_and_grad
+
+    logits = torch.tensor([[-3.2e38, -3.3e38, -3.1e38], [-3.4e38, -3.4e38, -3.4e38]], device=DEVICE)
+    targets = torch.tensor([0, 2], device=DEVICE)
+    loss, grad = cross_entropy_and_grad(logits, targets)
+    want = F.cross_entropy(logits.double(), targets, reduction="none")
+    assert bool(loss.isfinite().all()) and bool(grad.isfinite().all())
+    torch.testing.assert_close(loss.double(), want, rtol=1e-5, atol=1e-5)
 
 
 def test_fused_loss_takes_the_kernel_path_on_cuda_and_matches_pytorch(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -333,6 +347,23 @@ def test_top_k_positions_kernel_ties_signs_and_nan() -> None:
         top_k_positions(negatives, 6)
 
 
+def test_top_k_positions_kernel_and_pytorch_path_break_ties_alike() -> None:
+    """Where scores tie (equal tokens score alike before any attention: a routed first block), the
+    kernel and the PyTorch path (CPU, torch.compile) choose the same positions: the earliest ones.
+    torch.topk's choice among ties is unspecified (on CPU it took the last ones)."""
+    from mode.kernels.topk import top_k_positions as kernel
+    from mode.routing import primitives
+
+    torch.manual_seed(0)
+    rows = [torch.zeros(1, 100), torch.randint(0, 3, (6, 37)).float(),  # all equal; a few values, many ties
+            torch.tensor([[-0.0, 0.0, 1.0, float("nan"), 1.0, -0.0, float("nan"), 0.0]])]
+    for scores in rows:
+        for k in range(1, scores.shape[-1] + 1, 3):
+            want = primitives.top_k_positions(scores, k)  # on CPU: the PyTorch path
+            assert torch.equal(kernel(scores.to(DEVICE), k).cpu(), want), (scores, k)
+    assert primitives.top_k_positions(torch.zeros(1, 100), 2).tolist() == [[0, 1]]
+
+
 def test_top_k_positions_takes_the_kernel_only_where_it_applies(monkeypatch: pytest.MonkeyPatch) -> None:
     import mode.kernels as kernels
     from mode.kernels.topk import MAX_TOKENS
@@ -350,6 +381,20 @@ HEAD_CASES = [  # tokens, slots, k, real experts, capacity, whether the capacity
     (37, 8, 1, 8, None, False), (300, 12, 2, 10, 40, True), (5, 3, 3, 3, None, False), (1000, 64, 4, 60, 50, True),
     (2, 256, 8, 200, 1, False), (3, 1, 1, 1, None, False),
 ]
+
+
+def test_token_choice_head_kernel_and_pytorch_path_break_ties_and_rank_nan_alike(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Equal logits go to the lowest slots on both paths (torch.topk's choice among ties is
+    unspecified); a NaN logit's row chooses distinct slots with NaN gates on both, as PyTorch ranks
+    NaN (the kernel chose one slot k times, with gates of -2)."""
+    logits = torch.tensor([[0.0, 2.0, 2.0, 2.0, 1.0, 2.0], [1.0] * 6, [0.5, float("nan"), 1.0, 0.0, 0.0, 0.0]],
+                          device=DEVICE)
+    case = (3, 6, 3, 4, None, False)  # tokens, slots, top_k, experts (2 no-op), dropless
+    got, want = (_head(logits, case, kernel, monkeypatch) for kernel in (True, False))
+    assert torch.equal(got.slots.cpu(), want.slots.cpu())
+    assert got.slots.tolist()[:2] == [[1, 2, 3], [0, 1, 2]]
+    assert len(set(got.slots[2].tolist())) == 3 and bool(got.gates[2].isnan().all())
+    assert torch.equal(got.tokens_per_expert.cpu().double(), want.tokens_per_expert.cpu().double())
 
 
 def _head(logits: torch.Tensor, case: tuple, kernel: bool, monkeypatch: pytest.MonkeyPatch):

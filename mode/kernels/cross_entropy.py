@@ -27,7 +27,7 @@ def _cross_entropy_fwd_grad(logits_ptr, targets_ptr, grad_ptr, loss_ptr, vocab, 
     # Pass 1: running max and sum of exp(x - max), one block of the row at a time.
     # The running max starts finite, below any logit, so padding lanes (-inf) add exp(-inf) = 0
     # and never compute inf - inf.
-    run_max = tl.full((BLOCK,), -3.0e38, tl.float32)
+    run_max = tl.full((BLOCK,), -3.4028234663852886e38, tl.float32)  # float32's lowest finite value
     run_sum = tl.zeros((BLOCK,), tl.float32)
     for start in range(0, vocab, BLOCK):
         x = tl.load(base + start + cols, mask=start + cols < vocab, other=float("-inf")).to(tl.float32)
@@ -36,14 +36,16 @@ def _cross_entropy_fwd_grad(logits_ptr, targets_ptr, grad_ptr, loss_ptr, vocab, 
         run_max = new_max
     row_max = tl.max(run_max, 0)
     total = tl.sum(run_sum * tl.exp(run_max - row_max), 0)
-    lse = row_max + tl.log(total)
+    log_total = tl.log(total)
     target = tl.load(targets_ptr + row)
-    tl.store(loss_ptr + row, lse - tl.load(base + target).to(tl.float32))
+    # (max - target) + log(total), never (max + log(total)) - target: with logits of large
+    # magnitude the sum would round log(total) away before the subtraction could recover it.
+    tl.store(loss_ptr + row, (row_max - tl.load(base + target).to(tl.float32)) + log_total)
     # Pass 2: the gradient softmax(x) - one_hot(target), in the logits' dtype.
     for start in range(0, vocab, BLOCK):
         mask = start + cols < vocab
         x = tl.load(base + start + cols, mask=mask, other=0.0).to(tl.float32)
-        grad = tl.exp(x - lse) - tl.where(start + cols == target, 1.0, 0.0)
+        grad = tl.exp((x - row_max) - log_total) - tl.where(start + cols == target, 1.0, 0.0)
         store_rounded(grad_ptr + row * vocab + start + cols, grad, mask)
 
 

@@ -44,13 +44,16 @@ def _forward(logits_ptr, gates_ptr, slots_ptr, partial_ptr, tokens, n_slots, inv
     cols = tl.arange(0, BLOCK_S)
     probs, lse, row_ok, mask = softmax_rows(logits_ptr, rows, cols, tokens, n_slots)
     remaining = tl.where(mask, probs, -1.0)  # probabilities are >= 0: -1 is never chosen
+    # A NaN probability (a NaN logit) ranks above every other, as PyTorch ranks NaN: 2.0 here, a
+    # gate of NaN when chosen. (Compared as NaN, it matched no maximum: one slot chosen K times.)
+    remaining = tl.where(remaining != remaining, 2.0, remaining)
     choices = tl.zeros((BLOCK_S,), dtype=tl.float32)
     for j in tl.static_range(K):
         best = tl.max(remaining, axis=1)
-        # the lowest slot holding the maximum (torch.max's and torch.topk's choice on ties)
+        # the lowest slot holding the maximum (the PyTorch path's choice on ties: top_k_slots)
         slot = tl.min(tl.where(remaining == best[:, None], cols[None, :], BLOCK_S), axis=1)
-        slot = tl.minimum(slot, n_slots - 1)  # NaN logits match nothing: keep the slot in range
-        tl.store(gates_ptr + rows * K + j, best, mask=row_ok)
+        slot = tl.minimum(slot, n_slots - 1)  # a row past the end matches nothing: keep the slot in range
+        tl.store(gates_ptr + rows * K + j, tl.where(best > 1.5, float("nan"), best), mask=row_ok)
         tl.store(slots_ptr + rows * K + j, slot.to(tl.int64), mask=row_ok)
         hit = (cols[None, :] == slot[:, None]) & row_ok[:, None]
         choices += tl.sum(hit.to(tl.float32), axis=0)

@@ -35,6 +35,7 @@ def row_top_k(score, pos, valid, k, BLOCK: tl.constexpr):
     (chosen (BLOCK,) bool, exactly k True; slot: the rank among the chosen, increasing with pos)."""
     bits = score.to(tl.int32, bitcast=True)
     bits = tl.where(score != score, 0x7FC00000, bits)  # every NaN as +NaN: above +inf
+    bits = tl.where(score == 0.0, 0, bits)  # -0.0 as +0.0: equal scores, a tie as in PyTorch
     ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # floats ordered as signed integers
     ordered = tl.where(valid, ordered, -(2**31)).to(tl.int64)  # past the row: below every score
     # The k-th largest key by bisection: the largest v with at least k keys >= v.

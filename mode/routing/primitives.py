@@ -73,7 +73,10 @@ def top_k_positions(scores: Tensor, k: int) -> Tensor:
         from mode.kernels.topk import top_k_positions as one_kernel
 
         return one_kernel(scores, k)
-    chosen = scores.topk(k, dim=-1, sorted=False).indices
+    # Equal scores go to the earliest positions, as the kernel breaks ties: a stable sort, not
+    # topk, whose choice among equal scores is unspecified (on CPU it took the last ones; equal
+    # tokens score alike before any attention, so a routed first block meets ties).
+    chosen = scores.sort(dim=-1, descending=True, stable=True).indices[..., :k]
     # Sorted as int32 (positions < 2^31): on an H100, 21 against 30 us for (8, 256) int64 keys
     # (bench/block_profile.py).
     return chosen.int().sort(dim=-1).values.long()
@@ -643,10 +646,12 @@ def expert_major_ids(indices: Tensor, tokens_per_group: int) -> Tensor:
 def top_k_slots(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """Token choice: the k largest scores over the last (slot) dim, and their slots: 2 x (..., k)."""
     if k == 1:  # a max reduction: on an H100, 4 us against top-k's 24 us for (16384, 8) scores
-        values, slots = scores.max(dim=-1, keepdim=True)
+        values, slots = scores.max(dim=-1, keepdim=True)  # the first maximum: the lowest slot
         return values, slots
-    values, slots = scores.topk(k, dim=-1)
-    return values, slots
+    # Equal scores go to the lowest slots, as torch.max and the kernel break ties (topk's choice
+    # among them is unspecified): a stable sort of the few slots.
+    values, slots = scores.sort(dim=-1, descending=True, stable=True)
+    return values[..., :k], slots[..., :k]
 
 
 class TokenChoiceHead(NamedTuple):
