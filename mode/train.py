@@ -145,14 +145,18 @@ def _clip_factor(norm: Tensor, max_norm: float) -> Tensor:
     return (max_norm / (norm + 1e-6)).clamp(max=1.0)
 
 
-def split_predictor_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-    """(the model's parameters, the causal predictors' parameters), each with a gradient.
+def predictor_parameter_ids(model: nn.Module) -> frozenset[int]:
+    """The ids of the causal predictors' parameters (routing.causal=predictor), found once per model.
 
-    The predictors (routing.causal=predictor) are clipped apart from the model: their loss must
-    never reach the language model, and in one global norm it would, by scaling the model's
-    clipping (DESIGN.md: the predictor does not touch the LM loss).
+    The predictors are clipped apart from the model: their loss must never reach the language
+    model, and in one global norm it would, by scaling the model's clipping (DESIGN.md: the
+    predictor does not touch the LM loss).
     """
-    predictor_ids = {id(p) for m in model.modules() if isinstance(m, CausalPredictor) for p in m.parameters()}
+    return frozenset(id(p) for m in model.modules() if isinstance(m, CausalPredictor) for p in m.parameters())
+
+
+def split_predictor_parameters(model: nn.Module, predictor_ids: frozenset[int]) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """(the model's parameters, the causal predictors' parameters: predictor_parameter_ids), each with a gradient."""
     params = [p for p in model.parameters() if p.grad is not None]
     return [p for p in params if id(p) not in predictor_ids], [p for p in params if id(p) in predictor_ids]
 
@@ -174,6 +178,7 @@ class TorchOptimization:
         self.model = model
         self.keep_grads = keep_grads
         self.grad_clip = t.grad_clip
+        self.predictor_ids = predictor_parameter_ids(model)
         self.optimizer = torch.optim.AdamW(
             parameter_groups(model, t.weight_decay),
             lr=t.lr,
@@ -191,7 +196,7 @@ class TorchOptimization:
     def step(self, lr: float) -> Tensor:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        params, predictor_params = split_predictor_parameters(self.model)
+        params, predictor_params = split_predictor_parameters(self.model, self.predictor_ids)
         grads, predictor_grads = [p.grad for p in params], [p.grad for p in predictor_params]
         norm = torch.nn.utils.get_total_norm(grads, 2.0)
         apart = [(predictor_grads, torch.nn.utils.get_total_norm(predictor_grads, 2.0))] if predictor_grads else []
@@ -828,6 +833,8 @@ class Trainer:
         t = self.config.train
         self.model.eval()
         total, summaries, histograms = 0.0, [], {}
+        seq_len = self.config.data.seq_len
+        bins = position_bins(seq_len)
         for i in range(t.eval_batches):
             # Validation batches are the same at every evaluation: seeded apart from training's.
             x, y = self.micro_batch(self.data.val, -1, i)
@@ -837,13 +844,12 @@ class Trainer:
             micro_losses, summary = read_output(out, ("lm_loss",))
             total += micro_losses["lm_loss"]
             summaries.append(summary)
-            for name, positions in chosen_positions(out, self.config.data.seq_len):
-                seq_len = self.config.data.seq_len
-                histograms[name] = histograms.get(name, 0) + position_histogram(positions, seq_len, position_bins(seq_len))
+            for name, positions in chosen_positions(out, seq_len):
+                histograms[name] = histograms.get(name, 0) + position_histogram(positions, seq_len, bins)
         routing = average_summaries(self.pool_over_ranks(summaries)) if summaries[0] else {}
         for name, hist in histograms.items():
             hist = torch.tensor(self.mean_of_lists([hist.tolist()])[0])  # every rank's positions
-            routing[name]["position_share"] = position_share(hist, self.config.data.seq_len)
+            routing[name]["position_share"] = position_share(hist, seq_len)
         losses = {"val_loss": total / t.eval_batches}
         if self.config.routing.causal != "none":
             losses["val_loss_causal"] = self._causal_val_loss(routing)

@@ -28,7 +28,7 @@ expert-parallel group) and clip ourselves, with DeepSpeed's clipping off. ZeRO 1
 the exact norm too with ep = world size, and with expert-data-parallel replicas (ep < world
 size: 4 processes, ep 2, ZeRO 2), both checked against one process (tests/test_parallel.py).
 The causal predictors are clipped apart by their own norm under ZeRO 0 (mode.train's
-split_predictor_parameters); DeepSpeed's ZeRO 1/2 clipping counts them in its one norm.
+predictor_parameter_ids); DeepSpeed's ZeRO 1/2 clipping counts them in its one norm.
 
 The learning rate is the project's schedule: the loop passes it to step(), which writes it
 into the optimizer's parameter groups; DeepSpeed has no scheduler.
@@ -50,7 +50,7 @@ from torch import Tensor, nn
 
 from mode.config import Config, ConfigError
 from mode.parallel.expert_parallel import ExpertParallelExperts, full_state_dict
-from mode.train import clipped_gradients, parameter_groups, split_predictor_parameters
+from mode.train import clipped_gradients, parameter_groups, predictor_parameter_ids, split_predictor_parameters
 
 DEEPSPEED_DIR = "deepspeed"  # inside the run folder
 
@@ -184,6 +184,7 @@ class DeepSpeedOptimization:
         if not reduces_gradients(config, processes.world_size):
             self.engine.enable_backward_allreduce = False
         self.model = self.engine.module
+        self.predictor_ids = predictor_parameter_ids(self.model)
         self.expert_layers = [m for m in self.model.modules() if isinstance(m, ExpertParallelExperts)]
         self.ep_group = self.expert_layers[0].group if self.expert_layers else None
         self._pending = 0  # backward calls since the last step
@@ -208,7 +209,7 @@ class DeepSpeedOptimization:
             group["lr"] = lr
         if self.clip_here:
             # Under ZeRO 0 the engine steps our AdamW itself (no wrapper), which applies the factor.
-            params, predictor_params = split_predictor_parameters(self.model)
+            params, predictor_params = split_predictor_parameters(self.model, self.predictor_ids)
             norm = self._exact_norm(params)
             apart = [([p.grad for p in predictor_params], self._exact_norm(predictor_params))] if predictor_params else []
             with clipped_gradients(self.engine.optimizer, [p.grad for p in params], norm, self.grad_clip, apart):
