@@ -17,6 +17,7 @@ or more, from step 1.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -27,7 +28,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -94,18 +95,31 @@ def start(config: Path, *args: str, world: int = WORLD) -> tuple[list[str], subp
                                  start_new_session=True)
 
 
-def launch(config: Path, *args: str, expect_ok: bool = True, world: int = WORLD) -> subprocess.CompletedProcess:
-    """launch/train.py on `world` CPU processes; the process group is killed on timeout."""
-    cmd, proc = start(config, *args, world=world)
+@contextlib.contextmanager
+def killed_on_exit(proc: subprocess.Popen) -> Iterator[None]:
+    """The block's end, however it ends, leaves no process of start()'s group running."""
     try:
-        out, _ = proc.communicate(timeout=LAUNCH_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"launch timed out after {LAUNCH_TIMEOUT} s: {' '.join(cmd)}\n{out[-4000:]}")
+        yield
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def output_within(proc: subprocess.Popen, timeout: float, failure: str) -> str:
+    """The process's output once it ends; past `timeout` seconds its group is killed and the test
+    fails with `failure` and the output's tail."""
+    try:
+        return proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"{failure}:\n{proc.communicate()[0][-4000:]}")
+
+
+def launch(config: Path, *args: str, expect_ok: bool = True, world: int = WORLD) -> subprocess.CompletedProcess:
+    """launch/train.py on `world` CPU processes; the process group is killed on timeout."""
+    cmd, proc = start(config, *args, world=world)
+    with killed_on_exit(proc):
+        out = output_within(proc, LAUNCH_TIMEOUT, f"launch timed out after {LAUNCH_TIMEOUT} s: {' '.join(cmd)}")
     if expect_ok and proc.returncode != 0:
         pytest.fail(f"launch failed ({proc.returncode}): {' '.join(cmd)}\n{out[-6000:]}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out)
@@ -434,7 +448,7 @@ def test_ctrl_c_stops_every_process_at_the_same_step(corpus, tmp_path, signalled
                                                        "eval_interval": 100000},
                      parallel={"zero_stage": 0, "expert_parallel": 2})
     _, proc = start(write_config(raw, tmp_path / "config.yaml"))
-    try:
+    with killed_on_exit(proc):
         metrics = tmp_path / "dist" / METRICS
         deadline = time.monotonic() + LAUNCH_TIMEOUT
         while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):  # training, past a checkpoint
@@ -443,14 +457,7 @@ def test_ctrl_c_stops_every_process_at_the_same_step(corpus, tmp_path, signalled
         ranks = worker_ranks(proc.pid, WORLD)
         for rank in signalled:
             os.kill(ranks[rank], signal.SIGINT)
-        out, _ = proc.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"the processes did not stop within 60 s of the SIGINT (hung):\n{out[-4000:]}")
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        out = output_within(proc, 60, "the processes did not stop within 60 s of the SIGINT (hung)")
     # torchrun's summary: the first worker to leave exited 130 (it then stops the others, which
     # leave at the same moment, with 130 or by its SIGTERM), after rank 0 printed the stop.
     assert "exitcode  : 130" in out and "exitcode  : 1 " not in out, out[-4000:]

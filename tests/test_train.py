@@ -68,6 +68,12 @@ def make_config(out_dir: Path, corpus: Path, **sections: dict) -> Config:
     return config_from_dict(raw_config(out_dir, corpus, **sections))
 
 
+def write_config_file(path: Path, out_dir: Path, corpus: Path, **sections: dict) -> Path:
+    """raw_config(out_dir, corpus, **sections) as a YAML file at path, for main(["--config", ...])."""
+    path.write_text(yaml.safe_dump(raw_config(out_dir, corpus, **sections)))
+    return path
+
+
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (run_dir / METRICS).read_text().splitlines() if line]
 
@@ -274,8 +280,7 @@ def test_resume_without_checkpoint_is_clear_error(tmp_path: Path, corpus: Path, 
     out = tmp_path / "never_ran"
     with pytest.raises(FileNotFoundError, match=str(out / CHECKPOINT)):
         Trainer(make_config(out, corpus), resume=True)
-    config_file = tmp_path / "x.yaml"
-    config_file.write_text(yaml.safe_dump(raw_config(out, corpus)))
+    config_file = write_config_file(tmp_path / "x.yaml", out, corpus)
     assert main(["--config", str(config_file), "--resume"]) == 2
     assert "no checkpoint" in capsys.readouterr().err
 
@@ -293,8 +298,7 @@ def test_resume_with_another_config_is_refused(tmp_path: Path, corpus: Path, cap
     with pytest.raises(ConfigError, match=r"routing\.router_bias \(False there, True here\)"):  # a new weight
         Trainer(make_config(out, corpus, routing={"router_bias": True}, train={"max_steps": 2}), resume=True)
     assert (out / CHECKPOINT).read_bytes() == saved
-    config_file = tmp_path / "x.yaml"
-    config_file.write_text(yaml.safe_dump(raw_config(out, corpus, train={"max_steps": 1})))
+    config_file = write_config_file(tmp_path / "x.yaml", out, corpus, train={"max_steps": 1})
     assert main(["--config", str(config_file), "--resume", "--train.max_steps=2", "--train.eval_interval=1"]) == 0
     err = capsys.readouterr().err
     assert "note: --resume changes train.max_steps (1 there, 2 here)" in err
@@ -313,8 +317,7 @@ def test_interrupt_exits_130_saying_where_to_resume(tmp_path: Path, corpus: Path
 
     monkeypatch.setattr(Trainer, "launch_step", interrupted_at_step_4)
     out = tmp_path / "run"
-    config_file = tmp_path / "x.yaml"
-    config_file.write_text(yaml.safe_dump(raw_config(out, corpus, train={"checkpoint_interval": 2})))
+    config_file = write_config_file(tmp_path / "x.yaml", out, corpus, train={"checkpoint_interval": 2})
     assert main(["--config", str(config_file)]) == 130
     err = capsys.readouterr().err
     assert f"interrupted at step 3; {out / CHECKPOINT} holds step 2: continue with --resume" in err
@@ -323,7 +326,7 @@ def test_interrupt_exits_130_saying_where_to_resume(tmp_path: Path, corpus: Path
     assert max(train_losses(out)) == 3  # the step in flight was reported
     assert (out / "loss_vs_flops.png").is_file()
     first = tmp_path / "early"
-    config_file.write_text(yaml.safe_dump(raw_config(first, corpus, train={"checkpoint_interval": 10})))
+    write_config_file(config_file, first, corpus, train={"checkpoint_interval": 10})
     assert main(["--config", str(config_file)]) == 130
     assert f"before the run's first checkpoint: nothing to resume; remove {first}" in capsys.readouterr().err
 
@@ -340,8 +343,7 @@ def test_interrupt_while_the_trainer_is_built_exits_130_and_the_command_runs_aga
 
     monkeypatch.setattr(Trainer, "_prepare_run_folder", interrupted_after_preparing)
     out = tmp_path / "run"
-    config_file = tmp_path / "x.yaml"
-    config_file.write_text(yaml.safe_dump(raw_config(out, corpus, train={"max_steps": 1})))
+    config_file = write_config_file(tmp_path / "x.yaml", out, corpus, train={"max_steps": 1})
     assert main(["--config", str(config_file)]) == 130
     err = capsys.readouterr().err
     assert "interrupted before training started: nothing to resume; run the command again" in err
@@ -354,8 +356,7 @@ def test_interrupt_while_the_trainer_is_built_exits_130_and_the_command_runs_aga
 def test_cuda_device_without_one_and_file_permissions(tmp_path: Path, corpus: Path, capsys) -> None:
     """train.device=cuda on a machine without CUDA is an error naming the field; the run folder's
     files get the permissions open() gives (the temporary files they are renamed from are 0600)."""
-    config_file = tmp_path / "x.yaml"
-    config_file.write_text(yaml.safe_dump(raw_config(tmp_path / "run", corpus, train={"max_steps": 1})))
+    config_file = write_config_file(tmp_path / "x.yaml", tmp_path / "run", corpus, train={"max_steps": 1})
     if not torch.cuda.is_available():
         assert main(["--config", str(config_file), "--train.device=cuda"]) == 2
         assert "train.device is 'cuda' but no CUDA device is available" in capsys.readouterr().err
@@ -492,8 +493,7 @@ def test_gradient_accumulation_equals_one_large_batch(tmp_path: Path, corpus: Pa
 
 # ----------------------------------------------------------------------------- command line
 def _cli_config(tmp_path: Path, corpus: Path) -> Path:
-    path = tmp_path / "tiny.yaml"
-    path.write_text(yaml.safe_dump(raw_config(tmp_path / "unused", corpus)))
+    path = write_config_file(tmp_path / "tiny.yaml", tmp_path / "unused", corpus)
     return path
 
 
@@ -1004,8 +1004,7 @@ def test_ctrl_c_while_a_checkpoint_is_written_finishes_it_then_stops(tmp_path: P
 
     monkeypatch.setattr(train_module, "atomic_torch_save", interrupted_save)
     out = tmp_path / "run"
-    config_file = tmp_path / "x.yaml"
-    config_file.write_text(yaml.safe_dump(raw_config(out, corpus, train={"checkpoint_interval": 2})))
+    config_file = write_config_file(tmp_path / "x.yaml", out, corpus, train={"checkpoint_interval": 2})
     assert main(["--config", str(config_file)]) == 130
     err = capsys.readouterr().err
     assert f"{out / CHECKPOINT} holds step 2" in err and "Traceback" not in err, err
