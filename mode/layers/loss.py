@@ -22,6 +22,20 @@ def _chunk_size(num_tokens: int, vocab: int) -> int:
     return max(1, min(num_tokens, CHUNK_ELEMENTS // vocab))
 
 
+def _minus_one_hot(probs: Tensor, targets: Tensor) -> Tensor:
+    """probs (n, V) - one_hot(targets (n, 1)): the summed cross-entropy's gradient of the logits.
+
+    Eager, a scatter_add of -1 into probs' own memory. Under torch.compile a select instead (the
+    same p - 1, bit for bit): Inductor fuses it into the cast that follows, where the scatter_add
+    became an atomic add fused into a reduction over the tokens, a kernel that torch 2.11's Triton
+    failed to compile on an H100 when causal routing's BCE terms joined that reduction.
+    """
+    if torch.compiler.is_compiling():
+        hit = torch.arange(probs.shape[1], device=probs.device) == targets  # (n, V) by broadcasting
+        return torch.where(hit, probs - 1.0, probs)
+    return probs.scatter_add_(1, targets, probs.new_full(targets.shape, -1.0))
+
+
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor) -> Tensor:  # type: ignore[override]
@@ -53,7 +67,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             else:
                 probs = torch.softmax(logits, dim=-1, dtype=acc)  # (n_chunk, V)
                 total -= probs.gather(1, t).clamp_min(tiny).log().sum()
-                grad_logits = probs.scatter_add_(1, t, probs.new_full(t.shape, -1.0)).to(hidden.dtype)  # p - one_hot
+                grad_logits = _minus_one_hot(probs, t).to(hidden.dtype)
             grad_hidden[start : start + step] = grad_logits @ weight
             grad_weight += grad_logits.t() @ h
         grad_hidden.div_(n)

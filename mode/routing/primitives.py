@@ -115,12 +115,14 @@ def _flat_indices(indices: Tensor, tokens_per_group: int) -> Tensor:
 # Rows are moved with index_select one way and scatter_add the other, in both directions of
 # autograd: index_select's own backward (and index_add) accumulate through a slower atomic
 # kernel (on an H200, 16k rows of 1024 bf16: index_add 169 us, scatter_add 105 us;
-# bench/row_ops.py). In eager mode two small autograd functions do it. Under torch.compile
-# the same pair is traced as plain ops instead (gather with the ids broadcast along the row,
-# whose derivative is scatter_add, and scatter_add, whose derivative is gather): torch 2.11
-# compiles the backward of these autograd functions wrongly, on CPU and CUDA (gradients off
-# by up to 8e-2 against eager; torch 2.13 is right; caught by tests/test_model.py on the GPU
-# machine), and index_select / index_add traced there fall back to the slow atomic kernel.
+# bench/row_ops.py). In eager mode small autograd functions do it, some in place. Under
+# torch.compile, torch 2.11 compiles the backward of those in-place functions wrongly, on CPU
+# and CUDA (gradients off by up to 8e-2 against eager; torch 2.13 is right; caught by
+# tests/test_model.py on the GPU machine), so there the rows move by plain ops: gather with the
+# ids broadcast along the row (its derivative scatter_add) and scatter_add (its derivative
+# gather); a depth router's split and update by the functional _SplitRowsTraced and index_put,
+# which Inductor turns into in-place adds. index_select / index_add traced under torch.compile
+# fall back to the slow atomic kernel.
 # "scatter_add" or "index_add": the kernel that adds rows back (bench/moe_layer.py --row-add compares them).
 ROW_ADD = "scatter_add"
 
@@ -187,6 +189,28 @@ class _SplitRows(torch.autograd.Function):
         return _add_rows_to_gradient(grad_x, flat, grad_rows, ctx.grad_in_place), None, None
 
 
+class _SplitRowsTraced(torch.autograd.Function):
+    """_SplitRows under torch.compile: x (N, D) -> (the rows x[flat] (M, D), x). Functional ops
+    only (the in-place functions here are compiled wrongly by torch 2.11, see ROW_ADD's comment).
+
+    The backward adds the rows' gradient into x's with index_put(accumulate), which Inductor does
+    in place on the incoming gradient; traced as plain ops, autograd instead summed x's gradient
+    with a zero-filled (N, D) one holding the rows'. On an H100 the compiled MoD step of
+    bench/mod_step.py (6 routed blocks) went from 33.98 / 34.22 to 33.38 / 33.70 ms with this and
+    scatter_add_tokens' index_put (alternating runs; bench/RESULTS.md).
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, flat: Tensor) -> tuple[Tensor, Tensor]:
+        ctx.save_for_backward(flat)
+        return x.index_select(0, flat), x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad_rows: Tensor, grad_x: Tensor) -> tuple[Tensor, None]:
+        (flat,) = ctx.saved_tensors
+        return grad_x.index_put((flat,), grad_rows.to(grad_x.dtype), accumulate=True), None
+
+
 def _add_rows_to_gradient(grad_x: Tensor, flat: Tensor, grad_rows: Tensor, in_place: bool) -> Tensor:
     """x's gradient (G, T, D) with the chosen rows' gradient (M, D) added at flat: into grad_x itself
     where the caller owns it (in_place, contiguous), else into a copy (an incoming gradient may be
@@ -239,8 +263,10 @@ def split_tokens(x: Tensor, indices: Tensor, grad_in_place: bool = False) -> tup
     gradient is added into it without the copy (on an H100, 46 us of a routed block's backward
     at B=8, S=2048, D=1024, float32). Eager mode; under torch.compile plain ops.
     """
-    if torch.compiler.is_compiling():  # plain ops (see ROW_ADD's comment); the compiler fuses the sum
-        return gather_tokens(x, indices), x
+    if torch.compiler.is_compiling():
+        groups, tokens, width = x.shape
+        rows, residual = _SplitRowsTraced.apply(x.reshape(groups * tokens, width), _flat_indices(indices, tokens))
+        return rows.view(*indices.shape, width), residual.view(groups, tokens, width)  # (G, ..., k, D), (G, T, D)
     rows, residual = _SplitRows.apply(x, _flat_indices(indices, x.shape[1]), grad_in_place)
     return rows.view(*indices.shape, x.shape[-1]), residual  # (G, ..., k, D), (G, T, D)
 
@@ -267,9 +293,11 @@ def scatter_add_tokens(x: Tensor, indices: Tensor, updates: Tensor, in_place: bo
     groups, tokens, width = x.shape
     flat = _flat_indices(indices, tokens)
     updates = updates.reshape(-1, width).to(x.dtype)  # (M, D)
-    if torch.compiler.is_compiling():  # plain ops (see ROW_ADD's comment)
+    if torch.compiler.is_compiling():
+        # index_put, not scatter_add: Inductor reinplaces it into x where nothing reads x later
+        # (LanguageModel's residual stream), so no copy of the (G, T, D) residual is made.
         rows = x.reshape(groups * tokens, width)
-        return rows.scatter_add(0, flat.unsqueeze(1).expand_as(updates), updates).view(groups, tokens, width)
+        return rows.index_put((flat,), updates, accumulate=True).view(groups, tokens, width)
     if in_place and x.is_contiguous():
         return _AddRowsInPlace.apply(x, flat, updates)
     return _ScatterAddRows.apply(x.reshape(groups * tokens, width), flat, updates).view(groups, tokens, width)
