@@ -485,10 +485,14 @@ def average_summaries(summaries: list[dict[str, dict[str, Any]]], sum_counts: bo
             else:
                 out[layer][key] = round(sum(values) / divisor, 5)
         if "gate_std" in out[layer]:
-            # Every micro-batch has as many gates: the spread of all of them pools through the
-            # second moment, as over processes (pool_summaries), not as a mean of the spreads.
-            second = sum(s[layer]["gate_std"] ** 2 + s[layer]["gate_mean"] ** 2 for s in summaries) / len(summaries)
-            out[layer]["gate_std"] = round(math.sqrt(max(0.0, second - out[layer]["gate_mean"] ** 2)), 5)
+            # Every micro-batch has as many gates: the spread of all of them pools, as over
+            # processes (pool_summaries), not as a mean of the spreads. Each micro-batch's variance
+            # plus its mean's distance from the unrounded overall mean: E[g^2] - mean^2 with the
+            # rounded mean lost spreads below about 3e-3 to the rounding (gates near 0.5).
+            means = [s[layer]["gate_mean"] for s in summaries]
+            mean = sum(means) / len(means)
+            variance = sum(s[layer]["gate_std"] ** 2 + (m - mean) ** 2 for s, m in zip(summaries, means)) / len(means)
+            out[layer]["gate_std"] = round(math.sqrt(variance), 5)
     return out
 
 

@@ -812,6 +812,21 @@ def test_average_summaries_pools_the_spread_of_every_micro_batch(sum_counts: boo
     assert stats["tokens_per_expert"] == ([1.0, 4.0] if sum_counts else [0.5, 2.0])
 
 
+@pytest.mark.parametrize("batches", [1, 3])
+def test_average_summaries_keeps_a_small_spread(batches: int) -> None:
+    """Gates near 0.5 with a spread of 1e-3 (sigmoid gates early in training, expert choice's
+    softmax gates): the pooled spread is the spread, not the rounding of the mean (read 0.0 or
+    several times too large when the rounded mean entered E[g^2] - mean^2)."""
+    from mode.train import average_summaries
+
+    generator = torch.Generator().manual_seed(3)
+    gates = [0.5 + 1e-4 * i + 1e-3 * torch.randn(64, generator=generator, dtype=torch.float64) for i in range(batches)]
+    summaries = [{"layer1": {"gate_mean": float(g.mean()), "gate_std": float(g.std(correction=0))}} for g in gates]
+    spread = float(torch.cat(gates).std(correction=0))
+    assert 5e-4 < spread < 2e-3
+    assert average_summaries(summaries)["layer1"]["gate_std"] == pytest.approx(spread, rel=2e-2)
+
+
 @pytest.mark.parametrize("seq_len", [12, 20, 40, 256])
 def test_position_share_reads_a_uniform_router_as_uniform_whatever_the_sequence_length(seq_len: int) -> None:
     """Buckets hold unequal numbers of positions where 16 does not divide seq_len (and sequences
