@@ -7,12 +7,12 @@ parameters and forward FLOPs per token, tokens per optimizer step (over every pr
 of equal global batch read equal whatever their process count), training FLOPs so far, the
 last train loss, the last and best validation losses, and the validation loss at the largest
 FLOP budget every run reached (isoFLOP, interpolated between evaluations), the median
-tokens/s, and its routed layers' averages at the last evaluation (share processed, share sent
-to no-op experts, share dropped). Runs are compared at equal training compute, as the
-Mixture-of-Depths paper does.
+tokens/s, and its routed layers' averages at the last evaluation, each a share of all tokens
+(routing_means): through the depth-routed blocks, to real experts, to no-op experts, dropped.
+Runs are compared at equal training compute, as the Mixture-of-Depths paper does.
 
-Runs that differ in `train.seed` and agree in every other differing field are one setting
-trained from several seeds: a second table gives each setting's mean and sample standard
+Runs that differ in `train.seed` and agree in every other differing field and in their process
+count (which sets the global batch) are one setting trained from several seeds: a second table gives each setting's mean and sample standard
 deviation over its seeds (the last, best and isoFLOP validation losses, the last train loss).
 
 Prints the table (Markdown). With --out it also writes report.md, report.json and
@@ -128,15 +128,24 @@ def parameter_count(config: Config) -> int:
 
 
 def routing_means(record: dict[str, Any] | None) -> dict[str, float]:
-    """Averages over the routed layers of one metrics line: processed, noop_fraction, dropped_fraction
-    (each where some layer reports it)."""
+    """One metrics line's routed layers, averaged, every share over all tokens (where some layer
+    reports it): depth_processed, the depth routers' share through their blocks; expert_processed,
+    noop_fraction and dropped_fraction, the expert routers'. A Staged MoDE FFN reports its shares
+    over the tokens its depth router chose (layerN.ffn under layerN): here they are scaled by that
+    router's share, so Staged and Integrated MoDE read alike (Staged's 0.43 of a quarter of the
+    tokens is 0.11 of them, as Integrated's would be)."""
     layers = (record or {}).get("routing") or {}
-    means = {}
-    for key in ("processed", "noop_fraction", "dropped_fraction"):
-        values = [stats[key] for stats in layers.values() if key in stats]
-        if values:
-            means[key] = statistics.fmean(values)
-    return means
+    depth = {name: stats for name, stats in layers.items() if not name.endswith(".ffn")}
+    columns: dict[str, list[float]] = {"depth_processed": [s["processed"] for s in depth.values() if "processed" in s]}
+    for name, stats in layers.items():
+        if not name.endswith(".ffn"):
+            continue
+        share = depth.get(name.removesuffix(".ffn"), {}).get("processed", 1.0)  # 1: its block takes every token
+        for key, column in (("processed", "expert_processed"), ("noop_fraction", "noop_fraction"),
+                            ("dropped_fraction", "dropped_fraction")):
+            if key in stats:
+                columns.setdefault(column, []).append(share * stats[key])
+    return {column: statistics.fmean(values) for column, values in columns.items() if values}
 
 
 def summarize(run: Run, budget: float | None) -> dict[str, Any]:
@@ -181,7 +190,7 @@ def markdown_table(runs: list[Run], rows: list[dict[str, Any]], fields: list[str
     """The report: the differing fields, then one line a run."""
     header = ["run", *fields, "params", "fwd FLOPs/token", "steps", "tokens/step", "processes", "train FLOPs", "train loss",
               "val loss", "best val", "val @ common FLOPs" if budget is None else f"val @ {_number(budget)} FLOPs",
-              "tokens/s", "processed", "no-op", "dropped"]
+              "tokens/s", "through blocks", "to experts", "no-op", "dropped"]
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for run, row in zip(runs, rows):
         flat = flat_fields(run.config.to_dict())
@@ -191,7 +200,8 @@ def markdown_table(runs: list[Run], rows: list[dict[str, Any]], fields: list[str
                  _number(row["processes"]), _number(row["train_flops"]),
                  _number(row["train_loss"]), _number(row["val_loss"]), _number(row["best_val_loss"]),
                  _number(row["val_loss_at_budget"]), _number(row["tokens_per_s"], 0),
-                 _number(routing.get("processed"), 3), _number(routing.get("noop_fraction"), 3),
+                 _number(routing.get("depth_processed"), 3), _number(routing.get("expert_processed"), 3),
+                 _number(routing.get("noop_fraction"), 3),
                  _number(routing.get("dropped_fraction"), 3)]
         lines.append("| " + " | ".join(cells) + " |")
     if not fields and len(runs) > 1:
@@ -201,7 +211,7 @@ def markdown_table(runs: list[Run], rows: list[dict[str, Any]], fields: list[str
 
 def seed_groups(runs: list[Run], rows: list[dict[str, Any]], fields: list[str]) -> list[dict[str, Any]]:
     """Runs of one setting from several seeds: runs grouped by their values of every differing field
-    but train.seed, in first-seen order; each group's setting, seeds and runs, and per SEED_COLUMNS
+    but train.seed, and by their process count, in first-seen order; each group's setting, seeds and runs, and per SEED_COLUMNS
     key the mean and sample standard deviation over the runs that have a value. Empty when the seed
     does not differ or no setting has more than one run."""
     if SEED_FIELD not in fields:
@@ -212,8 +222,10 @@ def seed_groups(runs: list[Run], rows: list[dict[str, Any]], fields: list[str]) 
     for run, row in zip(runs, rows):
         flat = flat_fields(run.config.to_dict())
         setting = {f: flat.get(f) for f in setting_fields}
-        key = json.dumps(setting)
-        group = groups.setdefault(key, {"setting": setting, "seeds": [], "runs": [], "repeats": []})
+        # The process count is no config field, yet it multiplies the global batch: another setting.
+        key = json.dumps([setting, row["processes"]])
+        group = groups.setdefault(key, {"setting": setting, "processes": row["processes"], "seeds": [], "runs": [],
+                                        "repeats": []})
         seed = flat.get(SEED_FIELD)
         if seed in group["seeds"]:  # the same seed run another way (compiled, graphed): one sample, not two
             group["repeats"].append(row["run"])
@@ -244,10 +256,13 @@ def _mean_and_spread(values: list[float]) -> dict[str, Any]:
 def seed_table(groups: list[dict[str, Any]], fields: list[str]) -> str:
     """The settings' means and sample standard deviations over their seeds."""
     setting_fields = _setting_fields(fields)
-    header = ["setting", *setting_fields, "seeds", *(name for _, name in SEED_COLUMNS)]
+    by_processes = len({group["processes"] for group in groups}) > 1  # a column only where it tells settings apart
+    header = ["setting", *setting_fields, *(["processes"] if by_processes else []), "seeds",
+              *(name for _, name in SEED_COLUMNS)]
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for i, group in enumerate(groups, start=1):
-        cells = [str(i), *(_value(group["setting"][f]) for f in setting_fields), ", ".join(map(str, group["seeds"]))]
+        cells = [str(i), *(_value(group["setting"][f]) for f in setting_fields),
+                 *([_number(group["processes"])] if by_processes else []), ", ".join(map(str, group["seeds"]))]
         for column, _ in SEED_COLUMNS:
             cells.append(_mean_cell(group[column], len(group["seeds"])))
         lines.append("| " + " | ".join(cells) + " |")

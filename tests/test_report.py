@@ -9,7 +9,7 @@ import pytest
 
 from mode.config import config_from_dict, load_config, save_config
 from mode.model import LanguageModel
-from mode.report import ReportError, differing_fields, load_run, main, report, val_loss_at
+from mode.report import ReportError, differing_fields, load_run, main, report, routing_means, val_loss_at
 from mode.train import METRICS, Trainer
 
 
@@ -51,7 +51,7 @@ def test_report_of_two_runs(tmp_path: Path, corpus: Path) -> None:
         assert row["tokens_per_step"] == 2 * 32  # batch 2 x seq 32, one process
         assert row["processes"] == 1
         assert row["parameters"] == LanguageModel(load_run(Path(row["path"])).config).num_parameters()
-        assert 0 < row["routing"]["processed"] < 1
+        assert row["routing"]["depth_processed"] == pytest.approx(float(row["run"][3:]) / 100, abs=0.02)  # cap25, cap50
     at_budget = {row["run"]: row["val_loss_at_budget"] for row in summary["runs"]}
     assert at_budget["cap25"] == evals["cap25"][-1]["val_loss"]  # its last evaluation is the budget
     e0, e1 = evals["cap50"]  # the other run's two evaluations bracket the budget
@@ -187,3 +187,30 @@ def test_a_seed_run_twice_counts_once_in_the_seed_table(tmp_path: Path) -> None:
     lines = table.split("Over seeds")[1].strip().splitlines()
     assert lines[4].startswith("| 1 | 0, 1 | 3.2000 ± 0.2828 |"), lines
     assert "note: left out of the seed table, each a seed its setting already has" in table and "s0-compiled" in table
+
+
+def test_seeds_run_on_other_process_counts_are_other_settings(tmp_path: Path) -> None:
+    """The process count multiplies the global batch but is no config field: seeds of one config on
+    1 and on 2 processes are two settings, with a processes column, never averaged together."""
+    def train_line(processes: int) -> str:
+        return json.dumps({"step": 2, "flops": 2.0, "loss": 4.0, "tokens": 128 * processes, "processes": processes})
+
+    runs = [_run_folder(tmp_path / f"p{p}-s{seed}", [train_line(p), _eval(2, 2.0, 3.0 + seed + p)], train__seed=seed)
+            for p in (1, 2) for seed in (0, 1)]
+    lines = report(runs).split("Over seeds")[1].strip().splitlines()
+    assert lines[2].startswith("| setting | processes | seeds | val loss |"), lines
+    assert lines[4].startswith("| 1 | 1 | 0, 1 | 4.5000 ± 0.7071 |"), lines
+    assert lines[5].startswith("| 2 | 2 | 0, 1 | 5.5000 ± 0.7071 |"), lines
+
+
+def test_routing_columns_are_shares_of_all_tokens_for_every_kind() -> None:
+    """Depth routers and expert routers report apart; a Staged MoDE FFN's shares (over the tokens its
+    depth router chose) are scaled to all tokens, so it reads like Integrated MoDE's."""
+    staged = {"routing": {"layer1": {"processed": 0.25}, "layer1.ffn": {"processed": 0.4, "noop_fraction": 0.6},
+                          "layer3": {"processed": 0.25}, "layer3.ffn": {"processed": 0.5, "noop_fraction": 0.5}}}
+    assert routing_means(staged) == pytest.approx(
+        {"depth_processed": 0.25, "expert_processed": 0.1125, "noop_fraction": 0.1375})
+    integrated = {"routing": {"layer1.ffn": {"processed": 0.4, "noop_fraction": 0.6, "dropped_fraction": 0.0}}}
+    assert routing_means(integrated) == {"expert_processed": 0.4, "noop_fraction": 0.6, "dropped_fraction": 0.0}
+    assert routing_means({"routing": {"layer1": {"processed": 0.125}}}) == {"depth_processed": 0.125}
+    assert routing_means(None) == {}
