@@ -6,7 +6,9 @@ The checkpoint's weights and config, the validation batches training evaluates o
 seeded draws, `--batches` of them instead of train.eval_batches), the same routing statistics,
 and under causal routing the loss with the causal decision as well. A multi-process run's
 checkpoint (its weights gathered) is evaluated in one process on its global batch
-(train.batch_size x its processes): the sequences its processes evaluated together. Prints the
+(train.batch_size x its processes): the sequences its processes evaluated together, each
+process's rows routed apart as they were (token choice's capacity is per process), the
+statistics pooled as over processes. Prints the
 result as JSON; --out also writes it there (whole: temporary file, then rename). Nothing in the
 run folder is read but its checkpoint, nor written. --data-path points a text or token-file
 run at its data where it has moved (the split is by file, relative to the path: the same one).
@@ -38,6 +40,8 @@ def evaluate_checkpoint(path: Path, batches: int, device: str = "auto", data_pat
     model = model_from_payload(payload, str(path), pick_device(device, "--device"))
     config = model.config  # changed below in train and data fields only, which the model does not read
     if data_path is not None:
+        if not data_path:
+            raise ValueError("--data-path: empty; give the path of the run's text or token file")
         if config.data.source == "stdlib":
             raise ValueError("--data-path: this run read the standard library's sources (data.source: stdlib), no path")
         config.data.path = data_path
@@ -51,6 +55,7 @@ def evaluate_checkpoint(path: Path, batches: int, device: str = "auto", data_pat
     with tempfile.TemporaryDirectory(prefix="mode-evaluate-") as scratch:
         t.out_dir = scratch  # the Trainer's run folder: a throwaway one, never the run's own
         trainer = Trainer(config, model=model)
+        trainer.eval_splits = processes  # each process's rows routed apart, as they were (token choice's capacity)
         # The generators as saved, which is how the run's own evaluation at that step found them (evaluation
         # leaves them as it found them): routing.random draws the same.
         restore_rng(payload, trainer.device)
@@ -78,15 +83,28 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is not None and args.out.is_dir():
         parser.error(f"--out {args.out}: is a folder; give a file name")
     try:
+        if args.out is not None:  # before the evaluation, not after it: a folder that cannot be made
+            _make_folder_of(args.out)
         result = evaluate_checkpoint(args.run, args.batches, args.device, args.data_path)
+        text = json.dumps(result, indent=2)
+        print(text)
+        if args.out is not None:
+            atomic_write_text(args.out, text + "\n")
     except (ConfigError, DataError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out is not None:
-        atomic_write_text(args.out, text + "\n")
+    except OSError as e:
+        print(f"error: --out {args.out}: {e.strerror or e}", file=sys.stderr)
+        return 2
     return 0
+
+
+def _make_folder_of(out: Path) -> None:
+    """out's folder, made where missing; an OSError naming --out where it cannot be (under a file)."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--out {out}: cannot make its folder {out.parent}: {e.strerror or e}") from e
 
 
 if __name__ == "__main__":

@@ -307,10 +307,13 @@ def write_report(out: Path, table: str, rows: list[dict[str, Any]], fields: list
                  groups: list[dict[str, Any]], png: bytes) -> None:
     if out.exists() and not out.is_dir():
         raise ReportError(f"--out {out}: exists and is not a folder")
-    atomic_write_text(out / "report.md", table + "\n")
     summary = {"differing_fields": fields, "common_flops_budget": budget, "runs": rows, "seed_groups": groups}
-    atomic_write_text(out / "report.json", json.dumps(summary, indent=2) + "\n")
-    atomic_write_bytes(out / "val_loss_vs_flops.png", png)
+    try:
+        atomic_write_text(out / "report.md", table + "\n")
+        atomic_write_text(out / "report.json", json.dumps(summary, indent=2) + "\n")
+        atomic_write_bytes(out / "val_loss_vs_flops.png", png)
+    except OSError as e:  # a folder under a file, or one not writable
+        raise ReportError(f"--out {out}: cannot write there: {e.strerror or e}") from e
 
 
 def report(paths: list[Path], out: Path | None = None) -> str:
@@ -352,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     except ReportError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+
     if args.out is not None:
         print(f"written: {args.out}/report.md, report.json, val_loss_vs_flops.png")
     return 0

@@ -353,6 +353,20 @@ def pool_summaries(summaries: list[dict[str, dict[str, Any]]], mean_over_ranks: 
     sum, and the spread through the second moment (std^2 + mean^2). Collective: every rank
     calls it, with summaries of the same layout; one all-reduce for all of them.
     """
+    return _unpooled(summaries, mean_over_ranks(_pooling_values(summaries)), world_size)
+
+
+def pool_as_ranks(shares: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """One micro-batch's statistics from those of its row blocks, each one process's share computed
+    here in turn (mode.evaluate of a multi-process run): pooled as pool_summaries pools ranks."""
+    if len(shares) == 1 or not shares[0]:
+        return shares[0]
+    columns = zip(*(_pooling_values([share]) for share in shares), strict=True)
+    return _unpooled([shares[0]], [sum(column) / len(shares) for column in columns], len(shares))[0]
+
+
+def _pooling_values(summaries: list[dict[str, dict[str, Any]]]) -> list[float]:
+    """The statistics as the values that average over ranks: gate_std as the second moment."""
     flat: list[float] = []
     for summary in summaries:
         for stats in summary.values():
@@ -360,7 +374,13 @@ def pool_summaries(summaries: list[dict[str, dict[str, Any]]], mean_over_ranks: 
                 if name == "gate_std":
                     value = value**2 + stats["gate_mean"] ** 2
                 flat.extend(value if isinstance(value, list) else [value])
-    pooled = iter(mean_over_ranks(flat))
+    return flat
+
+
+def _unpooled(summaries: list[dict[str, dict[str, Any]]], pooled_values: list[float], world_size: int
+              ) -> list[dict[str, dict[str, Any]]]:
+    """The layout of summaries filled with pooled_values (their _pooling_values averaged over ranks)."""
+    pooled = iter(pooled_values)
     out = []
     for summary in summaries:
         out.append({})
@@ -590,6 +610,9 @@ class Trainer:
     ) -> None:
         self.config = config
         self.rank, self.world_size = rank, world_size
+        # Row blocks a validation batch is evaluated in, each pooled as a process's share: mode.evaluate
+        # of a multi-process run (token choice's capacity and dropping are per process's micro-batch).
+        self.eval_splits = 1
         self.is_main = rank == 0
         self.out_dir = Path(config.train.out_dir)
         self.device = pick_device(config.train.device)
@@ -840,16 +863,17 @@ class Trainer:
         seq_len = self.config.data.seq_len
         bins = position_bins(seq_len)
         for i in range(t.eval_batches):
-            # Validation batches are the same at every evaluation: seeded apart from training's.
-            x, y = self.micro_batch(self.data.val, -1, i)
-            self._new_step()
-            with self.autocast():
-                out = self.forward(x, y)
-            micro_losses, summary = read_output(out, ("lm_loss",))
-            total += micro_losses["lm_loss"]
-            summaries.append(summary)
-            for name, positions in chosen_positions(out, seq_len):
-                histograms[name] = histograms.get(name, 0) + position_histogram(positions, seq_len, bins)
+            shares = []
+            for x, y in self._validation_blocks(i):
+                self._new_step()
+                with self.autocast():
+                    out = self.forward(x, y)
+                micro_losses, summary = read_output(out, ("lm_loss",))
+                total += micro_losses["lm_loss"] / self.eval_splits
+                shares.append(summary)
+                for name, positions in chosen_positions(out, seq_len):
+                    histograms[name] = histograms.get(name, 0) + position_histogram(positions, seq_len, bins)
+            summaries.append(pool_as_ranks(shares))
         routing = average_summaries(self.pool_over_ranks(summaries)) if summaries[0] else {}
         for name, hist in histograms.items():
             hist = torch.tensor(self.mean_of_lists([hist.tolist()])[0])  # every rank's positions
@@ -859,25 +883,36 @@ class Trainer:
             losses["val_loss_causal"] = self._causal_val_loss(routing)
         return {**self.mean_over_ranks(losses), "routing": routing}
 
+    def _validation_blocks(self, batch: int) -> Iterator[tuple[Tensor, Tensor]]:
+        """Validation batch `batch` (the same at every evaluation: seeded apart from training's), in
+        eval_splits row blocks of equal size."""
+        x, y = self.micro_batch(self.data.val, -1, batch)
+        return zip(x.chunk(self.eval_splits), y.chunk(self.eval_splits), strict=True)
+
     def _causal_val_loss(self, routing: dict[str, dict[str, Any]]) -> float:
         """The same validation batches routed by the causal decision (as sampling routes them).
 
         Adds each routed layer's share of tokens actually processed under causal routing
-        ("causal_processed"). Runs the uncompiled model: causal routing has data-dependent shapes.
+        ("causal_processed"), pooled over the batches: a Staged MoDE FFN's share is of the tokens
+        its depth router chose, whose number varies from batch to batch, so each batch weighs by
+        it. Runs the uncompiled model: causal routing has data-dependent shapes.
         """
         t = self.config.train
-        total, processed = 0.0, {}
+        total, processed, weights = 0.0, {}, {}
         for i in range(t.eval_batches):
-            x, y = self.micro_batch(self.data.val, -1, i)
-            with self.autocast():
-                out = self.model(x, y, routing_mode="causal")
-            total += float(out.lm_loss)
-            for name, r in routed_layers(out):
-                if "processed" in r.stats:
-                    processed[name] = processed.get(name, 0.0) + float(r.stats["processed"]) / t.eval_batches
+            for x, y in self._validation_blocks(i):
+                with self.autocast():
+                    out = self.model(x, y, routing_mode="causal")
+                total += float(out.lm_loss) / self.eval_splits
+                shares = {name: float(r.stats["processed"]) for name, r in routed_layers(out) if "processed" in r.stats}
+                for name, share in shares.items():
+                    weight = shares.get(name.removesuffix(".ffn"), 1.0) if name.endswith(".ffn") else 1.0
+                    processed[name] = processed.get(name, 0.0) + share * weight
+                    weights[name] = weights.get(name, 0.0) + weight
         names = [name for name in processed if name in routing]
-        for name, value in zip(names, self.mean_of_lists([[processed[n] for n in names]])[0]):
-            routing[name]["causal_processed"] = round(value, 5)
+        pooled = self.mean_of_lists([[processed[n] for n in names], [weights[n] for n in names]])
+        for name, value, weight in zip(names, *pooled):
+            routing[name]["causal_processed"] = round(value / weight, 5) if weight > 0 else 0.0
         return total / t.eval_batches
 
     # -- the loop

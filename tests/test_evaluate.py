@@ -5,17 +5,19 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from mode.config import config_from_dict
 from mode.evaluate import evaluate_checkpoint, main
 from mode.train import METRICS, Trainer
 
 
-def _train(out_dir: Path, corpus: Path | str, **routing: object) -> None:
+def _train(out_dir: Path, corpus: Path | str, moe: dict | None = None, **routing: object) -> None:
     raw = {
         "model": {"d_model": 32, "n_heads": 2, "n_layers": 2, "d_ff": 64, "max_seq_len": 32,
-                  "block_pattern": ["dense", "mod"]},
+                  "block_pattern": ["dense", "mod"] if moe is None else ["dense", "moe"]},
         "routing": {"capacity": 0.25, **routing},
+        "moe": moe or {},
         "data": {"source": "text", "path": str(corpus), "seq_len": 32},
         "train": {"batch_size": 2, "max_steps": 4, "warmup_steps": 1, "log_interval": 1, "eval_interval": 4,
                   "eval_batches": 3, "checkpoint_interval": 4, "out_dir": str(out_dir), "progress": False,
@@ -99,3 +101,78 @@ def test_a_run_compiled_with_cuda_graphs_evaluates_eager(tmp_path: Path, corpus:
     result = evaluate_checkpoint(run, 3, "cpu")
     last = [json.loads(line) for line in (run / METRICS).read_text().splitlines() if "val_loss" in line][-1]
     assert result["val_loss"] == last["val_loss"]
+
+
+def test_a_multi_process_token_choice_run_routes_each_process_rows_apart(tmp_path: Path, corpus: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Token choice's capacity and dropping are per process's micro-batch: evaluated in one process, a
+    2-process run's global batch is routed as two blocks of rows, and the statistics pool as over
+    processes (counts summed, shares averaged). Reference: each rank's evaluation on its own rows."""
+    import mode.evaluate as evaluate
+
+    run = tmp_path / "run"
+    _train(run, corpus, moe={"n_experts": 4, "scheme": "token_choice", "top_k": 2, "capacity_factor": 1.0})
+    monkeypatch.setattr(evaluate, "_processes", lambda payload: 2)
+    result = evaluate_checkpoint(run, 3, "cpu")
+    assert result["processes"] == 2 and result["tokens"] == 3 * 4 * 32
+    from mode.generate import model_from_payload
+    from mode.train import load_checkpoint_file
+
+    payload = load_checkpoint_file(run)
+    ranks = []
+    for rank in range(2):
+        model = model_from_payload(payload, str(run), torch.device("cpu"))
+        model.config.train.out_dir, model.config.train.eval_batches = str(tmp_path / f"rank{rank}"), 3
+        ranks.append(Trainer(model.config, model=model, rank=rank, world_size=2).evaluate())
+    assert result["val_loss"] == pytest.approx(sum(r["val_loss"] for r in ranks) / 2, abs=1e-6)
+    stats, rank_stats = result["routing"]["layer1.ffn"], [r["routing"]["layer1.ffn"] for r in ranks]
+    assert stats["dropped_fraction"] == pytest.approx(sum(r["dropped_fraction"] for r in rank_stats) / 2, abs=1e-5)
+    assert stats["tokens_per_expert"] == pytest.approx([a + b for a, b in zip(*(r["tokens_per_expert"] for r in rank_stats))],
+                                                       abs=1e-4)
+    assert stats["dropped_fraction"] > 0  # a capacity of exactly the balanced load: some rows dropped
+
+
+def test_evaluate_refuses_an_empty_data_path_and_an_out_under_a_file_before_evaluating(
+        tmp_path: Path, corpus: Path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+    run = tmp_path / "run"
+    _train(run, corpus)
+    capsys.readouterr()
+    assert main([str(run), "--data-path", ""]) == 2
+    assert capsys.readouterr().err.strip() == "error: --data-path: empty; give the path of the run's text or token file"
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    import mode.evaluate as evaluate
+
+    monkeypatch.setattr(evaluate, "evaluate_checkpoint", lambda *a: pytest.fail("evaluated before checking --out"))
+    assert main([str(run), "--out", str(blocker / "eval.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --out {blocker / 'eval.json'}: cannot make its folder") and len(err.splitlines()) == 1
+
+
+def test_causal_share_of_a_staged_ffn_pools_over_batches(tmp_path: Path, corpus: Path) -> None:
+    """Under causal routing a Staged MoDE FFN's share is of the tokens its depth router chose, whose
+    number varies by batch: causal_processed weighs each batch by it (a mean of the batches' shares
+    weighed a batch of few chosen tokens like one of many)."""
+    raw = {
+        "model": {"d_model": 32, "n_heads": 2, "n_layers": 2, "d_ff": 64, "max_seq_len": 32,
+                  "block_pattern": ["dense", "mode_staged"]},
+        "routing": {"capacity": 0.5, "causal": "aux_loss"},
+        "moe": {"n_experts": 2, "n_noop": 2, "scheme": "token_choice", "top_k": 1, "dropless": True},
+        "data": {"source": "text", "path": str(corpus), "seq_len": 32},
+        "train": {"batch_size": 2, "max_steps": 3, "warmup_steps": 1, "eval_interval": 3, "eval_batches": 4,
+                  "checkpoint_interval": 3, "out_dir": str(tmp_path / "run"), "progress": False, "device": "cpu"},
+    }
+    trainer = Trainer(config_from_dict(raw))
+    trainer.run()
+    routing = trainer.evaluate()["routing"]
+    depth, ffn = [], []
+    with torch.no_grad():
+        for i in range(4):
+            x, y = trainer.micro_batch(trainer.data.val, -1, i)
+            out = trainer.model(x, y, routing_mode="causal")
+            depth.append(float(out.routings[1].stats["processed"]))
+            ffn.append(float(out.ffn_routings[1].stats["processed"]))
+    assert len(set(depth)) > 1  # the causal decision chose other numbers of tokens in other batches
+    pooled = sum(f * d for f, d in zip(ffn, depth)) / sum(depth)
+    assert routing["layer1.ffn"]["causal_processed"] == pytest.approx(pooled, abs=1e-5)
+    assert routing["layer1"]["causal_processed"] == pytest.approx(sum(depth) / 4, abs=1e-5)

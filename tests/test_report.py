@@ -214,3 +214,13 @@ def test_routing_columns_are_shares_of_all_tokens_for_every_kind() -> None:
     assert routing_means(integrated) == {"expert_processed": 0.4, "noop_fraction": 0.6, "dropped_fraction": 0.0}
     assert routing_means({"routing": {"layer1": {"processed": 0.125}}}) == {"depth_processed": 0.125}
     assert routing_means(None) == {}
+
+
+def test_out_under_a_file_is_one_error_line(tmp_path: Path, capsys) -> None:
+    run = _run_folder(tmp_path / "a", [_eval(2, 2.0, 3.0)])
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    assert main([str(run), "--out", str(blocker / "report")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --out {blocker / 'report'}: cannot write there") and len(err.splitlines()) == 1
+    assert blocker.read_text() == "x"
