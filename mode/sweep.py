@@ -6,8 +6,11 @@
 Every point of the grid (the product of the --vary lists) is one training run, `python -m
 mode.train` in a process of its own, in `<out>/<field=value+...>`; overrides given without
 --vary apply to every run. Values are YAML, separated by commas outside brackets
-(`--vary model.block_pattern=[dense,mod],[dense,mode_integrated]`). Every point's config is
-checked before the first run starts, so a bad value fails at once, naming the field.
+(`--vary model.block_pattern=[dense],[dense,mod]`). Fields that must change together go in `--zip`
+lists of equal length, the i-th values of all of them making one value of the grid
+(`--zip model.block_pattern=[dense,mode_staged],[dense,mode_integrated] --zip moe.n_noop=0,4`).
+Every point's config is checked before the first run starts, so a bad value fails at once, naming
+the field.
 
 Runs go one after another, their output inline; `--gpus 0,1,2,3` runs one on each listed GPU at
 once (CUDA_VISIBLE_DEVICES), `--jobs N` N at once on CPU (sharing the cores: OMP_NUM_THREADS =
@@ -41,7 +44,7 @@ from typing import Any
 import torch
 import yaml
 
-from mode.config import Config, ConfigError, load_config
+from mode.config import Config, ConfigError, load_config, read_yaml_file
 from mode.report import ReportError, report
 from mode.train import CHECKPOINT, INTERRUPTED, METRICS, curve_differences, steps_within_budget
 
@@ -57,7 +60,7 @@ class Point:
 
 
 # ----------------------------------------------------------------------------- the grid
-def split_values(text: str) -> list[str]:
+def split_values(text: str, flag: str = "--vary") -> list[str]:
     """'0.1,0.2' -> ['0.1', '0.2']; commas inside [] or {} or quotes belong to one value
     ('[a,b],[c]', '"a,b",c'). Each value must be YAML."""
     values, depth, quote, current = [], 0, "", ""
@@ -76,21 +79,21 @@ def split_values(text: str) -> list[str]:
             current += char
     values.append(current)
     if depth != 0 or quote or any(not v.strip() for v in values):
-        raise SweepError(f"--vary: cannot read the values {text!r} (an empty value, or unbalanced brackets or quotes)")
+        raise SweepError(f"{flag}: cannot read the values {text!r} (an empty value, or unbalanced brackets or quotes)")
     for value in values:
         try:
             yaml.safe_load(value)
         except yaml.YAMLError as e:
-            raise SweepError(f"--vary: the value {value.strip()!r} is not YAML ({str(e).splitlines()[0]})") from None
+            raise SweepError(f"{flag}: the value {value.strip()!r} is not YAML ({str(e).splitlines()[0]})") from None
     return [v.strip() for v in values]
 
 
-def parse_vary(text: str) -> tuple[str, list[str]]:
-    """'routing.capacity=0.125,0.25' -> ('routing.capacity', ['0.125', '0.25'])."""
+def parse_vary(text: str, flag: str = "--vary") -> tuple[str, list[str]]:
+    """'routing.capacity=0.125,0.25' -> ('routing.capacity', ['0.125', '0.25']); errors name `flag`."""
     field, sep, values = text.partition("=")
     if not sep or "." not in field or field.startswith("-"):
-        raise SweepError(f"--vary {text!r}: expected section.field=value1,value2,...")
-    return field, split_values(values)
+        raise SweepError(f"{flag} {text!r}: expected section.field=value1,value2,...")
+    return field, split_values(values, flag)
 
 
 def _name_value(value: str) -> str:
@@ -100,22 +103,64 @@ def _name_value(value: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", compact).strip("-") or "empty"
 
 
-def grid(varied: list[tuple[str, list[str]]]) -> list[Point]:
-    """Every combination of the varied fields' values, the first field's slowest; each named by
-    its values (a field by its last name where that is unique: capacity=0.25+random=true)."""
-    fields = [field for field, _ in varied]
+def linked_axis(linked: list[tuple[str, list[str]]]) -> list[list[tuple[str, ...]]]:
+    """--zip fields: one axis of the grid whose i-th value is every field's i-th value (fields that
+    must change together, as block_pattern and moe.n_noop from staged to integrated MoDE)."""
+    if not linked:
+        return []
+    counts = {len(values) for _, values in linked}
+    if len(counts) > 1:
+        given = ", ".join(f"{field} {len(values)}" for field, values in linked)
+        raise SweepError(f"--zip: every field needs as many values, the i-th of each going together ({given})")
+    return [list(zip(*(values for _, values in linked)))]
+
+
+def grid(varied: list[tuple[str, list[str]]], linked: list[tuple[str, list[str]]] | None = None) -> list[Point]:
+    """Every combination of the varied fields' values, the first field's slowest, the linked (--zip)
+    fields' values taken together as one field before them; each point named by its values (a field
+    by its last name where that is unique: capacity=0.25+random=true)."""
+    linked = linked or []
+    fields = [field for field, _ in [*linked, *varied]]
     if len(set(fields)) != len(fields):
-        raise SweepError(f"--vary: a field is given twice ({', '.join(fields)})")
+        raise SweepError(f"--vary/--zip: a field is given twice ({', '.join(fields)})")
     last = [f.rsplit(".", 1)[-1] for f in fields]
     labels = [short if last.count(short) == 1 else full for short, full in zip(last, fields)]
+    axes = linked_axis(linked) + [[(v,) for v in values] for _, values in varied]
     points = []
-    for values in itertools.product(*(v for _, v in varied)):
+    for combination in itertools.product(*axes):
+        values = [value for together in combination for value in together]
         name = "+".join(f"{label}={_name_value(v)}" for label, v in zip(labels, values))
         points.append(Point(name, [f"--{field}={v}" for field, v in zip(fields, values)]))
     names = [p.name for p in points]
     if len(set(names)) != len(names):
-        raise SweepError(f"--vary: two points would share a run folder ({', '.join(names)}): give distinct values")
+        raise SweepError(f"--vary/--zip: two points would share a run folder ({', '.join(names)}): give distinct values")
     return points
+
+
+# Fields the sweep sets for every point itself, after the point's overrides: varied, every point
+# would get the sweep's value, and the points would train alike under other names.
+SET_BY_SWEEP = {
+    "train.out_dir": "each run's folder is <--out>/<point>; give --out instead",
+    "train.progress": "the sweep turns the progress bar off for parallel runs; give it as --train.progress=...",
+}
+
+
+def field_name(text: str) -> str:
+    """'--train..lr=3e-4' or 'train.lr' -> 'train.lr', as the config reads the key (empty parts dropped)."""
+    key = text.removeprefix("--").split("=", 1)[0]
+    return ".".join(part for part in key.split(".") if part)
+
+
+def check_fields(varied: list[tuple[str, list[str]]], common: list[str]) -> None:
+    """A varied field must be one the sweep does not set itself, and not given as an override too
+    (the point's value comes last and would drop the override without a word). SweepError naming it."""
+    given = {field_name(o) for o in common}
+    for field, _ in varied:
+        name = field_name(field)
+        if name in SET_BY_SWEEP:
+            raise SweepError(f"--vary {name}: {SET_BY_SWEEP[name]}")
+        if name in given:
+            raise SweepError(f"{name} is given by --vary and as an override --{name}=...: give it once")
 
 
 # ----------------------------------------------------------------------------- running
@@ -139,14 +184,36 @@ def finished_steps(run_dir: Path) -> int | None:
     return None if run is None else run[0]
 
 
+def saved_config(run_dir: Path) -> dict[str, Any] | None:
+    """The config a run folder without a checkpoint saved (config.yaml, written as its run starts);
+    None when it has neither config.yaml nor metrics.jsonl. A folder whose files cannot be told to be
+    a run's (metrics without a config, a config that is no mapping) is a SweepError naming it."""
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        if (run_dir / METRICS).exists():  # mode.train writes config.yaml first: not a mode run's curve
+            raise SweepError(f"{run_dir} holds {METRICS} but no config.yaml, so it cannot be told to be this "
+                             "point's run: give the sweep another --out, or remove that folder")
+        return None
+    try:
+        saved = read_yaml_file(path)
+    except ConfigError as e:
+        raise SweepError(f"{run_dir}: {e}") from None
+    if not isinstance(saved, dict) or not saved:
+        raise SweepError(f"{path} is not a run's config: give the sweep another --out, or remove that folder")
+    return saved
+
+
 def check_existing_run(run_dir: Path, config: Config) -> None:
     """A point's folder may hold a run from an earlier sweep: it must be this point's, up to the
     fields a resume may change (max_steps, budget, how it executes), or it would be skipped as
-    finished, or resumed, as this sweep's. SweepError naming the fields that differ."""
+    finished, or resumed, as this sweep's; without a checkpoint, started again over its files
+    (run_point drops its metrics). Its checkpoint's config is compared, else its config.yaml.
+    SweepError naming the folder and the fields that differ."""
     run = existing_run(run_dir)
-    if run is None:
+    saved = saved_config(run_dir) if run is None else run[1]
+    if saved is None:
         return
-    differ = curve_differences(run[1], config)
+    differ = curve_differences(saved, config)
     if differ:
         raise SweepError(f"{run_dir} holds a run with other settings: {', '.join(differ)}. Give the sweep another "
                          "--out, or remove that folder to train the point again")
@@ -181,7 +248,10 @@ def plan(args: argparse.Namespace, common: list[str]) -> list[tuple[Point, list[
     """(point, its overrides, its max_steps) for every point, each config checked first."""
     if args.out.exists() and not args.out.is_dir():
         raise SweepError(f"--out {args.out}: is a file; the sweep's folder holds one run folder a point")
-    points = grid([parse_vary(v) for v in args.vary])
+    varied = [parse_vary(v) for v in args.vary or []]
+    linked = [parse_vary(z, "--zip") for z in args.zip or []]
+    check_fields([*linked, *varied], common)
+    points = grid(varied, linked)
     planned = []
     settings: dict[str, str] = {}  # each point's config -> its name
     for point in points:
@@ -236,8 +306,8 @@ def run_point(args: argparse.Namespace, point: Point, overrides: list[str], max_
     step = finished_steps(run_dir)
     if step is not None and step >= max_steps:
         return f"finished before (step {step})"
-    if step is None and (run_dir / METRICS).exists():  # stopped before its first checkpoint
-        (run_dir / METRICS).unlink()  # nothing to resume: the run starts again
+    if step is None and (run_dir / METRICS).exists():  # this point's run, stopped before its first checkpoint
+        (run_dir / METRICS).unlink()  # (plan's check_existing_run saw its config.yaml): it starts again
     command = train_command(args.config, overrides, run_dir, resume=step is not None, parallel=slots.parallel)
     what = "training" if step is None else f"resuming from step {step}"
     gpu = slots.gpus.get() if slots.gpus is not None else None  # held until the run ends
@@ -341,12 +411,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--config", required=True, help="the YAML config every run starts from")
     parser.add_argument("--out", required=True, type=Path, help="the sweep's folder: one run folder a point, the report")
-    parser.add_argument("--vary", action="append", required=True, help="section.field=value1,value2,... (repeat)")
+    parser.add_argument("--vary", action="append", help="section.field=value1,value2,... (repeat)")
+    parser.add_argument("--zip", action="append",
+                        help="section.field=value1,value2,...: the --zip fields change together, the i-th value "
+                             "of each in one point (repeat; as many values each)")
     parser.add_argument("--dry-run", action="store_true", help="print the runs and their commands, run nothing")
     parser.add_argument("--gpus", default=None, help="run one point on each of these GPUs at once, e.g. 0,1,2,3")
     parser.add_argument("--jobs", type=int, default=None,
                         help="points run at once (default 1, or one a GPU of --gpus); parallel runs log to <run>/train.log")
     args, common = parser.parse_known_args(argv)
+    if not args.vary and not args.zip:
+        parser.error("give the grid: --vary section.field=value1,value2,... (or --zip)")
     bad = [a for a in common if not (a.startswith("--") and "=" in a and "." in a.split("=", 1)[0])]
     if bad:
         parser.error(f"unrecognised arguments {bad}: overrides look like --section.field=value")

@@ -196,7 +196,8 @@ def test_a_flops_budget_gives_each_point_the_steps_within_it(tmp_path: Path, cor
     from mode.train import steps_within_budget
 
     config = str(_config(tmp_path, corpus))
-    args = argparse.Namespace(config=config, out=tmp_path / "sweep", vary=["model.block_pattern=[dense,mod],[dense,dense]"])
+    args = argparse.Namespace(config=config, out=tmp_path / "sweep", vary=["model.block_pattern=[dense,mod],[dense,dense]"],
+                              zip=None)
     budget = ["--train.flops_budget=3e9"]
     planned = sweep.plan(args, budget)
     steps = [max_steps for _, _, max_steps in planned]
@@ -295,3 +296,79 @@ def test_the_sweep_gives_back_the_callers_sigterm_handler(tmp_path: Path, corpus
     args = ["--config", str(_config(tmp_path, corpus)), "--out", str(tmp_path / "s"), "--vary", "train.seed=0"]
     assert main(args) == 0
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+# ----------------------------------------------------------------------------- audit: stop 25
+def _files(folder: Path) -> dict[Path, bytes]:
+    return {p: p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_folder_of_another_experiment_without_a_checkpoint_is_refused_untouched(
+        tmp_path: Path, corpus: Path, capsys) -> None:
+    """A point's folder holding another experiment's run that has no checkpoint yet (its config.yaml and
+    metrics.jsonl only) is refused like one with a checkpoint, naming the folder and the field, and
+    nothing on disk is touched; so is a metrics.jsonl without a config. The same experiment's folder
+    passes (the run starts again)."""
+    from mode.config import load_config, save_config
+
+    config = _config(tmp_path, corpus)
+    out = tmp_path / "sweep"
+    args = ["--config", str(config), "--out", str(out), "--vary", "routing.capacity=0.25,0.5"]
+    other = out / "capacity=0.5"
+    other.mkdir(parents=True)
+    save_config(load_config(config, ["--routing.capacity=0.5", "--model.d_ff=96"]), other / "config.yaml")
+    (other / METRICS).write_text('{"step": 1, "loss": 4.0}\n')
+    before = _files(out)
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert f"{other} holds a run with other settings: model.d_ff (96 there, 64 here)" in err, err
+    assert _files(out) == before and not (out / "capacity=0.25").exists()  # nothing ran, nothing removed
+
+    (other / "config.yaml").unlink()  # metrics of unknown origin
+    assert main(args) == 2
+    assert f"{other} holds {METRICS} but no config.yaml" in capsys.readouterr().err
+    assert (other / METRICS).read_text() == '{"step": 1, "loss": 4.0}\n'
+
+    # The same experiment (up to a field a resume may change) is this point's run: planned to start again.
+    save_config(load_config(config, ["--routing.capacity=0.5", "--train.max_steps=7"]), other / "config.yaml")
+    assert main([*args, "--dry-run"]) == 0
+
+
+def test_a_varied_field_given_again_or_set_by_the_sweep_is_refused(tmp_path: Path, corpus: Path, capsys) -> None:
+    """--vary train.lr=... with --train.lr=... would drop the override; --vary train.out_dir would be
+    replaced by the sweep's own folder, every point training alike: both name the field."""
+    base = ["--config", str(_config(tmp_path, corpus)), "--out", str(tmp_path / "s"), "--dry-run"]
+    assert main([*base, "--vary", "train.lr=0.001,0.002", "--train.lr=0.003"]) == 2
+    assert "train.lr is given by --vary and as an override" in capsys.readouterr().err
+    assert main([*base, "--vary", "train.out_dir=a,b"]) == 2
+    assert "--vary train.out_dir: each run's folder is <--out>/<point>" in capsys.readouterr().err
+    assert main([*base, "--vary", "train.progress=true,false"]) == 2
+    assert "--vary train.progress:" in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()
+
+
+def test_zip_fields_change_together(tmp_path: Path, corpus: Path, capsys) -> None:
+    """Staged against integrated MoDE needs moe.n_noop 0 with one pattern and > 0 with the other: the
+    product of two --vary lists holds the invalid (integrated, 0) point; --zip takes the i-th values
+    together, one axis of the grid (the slowest), named by every field."""
+    points = grid([parse_vary("train.seed=0,1")],
+                  [parse_vary("model.block_pattern=[dense,mode_staged],[dense,mode_integrated]"),
+                   parse_vary("moe.n_noop=0,4")])
+    assert [p.name for p in points] == [
+        "block_pattern=dense-mode_staged+n_noop=0+seed=0", "block_pattern=dense-mode_staged+n_noop=0+seed=1",
+        "block_pattern=dense-mode_integrated+n_noop=4+seed=0", "block_pattern=dense-mode_integrated+n_noop=4+seed=1"]
+    assert points[2].overrides == ["--model.block_pattern=[dense,mode_integrated]", "--moe.n_noop=4", "--train.seed=0"]
+    with pytest.raises(SweepError, match=r"--zip: every field needs as many values.*moe.n_noop 3"):
+        grid([], [parse_vary("model.block_pattern=[dense],[mod]"), parse_vary("moe.n_noop=0,4,8")])
+
+    out = tmp_path / "sweep"
+    args = ["--config", str(_config(tmp_path, corpus)), "--out", str(out), "--dry-run",
+            "--zip", "model.block_pattern=[dense,mode_staged],[dense,mode_integrated]", "--zip", "moe.n_noop=0,4"]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "sweep: 2 runs" in printed and "block_pattern=dense-mode_integrated+n_noop=4 (2 steps)" in printed
+    assert main([*args[:-1], "moe.n_noop=0,4", "--moe.n_noop=2"]) == 2  # a zip field is varied too
+    assert "moe.n_noop is given by --vary and as an override" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(args[:4])
+    assert "give the grid: --vary" in capsys.readouterr().err
