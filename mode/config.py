@@ -14,6 +14,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 BLOCK_KINDS = ("dense", "mod", "moe", "mode_staged", "mode_integrated")
 BlockKind = Literal["dense", "mod", "moe", "mode_staged", "mode_integrated"]
+DEFAULT_BLOCK_PATTERN = ("dense", "mod")
+EXPERT_KINDS = ("moe", "mode_staged", "mode_integrated")  # blocks with an MoE FFN
+DEPTH_ROUTED_KINDS = ("mod", "mode_staged")  # blocks with a depth router (routing.capacity, gate, random)
+# torch.manual_seed takes [-2**63, 2**64) (a negative seed aliases seed + 2**64); train.seed is kept
+# below 2**63, so that offsets from it (bench/scaling.py: seed + 1 + rank) stay in torch's range.
+SEED_LIMIT = 2**63
 
 
 class ConfigError(ValueError):
@@ -43,7 +49,7 @@ class ModelConfig(Section):
     d_ff: int = Field(384, gt=0, description="hidden width of the SwiGLU MLP")
     max_seq_len: int = Field(256, gt=0, description="longest sequence; sizes the rotary table")
     block_pattern: list[BlockKind] = Field(
-        default_factory=lambda: ["dense", "mod"],
+        default_factory=lambda: list(DEFAULT_BLOCK_PATTERN),
         min_length=1,
         description="kinds of consecutive blocks, repeated until n_layers blocks exist",
     )
@@ -51,6 +57,17 @@ class ModelConfig(Section):
     norm_eps: float = Field(1e-6, gt=0)
     tie_embeddings: bool = False
     init_std: float = Field(0.02, gt=0)
+
+    @model_validator(mode="after")
+    def _pattern_fits_the_layers(self) -> "ModelConfig":
+        if len(self.block_pattern) > self.n_layers and self._pattern_given():
+            # block_kinds() cuts the pattern at n_layers: the kinds past it would never be built, while
+            # the moe / routing sections and the saved config would still describe them.
+            raise ValueError(
+                f"block_pattern has {len(self.block_pattern)} kinds {self.block_pattern} but n_layers is "
+                f"{self.n_layers}: the kinds past n_layers would never be built; shorten block_pattern or raise n_layers"
+            )
+        return self
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> "ModelConfig":
@@ -62,13 +79,22 @@ class ModelConfig(Section):
             raise ValueError("head width d_model / n_heads must be even for rotary embeddings")
         return self
 
+    def _pattern_given(self) -> bool:
+        """Whether block_pattern was given as other than the default [dense, mod], which n_layers=1 cuts to
+        [dense] as before (a run's saved config.yaml gives every field, so "given" alone cannot tell)."""
+        return "block_pattern" in self.model_fields_set and self.block_pattern != list(DEFAULT_BLOCK_PATTERN)
+
     def block_kinds(self) -> list[str]:
         """The kind of every layer, the pattern repeated to n_layers."""
         return [self.block_pattern[i % len(self.block_pattern)] for i in range(self.n_layers)]
 
     def has_experts(self) -> bool:
-        """Whether some block has an MoE FFN (moe, mode_staged, mode_integrated)."""
-        return any(kind in ("moe", "mode_staged", "mode_integrated") for kind in self.block_pattern)
+        """Whether some block built has an MoE FFN (moe, mode_staged, mode_integrated)."""
+        return any(kind in EXPERT_KINDS for kind in self.block_kinds())
+
+    def has_depth_router(self) -> bool:
+        """Whether some block built routes tokens by depth (mod, mode_staged)."""
+        return any(kind in DEPTH_ROUTED_KINDS for kind in self.block_kinds())
 
 
 class RoutingConfig(Section):
@@ -78,7 +104,13 @@ class RoutingConfig(Section):
     gate: Literal["identity", "sigmoid"] = Field(
         "sigmoid", description="g(r) multiplying the block update: the paper's raw score, or sigmoid"
     )
-    random: bool = Field(False, description="stochastic-routing ablation: choose tokens by random scores")
+    random: bool = Field(
+        False,
+        description=(
+            "stochastic-routing ablation: depth routers (mod, mode_staged's) choose tokens by random scores; "
+            "expert routers are not affected"
+        ),
+    )
     router_bias: bool = False
     causal: Literal["none", "aux_loss", "predictor"] = Field(
         "none",
@@ -116,6 +148,11 @@ class MoEConfig(Section):
         "torch", description="expert compute: torch (CPU and GPU), grouped_gemm or megablocks (CUDA only)"
     )
 
+    def _set_away_from_default(self, name: str) -> bool:
+        """Whether field `name` was given (model_fields_set) with a value other than its default. A run's
+        saved config.yaml gives every field, defaults included, so "given" alone would refuse saved runs."""
+        return name in self.model_fields_set and getattr(self, name) != type(self).model_fields[name].default
+
     @model_validator(mode="after")
     def _consistent(self) -> "MoEConfig":
         if self.top_k > self.n_experts + self.n_noop:
@@ -129,6 +166,16 @@ class MoEConfig(Section):
         if self.scheme == "token_choice" and self.group_size != 1:
             # Token choice routes each token on its own; a capacity spans the whole micro-batch.
             raise ValueError("group_size applies to scheme expert_choice only; leave it at 1 for token_choice")
+        if self.dropless and self._set_away_from_default("capacity_factor"):
+            raise ValueError(
+                f"capacity_factor ({self.capacity_factor}) has no effect with dropless=true (dropless token choice "
+                "has no capacity): leave capacity_factor at 1.0 or set dropless=false"
+            )
+        if self.scheme == "expert_choice" and self._set_away_from_default("lb_loss_weight"):
+            raise ValueError(
+                f"lb_loss_weight ({self.lb_loss_weight}) applies to scheme token_choice only (expert choice "
+                "balances by construction and adds no load-balancing loss); leave it at 0.01 for expert_choice"
+            )
         return self
 
 
@@ -154,7 +201,7 @@ class DataConfig(Section):
 
 
 class TrainConfig(Section):
-    seed: int = 0
+    seed: int = Field(0, description="seeds the model's initialisation, the data order and random routing")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     batch_size: int = Field(16, gt=0, description="sequences per micro-batch")
     grad_accum: int = Field(1, gt=0)
@@ -177,7 +224,8 @@ class TrainConfig(Section):
     eval_batches: int = Field(8, gt=0)
     log_interval: int = Field(10, gt=0)
     checkpoint_interval: int = Field(100, gt=0)
-    out_dir: str = "runs/default"
+    # min_length: an empty path is the current folder (an unset $OUT in --train.out_dir=$OUT)
+    out_dir: str = Field("runs/default", min_length=1, description="the run folder")
     compile: bool = False
     compile_mode: Literal["default", "reduce-overhead"] = Field(
         "default",
@@ -196,8 +244,16 @@ class TrainConfig(Section):
     )
     progress: bool = True
     init_from: str | None = Field(
-        None, description="a checkpoint (run folder or checkpoint.pt) whose weights start this new run; same model section"
+        None, min_length=1, description="a checkpoint (run folder or checkpoint.pt) whose weights start this new run; same model section"
     )
+
+    @field_validator("seed")
+    @classmethod
+    def _seed_in_range(cls, seed: int) -> int:
+        # checked here: torch.manual_seed would fail later with "Overflow when unpacking long long"
+        if not 0 <= seed < SEED_LIMIT:
+            raise ValueError("must be between 0 and 2**63 - 1")
+        return seed
 
     @model_validator(mode="after")
     def _lr_order(self) -> "TrainConfig":
@@ -247,10 +303,31 @@ class Config(Section):
             raise ValueError(
                 f"data.seq_len ({self.data.seq_len}) exceeds model.max_seq_len ({self.model.max_seq_len})"
             )
-        if "mode_integrated" in self.model.block_pattern and self.moe.n_noop == 0:
+        if "mode_integrated" in self.model.block_kinds() and self.moe.n_noop == 0:
             raise ValueError(
                 "moe.n_noop must be > 0 when model.block_pattern has mode_integrated "
                 "(its FFN routes some tokens to no-op experts)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _random_routing_reaches_a_router(self) -> "Config":
+        """routing.random replaces a depth router's scores; expert routers (moe, mode_integrated, and
+        mode_staged's inner MoE) ignore it, so a model without a depth router would train as learned."""
+        if not self.routing.random:
+            return self
+        if not self.model.has_depth_router():
+            raise ValueError(
+                f"routing.random=true changes only depth routers' choices (mod and mode_staged blocks), and "
+                f"model.block_pattern {self.model.block_pattern} has none: expert routers are not affected, "
+                "so the run would train as learned routing"
+            )
+        if self.routing.causal != "none":
+            # The causal BCE would be trained towards membership of a random top-k, which no router can
+            # predict, and sampling would follow a decision training never routed by.
+            raise ValueError(
+                f"routing.random=true with routing.causal={self.routing.causal}: a random-routed model has no "
+                "choice a causal decision could learn, and cannot be sampled; set routing.causal=none"
             )
         return self
 
@@ -303,7 +380,7 @@ def _format_errors(err: ValidationError, source: str, overrides: Sequence[str] =
     for e in err.errors():
         path = ".".join(str(p) for p in e["loc"]) or "<root>"
         if e["type"] == "extra_forbidden":
-            line = f"  {path}: unknown key"
+            line = f"  {path}: unknown key{_nesting_hint(e['loc'])}"
         else:
             message = e["msg"].removeprefix("Value error, ")
             # a check across sections (at the root) names its fields in its message
@@ -313,6 +390,14 @@ def _format_errors(err: ValidationError, source: str, overrides: Sequence[str] =
         given = [o for o in overrides if _names_the_error(_override_key(o), path, line, e["type"])]
         lines.append(line + (f" [from the command line: {given[-1]}]" if given else ""))
     return "\n".join(lines)
+
+
+def _nesting_hint(loc: tuple[Any, ...]) -> str:
+    """A dotted key at a file's top level (`model.d_model: 64`) names a field that exists: say to nest it."""
+    if len(loc) != 1 or "." not in str(loc[0]):
+        return ""
+    section, field = str(loc[0]).split(".", 1)
+    return f" (a dotted key is not a path in a file: write it nested, {section}: {{{field}: ...}})"
 
 
 def _names_the_error(key: str, path: str, line: str, kind: str) -> bool:
@@ -345,7 +430,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return path, value
 
 
-def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+def apply_overrides(raw: dict[str, Any], overrides: list[str], source: str = "the config") -> dict[str, Any]:
     out = copy.deepcopy(raw)
     for text in overrides:
         path, value = parse_override(text)
@@ -353,7 +438,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
         for part in path[:-1]:
             child = node.setdefault(part, {})
             if not isinstance(child, dict):
-                raise ConfigError(f"override {text!r}: '{part}' is not a section")
+                raise ConfigError(f"override {text!r}: '{part}' in {source} is not a section (a mapping of fields)")
             node = child
         node[path[-1]] = value
     return out
@@ -419,7 +504,7 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     _require_mapping(raw, source)  # before the overrides go into it
     # A section whose keys are all commented out reads as null: an empty section, all defaults.
     raw = {name: {} if value is None else value for name, value in raw.items()}
-    raw = apply_overrides(raw, overrides or [])
+    raw = apply_overrides(raw, overrides or [], source)
     return config_from_dict(raw, source, overrides or [])
 
 

@@ -62,7 +62,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from mode.config import Config, ConfigError, config_from_dict
+from mode.config import SEED_LIMIT, Config, ConfigError, config_from_dict
 from mode.layers.block import TransformerBlock
 from mode.layers.experts import check_backend
 from mode.layers.mlp import SwiGLU
@@ -921,7 +921,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--top-k", type=int, default=SAMPLING_DEFAULTS["--top-k"])
     parser.add_argument("--top-p", type=float, default=SAMPLING_DEFAULTS["--top-p"])
     parser.add_argument("--greedy", action="store_true", help="argmax decoding (temperature 0)")
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--seed", type=seed_value, default=None, help="seeds the sampling: 0 to 2**63 - 1")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--compile", action="store_true", help="torch.compile the decode step (pays off on long generations)")
     parser.add_argument(
@@ -930,6 +930,17 @@ def _parser() -> argparse.ArgumentParser:
         "flash attention's variable-length decode kernel needs), float32 on CPU",
     )
     return parser
+
+
+def seed_value(text: str) -> int:
+    """--seed: an integer in train.seed's range (torch.manual_seed fails past 64 bits with a line naming no flag)."""
+    try:
+        seed = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 0 <= seed < SEED_LIMIT:
+        raise argparse.ArgumentTypeError(f"{seed} is out of range: a seed is between 0 and 2**63 - 1")
+    return seed
 
 
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}

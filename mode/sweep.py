@@ -1,7 +1,7 @@
 """Run an ablation: one config, a grid of overrides, one run folder a point, then the report.
 
     python -m mode.sweep --config configs/mod_tiny.yaml --out runs/capacity \
-        --vary routing.capacity=0.125,0.25,0.5 --vary routing.random=false,true [--train.max_steps=200 ...]
+        --vary routing.capacity=0.125,0.25,0.5 --vary routing.random=false,true --routing.causal=none [--train.max_steps=200 ...]
 
 Every point of the grid (the product of the --vary lists) is one training run, `python -m
 mode.train` in a process of its own, in `<out>/<field=value+...>`; overrides given without

@@ -12,8 +12,10 @@ import contextlib
 import io
 import json
 import math
+import pickle
 import sys
 import time
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Protocol, Sequence, runtime_checkable
@@ -32,6 +34,7 @@ from mode.utils import (
     atomic_torch_save,
     atomic_write_bytes,
     atomic_write_text,
+    folder_problem,
     interrupts_deferred,
     pick_device,
     read_metrics,
@@ -653,6 +656,9 @@ class Trainer:
 
     # -- run folder and checkpoints
     def _prepare_run_folder(self, resume: bool) -> None:
+        problem = folder_problem(self.out_dir)
+        if problem:
+            raise ConfigError(f"train.out_dir: {self.out_dir} {problem}")
         checkpoint = self.out_dir / CHECKPOINT
         if resume:
             if not checkpoint.is_file():
@@ -674,7 +680,10 @@ class Trainer:
                 f"it (or the folder) or choose another --train.out_dir"
             )
         if self.is_main:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
+            try:
+                self.out_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as e:  # no permission, a read-only disk: one line naming the field, not a traceback
+                raise ConfigError(f"train.out_dir: cannot create {self.out_dir}: {e.strerror or e}") from None
             save_config(self.config, self.out_dir / "config.yaml")
 
     def _check_not_past_the_end(self) -> None:
@@ -1056,12 +1065,19 @@ def load_checkpoint_file(path: Path, device: torch.device | str = "cpu") -> dict
         path = path / CHECKPOINT
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
+    if not zipfile.is_zipfile(path):  # torch.save writes a zip archive; YAML, text or a file cut short is none
+        raise ValueError(f"{path} is not a readable checkpoint: not a checkpoint written by mode.train "
+                         "(not the zip archive torch.save writes, or cut short)")
     try:
         # weights_only: tensors, numbers, strings and containers, which is all a checkpoint holds;
         # a file that would run code on loading (a pickle of anything else) is refused.
         payload = torch.load(path, map_location=device, weights_only=True)
-    except Exception as e:  # a truncated or non-torch file, or one that is not weights only
-        raise ValueError(f"{path} is not a readable checkpoint: {e}") from e
+    except pickle.UnpicklingError:  # torch's text advises weights_only=False, which would run the file's code
+        raise ValueError(f"{path} is not a readable checkpoint: not a checkpoint written by mode.train (it holds "
+                         "objects other than tensors and plain data; refused, as loading them could run code)") from None
+    except Exception as e:  # a zip archive of something else, or a damaged one: torch's first line says which
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"{path} is not a readable checkpoint: not a checkpoint written by mode.train ({first})") from None
     if not isinstance(payload, dict) or payload.get("format") != "mode-checkpoint-v1":
         raise ValueError(f"{path} is not a mode checkpoint (no 'format: mode-checkpoint-v1' entry)")
     return payload

@@ -81,6 +81,17 @@ def remove_stale_temporaries(path: Path) -> list[Path]:
     return stale
 
 
+def folder_problem(path: Path) -> str | None:
+    """Why `path` cannot be a folder or be made one: it is a file, or it lies under one (mkdir would
+    fail with a bare errno line, FileExistsError or NotADirectoryError); None when nothing stands in the way."""
+    if path.exists() and not path.is_dir():
+        return "is a file, not a folder"
+    for parent in path.parents:  # the nearest one that exists decides
+        if parent.exists():
+            return None if parent.is_dir() else f"lies under {parent}, which is a file, not a folder"
+    return None
+
+
 class MetricsError(ValueError):
     """A metrics.jsonl line that is not a record; the message names the file and line."""
 

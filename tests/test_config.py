@@ -323,3 +323,98 @@ def test_errors_of_a_section_or_an_unknown_one_name_the_override(tmp_path: Path,
     with pytest.raises(ConfigError) as info:
         load_config(_write(tmp_path, BASE), [override, "--train.batch_size=4"])
     assert line in str(info.value) and "batch_size=4]" not in str(info.value)
+
+
+# ----------------------------------------------------------------------------- audit 25: config
+def _override_error(tmp_path: Path, overrides: list[str], raw: dict | None = None) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(_write(tmp_path, raw or BASE), overrides)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("field", ["out_dir", "init_from"])
+def test_an_empty_run_folder_or_init_checkpoint_is_refused(tmp_path: Path, field: str) -> None:
+    """An empty path is the current folder (`--train.out_dir=$OUT` with OUT unset): refused, naming the field."""
+    error = _override_error(tmp_path, [f"--train.{field}="])
+    assert f"train.{field}: String should have at least 1 character (got '')" in error, error
+    assert f"{tmp_path / 'experiment.yaml'}" in error
+
+
+def test_a_pattern_longer_than_n_layers_is_refused(tmp_path: Path) -> None:
+    """The kinds past n_layers would never be built, while moe / routing and config.yaml still describe them."""
+    error = _override_error(tmp_path, ["--model.n_layers=1", "--moe.n_noop=4"],
+                            _set("model.block_pattern", ["dense", "mode_integrated"]))
+    assert "model: block_pattern has 2 kinds ['dense', 'mode_integrated'] but n_layers is 1" in error, error
+    assert "[from the command line: --model.n_layers=1]" in error
+    # The default pattern [dense, mod] is cut to [dense] as before: a run's saved config gives it too.
+    assert config_from_dict({"model": {"n_layers": 1}}).model.block_kinds() == ["dense"]
+    assert config_from_dict({"model": {"n_layers": 1, "block_pattern": ["dense", "mod"]}}).model.n_layers == 1
+
+
+def test_has_experts_reads_the_blocks_built() -> None:
+    """has_experts (expert_parallel, group_size, cuda_graphs checks) and has_depth_router look at
+    block_kinds(), not at the pattern (model_construct: a pattern the validator would now refuse)."""
+    from mode.config import ModelConfig
+
+    cut = ModelConfig.model_construct(block_pattern=["dense", "moe"], n_layers=1)
+    assert cut.block_kinds() == ["dense"] and not cut.has_experts() and not cut.has_depth_router()
+    whole = ModelConfig(block_pattern=["mode_staged"], n_layers=1)
+    assert whole.has_experts() and whole.has_depth_router()
+
+
+@pytest.mark.parametrize("seed", ["99999999999999999999", str(2**63), "-1"])
+def test_a_seed_out_of_range_names_train_seed(tmp_path: Path, seed: str) -> None:
+    """torch.manual_seed failed past 64 bits with "Overflow when unpacking long long", naming no field."""
+    error = _override_error(tmp_path, [f"--train.seed={seed}"])
+    assert f"train.seed: must be between 0 and 2**63 - 1 (got {seed})" in error, error
+    assert load_config(_write(tmp_path, BASE), [f"--train.seed={2**63 - 1}"]).train.seed == 2**63 - 1
+
+
+def test_moe_fields_the_scheme_ignores_are_refused(tmp_path: Path) -> None:
+    """Dropless token choice has no capacity; expert choice adds no load-balancing loss. A value other
+    than the default is refused, naming both fields; the default, as a saved config.yaml gives it, is not."""
+    raw = _set("model.block_pattern", ["dense", "moe"])
+    token_choice = ["--moe.scheme=token_choice", "--moe.dropless=true"]
+    error = _override_error(tmp_path, [*token_choice, "--moe.capacity_factor=2.0"], raw)
+    assert "moe: capacity_factor (2.0) has no effect with dropless=true" in error, error
+    assert "[from the command line: --moe.capacity_factor=2.0]" in error
+    assert load_config(_write(tmp_path, raw), [*token_choice, "--moe.capacity_factor=1.0"]).moe.dropless
+    error = _override_error(tmp_path, ["--moe.lb_loss_weight=0.5"], raw)
+    assert "moe: lb_loss_weight (0.5) applies to scheme token_choice only" in error, error
+    saved = load_config(_write(tmp_path, raw)).to_dict()  # every field given, at its default
+    assert config_from_dict(saved).moe.lb_loss_weight == 0.01
+
+
+@pytest.mark.parametrize("pattern", [["dense"], ["dense", "moe"], ["dense", "mode_integrated"]])
+def test_random_routing_without_a_depth_router_is_refused(tmp_path: Path, pattern: list[str]) -> None:
+    """routing.random replaces depth routers' scores only: a model with no mod or mode_staged block
+    trained as learned routing, and the ablation compared two equal runs."""
+    raw = _set("model.block_pattern", pattern)
+    raw["moe"] = {"n_noop": 4}
+    error = _override_error(tmp_path, ["--routing.random=true"], raw)
+    assert "routing.random=true changes only depth routers' choices (mod and mode_staged blocks)" in error, error
+    assert "[from the command line: --routing.random=true]" in error
+    for routed in (["dense", "mod"], ["dense", "mode_staged"]):
+        assert load_config(_write(tmp_path, _set("model.block_pattern", routed)), ["--routing.random=true"]).routing.random
+
+
+@pytest.mark.parametrize("causal", ["aux_loss", "predictor"])
+def test_random_routing_with_a_causal_decision_is_refused(tmp_path: Path, causal: str) -> None:
+    """The causal BCE would learn towards random top-k membership, and the model cannot be sampled."""
+    error = _override_error(tmp_path, ["--routing.random=true", f"--routing.causal={causal}"])
+    assert f"routing.random=true with routing.causal={causal}" in error and "set routing.causal=none" in error, error
+
+
+def test_a_dotted_top_level_key_or_a_scalar_section_names_the_fix_and_the_file(tmp_path: Path) -> None:
+    """`model.d_model: 64` at a file's top level was "unknown key", though the field exists; a section
+    given as a scalar, with an override into it, named neither the file nor what was wrong."""
+    dotted = tmp_path / "dotted.yaml"
+    dotted.write_text("model.d_model: 64\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(dotted)
+    assert "model.d_model: unknown key (a dotted key is not a path in a file: write it nested, model: {d_model: ...})" \
+        in str(info.value), str(info.value)
+    scalar = tmp_path / "scalar.yaml"
+    scalar.write_text("model: 5\n")
+    with pytest.raises(ConfigError, match=rf"'model' in {scalar} is not a section \(a mapping of fields\)"):
+        load_config(scalar, ["--model.d_model=64"])

@@ -699,3 +699,24 @@ def test_a_prompt_that_is_not_utf8_names_the_flag(byte_ckpt: Path, capsys) -> No
 
     assert main(["--checkpoint", str(byte_ckpt), "--prompt", "ok", "--prompt", os.fsdecode(b"caf\xe9"), "--greedy"]) == 2
     assert "--prompt #2 is not valid UTF-8 text" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- audit 25: checkpoint file, --seed
+def test_a_file_that_is_not_a_checkpoint_is_one_line(tmp_path: Path, capsys) -> None:
+    """A run's config.yaml passed as --checkpoint: one line naming it, not torch's text advising
+    weights_only=False (an unsafe workaround that does not apply: the file is YAML)."""
+    config_yaml = tmp_path / "config.yaml"
+    config_yaml.write_text("model:\n  d_model: 32\n")
+    assert main(["--checkpoint", str(config_yaml), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: {config_yaml} is not a readable checkpoint: not a checkpoint written by mode.train "
+                   "(not the zip archive torch.save writes, or cut short)\n"), err
+
+
+@pytest.mark.parametrize("seed", ["99999999999999999999", "-1"])
+def test_a_seed_out_of_range_names_the_flag(byte_ckpt: Path, capsys, seed: str) -> None:
+    """torch's "Overflow when unpacking long long" named no flag."""
+    with pytest.raises(SystemExit) as info:
+        main(["--checkpoint", str(byte_ckpt), "--prompt", "x", "--seed", seed])
+    assert info.value.code == 2
+    assert f"argument --seed: {seed} is out of range: a seed is between 0 and 2**63 - 1" in capsys.readouterr().err

@@ -567,3 +567,21 @@ def test_random_routing_on_two_processes_equals_one_process(corpus, tmp_path) ->
     _, evals = records(tmp_path / "dist")
     result = evaluate_checkpoint(tmp_path / "dist", raw["train"]["eval_batches"], "cpu")
     assert result["val_loss"] == pytest.approx(evals[max(evals)]["val_loss"], rel=LOSS_RTOL)
+
+
+def test_launcher_flags_match_by_their_whole_name(tmp_path) -> None:
+    """--stop-at-step and --local_rank are matched by name, not by prefix: a typo such as
+    --stop-at-steps=2 was read as --stop-at-step 2; now it reaches parse_args, which refuses it.
+    Pure argument parsing: no process group, no launch."""
+    from mode.parallel.launch import _launcher_args, main as launch_main
+
+    assert _launcher_args(["--stop-at-step=4", "--x.y=1"]) == (["--x.y=1"], 4)
+    assert _launcher_args(["--stop-at-step", "4"]) == ([], 4)
+    assert _launcher_args(["--local_rank=1", "--local-rank", "0", "--a.b=2"]) == (["--a.b=2"], None)
+    for typo in (["--stop-at-steps=2"], ["--stop-at-stepX", "3"], ["--local_rankfoo"]):
+        assert _launcher_args(typo) == (typo, None)
+    config = tmp_path / "x.yaml"
+    config.write_text("model: {block_pattern: [dense, moe]}\n")
+    with pytest.raises(SystemExit) as info:
+        launch_main(["--config", str(config), "--stop-at-steps=2"])
+    assert info.value.code == 2

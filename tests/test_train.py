@@ -1025,3 +1025,35 @@ def test_ctrl_c_while_a_checkpoint_is_written_finishes_it_then_stops(tmp_path: P
     assert f"{out / CHECKPOINT} holds step 2" in err and "Traceback" not in err, err
     assert load_checkpoint_file(out)["state"]["step"] == 2
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+
+
+# ----------------------------------------------------------------------------- audit 25: run folder, init_from
+@pytest.mark.parametrize("where", ["a file", "under a file"])
+def test_an_out_dir_that_cannot_be_a_folder_is_one_line_naming_train_out_dir(tmp_path: Path, corpus: Path, capsys,
+                                                                             where: str) -> None:
+    """An errno line naming no field (a file), or a NotADirectoryError traceback (under a file), before."""
+    a_file = tmp_path / "afile"
+    a_file.write_text("keep me\n")
+    out = a_file if where == "a file" else a_file / "run"
+    config_file = write_config_file(tmp_path / "x.yaml", out, corpus)
+    assert main(["--config", str(config_file)]) == 2
+    err = capsys.readouterr().err
+    problem = "is a file, not a folder" if where == "a file" else f"lies under {a_file}, which is a file, not a folder"
+    assert err == f"error: train.out_dir: {out} {problem}\n", err
+    assert a_file.read_text() == "keep me\n"
+
+
+def test_a_file_that_is_not_a_checkpoint_as_init_from_is_one_line(tmp_path: Path, corpus: Path) -> None:
+    """A run's config.yaml, or a torch file holding code, as train.init_from: one line naming the file,
+    without torch's advice to load it with weights_only=False."""
+    Trainer(make_config(tmp_path / "a", corpus, train={"max_steps": 1})).run()
+    code = tmp_path / "code.pt"  # unpickling it would call a function: weights only refuses
+    torch.save({"format": "mode-checkpoint-v1", "hook": RunState}, code)
+    for path in (tmp_path / "a" / "config.yaml", code):
+        with pytest.raises(ConfigError) as info:
+            Trainer(make_config(tmp_path / "b", corpus, train={"init_from": str(path)}))
+        message = str(info.value)
+        assert message.startswith(f"train.init_from: {path} is not a readable checkpoint: not a checkpoint written "
+                                  "by mode.train ("), message
+        assert "\n" not in message and "weights_only" not in message, message
+    assert not (tmp_path / "b").exists()

@@ -128,15 +128,27 @@ def build_trainer(config: Config, processes: Processes, resume: bool = False) ->
     return trainer
 
 
+LOCAL_RANK_FLAGS = ("--local_rank", "--local-rank")  # deepspeed's and torch.distributed.launch's spellings
+STOP_FLAG = "--stop-at-step"
+
+
+def _flag_name(arg: str) -> str:
+    """'--stop-at-step=4' -> '--stop-at-step': flags are matched by their whole name, so a typo such as
+    --stop-at-steps=2 reaches parse_args, which refuses it, instead of being read as --stop-at-step."""
+    return arg.split("=", 1)[0]
+
+
 def _launcher_args(argv: list[str]) -> tuple[list[str], int | None]:
-    """Drop the deepspeed launcher's --local_rank (LOCAL_RANK is in the environment); read --stop-at-step."""
+    """Drop the deepspeed launcher's --local_rank (LOCAL_RANK is in the environment); read --stop-at-step
+    (either --stop-at-step=N or --stop-at-step N)."""
     rest, stop_at = [], None
     it = iter(argv)
     for arg in it:
-        if arg.startswith(("--local_rank", "--local-rank")):
+        name = _flag_name(arg)
+        if name in LOCAL_RANK_FLAGS:
             if "=" not in arg:
                 next(it, None)
-        elif arg.startswith("--stop-at-step"):
+        elif name == STOP_FLAG:
             stop_at = _steps(arg.split("=", 1)[1] if "=" in arg else next(it, None))
         else:
             rest.append(arg)
