@@ -325,7 +325,7 @@ def test_errors_of_a_section_or_an_unknown_one_name_the_override(tmp_path: Path,
     assert line in str(info.value) and "batch_size=4]" not in str(info.value)
 
 
-# ----------------------------------------------------------------------------- audit 25: config
+# ----------------------------------------------------------------------------- paths, seeds, and settings that would be ignored
 def _override_error(tmp_path: Path, overrides: list[str], raw: dict | None = None) -> str:
     with pytest.raises(ConfigError) as info:
         load_config(_write(tmp_path, raw or BASE), overrides)

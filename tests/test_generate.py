@@ -701,7 +701,7 @@ def test_a_prompt_that_is_not_utf8_names_the_flag(byte_ckpt: Path, capsys) -> No
     assert "--prompt #2 is not valid UTF-8 text" in capsys.readouterr().err
 
 
-# ----------------------------------------------------------------------------- audit 25: checkpoint file, --seed
+# ----------------------------------------------------------------------------- a file that is no checkpoint, --seed
 def test_a_file_that_is_not_a_checkpoint_is_one_line(tmp_path: Path, capsys) -> None:
     """A run's config.yaml passed as --checkpoint: one line naming it, not torch's text advising
     weights_only=False (an unsafe workaround that does not apply: the file is YAML)."""

@@ -298,7 +298,7 @@ def test_the_sweep_gives_back_the_callers_sigterm_handler(tmp_path: Path, corpus
     assert signal.getsignal(signal.SIGTERM) is before
 
 
-# ----------------------------------------------------------------------------- audit: stop 25
+# ----------------------------------------------------------------------------- folders of other experiments, fields given twice, --zip
 def _files(folder: Path) -> dict[Path, bytes]:
     return {p: p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 

@@ -1027,7 +1027,7 @@ def test_ctrl_c_while_a_checkpoint_is_written_finishes_it_then_stops(tmp_path: P
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
 
 
-# ----------------------------------------------------------------------------- audit 25: run folder, init_from
+# ----------------------------------------------------------------------------- run folders and init_from that cannot be
 @pytest.mark.parametrize("where", ["a file", "under a file"])
 def test_an_out_dir_that_cannot_be_a_folder_is_one_line_naming_train_out_dir(tmp_path: Path, corpus: Path, capsys,
                                                                              where: str) -> None:
