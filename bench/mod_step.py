@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -35,6 +36,7 @@ from common import (  # noqa: E402
     precision,
     profile_report,
     require_cuda_unless_tiny,
+    sync,
     timed,
     timed_back_to_back,
 )
@@ -159,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="time only these modes (of those the other flags and the device allow)")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run at a small shape")
     parser.add_argument("--profile", nargs="*", choices=["eager", "compiled"], default=None,
-                        help="also print the top kernels of fwd+bwd (eager if no mode is named)")
+                        help="also print the host's time queuing fwd+bwd and its top kernels (eager if no mode is named)")
     parser.add_argument("--kernels", choices=["triton", "torch"], default="triton",
                         help="eager rotary / SwiGLU: Triton kernels or PyTorch ops (mode.kernels.ENABLED)")
     add_routing_switches(parser)
@@ -218,9 +220,32 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def profile(name: str, config: Config, args: argparse.Namespace, device: torch.device, compiled: bool) -> None:
-    """Where forward+backward's time goes, eager or compiled: GPU busy against wall time, top kernels."""
+    """Where forward+backward's time goes, eager or compiled: the host's time launching it, GPU busy
+    against wall time, top kernels."""
     runner = Runner(config, "compiled" if compiled else "eager", args, device)  # warmed up
-    print(profile_report(runner.fwd_bwd, 3, device, f"{name}, {'compiled' if compiled else 'eager'} forward+backward", 40))
+    title = f"{name}, {'compiled' if compiled else 'eager'} forward+backward"
+    forward_ms, backward_ms = host_ms(runner, 10)
+    print(f"\n### {title}: the host's time queuing a pass (median of 10, the GPU idle at the start of each): "
+          f"forward {forward_ms:.2f} ms, backward {backward_ms:.2f} ms, {forward_ms + backward_ms:.2f} ms in all")
+    print(profile_report(runner.fwd_bwd, 3, device, title, 40))
+
+
+def host_ms(runner: Runner, passes: int) -> tuple[float, float]:
+    """Median milliseconds the host spends in the forward call and in loss.backward(), without waiting
+    for the GPU: where they add up to more than the kernels take, the host sets the pace."""
+    forward, backward = [], []
+    for _ in range(passes):
+        runner.optimizer.zero_grad(set_to_none=True)
+        sync(runner.device)
+        start = time.perf_counter()
+        with runner.autocast:
+            loss = runner.forward(runner.x, runner.y).loss
+        middle = time.perf_counter()
+        loss.backward()
+        forward.append((middle - start) * 1e3)
+        backward.append((time.perf_counter() - middle) * 1e3)
+    sync(runner.device)
+    return statistics.median(forward), statistics.median(backward)
 
 
 if __name__ == "__main__":

@@ -120,6 +120,7 @@ def test_cuda_graph_modes_need_cuda(name: str, capsys: pytest.CaptureFixture[str
 
 
 PROFILE_LINE = re.compile(r"### (.+): (\d+) passes under the profiler, ([\d.]+) ms wall per pass, GPU busy")
+HOST_LINE = re.compile(r"### (.+): the host's time queuing a pass .*: forward ([\d.]+) ms, backward ([\d.]+) ms, ([\d.]+) ms in all")
 
 
 def test_mod_step_tiny() -> None:
@@ -132,6 +133,10 @@ def test_mod_step_tiny() -> None:
     reports = PROFILE_LINE.findall(out)
     assert [r[0] for r in reports] == ["dense, eager forward+backward", "MoD, eager forward+backward"]
     assert all(float(r[2]) > 0 for r in reports)
+    # and the host's time queuing a pass, forward and backward adding up to the whole
+    hosts = HOST_LINE.findall(out)
+    assert [h[0] for h in hosts] == ["dense, eager forward+backward", "MoD, eager forward+backward"]
+    assert all(float(f) > 0 and float(b) > 0 and abs(float(f) + float(b) - float(t)) <= 0.011 for _, f, b, t in hosts)
     assert all(number(r[2]) > 0 and number(r[3]) > 0 and number(r[4]) > 0 for r in rows)  # fwd+bwd, step, back to back ms
     assert all(number(v) > 0 for v in rows[1][6:9])  # the MoD / dense ratios
     check_cpu_header(out)
