@@ -63,6 +63,22 @@ def test_compiled_model_matches_eager(reduction: bool, pattern: list[str], routi
         torch.testing.assert_close(dict(model.named_parameters())[name].grad, grad, rtol=COMPILE_TOL, atol=COMPILE_TOL)
 
 
+def test_models_of_two_capacities_compile_in_one_process() -> None:
+    """routing.capacity stays a constant under torch.compile (StaticFloat): a second value recompiles
+    with its own k, where a plain float became a symbol that the depth router's split (an autograd
+    function) could not take, and compiling failed. Each model gives its eager loss, in one graph."""
+    torch._dynamo.reset()
+    tokens = torch.randint(0, 256, (2, 33))
+    for capacity in (0.25, 0.5, 0.125):
+        torch.manual_seed(0)
+        model = tiny(["dense", "mod"], {"capacity": capacity})
+        eager = model(tokens[:, :-1], tokens[:, 1:])
+        compiled = torch.compile(model, fullgraph=True)(tokens[:, :-1], tokens[:, 1:])
+        compiled.loss.backward()
+        assert compiled.routings[1].indices.shape[1] == round(32 * capacity)
+        torch.testing.assert_close(compiled.loss, eager.loss, rtol=COMPILE_TOL, atol=COMPILE_TOL)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Inductor's Triton kernels need a GPU")
 @pytest.mark.parametrize("routing", [{}, {"causal": "aux_loss"}, {"causal": "predictor"}], ids=["top-k", "aux_loss", "predictor"])
 def test_compiled_model_on_the_gpu_matches_eager(routing: dict) -> None:

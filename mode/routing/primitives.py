@@ -41,6 +41,14 @@ def random_scores(scores: Tensor) -> Tensor:
     return every[rank * rows : (rank + 1) * rows]
 
 
+class StaticFloat(float):
+    """A float that torch.compile keeps a constant: a guard on its value, a recompile for another.
+    A plain float attribute becomes a symbol once a second value is compiled (automatic dynamic: a
+    second model of another routing.capacity in one process), and a size derived from a float
+    symbol cannot enter an autograd function's graph (torch 2.11 and 2.13 fail compiling the
+    depth router's split, _SplitRowsTraced). Dynamo makes symbols of exact floats only."""
+
+
 def capacity_to_k(num_tokens: int, capacity: float) -> int:
     """Tokens a block (or expert) takes from a group of num_tokens: capacity * T rounded to the
     nearest whole token, halves up (0.125 * 20 = 2.5 takes 3), between 1 and T."""
@@ -265,7 +273,8 @@ def split_tokens(x: Tensor, indices: Tensor, grad_in_place: bool = False) -> tup
     """
     if torch.compiler.is_compiling():
         groups, tokens, width = x.shape
-        rows, residual = _SplitRowsTraced.apply(x.reshape(groups * tokens, width), _flat_indices(indices, tokens))
+        flat = _flat_indices(indices, tokens)
+        rows, residual = _SplitRowsTraced.apply(x.reshape(groups * tokens, width), flat)
         return rows.view(*indices.shape, width), residual.view(groups, tokens, width)  # (G, ..., k, D), (G, T, D)
     rows, residual = _SplitRows.apply(x, _flat_indices(indices, x.shape[1]), grad_in_place)
     return rows.view(*indices.shape, x.shape[-1]), residual  # (G, ..., k, D), (G, T, D)

@@ -13,6 +13,7 @@ from mode.routing.primitives import (
     TokenChoiceHead,
     apply_gate,
     capacity_positions,
+    StaticFloat,
     capacity_to_k,
     count_ids,
     expert_choice_dispatch,
@@ -176,7 +177,7 @@ class DepthRouter(nn.Module):
     ) -> None:
         super().__init__()
         self.router = Router(d_model, 1, bias)
-        self.capacity = capacity
+        self.capacity = StaticFloat(capacity)  # k a constant under torch.compile, whatever else is compiled
         self.gate = gate
         self.random = random
         self.causal = None if causal == "none" else CausalDecision(causal, d_model, 1, causal_loss_weight, predictor_hidden)
