@@ -64,7 +64,7 @@ def test_compiled_model_matches_eager(reduction: bool, pattern: list[str], routi
 
 
 def test_models_of_two_capacities_compile_in_one_process() -> None:
-    """routing.capacity stays a constant under torch.compile (StaticFloat): a second value recompiles
+    """routing.capacity stays a constant under torch.compile (DepthRouter keeps it as text): a second value recompiles
     with its own k, where a plain float became a symbol that the depth router's split (an autograd
     function) could not take, and compiling failed. Each model gives its eager loss, in one graph."""
     torch._dynamo.reset()

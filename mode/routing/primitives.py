@@ -41,14 +41,6 @@ def random_scores(scores: Tensor) -> Tensor:
     return every[rank * rows : (rank + 1) * rows]
 
 
-class StaticFloat(float):
-    """A float that torch.compile keeps a constant: a guard on its value, a recompile for another.
-    A plain float attribute becomes a symbol once a second value is compiled (automatic dynamic: a
-    second model of another routing.capacity in one process), and a size derived from a float
-    symbol cannot enter an autograd function's graph (torch 2.11 and 2.13 fail compiling the
-    depth router's split, _SplitRowsTraced). Dynamo makes symbols of exact floats only."""
-
-
 def capacity_to_k(num_tokens: int, capacity: float) -> int:
     """Tokens a block (or expert) takes from a group of num_tokens: capacity * T rounded to the
     nearest whole token, halves up (0.125 * 20 = 2.5 takes 3), between 1 and T."""

@@ -13,7 +13,6 @@ from mode.routing.primitives import (
     TokenChoiceHead,
     apply_gate,
     capacity_positions,
-    StaticFloat,
     capacity_to_k,
     count_ids,
     expert_choice_dispatch,
@@ -177,11 +176,20 @@ class DepthRouter(nn.Module):
     ) -> None:
         super().__init__()
         self.router = Router(d_model, 1, bias)
-        self.capacity = StaticFloat(capacity)  # k a constant under torch.compile, whatever else is compiled
+        # Kept as text: torch.compile holds a str attribute constant (a guard, a recompile for another
+        # value), where a float becomes a symbol once a second value is compiled in the process
+        # (automatic dynamic), and a size derived from a float symbol cannot enter the depth router's
+        # split, an autograd function (torch 2.11 and 2.13 fail compiling it).
+        self._capacity = repr(float(capacity))
         self.gate = gate
         self.random = random
         self.causal = None if causal == "none" else CausalDecision(causal, d_model, 1, causal_loss_weight, predictor_hidden)
         self.causal_mode = False
+
+    @property
+    def capacity(self) -> float:
+        """Share of each sequence's tokens through the block."""
+        return float(self._capacity)
 
     def decide(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """Causal decision: x (B, S, D) -> (chosen (B, S) bool, router scores (B, S) float32)."""
