@@ -37,7 +37,7 @@ import yaml
 from mode.config import Config, ConfigError, config_from_dict, flat_fields
 from mode.flops import model_flops
 from mode.model import LanguageModel
-from mode.train import METRICS, describes_execution
+from mode.train import METRICS, describes_execution, is_expert_router, share_reaching
 from mode.utils import MetricsError, atomic_write_bytes, atomic_write_text, read_metrics
 
 CONFIG_FILE = "config.yaml"
@@ -135,12 +135,12 @@ def routing_means(record: dict[str, Any] | None) -> dict[str, float]:
     router's share, so Staged and Integrated MoDE read alike (Staged's 0.43 of a quarter of the
     tokens is 0.11 of them, as Integrated's would be)."""
     layers = (record or {}).get("routing") or {}
-    depth = {name: stats for name, stats in layers.items() if not name.endswith(".ffn")}
-    columns: dict[str, list[float]] = {"depth_processed": [s["processed"] for s in depth.values() if "processed" in s]}
+    processed = {name: stats["processed"] for name, stats in layers.items() if "processed" in stats}
+    columns: dict[str, list[float]] = {"depth_processed": [v for name, v in processed.items() if not is_expert_router(name)]}
     for name, stats in layers.items():
-        if not name.endswith(".ffn"):
+        if not is_expert_router(name):
             continue
-        share = depth.get(name.removesuffix(".ffn"), {}).get("processed", 1.0)  # 1: its block takes every token
+        share = share_reaching(name, processed)
         for key, column in (("processed", "expert_processed"), ("noop_fraction", "noop_fraction"),
                             ("dropped_fraction", "dropped_fraction")):
             if key in stats:

@@ -443,13 +443,28 @@ def read_output(out: ModelOutput, loss_keys: Sequence[str]) -> tuple[dict[str, f
     return losses[0], summaries[0]
 
 
+EXPERT_ROUTER = ".ffn"  # the suffix routed_layers gives an expert router's name
+
+
 def routed_layers(output: ModelOutput) -> Iterator[tuple[str, Routing]]:
     """(name, routing) of every router: 'layer3' routes around a block, 'layer3.ffn' among experts."""
     for i, (depth, ffn) in enumerate(zip(output.routings, output.ffn_routings)):
         if depth is not None:
             yield f"layer{i}", depth
         if ffn is not None:
-            yield f"layer{i}.ffn", ffn
+            yield f"layer{i}{EXPERT_ROUTER}", ffn
+
+
+def is_expert_router(name: str) -> bool:
+    """Whether a routed_layers name is an expert router's (else a depth router's)."""
+    return name.endswith(EXPERT_ROUTER)
+
+
+def share_reaching(name: str, processed: dict[str, float]) -> float:
+    """The share of all tokens that reach router `name`, from the routers' `processed` shares: a
+    Staged MoDE FFN (layer3.ffn under layer3) sees only the tokens its depth router chose, and
+    reports its own shares over those; every other router sees every token (1.0)."""
+    return processed.get(name.removesuffix(EXPERT_ROUTER), 1.0) if is_expert_router(name) else 1.0
 
 
 def chosen_positions(output: ModelOutput, seq_len: int) -> Iterator[tuple[str, Tensor]]:
@@ -467,7 +482,7 @@ def chosen_positions(output: ModelOutput, seq_len: int) -> Iterator[tuple[str, T
         groups, group_tokens = ffn.logits.shape[:2]
         offsets = torch.arange(groups, device=ffn.indices.device).unsqueeze(1) * group_tokens  # (G, 1)
         flat = (ffn.indices.reshape(groups, -1) + offsets).reshape(-1)  # index among all B * T_inner tokens
-        yield f"layer{i}.ffn", (flat % seq_len if depth is None else depth.indices.reshape(-1)[flat])
+        yield f"layer{i}{EXPERT_ROUTER}", (flat % seq_len if depth is None else depth.indices.reshape(-1)[flat])
 
 
 def position_bins(seq_len: int) -> int:
@@ -915,7 +930,7 @@ class Trainer:
                 total += float(out.lm_loss) / self.eval_splits
                 shares = {name: float(r.stats["processed"]) for name, r in routed_layers(out) if "processed" in r.stats}
                 for name, share in shares.items():
-                    weight = shares.get(name.removesuffix(".ffn"), 1.0) if name.endswith(".ffn") else 1.0
+                    weight = share_reaching(name, shares)
                     processed[name] = processed.get(name, 0.0) + share * weight
                     weights[name] = weights.get(name, 0.0) + weight
         names = [name for name in processed if name in routing]
