@@ -28,10 +28,8 @@ from common import (  # noqa: E402
 )
 from mod_step import COMPILE, Runner, check_modes  # noqa: E402
 
-from mode.config import Config, config_from_dict
+from mode.config import BLOCK_KINDS, Config, config_from_dict
 from mode.flops import model_flops
-
-KINDS = ("dense", "mod", "moe", "mode_staged", "mode_integrated")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -66,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
         print("| block kind | fwd+bwd ms | step ms | peak GiB | forward MFLOPs/token | step ms / dense |")
         print("| --- | --- | --- | --- | --- | --- |")
         dense_ms = None
-        for kind in KINDS:
+        for kind in BLOCK_KINDS:
             runner = Runner(kind_config(kind, args), mode, args, device)  # one round of --iters after --warmup
             fwd_bwd_ms, step_ms = statistics.median(runner.fwd_bwd_ms), statistics.median(runner.step_ms)
             dense_ms = dense_ms or step_ms
