@@ -414,13 +414,23 @@ def _override_key(text: str) -> str:
     return text.removeprefix("--").split("=", 1)[0]
 
 
+def _field_path(key: str) -> list[str]:
+    """'train..lr' -> ['train', 'lr']: the path a dotted key names (empty parts dropped)."""
+    return [part for part in key.split(".") if part]
+
+
+def override_field(text: str) -> str:
+    """'--train..lr=3e-4' or 'train.lr' -> 'train.lr': the field an override (or a bare key) sets."""
+    return ".".join(_field_path(_override_key(text)))
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """'--train.lr=3e-4' -> (['train', 'lr'], 0.0003); values are parsed as YAML."""
     body = text[2:] if text.startswith("--") else text
     if "=" not in body:
         raise ConfigError(f"override {text!r} must look like --section.field=value")
     key, raw = body.split("=", 1)
-    path = [p for p in key.split(".") if p]
+    path = _field_path(key)
     if len(path) < 2:
         raise ConfigError(f"override {text!r} must name a section and a field, e.g. --train.lr=3e-4")
     try:

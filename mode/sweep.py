@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import yaml
 
-from mode.config import Config, ConfigError, load_config, read_yaml_file
+from mode.config import Config, ConfigError, load_config, override_field, read_yaml_file
 from mode.report import ReportError, report
 from mode.train import CHECKPOINT, INTERRUPTED, METRICS, curve_differences, steps_within_budget
 
@@ -145,18 +145,12 @@ SET_BY_SWEEP = {
 }
 
 
-def field_name(text: str) -> str:
-    """'--train..lr=3e-4' or 'train.lr' -> 'train.lr', as the config reads the key (empty parts dropped)."""
-    key = text.removeprefix("--").split("=", 1)[0]
-    return ".".join(part for part in key.split(".") if part)
-
-
 def check_fields(varied: list[tuple[str, list[str]]], common: list[str]) -> None:
     """A varied field must be one the sweep does not set itself, and not given as an override too
     (the point's value comes last and would drop the override without a word). SweepError naming it."""
-    given = {field_name(o) for o in common}
+    given = {override_field(o) for o in common}
     for field, _ in varied:
-        name = field_name(field)
+        name = override_field(field)
         if name in SET_BY_SWEEP:
             raise SweepError(f"--vary {name}: {SET_BY_SWEEP[name]}")
         if name in given:
