@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash launch/setup_env.sh
-exec .venv/bin/python -m pytest -q tests "$@"
+# One pytest worker per core, at most 4 (pytest-xdist; `-n 0` after the command runs them in one process).
+exec .venv/bin/python -m pytest -q -n auto --maxprocesses 4 tests "$@"

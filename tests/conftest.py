@@ -15,6 +15,12 @@ if not torch.cuda.is_available():
 
 from mode.data import stdlib_root
 
+# pytest-xdist workers (launch/test.sh runs one per core) share the cores: each computes on its share
+# instead of every worker starting a thread per core.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
+
 
 @pytest.fixture(autouse=True)
 def _seed() -> None:
