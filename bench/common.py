@@ -181,6 +181,19 @@ def gpu_busy_ms(run: Callable[[], None], iters: int) -> float:
     return union_ms([(e.time_range.start, e.time_range.end) for e in kernels]) / iters
 
 
+def host_queue_ms(run: Callable[[], None], iters: int) -> float:
+    """Median milliseconds the host spends in run() from an idle GPU, without waiting for its kernels:
+    the time queuing one pass. Where it exceeds the pass's GPU busy time, the host sets the pace."""
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        run()
+        times.append((time.perf_counter() - start) * 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
 def union_ms(intervals: list[tuple[float, float]]) -> float:
     """Length of the union of [start, end) intervals given in microseconds, in milliseconds."""
     total, end = 0.0, float("-inf")

@@ -23,7 +23,9 @@ synchronisation between them, as the layers of a training step run). Rows:
 --activation gelu (default, the issue's benchmark) or swiglu (the library's default experts: the
 dense MLP and DeepSpeed's expert are mode.layers.mlp.SwiGLU, megablocks runs its GLU with SiLU).
 --busy adds each row's GPU busy time (the union of its kernels' intervals under the profiler, per
-pass): what the GPU spent, without the host's launch gaps that bind the eager rows' wall time.
+pass): what the GPU spent, without the host's launch gaps that bind the eager rows' wall time; and
+the host's time queuing a pass (the median of --iters, from an idle GPU, not waiting for it): where
+it exceeds the GPU busy time, the host, not the GPU, sets the row's pace.
 A row whose library is missing is printed as such, never as a time. --rounds N times every row N
 times, interleaved (row 1, row 2, ..., row 1, ...), and prints the median of each cell: rows bound by
 the host's kernel launches vary from pass to pass with the machine's load.
@@ -52,6 +54,7 @@ from common import (  # noqa: E402
     add_routing_switches,
     apply_routing_switches,
     gpu_busy_ms,
+    host_queue_ms,
     profile_report,
     require_cuda,
     timed,
@@ -303,6 +306,7 @@ def main(argv: list[str] | None = None) -> None:
     # vary with the host from pass to pass; one round measures each row at one moment only.
     times: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name, step, _ in layers if step is not None}
     busy: dict[str, list[float]] = {name: [] for name in times}  # --busy: GPU busy ms, one per round
+    host: dict[str, list[float]] = {name: [] for name in times}  # --busy: the host's ms queuing a pass
     for _ in range(args.rounds):
         for name, step, _ in layers:
             if step is not None:
@@ -311,16 +315,17 @@ def main(argv: list[str] | None = None) -> None:
                 times[name][1].append(timed_back_to_back(step, 2, args.iters, x.device))
                 if args.busy:
                     busy[name].append(gpu_busy_ms(step, args.iters))
+                    host[name].append(host_queue_ms(step, args.iters))
     print(f"\n{args.rounds} interleaved round(s), each cell the median over them; each \"x dense\" divides by "
           "the dense MLP run the same way (eager, one CUDA graph, compiled, compiled + CUDA graphs)\n")
-    busy_head = (" GPU busy ms | x dense |", " --- | --- |") if args.busy else ("", "")
+    busy_head = (" GPU busy ms | x dense | host ms queuing a pass |", " --- | --- | --- |") if args.busy else ("", "")
     print("| implementation | ms, each pass synchronised | x dense | ms, back to back | x dense |" + busy_head[0])
     print("| --- | --- | --- | --- | --- |" + busy_head[1])
     medians = {name: [statistics.median(t) for t in (*times[name], busy[name]) if t] for name in times}
     dense_rows = {run_mode[name]: name for name, step, _ in layers if name.startswith("dense ") and name in medians}
     for name, step, failure in layers:
         if step is None:
-            print(f"| {name} | not run: {failure} | | | |" + " | |" * args.busy)
+            print(f"| {name} | not run: {failure} | | | |" + " | | |" * args.busy)
             continue
         cells = f"| {name} |"
         dense = medians.get(dense_rows.get(run_mode.get(name, "eager"), ""))  # None: that dense row did not run
@@ -329,6 +334,8 @@ def main(argv: list[str] | None = None) -> None:
             shown = "no kernels seen" if i == 2 and not value else f"{value:.{3 if i == 2 else 2}f}"
             ratio = f"{value / dense[i]:.{3 if i == 2 else 2}f}" if dense and value and dense[i] else "-"
             cells += f" {shown} | {ratio} |"
+        if args.busy:
+            cells += f" {statistics.median(host[name]):.2f} |"
         print(cells, flush=True)
     for name, step, _ in layers:
         if step is not None and any(p in name for p in args.profile):
