@@ -6,6 +6,7 @@ Every section forbids unknown keys, so a typo is an error that names its path
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 from typing import Any, Callable, Literal, Sequence, get_args
 
@@ -425,7 +426,7 @@ def override_field(text: str) -> str:
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
-    """'--train.lr=3e-4' -> (['train', 'lr'], 0.0003); values are parsed as YAML."""
+    """'--train.lr=3e-4' -> (['train', 'lr'], 0.0003); values are parsed as YAML (load_yaml)."""
     body = text[2:] if text.startswith("--") else text
     if "=" not in body:
         raise ConfigError(f"override {text!r} must look like --section.field=value")
@@ -434,7 +435,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if len(path) < 2:
         raise ConfigError(f"override {text!r} must name a section and a field, e.g. --train.lr=3e-4")
     try:
-        value = yaml.safe_load(raw) if raw != "" else ""
+        value = load_yaml(raw) if raw != "" else ""
     except yaml.YAMLError as e:
         raise ConfigError(f"override {text!r}: value is not valid YAML: {e}") from e
     return path, value
@@ -468,8 +469,9 @@ def config_from_dict(raw: dict[str, Any], source: str = "<dict>", overrides: Seq
 
 
 class _StrictLoader(yaml.SafeLoader):
-    """yaml.safe_load, except that a key given twice in one mapping is an error: YAML itself keeps the
-    last one silently, and a second `train:` section would drop the whole first one."""
+    """yaml.safe_load, except that a key given twice in one mapping is an error (YAML itself keeps the
+    last one silently, and a second `train:` section would drop the whole first one), and that numbers
+    and booleans follow YAML 1.2 (see _yaml_12_numbers) instead of PyYAML's YAML 1.1."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: dict[Any, int] = {}
@@ -487,6 +489,47 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+
+_INT, _FLOAT, _BOOL = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float", "tag:yaml.org,2002:bool"
+
+
+def _yaml_12_numbers(loader: type[yaml.SafeLoader]) -> None:
+    """Plain scalars become numbers and booleans by YAML 1.2's core schema, not PyYAML's YAML 1.1, whose
+    rules turned written values silently into others: `seed: 010` read as 8 (octal), `1:30` as 90
+    (base 60), and `1e-3` stayed text. Here an integer is decimal as written (leading zeros too), or
+    0o / 0x; a float has a point or an exponent (1e-3), or is .inf / .nan; true and false are the
+    booleans. Anything else is text, which the config's fields then check (`max_steps: 1:30` is an
+    error naming the field). What yaml.safe_dump writes (saved runs' config.yaml) reads back the same."""
+    loader.yaml_implicit_resolvers = {
+        first: [(tag, regexp) for tag, regexp in resolvers if tag not in (_INT, _FLOAT, _BOOL)]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+    }
+    loader.add_implicit_resolver(_BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+    # Integers before floats: a resolver list is tried in order, and "10" also has a float's form.
+    loader.add_implicit_resolver(_INT, re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$"), list("-+0123456789"))
+    loader.add_implicit_resolver(
+        _FLOAT,
+        re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+        list("-+.0123456789"),
+    )
+    loader.add_constructor(_INT, _construct_yaml_12_int)
+
+
+def _construct_yaml_12_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
+    text = loader.construct_scalar(node)
+    if text.startswith(("0o", "0x")):
+        return int(text[2:], 8 if text[1] == "o" else 16)
+    return int(text, 10)
+
+
+_yaml_12_numbers(_StrictLoader)
+
+
+def load_yaml(text: str) -> Any:
+    """YAML text (a config file, an override's or a sweep's value) as the configs read it: _StrictLoader."""
+    return yaml.load(text, Loader=_StrictLoader)
+
+
 def read_yaml_file(path: Path) -> Any:
     """A YAML file's contents, strictly (_StrictLoader); unreadable text or bad YAML is a ConfigError naming it."""
     try:
@@ -494,7 +537,7 @@ def read_yaml_file(path: Path) -> Any:
     except UnicodeDecodeError as e:
         raise ConfigError(f"config file {path} is not UTF-8 text ({e})") from None
     try:
-        return yaml.load(text, Loader=_StrictLoader)
+        return load_yaml(text)
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
 

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import yaml
 
-from mode.config import Config, ConfigError, config_from_dict, flat_fields
+from mode.config import Config, ConfigError, config_from_dict, flat_fields, load_yaml
 from mode.flops import model_flops
 from mode.model import LanguageModel
 from mode.train import METRICS, describes_execution, is_expert_router, share_reaching
@@ -79,7 +79,7 @@ def _read_config(path: Path) -> Config:
     if not path.is_file():
         raise ReportError(f"{path}: not found (is {path.parent} a run folder?)")
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = load_yaml(path.read_text())
         return config_from_dict(raw, str(path))
     except (yaml.YAMLError, ConfigError) as e:
         raise ReportError(f"{path}: {e}") from None

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import yaml
 
-from mode.config import Config, ConfigError, load_config, override_field, read_yaml_file
+from mode.config import Config, ConfigError, load_config, load_yaml, override_field, read_yaml_file
 from mode.report import ReportError, report
 from mode.train import CHECKPOINT, INTERRUPTED, METRICS, curve_differences, steps_within_budget
 
@@ -82,7 +82,7 @@ def split_values(text: str, flag: str = "--vary") -> list[str]:
         raise SweepError(f"{flag}: cannot read the values {text!r} (an empty value, or unbalanced brackets or quotes)")
     for value in values:
         try:
-            yaml.safe_load(value)
+            load_yaml(value)
         except yaml.YAMLError as e:
             raise SweepError(f"{flag}: the value {value.strip()!r} is not YAML ({str(e).splitlines()[0]})") from None
     return [v.strip() for v in values]
@@ -98,7 +98,7 @@ def parse_vary(text: str, flag: str = "--vary") -> tuple[str, list[str]]:
 
 def _name_value(value: str) -> str:
     """A value as it reads in a folder name: YAML's compact form, brackets and spaces dropped."""
-    compact = yaml.safe_dump(yaml.safe_load(value), default_flow_style=True, width=1 << 16).strip()
+    compact = yaml.safe_dump(load_yaml(value), default_flow_style=True, width=1 << 16).strip()
     compact = compact.removesuffix("...").strip()
     return re.sub(r"[^A-Za-z0-9._-]+", "-", compact).strip("-") or "empty"
 

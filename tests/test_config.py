@@ -228,9 +228,36 @@ def test_override_is_validated_like_the_file(tmp_path: Path) -> None:
 
 
 def test_parse_override() -> None:
-    assert parse_override("--train.lr=3e-4") == (["train", "lr"], "3e-4")  # YAML 1.1: pydantic parses it
+    assert parse_override("--train.lr=3e-4") == (["train", "lr"], 3e-4)  # YAML 1.2: a float (1.1 kept text)
     assert parse_override("--model.block_pattern=[dense, mod]") == (["model", "block_pattern"], ["dense", "mod"])
     assert parse_override("--train.out_dir=") == (["train", "out_dir"], "")
+
+
+def test_numbers_read_as_written_in_files_and_overrides(tmp_path: Path) -> None:
+    """YAML 1.2 numbers (mode.config.load_yaml): PyYAML's YAML 1.1 read `seed: 010` as 8 (octal) and
+    `1:30` as 90 (base 60), silently; here 010 is ten, in a file and an override alike, 0x / 0o are
+    explicit, and a value that is no number is an error naming its field."""
+    path = _write(tmp_path, BASE)
+    path.write_text(path.read_text().replace("train:\n", "train:\n  seed: 010\n  log_interval: 0x10\n", 1))
+    cfg = load_config(path)
+    assert cfg.train.seed == 10 and cfg.train.log_interval == 16
+    cfg = load_config(path, ["--train.seed=007", "--train.lr=1e-3", "--train.max_steps=0o17"])
+    assert cfg.train.seed == 7 and cfg.train.lr == 1e-3 and cfg.train.max_steps == 15
+    with pytest.raises(ConfigError) as info:
+        load_config(path, ["--train.max_steps=1:30"])
+    assert "train.max_steps" in str(info.value)
+    assert load_config(path, ["--train.compile=false"]).train.compile is False
+
+
+def test_a_saved_config_reads_back_equal(tmp_path: Path) -> None:
+    """What save_config writes (yaml.safe_dump) reads back through load_yaml as the same config: floats
+    in exponent form, strings YAML 1.1 would take for numbers or booleans (safe_dump quotes them)."""
+    from mode.config import save_config
+
+    cfg = load_config(_write(tmp_path, BASE), ["--train.lr=6e-05", "--train.min_lr=0.0", "--train.out_dir='010'"])
+    save_config(cfg, tmp_path / "saved.yaml")
+    again = load_config(tmp_path / "saved.yaml")
+    assert again == cfg and again.train.out_dir == "010" and again.train.lr == 6e-05
 
 
 @pytest.mark.parametrize(

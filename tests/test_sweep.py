@@ -30,10 +30,14 @@ def test_values_split_on_commas_outside_brackets() -> None:
 
 
 def test_one_value_spelled_twice_is_refused(tmp_path: Path, corpus: Path, capsys) -> None:
-    """3e-3 (a string to YAML, a float to the config) and 0.003 name two folders but train alike."""
-    args = ["--config", str(_config(tmp_path, corpus)), "--out", str(tmp_path / "s"), "--vary", "train.lr=3e-3,0.003"]
+    """10 and 10.0 (an int and a float to YAML, the same max_steps to the config) name two folders but
+    train alike; 3e-3 and 0.003 (one float to YAML 1.2) would even share a folder."""
+    args = ["--config", str(_config(tmp_path, corpus)), "--out", str(tmp_path / "s"), "--vary", "train.max_steps=10,10.0"]
     assert main(args) == 2
-    assert "points lr=3e-3 and lr=0.003 give the same config" in capsys.readouterr().err
+    assert "points max_steps=10 and max_steps=10.0 give the same config" in capsys.readouterr().err
+    args[-1] = "train.lr=3e-3,0.003"
+    assert main(args) == 2
+    assert "two points would share a run folder (lr=0.003, lr=0.003)" in capsys.readouterr().err
     assert split_values("[dense,mod],[dense, mode_integrated]") == ["[dense,mod]", "[dense, mode_integrated]"]
     for bad in ("[dense,mod", "0.1,,0.2", ""):
         with pytest.raises(SweepError, match="cannot read the values"):
