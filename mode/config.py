@@ -23,6 +23,11 @@ DEPTH_ROUTED_KINDS = ("mod", "mode_staged")  # blocks with a depth router (routi
 SEED_LIMIT = 2**63
 
 
+def seed_problem(seed: int) -> str | None:
+    """Why seed cannot seed a run or a sampling (train.seed, mode.generate --seed), or None."""
+    return None if 0 <= seed < SEED_LIMIT else "must be between 0 and 2**63 - 1"
+
+
 class ConfigError(ValueError):
     """A configuration problem; the message names the file and the field path."""
 
@@ -252,8 +257,9 @@ class TrainConfig(Section):
     @classmethod
     def _seed_in_range(cls, seed: int) -> int:
         # checked here: torch.manual_seed would fail later with "Overflow when unpacking long long"
-        if not 0 <= seed < SEED_LIMIT:
-            raise ValueError("must be between 0 and 2**63 - 1")
+        problem = seed_problem(seed)
+        if problem is not None:
+            raise ValueError(problem)
         return seed
 
     @model_validator(mode="after")

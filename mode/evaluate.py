@@ -28,7 +28,7 @@ from mode.config import ConfigError
 from mode.data import DataError
 from mode.generate import model_from_payload
 from mode.train import Trainer, load_checkpoint_file, restore_rng
-from mode.utils import atomic_write_text, pick_device
+from mode.utils import atomic_write_text, folder_problem, pick_device
 
 
 def evaluate_checkpoint(path: Path, batches: int, device: str = "auto", data_path: str | None = None) -> dict[str, Any]:
@@ -83,12 +83,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is not None and args.out.is_dir():
         parser.error(f"--out {args.out}: is a folder; give a file name")
     try:
-        if args.out is not None:  # before the evaluation, not after it: a folder that cannot be made
-            _make_folder_of(args.out)
+        if args.out is not None:  # checked before the evaluation, made after it (nothing left by a failed one)
+            _check_folder_of(args.out)
         result = evaluate_checkpoint(args.run, args.batches, args.device, args.data_path)
         text = json.dumps(result, indent=2)
         print(text)
         if args.out is not None:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
             atomic_write_text(args.out, text + "\n")
     except (ConfigError, DataError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -99,12 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _make_folder_of(out: Path) -> None:
-    """out's folder, made where missing; an OSError naming --out where it cannot be (under a file)."""
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"--out {out}: cannot make its folder {out.parent}: {e.strerror or e}") from e
+def _check_folder_of(out: Path) -> None:
+    """A ValueError naming --out where its folder cannot be made (it is a file, or lies under one)."""
+    problem = folder_problem(out.parent)
+    if problem is not None:
+        raise ValueError(f"--out {out}: cannot make its folder {out.parent}: it {problem}")
 
 
 if __name__ == "__main__":

@@ -62,7 +62,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from mode.config import SEED_LIMIT, Config, ConfigError, config_from_dict
+from mode.config import Config, ConfigError, config_from_dict, seed_problem
 from mode.layers.block import TransformerBlock
 from mode.layers.experts import check_backend
 from mode.layers.mlp import SwiGLU
@@ -938,8 +938,9 @@ def seed_value(text: str) -> int:
         seed = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if not 0 <= seed < SEED_LIMIT:
-        raise argparse.ArgumentTypeError(f"{seed} is out of range: a seed is between 0 and 2**63 - 1")
+    problem = seed_problem(seed)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(f"{seed} is out of range: a seed {problem}")
     return seed
 
 

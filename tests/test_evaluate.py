@@ -147,6 +147,16 @@ def test_evaluate_refuses_an_empty_data_path_and_an_out_under_a_file_before_eval
     assert main([str(run), "--out", str(blocker / "eval.json")]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: --out {blocker / 'eval.json'}: cannot make its folder") and len(err.splitlines()) == 1
+    # --out's folder is made once there is a result to write: a failed evaluation leaves none behind.
+    def fails(*_):  # noqa: ANN202
+        raise ValueError("no validation data")
+
+    monkeypatch.setattr(evaluate, "evaluate_checkpoint", fails)
+    assert main([str(run), "--out", str(tmp_path / "new" / "eval.json")]) == 2
+    assert not (tmp_path / "new").exists()
+    monkeypatch.setattr(evaluate, "evaluate_checkpoint", lambda *a: {"val_loss": 1.0})
+    assert main([str(run), "--out", str(tmp_path / "new" / "eval.json")]) == 0
+    assert json.loads((tmp_path / "new" / "eval.json").read_text()) == {"val_loss": 1.0}
 
 
 def test_causal_share_of_a_staged_ffn_pools_over_batches(tmp_path: Path, corpus: Path) -> None:

@@ -719,4 +719,4 @@ def test_a_seed_out_of_range_names_the_flag(byte_ckpt: Path, capsys, seed: str) 
     with pytest.raises(SystemExit) as info:
         main(["--checkpoint", str(byte_ckpt), "--prompt", "x", "--seed", seed])
     assert info.value.code == 2
-    assert f"argument --seed: {seed} is out of range: a seed is between 0 and 2**63 - 1" in capsys.readouterr().err
+    assert f"argument --seed: {seed} is out of range: a seed must be between 0 and 2**63 - 1" in capsys.readouterr().err
