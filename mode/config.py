@@ -46,6 +46,12 @@ class Section(BaseModel):
             raise ValueError("expected a number, not a boolean")
         return value
 
+    def _set_away_from_default(self, name: str) -> bool:
+        """Whether field `name` was given (model_fields_set) with a value other than its default. A run's
+        saved config.yaml gives every field, defaults included, so "given" alone would refuse saved runs."""
+        default = type(self).model_fields[name].get_default(call_default_factory=True)
+        return name in self.model_fields_set and getattr(self, name) != default
+
 
 class ModelConfig(Section):
     vocab_size: int = Field(256, gt=0, description="256 for the byte-level tokenizer")
@@ -66,7 +72,8 @@ class ModelConfig(Section):
 
     @model_validator(mode="after")
     def _pattern_fits_the_layers(self) -> "ModelConfig":
-        if len(self.block_pattern) > self.n_layers and self._pattern_given():
+        # The default [dense, mod] is cut to [dense] by n_layers=1, as before.
+        if len(self.block_pattern) > self.n_layers and self._set_away_from_default("block_pattern"):
             # block_kinds() cuts the pattern at n_layers: the kinds past it would never be built, while
             # the moe / routing sections and the saved config would still describe them.
             raise ValueError(
@@ -84,11 +91,6 @@ class ModelConfig(Section):
         if (self.d_model // self.n_heads) % 2 != 0:
             raise ValueError("head width d_model / n_heads must be even for rotary embeddings")
         return self
-
-    def _pattern_given(self) -> bool:
-        """Whether block_pattern was given as other than the default [dense, mod], which n_layers=1 cuts to
-        [dense] as before (a run's saved config.yaml gives every field, so "given" alone cannot tell)."""
-        return "block_pattern" in self.model_fields_set and self.block_pattern != list(DEFAULT_BLOCK_PATTERN)
 
     def block_kinds(self) -> list[str]:
         """The kind of every layer, the pattern repeated to n_layers."""
@@ -153,11 +155,6 @@ class MoEConfig(Section):
     backend: Literal["torch", "grouped_gemm", "megablocks"] = Field(
         "torch", description="expert compute: torch (CPU and GPU), grouped_gemm or megablocks (CUDA only)"
     )
-
-    def _set_away_from_default(self, name: str) -> bool:
-        """Whether field `name` was given (model_fields_set) with a value other than its default. A run's
-        saved config.yaml gives every field, defaults included, so "given" alone would refuse saved runs."""
-        return name in self.model_fields_set and getattr(self, name) != type(self).model_fields[name].default
 
     @model_validator(mode="after")
     def _consistent(self) -> "MoEConfig":
