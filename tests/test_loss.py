@@ -54,3 +54,23 @@ def test_model_loss_equals_cross_entropy_of_its_logits() -> None:
     logits = model(tokens[:, :-1]).logits
     torch.testing.assert_close(out.lm_loss, F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()),
                                rtol=F64_TOL, atol=F64_TOL)
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_a_confidently_wrong_prediction_costs_its_full_loss(grad: bool) -> None:
+    """A target 200 logits below the row's largest has a float32 probability that underflows to 0:
+    its loss is still about 200 nats (log-softmax), as F.cross_entropy's, not a capped -log(tiny) = 87.3."""
+    hidden = torch.tensor([[1.0, 0.0], [0.0, 1.0]], requires_grad=grad)
+    weight = torch.tensor([[200.0, 0.0], [0.0, 0.0], [0.0, 3.0]], requires_grad=grad)
+    targets = torch.tensor([1, 2])  # row 0: target logit 0 against 200; row 1: the most likely token
+    with torch.set_grad_enabled(grad):
+        got = linear_cross_entropy(hidden, weight, targets)
+    want = reference(hidden.detach(), weight.detach(), targets)
+    assert got.item() > 99.0  # row 0 alone costs 200 nats: the mean is above 100 - rounding
+    torch.testing.assert_close(got, want, rtol=F32_TOL, atol=F32_TOL)
+    if grad:
+        got.backward()
+        h, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+        reference(h, w, targets).backward()
+        torch.testing.assert_close(hidden.grad, h.grad, rtol=F32_TOL, atol=F32_TOL)
+        torch.testing.assert_close(weight.grad, w.grad, rtol=F32_TOL, atol=F32_TOL)

@@ -41,16 +41,15 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor) -> Tensor:  # type: ignore[override]
         """hidden (N, D), weight (V, D), targets (N,) -> mean cross-entropy, a scalar.
 
-        Per chunk: one matmul for the logits, one softmax pass (reading the logits in their
-        compute dtype, writing float32 probabilities), the loss from the target's
-        probability, and p - one_hot (the summed loss's gradient) cast back for two matmuls.
+        Per chunk: one matmul for the logits, one log-softmax pass (reading the logits in their
+        compute dtype, writing float32 log-probabilities), the loss from the target's, and
+        p - one_hot (the summed loss's gradient) cast back for two matmuls.
         Eager on CUDA, the softmax, loss and p - one_hot are one Triton kernel instead
         (mode/kernels/cross_entropy.py: float32 arithmetic, the gradient written once).
         The 1/N of the mean is applied to the (N, D) and (V, D) results, not to the logits.
         """
         n = hidden.shape[0]
         acc = torch.promote_types(hidden.dtype, torch.float32)  # float32, or float64 in tests
-        tiny = torch.finfo(acc).tiny  # -log(p) is capped near 87 nats in float32: a p that underflows
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros_like(weight, dtype=acc)
         total = hidden.new_zeros((), dtype=acc)
@@ -65,9 +64,11 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 row_loss, grad_logits = cross_entropy_and_grad(logits, t.squeeze(1))
                 total += row_loss.sum()
             else:
-                probs = torch.softmax(logits, dim=-1, dtype=acc)  # (n_chunk, V)
-                total -= probs.gather(1, t).clamp_min(tiny).log().sum()
-                grad_logits = _minus_one_hot(probs, t).to(hidden.dtype)
+                # The loss from log-probabilities, never log(p): a target probability that underflows
+                # float32 (a logit ~104 below the row's largest) would make log(p) -inf.
+                log_probs = torch.log_softmax(logits, dim=-1, dtype=acc)  # (n_chunk, V)
+                total -= log_probs.gather(1, t).sum()
+                grad_logits = _minus_one_hot(log_probs.exp_(), t).to(hidden.dtype)  # p - one_hot
             grad_hidden[start : start + step] = grad_logits @ weight
             grad_weight += grad_logits.t() @ h
         grad_hidden.div_(n)
