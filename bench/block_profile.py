@@ -7,8 +7,12 @@ Where a routed block's time goes in eager mode (--compile: compiled), bf16 autoc
 float32 weights (as training runs it). Table 1, forward+backward of each piece with an incoming gradient:
 - wall ms: median over --iters passes, each synchronised (CUDA events);
 - kernel ms and kernels: the sum of the kernels' own times per pass under torch.profiler
-  (on CPU: every op's own time, and every op event, nested ones included).
-A piece whose wall time is far above its kernel time is bound by the host launching kernels.
+  (on CPU: every op's own time, and every op event, nested ones included);
+- host ms: the median time the host spends queuing a pass from an idle GPU, not waiting for it
+  (bench.common.host_queue_ms; on CPU the pass's own time).
+A piece whose host time exceeds its kernel time is bound by the host launching kernels. Below the
+table, the same for a [dense, MoD] pair of blocks, the period of bench/mod_step.py's model: where
+the pair's host time exceeds its kernel time, that model's eager pass runs at the host's pace.
 Pieces: the dense block on every token; the MoD block (route, block on the chosen tokens,
 gate, add back); the block alone on k tokens; routing alone (route, gate, add back, no block).
 Table 2, the kernel time of single routing ops per call: top-k, sorting the chosen positions
@@ -29,7 +33,7 @@ from torch import Tensor
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/common.py, however this is started
-from common import precision, require_cuda_unless_tiny, timed  # noqa: E402
+from common import host_queue_ms, precision, require_cuda_unless_tiny, timed  # noqa: E402
 
 from mode.config import config_from_dict
 from mode.model import LanguageModel
@@ -62,6 +66,16 @@ def kernels_of(fn: Callable[[], None], device: torch.device) -> list[tuple[str, 
     if cuda:
         return [(e.name, e.device_time) for e in prof.events() if e.device_type.name == "CUDA"]
     return [(e.name, e.self_cpu_time_total) for e in prof.events()]
+
+
+def print_pair(host_ms: dict[str, float], kernel_ms: dict[str, float]) -> None:
+    """A [dense, MoD] pair: the host's time queuing it against its kernels' time."""
+    host = host_ms["dense block"] + host_ms["MoD block"]
+    kernel = kernel_ms["dense block"] + kernel_ms["MoD block"]
+    pace = "host-bound: the host sets the pace" if host > kernel else "kernel-bound"
+    print(f"a [dense, MoD] pair: the host queues it in {host:.3f} ms for {kernel:.3f} ms of kernels ({pace}); "
+          f"the MoD block takes {host_ms['MoD block'] / host_ms['dense block']:.2f} x the dense block's host time "
+          f"and {kernel_ms['MoD block'] / kernel_ms['dense block']:.2f} x its kernel time")
 
 
 def _top_k_positions_with(kernel: bool, scores: Tensor, k: int) -> Tensor:
@@ -145,15 +159,19 @@ def main(argv: list[str] | None = None) -> None:
     print(f"card: {card}; torch {torch.__version__}; B={args.batch} S={args.seq} D={args.width} heads={args.heads} "
           f"ffn={args.ffn} capacity={args.capacity} (k={k}); {'compiled' if args.compile else 'eager'}, "
           f"{precision(device)}\n")
-    print("| forward+backward | wall ms | kernel ms | kernels |")
-    print("| --- | --- | --- | --- |")
-    profiles = {}
+    print("| forward+backward | wall ms | kernel ms | kernels | host ms |")
+    print("| --- | --- | --- | --- | --- |")
+    profiles, kernel_ms, host_ms = {}, {}, {}
     for name, run in pieces.items():
         kernels = kernels_of(run, device)
         profiles[name] = kernels
-        total_ms = sum(t for _, t in kernels) / PROFILED_PASSES / 1e3
-        print(f"| {name} | {timed(run, 3, args.iters, device):.3f} | {total_ms:.3f} | {len(kernels) / PROFILED_PASSES:.0f} |", flush=True)
-    print(f"\n(the dense block's kernel time x capacity: {sum(t for _, t in profiles['dense block']) / PROFILED_PASSES / 1e3 * args.capacity:.3f} ms)")
+        kernel_ms[name] = sum(t for _, t in kernels) / PROFILED_PASSES / 1e3
+        wall = timed(run, 3, args.iters, device)
+        host_ms[name] = host_queue_ms(run, args.iters, device)
+        print(f"| {name} | {wall:.3f} | {kernel_ms[name]:.3f} | {len(kernels) / PROFILED_PASSES:.0f} | "
+              f"{host_ms[name]:.3f} |", flush=True)
+    print(f"\n(the dense block's kernel time x capacity: {kernel_ms['dense block'] * args.capacity:.3f} ms)")
+    print_pair(host_ms, kernel_ms)
 
     scores = torch.randn(args.batch, args.seq, device=device)
     chosen = scores.topk(k, dim=-1, sorted=False).indices

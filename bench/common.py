@@ -181,16 +181,17 @@ def gpu_busy_ms(run: Callable[[], None], iters: int) -> float:
     return union_ms([(e.time_range.start, e.time_range.end) for e in kernels]) / iters
 
 
-def host_queue_ms(run: Callable[[], None], iters: int) -> float:
+def host_queue_ms(run: Callable[[], None], iters: int, device: torch.device = torch.device("cuda")) -> float:
     """Median milliseconds the host spends in run() from an idle GPU, without waiting for its kernels:
-    the time queuing one pass. Where it exceeds the pass's GPU busy time, the host sets the pace."""
+    the time queuing one pass. Where it exceeds the pass's GPU busy time, the host sets the pace.
+    (On CPU the host computes as it goes: the pass's own time.)"""
     times = []
     for _ in range(iters):
-        torch.cuda.synchronize()
+        sync(device)
         start = time.perf_counter()
         run()
         times.append((time.perf_counter() - start) * 1e3)
-    torch.cuda.synchronize()
+    sync(device)
     return statistics.median(times)
 
 

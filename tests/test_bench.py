@@ -174,7 +174,8 @@ def test_block_profile_tiny_compiled() -> None:
     rows = table_rows(out)
     assert [r[0] for r in rows[:2]] == ["dense block", "MoD block"] and rows[2][0].startswith("top-k"), out
     assert ("; compiled, bf16 autocast" if CUDA else "; compiled, float32") in out
-    assert all(number(r[1]) > 0 and number(r[2]) > 0 and number(r[3]) > 0 for r in rows[:2])
+    assert all(len(r) == 5 and all(number(cell) > 0 for cell in r[1:]) for r in rows[:2])
+    assert "a [dense, MoD] pair: the host queues it in " in out, out
 
 
 def test_mod_step_modes_selects_modes(capsys: pytest.CaptureFixture[str]) -> None:
@@ -188,10 +189,13 @@ def test_mod_step_modes_selects_modes(capsys: pytest.CaptureFixture[str]) -> Non
 
 
 def test_block_profile_tiny() -> None:
-    rows = table_rows(run("bench/block_profile.py", "--tiny", "--top", "3"))
+    out = run("bench/block_profile.py", "--tiny", "--top", "3")
+    rows = table_rows(out)
     assert [r[0] for r in rows[:4]] == ["dense block", "MoD block", "the block alone on k=8 tokens",
                                         "routing alone (route, gate, add back)"]
-    assert all(number(r[1]) > 0 and number(r[2]) > 0 and number(r[3]) > 0 for r in rows[:4])
+    assert all(len(r) == 5 and all(number(cell) > 0 for cell in r[1:]) for r in rows[:4])  # host ms too
+    pair = re.search(r"the host queues it in ([\d.]+) ms for ([\d.]+) ms of kernels", out)
+    assert pair and float(pair[1]) > 0 and float(pair[2]) > 0, out
     assert [r[0].split(",")[0] for r in rows[4:]] == [
         "top-k of 8 in (2", "sort the chosen positions", "sort the chosen positions", "top_k_positions",
         "top_k_positions as routers run it (CUDA: one Triton kernel)", "expert choice (2", "expert choice (2",
