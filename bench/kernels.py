@@ -2,7 +2,8 @@
 
     python bench/kernels.py   # rotary on qkv (B=8, S=2048, 16 heads of 64), SwiGLU (16k rows, F=4096),
                               # GELU times row gates (an MoE layer's GELU experts, 16k rows, F=4096),
-                              # the loss's softmax cross-entropy + gradient on one chunk (2048 x 32k)
+                              # the loss's softmax cross-entropy + gradient on one chunk (2048 x 32k),
+                              # and the whole fused loss (16k tokens, 32k vocabulary, width 1024)
 
 Rows, measured in the same process: the eager PyTorch ops the model runs without the kernels,
 the same ops under torch.compile (what a compiled model gets), and the Triton kernel; for the
@@ -13,6 +14,10 @@ the time some kernel ran, per pass, under the profiler (the kernels alone: a syn
 also waits for the host's launches). TB/s: the memory traffic the pass needs at minimum (read
 inputs and incoming gradients once, write outputs and input gradients once) divided by the
 GPU busy time. Both passes include the incoming gradient's fill (torch.ones_like).
+A second table: mode.layers.loss.linear_cross_entropy on bf16 hidden states and weight (what
+autocast hands it), forward+backward, with each chunk's GEMMs writing the hidden states' gradient
+rows and adding into the float32 weight gradient themselves (CHUNK_GEMMS_IN_PLACE), against the
+products followed by a copy and an add; plus the host's time queuing a pass (bench.common.host_queue_ms).
 """
 from __future__ import annotations
 
@@ -25,12 +30,13 @@ import torch
 from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/common.py, however this is started
-from common import gpu_busy_ms, require_cuda, timed  # noqa: E402
+from common import gpu_busy_ms, host_queue_ms, require_cuda, timed  # noqa: E402
 
 from mode.kernels.cross_entropy import cross_entropy_and_grad
 from mode.kernels.gelu import gated_gelu
 from mode.kernels.rotary import rotary_qkv
 from mode.kernels.swiglu import swiglu as swiglu_kernel
+from mode.layers import loss as loss_module
 from mode.layers.rotary import RotaryAngles, RotaryEmbedding, apply_rotary
 
 
@@ -53,10 +59,11 @@ def torch_gelu_without_gates(h: Tensor, gates: Tensor) -> Tensor:
 
 
 def torch_cross_entropy(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
-    """The PyTorch path of mode/layers/loss.py for one chunk: float32 softmax, loss, p - one_hot cast back."""
+    """The PyTorch path of mode/layers/loss.py for one chunk: float32 log-softmax, loss, p - one_hot cast back."""
     t = targets.unsqueeze(1)
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    loss = -probs.gather(1, t).clamp_min(torch.finfo(torch.float32).tiny).log().squeeze(1)
+    log_probs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+    loss = -log_probs.gather(1, t).squeeze(1)
+    probs = log_probs.exp_()
     return loss, probs.scatter_add_(1, t, probs.new_full(t.shape, -1.0)).to(logits.dtype)
 
 
@@ -80,6 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--ffn", type=int, default=4096, help="SwiGLU (h is 2F wide) and GELU hidden width F")
     parser.add_argument("--vocab", type=int, default=32768, help="loss chunk: 2048 rows of this many logits")
+    parser.add_argument("--width", type=int, default=1024, help="the whole loss: hidden width")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=50)
     args = parser.parse_args(argv)
@@ -119,6 +127,27 @@ def main(argv: list[str] | None = None) -> None:
         for name, ms in times.items():
             print(f"| {op} | {name} | {ms:.3f} | {busy[name]:.3f} | {busy[name] / busy['Triton kernel']:.2f} | "
                   f"{traffic / busy[name] / 1e9:.2f} |")
+    whole_loss(args, device)
+
+
+def whole_loss(args: argparse.Namespace, device: torch.device) -> None:
+    """The fused loss over a batch, forward+backward, with and without CHUNK_GEMMS_IN_PLACE."""
+    tokens = args.batch * args.seq
+    hidden = torch.randn(tokens, args.width, device=device, dtype=torch.bfloat16, requires_grad=True)
+    weight = (0.02 * torch.randn(args.vocab, args.width, device=device)).bfloat16().requires_grad_()
+    targets = torch.randint(0, args.vocab, (tokens,), device=device)
+    run = fwd_bwd(loss_module.linear_cross_entropy, [hidden, weight], (targets,))
+    print(f"\nthe fused loss, forward+backward: hidden ({tokens}, {args.width}), weight ({args.vocab}, {args.width}), bf16, "
+          f"{-(-tokens // loss_module._chunk_size(tokens, args.vocab))} chunks\n")
+    print("| chunk GEMMs | ms, synchronised | GPU busy ms | host ms queuing a pass |")
+    print("| --- | --- | --- | --- |")
+    for in_place, name in ((False, "product, then a copy / an add"), (True, "writing in place, adding into the float32 gradient")):
+        loss_module.CHUNK_GEMMS_IN_PLACE = in_place
+        try:
+            ms, busy, host = timed(run, args.warmup, args.iters, device), gpu_busy_ms(run, args.iters), host_queue_ms(run, args.iters)
+        finally:
+            loss_module.CHUNK_GEMMS_IN_PLACE = True
+        print(f"| {name} | {ms:.3f} | {busy:.3f} | {host:.3f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -16,9 +16,12 @@ def reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor)
     return F.cross_entropy((hidden @ weight.t()).reshape(-1, weight.shape[0]), targets.reshape(-1))
 
 
+@pytest.mark.parametrize("in_place", [True, False])  # the chunk GEMMs writing / adding in place, or not
 @pytest.mark.parametrize("chunk_elements", [7 * 50, 2**26])  # several uneven chunks; one chunk
-def test_matches_cross_entropy_values_and_gradients(monkeypatch: pytest.MonkeyPatch, chunk_elements: int) -> None:
+def test_matches_cross_entropy_values_and_gradients(monkeypatch: pytest.MonkeyPatch, chunk_elements: int,
+                                                    in_place: bool) -> None:
     monkeypatch.setattr(loss_module, "CHUNK_ELEMENTS", chunk_elements)
+    monkeypatch.setattr(loss_module, "CHUNK_GEMMS_IN_PLACE", in_place)
     hidden = torch.randn(3, 11, 16, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
     targets = torch.randint(0, 50, (3, 11))

@@ -36,6 +36,35 @@ def _minus_one_hot(probs: Tensor, targets: Tensor) -> Tensor:
     return probs.scatter_add_(1, targets, probs.new_full(targets.shape, -1.0))
 
 
+# True: in eager mode each chunk's GEMMs write the hidden states' gradient rows in place and add into
+# the weight's float32 gradient (bf16 operands on CUDA: cuBLAS accumulating in float32); False: the
+# products, then a copy and an add over the (V, D) weight gradient per chunk (bench/kernels.py
+# compares the two).
+CHUNK_GEMMS_IN_PLACE = True
+
+
+def _matmul_into(out: Tensor, start: int, end: int, a: Tensor, b: Tensor) -> None:
+    """out[start:end] = a @ b: eager, the GEMM writes the rows itself (no (n_chunk, D) result copied)."""
+    if torch.compiler.is_compiling() or not CHUNK_GEMMS_IN_PLACE:  # compiled: Inductor plans its buffers
+        out[start:end] = a @ b
+    else:
+        torch.mm(a, b, out=out[start:end])  # a slice of rows of a contiguous tensor: contiguous
+
+
+def _add_matmul(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """acc += a @ b, one GEMM adding into acc (no (V, D) product written, read and added). For bf16
+    a, b and a float32 acc on CUDA, cuBLAS accumulates in acc's float32: each chunk's product is
+    no longer rounded to bf16 before it is added."""
+    if torch.compiler.is_compiling() or not CHUNK_GEMMS_IN_PLACE:  # compiled: plain ops, Inductor fuses the add
+        acc += a @ b
+    elif a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    elif acc.is_cuda:
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    else:
+        acc += a @ b
+
+
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor) -> Tensor:  # type: ignore[override]
@@ -45,32 +74,40 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         compute dtype, writing float32 log-probabilities), the loss from the target's, and
         p - one_hot (the summed loss's gradient) cast back for two matmuls.
         Eager on CUDA, the softmax, loss and p - one_hot are one Triton kernel instead
-        (mode/kernels/cross_entropy.py: float32 arithmetic, the gradient written once).
+        (mode/kernels/cross_entropy.py: float32 arithmetic, the gradient written once), writing
+        each row's loss into one buffer summed at the end; eager, the hidden states' gradient is
+        written in place by its GEMM and the weight's accumulated by one GEMM a chunk.
         The 1/N of the mean is applied to the (N, D) and (V, D) results, not to the logits.
         """
         n = hidden.shape[0]
         acc = torch.promote_types(hidden.dtype, torch.float32)  # float32, or float64 in tests
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros_like(weight, dtype=acc)
-        total = hidden.new_zeros((), dtype=acc)
         step = _chunk_size(n, weight.shape[0])
         fused = use_triton(hidden) and hidden.dtype != torch.float64
-        for start in range(0, n, step):
-            h, t = hidden[start : start + step], targets[start : start + step].unsqueeze(1)
-            logits = h @ weight.t()  # (n_chunk, V)
-            if fused:  # eager on CUDA: one Triton kernel for the loss and p - one_hot (mode/kernels)
-                from mode.kernels.cross_entropy import cross_entropy_and_grad
+        if fused:  # eager on CUDA: one Triton kernel for the loss and p - one_hot (mode/kernels)
+            from mode.kernels.cross_entropy import cross_entropy_and_grad
 
-                row_loss, grad_logits = cross_entropy_and_grad(logits, t.squeeze(1))
-                total += row_loss.sum()
+            row_loss = torch.empty(n, dtype=torch.float32, device=hidden.device)  # every chunk's, summed once
+        else:
+            total = hidden.new_zeros((), dtype=acc)
+        for start in range(0, n, step):
+            end = min(start + step, n)
+            h = hidden[start:end]
+            logits = h @ weight.t()  # (n_chunk, V)
+            if fused:
+                grad_logits = cross_entropy_and_grad(logits, targets[start:end], loss_out=row_loss[start:end])
             else:
+                t = targets[start:end].unsqueeze(1)  # (n_chunk, 1)
                 # The loss from log-probabilities, never log(p): a target probability that underflows
                 # float32 (a logit ~104 below the row's largest) would make log(p) -inf.
                 log_probs = torch.log_softmax(logits, dim=-1, dtype=acc)  # (n_chunk, V)
                 total -= log_probs.gather(1, t).sum()
                 grad_logits = _minus_one_hot(log_probs.exp_(), t).to(hidden.dtype)  # p - one_hot
-            grad_hidden[start : start + step] = grad_logits @ weight
-            grad_weight += grad_logits.t() @ h
+            _matmul_into(grad_hidden, start, end, grad_logits, weight)
+            _add_matmul(grad_weight, grad_logits.t(), h)
+        if fused:
+            total = row_loss.sum()
         grad_hidden.div_(n)
         ctx.save_for_backward(grad_hidden, grad_weight.div_(n).to(weight.dtype))
         return total / n
