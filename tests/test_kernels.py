@@ -293,7 +293,9 @@ def test_cross_entropy_and_grad_writes_its_losses_into_loss_out() -> None:
     want_loss, want_grad = cross_entropy_and_grad(logits, targets)
     assert torch.equal(buffer[2:7], want_loss) and torch.equal(grad, want_grad)
     assert bool((buffer[:2] == -7.0).all()) and bool((buffer[7:] == -7.0).all())
-    for bad in (torch.empty(5, dtype=torch.float64, device=DEVICE), torch.empty(4, device=DEVICE)):
+    bad_ones = [torch.empty(5, dtype=torch.float64, device=DEVICE), torch.empty(4, device=DEVICE),
+                torch.empty(10, device=DEVICE)[::2]]  # the wrong dtype, length, layout
+    for bad in bad_ones:
         with pytest.raises(ValueError, match="loss_out must be a contiguous float32"):
             cross_entropy_and_grad(logits, targets, loss_out=bad)
 

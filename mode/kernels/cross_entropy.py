@@ -63,9 +63,10 @@ def cross_entropy_and_grad(logits: Tensor, targets: Tensor, loss_out: Tensor | N
     loss_out: a contiguous float32 (N,) tensor the losses are written into; only the gradient is returned."""
     if logits.dim() != 2 or targets.shape != logits.shape[:1]:
         raise ValueError(f"cross_entropy_and_grad: logits (N, V) and targets (N,), got {tuple(logits.shape)}, {tuple(targets.shape)}")
-    if loss_out is not None and not (loss_out.shape == targets.shape and loss_out.dtype == torch.float32 and loss_out.is_contiguous()):
-        raise ValueError(f"cross_entropy_and_grad: loss_out must be a contiguous float32 ({targets.shape[0]},) tensor, "
-                         f"got {loss_out.dtype} {tuple(loss_out.shape)}")
+    if loss_out is not None and not (loss_out.shape == targets.shape and loss_out.dtype == torch.float32
+                                     and loss_out.is_contiguous() and loss_out.device == logits.device):
+        raise ValueError(f"cross_entropy_and_grad: loss_out must be a contiguous float32 ({targets.shape[0]},) tensor "
+                         f"on {logits.device}, got {loss_out.dtype} {tuple(loss_out.shape)} on {loss_out.device}")
     logits, targets = logits.contiguous(), targets.contiguous()
     rows, vocab = logits.shape
     grad = torch.empty_like(logits)
