@@ -283,14 +283,15 @@ def test_cross_entropy_kernel_on_logits_near_float32s_lowest() -> None:
 
 def test_cross_entropy_and_grad_writes_its_losses_into_loss_out() -> None:
     """loss_out: the per-row losses land in the given float32 slice (nothing else of its buffer is
-    touched) and only the gradient is returned; a loss_out of another dtype or shape is refused."""
+    touched), which is returned as the loss; a loss_out of another dtype, shape or layout is refused."""
     from mode.kernels.cross_entropy import cross_entropy_and_grad
 
     logits = torch.randn(5, 70, device=DEVICE)
     targets = torch.randint(0, 70, (5,), device=DEVICE)
     buffer = torch.full((9,), -7.0, device=DEVICE)
-    grad = cross_entropy_and_grad(logits, targets, loss_out=buffer[2:7])
+    loss, grad = cross_entropy_and_grad(logits, targets, loss_out=buffer[2:7])
     want_loss, want_grad = cross_entropy_and_grad(logits, targets)
+    assert loss.data_ptr() == buffer[2:7].data_ptr()
     assert torch.equal(buffer[2:7], want_loss) and torch.equal(grad, want_grad)
     assert bool((buffer[:2] == -7.0).all()) and bool((buffer[7:] == -7.0).all())
     bad_ones = [torch.empty(5, dtype=torch.float64, device=DEVICE), torch.empty(4, device=DEVICE),

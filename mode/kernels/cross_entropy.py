@@ -9,8 +9,6 @@ gradient written once in the logits' dtype, with float32 arithmetic throughout.
 """
 from __future__ import annotations
 
-from typing import overload
-
 import torch
 import triton
 import triton.language as tl
@@ -51,16 +49,10 @@ def _cross_entropy_fwd_grad(logits_ptr, targets_ptr, grad_ptr, loss_ptr, vocab, 
         store_rounded(grad_ptr + row * vocab + start + cols, grad, mask)
 
 
-@overload
-def cross_entropy_and_grad(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]: ...
-@overload
-def cross_entropy_and_grad(logits: Tensor, targets: Tensor, loss_out: Tensor) -> Tensor: ...
-
-
-def cross_entropy_and_grad(logits: Tensor, targets: Tensor, loss_out: Tensor | None = None) -> tuple[Tensor, Tensor] | Tensor:
+def cross_entropy_and_grad(logits: Tensor, targets: Tensor, loss_out: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """logits (N, V), targets (N,) -> (loss per row (N,) float32, softmax(logits) - one_hot (N, V)
     in logits' dtype). No autograd: the caller (the fused loss) uses the gradient itself.
-    loss_out: a contiguous float32 (N,) tensor the losses are written into; only the gradient is returned."""
+    loss_out: a contiguous float32 (N,) tensor to write the losses into (and return) instead of a new one."""
     if logits.dim() != 2 or targets.shape != logits.shape[:1]:
         raise ValueError(f"cross_entropy_and_grad: logits (N, V) and targets (N,), got {tuple(logits.shape)}, {tuple(targets.shape)}")
     if loss_out is not None and not (loss_out.shape == targets.shape and loss_out.dtype == torch.float32
@@ -74,4 +66,4 @@ def cross_entropy_and_grad(logits: Tensor, targets: Tensor, loss_out: Tensor | N
     if rows:
         with on_device_of(logits):
             _cross_entropy_fwd_grad[(rows,)](logits, targets, grad, loss, vocab, BLOCK=min(BLOCK, triton.next_power_of_2(vocab)))
-    return (loss, grad) if loss_out is None else grad
+    return loss, grad

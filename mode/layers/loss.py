@@ -43,23 +43,21 @@ def _minus_one_hot(probs: Tensor, targets: Tensor) -> Tensor:
 CHUNK_GEMMS_IN_PLACE = True
 
 
-def _matmul_into(out: Tensor, start: int, end: int, a: Tensor, b: Tensor) -> None:
-    """out[start:end] = a @ b: eager, the GEMM writes the rows itself (no (n_chunk, D) result copied)."""
-    if torch.compiler.is_compiling() or not CHUNK_GEMMS_IN_PLACE:  # compiled: Inductor plans its buffers
-        out[start:end] = a @ b
-    else:
+def _matmul_into(out: Tensor, start: int, end: int, a: Tensor, b: Tensor, in_place: bool) -> None:
+    """out[start:end] = a @ b; in_place: the GEMM writes the rows itself (no (n_chunk, D) result copied)."""
+    if in_place:
         torch.mm(a, b, out=out[start:end])  # a slice of rows of a contiguous tensor: contiguous
+    else:
+        out[start:end] = a @ b
 
 
-def _add_matmul(acc: Tensor, a: Tensor, b: Tensor) -> None:
-    """acc += a @ b, one GEMM adding into acc (no (V, D) product written, read and added). For bf16
-    a, b and a float32 acc on CUDA, cuBLAS accumulates in acc's float32: each chunk's product is
-    no longer rounded to bf16 before it is added."""
-    if torch.compiler.is_compiling() or not CHUNK_GEMMS_IN_PLACE:  # compiled: plain ops, Inductor fuses the add
-        acc += a @ b
-    elif a.dtype == acc.dtype:
+def _add_matmul(acc: Tensor, a: Tensor, b: Tensor, in_place: bool) -> None:
+    """acc += a @ b; in_place: one GEMM adding into acc (no (V, D) product written, read and added).
+    For bf16 a, b and a float32 acc on CUDA, cuBLAS accumulates in acc's float32: each chunk's product
+    is not rounded to bf16 before it is added."""
+    if in_place and a.dtype == acc.dtype:
         acc.addmm_(a, b)
-    elif acc.is_cuda:
+    elif in_place and acc.is_cuda:
         torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
     else:
         acc += a @ b
@@ -71,11 +69,11 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         """hidden (N, D), weight (V, D), targets (N,) -> mean cross-entropy, a scalar.
 
         Per chunk: one matmul for the logits, one log-softmax pass (reading the logits in their
-        compute dtype, writing float32 log-probabilities), the loss from the target's, and
+        compute dtype, writing float32 log-probabilities), each row's loss from its target's, and
         p - one_hot (the summed loss's gradient) cast back for two matmuls.
         Eager on CUDA, the softmax, loss and p - one_hot are one Triton kernel instead
-        (mode/kernels/cross_entropy.py: float32 arithmetic, the gradient written once), writing
-        each row's loss into one buffer summed at the end; eager, the hidden states' gradient is
+        (mode/kernels/cross_entropy.py: float32 arithmetic, the gradient written once). The rows'
+        losses go into one buffer, summed once at the end; eager, the hidden states' gradient is
         written in place by its GEMM and the weight's accumulated by one GEMM a chunk.
         The 1/N of the mean is applied to the (N, D) and (V, D) results, not to the logits.
         """
@@ -85,29 +83,26 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         grad_weight = torch.zeros_like(weight, dtype=acc)
         step = _chunk_size(n, weight.shape[0])
         fused = use_triton(hidden) and hidden.dtype != torch.float64
+        in_place = CHUNK_GEMMS_IN_PLACE and not torch.compiler.is_compiling()  # compiled: Inductor plans its buffers
         if fused:  # eager on CUDA: one Triton kernel for the loss and p - one_hot (mode/kernels)
             from mode.kernels.cross_entropy import cross_entropy_and_grad
-
-            row_loss = torch.empty(n, dtype=torch.float32, device=hidden.device)  # every chunk's, summed once
-        else:
-            total = hidden.new_zeros((), dtype=acc)
+        row_loss = torch.empty(n, dtype=acc, device=hidden.device)  # every chunk's, summed once
         for start in range(0, n, step):
             end = min(start + step, n)
             h = hidden[start:end]
             logits = h @ weight.t()  # (n_chunk, V)
             if fused:
-                grad_logits = cross_entropy_and_grad(logits, targets[start:end], loss_out=row_loss[start:end])
+                _, grad_logits = cross_entropy_and_grad(logits, targets[start:end], loss_out=row_loss[start:end])
             else:
                 t = targets[start:end].unsqueeze(1)  # (n_chunk, 1)
                 # The loss from log-probabilities, never log(p): a target probability that underflows
                 # float32 (a logit ~104 below the row's largest) would make log(p) -inf.
                 log_probs = torch.log_softmax(logits, dim=-1, dtype=acc)  # (n_chunk, V)
-                total -= log_probs.gather(1, t).sum()
+                row_loss[start:end] = -log_probs.gather(1, t).squeeze(1)
                 grad_logits = _minus_one_hot(log_probs.exp_(), t).to(hidden.dtype)  # p - one_hot
-            _matmul_into(grad_hidden, start, end, grad_logits, weight)
-            _add_matmul(grad_weight, grad_logits.t(), h)
-        if fused:
-            total = row_loss.sum()
+            _matmul_into(grad_hidden, start, end, grad_logits, weight, in_place)
+            _add_matmul(grad_weight, grad_logits.t(), h, in_place)
+        total = row_loss.sum()
         grad_hidden.div_(n)
         ctx.save_for_backward(grad_hidden, grad_weight.div_(n).to(weight.dtype))
         return total / n
