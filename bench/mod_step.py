@@ -13,7 +13,9 @@ torch.compile, and torch.compile with CUDA graphs
 host). Both models of a mode stay built and are timed in interleaved rounds (dense, MoD,
 dense, ...); each cell is the median over rounds of each round's median. Prints a markdown table.
 "eager + CUDA graphs" is the eager model as train.cuda_graphs trains it (mode.train.GraphedMicroStep:
-forward and backward captured once, replayed; no torch.compile).
+forward and backward captured once, replayed; no torch.compile): how python -m mode.train runs
+without torch.compile on a GPU by default (train.cuda_graphs=auto). "eager" is plain eager
+(train.cuda_graphs=false), each kernel launched from the host.
 """
 from __future__ import annotations
 

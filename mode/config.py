@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Callable, Literal, Sequence, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, ValidationInfo, field_validator, model_validator
 
 BLOCK_KINDS = ("dense", "mod", "moe", "mode_staged", "mode_integrated")
 BlockKind = Literal["dense", "mod", "moe", "mode_staged", "mode_integrated"]
@@ -237,12 +237,14 @@ class TrainConfig(Section):
             "graphs (one process, GPU), which routed layers' many small kernels gain most from"
         ),
     )
-    cuda_graphs: bool = Field(
-        False,
+    cuda_graphs: StrictBool | Literal["auto"] = Field(
+        "auto",
         description=(
             "eager CUDA graphs, without torch.compile: each micro-batch's forward and backward captured once "
             "and replayed (one process, GPU; static shapes: token choice on moe.backend=torch, dropless only where "
-            "its sync-free layout runs: H100/H200-class GPUs, bf16)"
+            "its sync-free layout runs: H100/H200-class GPUs, bf16). auto: wherever they can run (python -m "
+            "mode.train on a GPU, not compiled, no layer reading its routing on the host), plain eager elsewhere; "
+            "true: required (an error where they cannot run); false: plain eager"
         ),
     )
     progress: bool = True
@@ -265,7 +267,7 @@ class TrainConfig(Section):
             raise ValueError(f"min_lr ({self.min_lr}) must not exceed lr ({self.lr})")
         if self.compile_mode != "default" and not self.compile:
             raise ValueError(f"compile_mode={self.compile_mode!r} needs compile=true")
-        if self.cuda_graphs and self.compile:
+        if self.cuda_graphs is True and self.compile:
             raise ValueError(
                 "cuda_graphs=true graphs the eager model; with compile=true use compile_mode=reduce-overhead instead"
             )
@@ -341,7 +343,7 @@ class Config(Section):
         backend sizes its groups on the host, from the routing. (Dropless on torch has a sync-free
         layout on some GPUs: the trainer checks that on its device, MoEFFN.syncs_with_host.)"""
         m = self.moe
-        if self.train.cuda_graphs and self.model.has_experts() and m.scheme == "token_choice" and m.backend != "torch":
+        if self.train.cuda_graphs is True and self.model.has_experts() and m.scheme == "token_choice" and m.backend != "torch":
             raise ValueError(
                 "train.cuda_graphs needs static shapes: token choice runs on moe.backend=torch under CUDA "
                 f"graphs (got backend={m.backend})"

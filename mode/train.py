@@ -216,17 +216,38 @@ class TorchOptimization:
 
 
 # ----------------------------------------------------------------------------- eager CUDA graphs
-def _check_graphable(model: nn.Module, device: torch.device) -> None:
-    """train.cuda_graphs: every MoE FFN must run without reading routing on the host (bf16 tokens
-    on this device, as training runs them), or the capture would fail mid-step."""
+def eager_graphs(config: Config, device: torch.device, model: nn.Module, one_process: bool) -> tuple[bool, str | None]:
+    """Whether the eager model's micro-batches run as CUDA graphs (train.cuda_graphs), and, where
+    auto leaves them off on a GPU, why (a note for the user). true: required, and an error naming
+    the field where they cannot run; auto: wherever they can; false: never. Without graphs an eager
+    routed model is bound by the host's launches (bench/block_profile.py), with them by its kernels."""
+    t = config.train
+    if t.cuda_graphs is False or t.compile:  # compiled: train.compile_mode=reduce-overhead graphs it
+        return False, None
+    required = t.cuda_graphs is True
+    if device.type != "cuda":
+        if required:
+            raise ConfigError(f"train.cuda_graphs needs a CUDA device (train.device is {t.device!r}: {device})")
+        return False, None
+    if not one_process:  # launch/train.py refuses true; its engine owns the gradients
+        return False, "train.cuda_graphs=auto: plain eager (CUDA graphs run in one process, python -m mode.train)"
+    reason = _host_reading_layer(model, device)
+    if reason is None:
+        return True, None
+    if required:
+        raise ConfigError(f"train.cuda_graphs: {reason}; use moe.capacity_factor instead of dropless")
+    return False, f"train.cuda_graphs=auto: plain eager, since {reason}"
+
+
+def _host_reading_layer(model: nn.Module, device: torch.device) -> str | None:
+    """The first MoE FFN that reads its routing on the host (bf16 tokens on this device, as training
+    runs them), which would fail a capture mid-step; None if there is none."""
     probe = torch.empty(1, 8, device=device, dtype=torch.bfloat16)
     for name, module in model.named_modules():
         if isinstance(module, MoEFFN) and module.syncs_with_host(probe):
-            raise ConfigError(
-                f"train.cuda_graphs: {name} reads its routing on the host: token choice with moe.dropless=true "
-                f"runs sync-free only on moe.backend=torch, on an H100/H200-class GPU (this is a "
-                f"{torch.cuda.get_device_name(device)}); use moe.capacity_factor instead of dropless"
-            )
+            return (f"{name} reads its routing on the host: token choice with moe.dropless=true runs sync-free "
+                    f"only on moe.backend=torch, on an H100/H200-class GPU (this is a {torch.cuda.get_device_name(device)})")
+    return None
 
 
 class GraphedMicroStep:
@@ -271,7 +292,10 @@ class GraphedMicroStep:
         self.x, self.y = x.clone(), y.clone()  # the graph's inputs: each call copies its batch in
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        # The warm-up passes draw no numbers from the run's generators (routing.random): replay k
+        # draws what eager pass k would, and a resumed run, which captures again, what the
+        # uninterrupted one drew.
+        with torch.cuda.stream(side), torch.random.fork_rng(devices=[self.x.device]):
             for _ in range(self.WARMUP_PASSES):
                 self._pass()
         torch.cuda.current_stream().wait_stream(side)
@@ -644,17 +668,18 @@ class Trainer:
         self.model = model if model is not None else build_model(config, self.device, resume)
         t = config.train
         self.forward = torch.compile(self.model, mode=t.compile_mode) if t.compile else self.model
+        self.notes: list[str] = []  # for the user, before training starts
+        # The eager model as CUDA graphs (train.cuda_graphs); one process: a given optimization is an engine's.
+        eager_graphed, why_not = eager_graphs(config, self.device, self.model, one_process=optimization is None)
+        if why_not:
+            self.notes.append(why_not)
         # CUDA graphs (compiled, or the eager model's) own their outputs and add into kept gradients.
-        self.graphed = (t.compile and t.compile_mode == "reduce-overhead") or t.cuda_graphs
+        self.graphed = (t.compile and t.compile_mode == "reduce-overhead") or eager_graphed
         self.optimization = optimization or TorchOptimization(self.model, config, self.device, keep_grads=self.graphed)
         self.graphed_step: GraphedMicroStep | None = None
-        if t.cuda_graphs:
-            if self.device.type != "cuda":
-                raise ConfigError(f"train.cuda_graphs needs a CUDA device (train.device is {t.device!r}: {self.device})")
-            _check_graphable(self.model, self.device)
+        if eager_graphed:
             self.graphed_step = GraphedMicroStep(self.model, self.optimization.backward, t.grad_accum)
         self.flops_per_token = model_flops(config).train_per_token
-        self.notes: list[str] = []  # for the user, before training starts
         if t.flops_budget is not None:  # before the run folder's config is written: it records the steps
             given, t.max_steps = t.max_steps, steps_within_budget(config, world_size)
             instead = "" if given == t.max_steps else f", in place of the config's max_steps={given}"

@@ -30,6 +30,7 @@ from mode.train import (
     Trainer,
     build_model,
     clipped_gradients,
+    eager_graphs,
     learning_rate,
     load_checkpoint_file,
     main,
@@ -694,6 +695,81 @@ def test_cuda_graphed_training_matches_eager(tmp_path: Path, corpus: Path, block
                 assert graphed[key] == pytest.approx(eager[key], abs=loss_atol), (key, eager["step"])
         if "grad_norm" in eager:  # a norm of ~1: bf16 rounding moves it by a few per cent at most
             assert graphed["grad_norm"] == pytest.approx(eager["grad_norm"], rel=norm_rtol), eager["step"]
+
+
+# Every block kind, and each way a depth router decides (random, causal methods), under the default
+# train.cuda_graphs=auto on a GPU against plain eager.
+# case -> (block kind, routing section, moe section)
+AUTO_GRAPHED = {
+    "dense": ("dense", {}, {}), "mod": ("mod", {}, {}), "mod random": ("mod", {"random": True}, {}),
+    "mod causal aux_loss": ("mod", {"causal": "aux_loss"}, {}), "mod causal predictor": ("mod", {"causal": "predictor"}, {}),
+    "moe": ("moe", {}, {}), "moe token choice": ("moe", {}, {"scheme": "token_choice", "capacity_factor": 1.0}),
+    "mode_staged": ("mode_staged", {}, {}), "mode_integrated": ("mode_integrated", {}, {"n_noop": 1}),
+}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("case", sorted(AUTO_GRAPHED))
+def test_default_cuda_graphs_train_as_plain_eager(tmp_path: Path, corpus: Path, case: str) -> None:
+    """train.cuda_graphs=auto, the default, graphs the eager model on a GPU, and every block kind and
+    routing method trains as plain eager (cuda_graphs=false) does: the same losses, gradient norms
+    and evaluation, and the same draws from the GPU's generator (random routing: the capture's
+    warm-up passes draw nothing, so replay k draws what eager pass k draws)."""
+    block, routing, moe = AUTO_GRAPHED[case]
+    runs, rng = {}, {}
+    for graphs in (False, "auto"):
+        config = make_config(tmp_path / str(graphs), corpus, model={"block_pattern": ["dense", block]}, routing=routing,
+                             moe=moe, train={"device": "cuda", "max_steps": 4, "warmup_steps": 2, "eval_interval": 2,
+                                             "cuda_graphs": graphs})
+        trainer = Trainer(config)
+        assert (trainer.graphed_step is not None) is (graphs == "auto") and trainer.notes == []
+        runs[graphs] = trainer.run()
+        rng[graphs] = torch.cuda.get_rng_state(trainer.device)
+    assert torch.equal(rng[False], rng["auto"])
+    loss_atol, norm_rtol = GRAPHED_TOLERANCE["eager"]
+    for eager, graphed in zip(runs[False], runs["auto"], strict=True):
+        assert eager["step"] == graphed["step"]
+        for key in ("loss", "val_loss"):
+            if key in eager:
+                assert graphed[key] == pytest.approx(eager[key], abs=loss_atol), (key, eager["step"])
+        if "grad_norm" in eager:
+            assert graphed["grad_norm"] == pytest.approx(eager["grad_norm"], rel=norm_rtol), eager["step"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_graphed_resume_continues_the_same_curve(tmp_path: Path, corpus: Path) -> None:
+    """Under the default CUDA graphs a resumed run captures again: with random routing it must draw
+    what the uninterrupted run drew (the warm-up passes draw nothing), so the curves agree."""
+    def cfg(out: Path, max_steps: int) -> Config:
+        return make_config(out, corpus, routing={"random": True},
+                           train={"device": "cuda", "max_steps": max_steps, "checkpoint_interval": 4})
+
+    Trainer(cfg(tmp_path / "a", 8)).run()
+    Trainer(cfg(tmp_path / "b", 4)).run()
+    Trainer(cfg(tmp_path / "b", 8), resume=True).run()
+    losses_a, losses_b = train_losses(tmp_path / "a"), train_losses(tmp_path / "b")
+    assert sorted(losses_a) == sorted(losses_b) == list(range(1, 9))
+    for step in range(1, 9):  # the same kernels in the same order: only atomics' order may differ
+        assert losses_b[step] == pytest.approx(losses_a[step], abs=GRAPHED_TOLERANCE["eager"][0]), step
+
+
+def test_cuda_graphs_default_to_auto(tmp_path: Path, corpus: Path) -> None:
+    """train.cuda_graphs is auto unless set: plain eager on a CPU (no note) and beside torch.compile,
+    and in a multi-process run (with a note saying so); only true, false or auto are read."""
+    assert TrainConfig().cuda_graphs == "auto"
+    make_config(tmp_path / "run", corpus, train={"compile": True})  # auto gives way to compile
+    trainer = Trainer(make_config(tmp_path / "run", corpus))
+    assert trainer.graphed_step is None and trainer.optimization.keep_grads is False and trainer.notes == []
+    config = make_config(tmp_path / "other", corpus, train={"device": "cuda"})
+    graphed, note = eager_graphs(config, torch.device("cuda"), trainer.model, one_process=False)
+    assert graphed is False and "plain eager" in note and "one process" in note
+    assert eager_graphs(make_config(tmp_path / "other", corpus, train={"compile": True}), torch.device("cuda"),
+                        trainer.model, one_process=True) == (False, None)
+    for bad in ("yes", 1, "always"):
+        with pytest.raises(ConfigError, match=r"train\.cuda_graphs"):
+            make_config(tmp_path / "other", corpus, train={"cuda_graphs": bad})
+    assert load_config(None, ["--train.cuda_graphs=auto"]).train.cuda_graphs == "auto"
+    assert load_config(None, ["--train.cuda_graphs=false"]).train.cuda_graphs is False
 
 
 def test_eager_cuda_graphs_are_validated(tmp_path: Path, corpus: Path) -> None:

@@ -103,10 +103,10 @@ def build_trainer(config: Config, processes: Processes, resume: bool = False) ->
             "train.compile_mode=reduce-overhead (CUDA graphs) runs with python -m mode.train (one "
             "process) only; through launch/train.py (DeepSpeed) use train.compile_mode=default"
         )
-    if config.train.cuda_graphs:
+    if config.train.cuda_graphs is True:  # auto: plain eager here (Trainer.graphs_apply)
         raise ConfigError(
-            "train.cuda_graphs (CUDA graphs) runs with python -m mode.train (one process) only; "
-            "through launch/train.py (DeepSpeed) set train.cuda_graphs=false"
+            "train.cuda_graphs=true (CUDA graphs) runs with python -m mode.train (one process) only; "
+            "through launch/train.py (DeepSpeed) set train.cuda_graphs=auto or false"
         )
     torch.manual_seed(config.train.seed)
     # routing.random: each process draws the global micro-batch's scores and keeps its rows (every
