@@ -218,7 +218,7 @@ class TorchOptimization:
 # ----------------------------------------------------------------------------- eager CUDA graphs
 def eager_graphs(config: Config, device: torch.device, model: nn.Module, one_process: bool) -> tuple[bool, str | None]:
     """Whether the eager model's micro-batches run as CUDA graphs (train.cuda_graphs), and, where
-    auto leaves them off on a GPU, why (a note for the user). true: required, and an error naming
+    auto decides on a GPU, a note for the user saying which and why. true: required, and an error naming
     the field where they cannot run; auto: wherever they can; false: never. Without graphs an eager
     routed model is bound by the host's launches (bench/block_profile.py), with them by its kernels."""
     t = config.train
@@ -233,7 +233,8 @@ def eager_graphs(config: Config, device: torch.device, model: nn.Module, one_pro
         return False, "train.cuda_graphs=auto: plain eager (CUDA graphs run in one process, python -m mode.train)"
     reason = _host_reading_layer(model, device)
     if reason is None:
-        return True, None
+        return True, None if required else ("train.cuda_graphs=auto: each micro-batch's forward and backward run as one "
+                                            "CUDA graph, captured at the first step (false: plain eager)")
     if required:
         raise ConfigError(f"train.cuda_graphs: {reason}; use moe.capacity_factor instead of dropless")
     return False, f"train.cuda_graphs=auto: plain eager, since {reason}"
@@ -670,9 +671,9 @@ class Trainer:
         self.forward = torch.compile(self.model, mode=t.compile_mode) if t.compile else self.model
         self.notes: list[str] = []  # for the user, before training starts
         # The eager model as CUDA graphs (train.cuda_graphs); one process: a given optimization is an engine's.
-        eager_graphed, why_not = eager_graphs(config, self.device, self.model, one_process=optimization is None)
-        if why_not:
-            self.notes.append(why_not)
+        eager_graphed, note = eager_graphs(config, self.device, self.model, one_process=optimization is None)
+        if note:
+            self.notes.append(note)
         # CUDA graphs (compiled, or the eager model's) own their outputs and add into kept gradients.
         self.graphed = (t.compile and t.compile_mode == "reduce-overhead") or eager_graphed
         self.optimization = optimization or TorchOptimization(self.model, config, self.device, keep_grads=self.graphed)

@@ -722,7 +722,10 @@ def test_default_cuda_graphs_train_as_plain_eager(tmp_path: Path, corpus: Path, 
                              moe=moe, train={"device": "cuda", "max_steps": 4, "warmup_steps": 2, "eval_interval": 2,
                                              "cuda_graphs": graphs})
         trainer = Trainer(config)
-        assert (trainer.graphed_step is not None) is (graphs == "auto") and trainer.notes == []
+        assert (trainer.graphed_step is not None) is (graphs == "auto")
+        assert trainer.notes == ([] if graphs is False else [
+            "train.cuda_graphs=auto: each micro-batch's forward and backward run as one CUDA graph, captured at "
+            "the first step (false: plain eager)"])
         runs[graphs] = trainer.run()
         rng[graphs] = torch.cuda.get_rng_state(trainer.device)
     assert torch.equal(rng[False], rng["auto"])
@@ -751,6 +754,20 @@ def test_graphed_resume_continues_the_same_curve(tmp_path: Path, corpus: Path) -
     assert sorted(losses_a) == sorted(losses_b) == list(range(1, 9))
     for step in range(1, 9):  # the same kernels in the same order: only atomics' order may differ
         assert losses_b[step] == pytest.approx(losses_a[step], abs=GRAPHED_TOLERANCE["eager"][0]), step
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_default_cuda_graphs_give_way_to_a_layer_reading_the_host(tmp_path: Path, corpus: Path) -> None:
+    """Dropless token choice on grouped_gemm sizes its groups on the host: under auto the run trains
+    plain eager and says why, naming the layer; true refuses it at the config."""
+    pytest.importorskip("grouped_gemm")  # the GPU extras (README): test_moe's grouped_gemm tests need them too
+    moe = {"scheme": "token_choice", "dropless": True, "backend": "grouped_gemm"}
+    trainer = Trainer(make_config(tmp_path / "run", corpus, model={"block_pattern": ["dense", "moe"]}, moe=moe,
+                                  train={"device": "cuda", "max_steps": 2}))
+    assert trainer.graphed_step is None and trainer.optimization.keep_grads is False
+    assert len(trainer.notes) == 1
+    assert trainer.notes[0].startswith("train.cuda_graphs=auto: plain eager, since blocks.1.ffn reads its routing on the host")
+    assert [r["step"] for r in trainer.run() if "loss" in r] == [1, 2]
 
 
 def test_cuda_graphs_default_to_auto(tmp_path: Path, corpus: Path) -> None:
