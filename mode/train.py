@@ -246,8 +246,11 @@ def _host_reading_layer(model: nn.Module, device: torch.device) -> str | None:
     probe = torch.empty(1, 8, device=device, dtype=torch.bfloat16)
     for name, module in model.named_modules():
         if isinstance(module, MoEFFN) and module.syncs_with_host(probe):
-            return (f"{name} reads its routing on the host: token choice with moe.dropless=true runs sync-free "
-                    f"only on moe.backend=torch, on an H100/H200-class GPU (this is a {torch.cuda.get_device_name(device)})")
+            backend = module.experts.backend
+            why = (f"token choice on moe.backend={backend} sizes its expert groups there" if backend != "torch" else
+                   "dropless token choice runs sync-free on moe.backend=torch only on an H100/H200-class GPU "
+                   f"(this is a {torch.cuda.get_device_name(device)})")
+            return f"{name} reads its routing on the host: {why}"
     return None
 
 
