@@ -229,7 +229,9 @@ def eager_graphs(config: Config, device: torch.device, model: nn.Module, one_pro
         if required:
             raise ConfigError(f"train.cuda_graphs needs a CUDA device (train.device is {t.device!r}: {device})")
         return False, None
-    if not one_process:  # launch/train.py refuses true; its engine owns the gradients
+    if not one_process:  # a DeepSpeed engine (launch/train.py) owns the gradients
+        if required:
+            raise ConfigError("train.cuda_graphs=true runs with python -m mode.train (one process) only")
         return False, "train.cuda_graphs=auto: plain eager (CUDA graphs run in one process, python -m mode.train)"
     reason = _host_reading_layer(model, device)
     if reason is None:

@@ -813,6 +813,9 @@ def test_cuda_graphs_default_to_auto(tmp_path: Path, corpus: Path) -> None:
     config = make_config(tmp_path / "other", corpus, train={"device": "cuda"})
     graphed, note = eager_graphs(config, torch.device("cuda"), trainer.model, one_process=False)
     assert graphed is False and "plain eager" in note and "one process" in note
+    config.train.cuda_graphs = True
+    with pytest.raises(ConfigError, match=r"train\.cuda_graphs=true runs with python -m mode\.train"):
+        eager_graphs(config, torch.device("cuda"), trainer.model, one_process=False)
     assert eager_graphs(make_config(tmp_path / "other", corpus, train={"compile": True}), torch.device("cuda"),
                         trainer.model, one_process=True) == (False, None)
     for bad in ("yes", 1, "always"):

@@ -103,7 +103,7 @@ def build_trainer(config: Config, processes: Processes, resume: bool = False) ->
             "train.compile_mode=reduce-overhead (CUDA graphs) runs with python -m mode.train (one "
             "process) only; through launch/train.py (DeepSpeed) use train.compile_mode=default"
         )
-    if config.train.cuda_graphs is True:  # auto: plain eager here (Trainer.graphs_apply)
+    if config.train.cuda_graphs is True:  # auto: plain eager here (mode.train.eager_graphs)
         raise ConfigError(
             "train.cuda_graphs=true (CUDA graphs) runs with python -m mode.train (one process) only; "
             "through launch/train.py (DeepSpeed) set train.cuda_graphs=auto or false"
