@@ -663,6 +663,19 @@ GRAPHED_TOLERANCE = {"compiled": (2e-2, 5e-2), "eager": (2e-3, 5e-3)}
 GRAPHS = {"compiled": {"compile": True, "compile_mode": "reduce-overhead"}, "eager": {"cuda_graphs": True}}
 
 
+def assert_same_curves(eager: list[dict[str, Any]], graphed: list[dict[str, Any]], graphs: str) -> None:
+    """Two runs' records (Trainer.run) step by step: losses and validation losses within the kind of
+    graphs' loss atol, gradient norms within its rtol (GRAPHED_TOLERANCE)."""
+    loss_atol, norm_rtol = GRAPHED_TOLERANCE[graphs]
+    for plain, replayed in zip(eager, graphed, strict=True):
+        assert plain["step"] == replayed["step"]
+        for key in ("loss", "val_loss"):
+            if key in plain:
+                assert replayed[key] == pytest.approx(plain[key], abs=loss_atol), (key, plain["step"])
+        if "grad_norm" in plain:  # a norm of ~1: bf16 rounding moves it by a few per cent at most
+            assert replayed["grad_norm"] == pytest.approx(plain["grad_norm"], rel=norm_rtol), plain["step"]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("grad_accum", [1, 2])
 @pytest.mark.parametrize("block, graphs", [(b, g) for b in ("mod", "moe") for g in sorted(GRAPHS)] + [("moe dropless", "eager")])
@@ -687,14 +700,7 @@ def test_cuda_graphed_training_matches_eager(tmp_path: Path, corpus: Path, block
                 Trainer(config)
             return
         runs[name] = Trainer(config).run()
-    loss_atol, norm_rtol = GRAPHED_TOLERANCE[graphs]
-    for eager, graphed in zip(runs["eager"], runs["graphs"], strict=True):
-        assert eager["step"] == graphed["step"]
-        for key in ("loss", "val_loss"):
-            if key in eager:
-                assert graphed[key] == pytest.approx(eager[key], abs=loss_atol), (key, eager["step"])
-        if "grad_norm" in eager:  # a norm of ~1: bf16 rounding moves it by a few per cent at most
-            assert graphed["grad_norm"] == pytest.approx(eager["grad_norm"], rel=norm_rtol), eager["step"]
+    assert_same_curves(runs["eager"], runs["graphs"], graphs)
 
 
 # Every block kind, and each way a depth router decides (random, causal methods), under the default
@@ -729,14 +735,7 @@ def test_default_cuda_graphs_train_as_plain_eager(tmp_path: Path, corpus: Path, 
         runs[graphs] = trainer.run()
         rng[graphs] = torch.cuda.get_rng_state(trainer.device)
     assert torch.equal(rng[False], rng["auto"])
-    loss_atol, norm_rtol = GRAPHED_TOLERANCE["eager"]
-    for eager, graphed in zip(runs[False], runs["auto"], strict=True):
-        assert eager["step"] == graphed["step"]
-        for key in ("loss", "val_loss"):
-            if key in eager:
-                assert graphed[key] == pytest.approx(eager[key], abs=loss_atol), (key, eager["step"])
-        if "grad_norm" in eager:
-            assert graphed["grad_norm"] == pytest.approx(eager["grad_norm"], rel=norm_rtol), eager["step"]
+    assert_same_curves(runs[False], runs["auto"], "eager")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
@@ -759,7 +758,8 @@ def test_graphed_resume_continues_the_same_curve(tmp_path: Path, corpus: Path) -
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_default_cuda_graphs_give_way_to_a_layer_reading_the_host(tmp_path: Path, corpus: Path) -> None:
     """Dropless token choice on grouped_gemm sizes its groups on the host: under auto the run trains
-    plain eager and says why, naming the layer; true refuses it at the config."""
+    plain eager and says why, naming the layer (true refuses it at the config:
+    test_eager_cuda_graphs_are_validated)."""
     pytest.importorskip("grouped_gemm")  # the GPU extras (README): test_moe's grouped_gemm tests need them too
     moe = {"scheme": "token_choice", "dropless": True, "backend": "grouped_gemm"}
     trainer = Trainer(make_config(tmp_path / "run", corpus, model={"block_pattern": ["dense", "moe"]}, moe=moe,
