@@ -16,6 +16,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, installed or not
 
+from mode.cli import quiet_start  # noqa: E402
+
+quiet_start(__name__)  # before torch and DeepSpeed: Ctrl-C while they import ends with one line
+
 from mode.parallel.launch import run_and_exit  # noqa: E402
 
 if __name__ == "__main__":

@@ -585,7 +585,12 @@ def field_differences(saved: dict[str, Any], config: Config, keep: Callable[[str
             for name in there if keep(name) and there[name] != here.get(name)]
 
 
+def config_text(config: Config) -> str:
+    """The YAML a run folder's config.yaml holds."""
+    return yaml.safe_dump(config.to_dict(), sort_keys=False)
+
+
 def save_config(config: Config, path: str | Path) -> None:
     from mode.utils import atomic_write_text
 
-    atomic_write_text(Path(path), yaml.safe_dump(config.to_dict(), sort_keys=False))
+    atomic_write_text(Path(path), config_text(config))

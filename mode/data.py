@@ -93,6 +93,9 @@ def load_text(path: Path, val_fraction: float) -> TokenSplits:
         if len(files) > 1:
             return _split_files(path, files, val_fraction, f"data.path {path}")
         path = files[0]
+    elif not path.is_file():  # /dev/zero or a FIFO would be read until memory runs out, or forever
+        raise DataError(f"data.path: {path} is not a regular file or a folder (a device, FIFO or socket); "
+                        "give a text file or a folder of them")
     tokens = _bytes_to_tokens([path.read_bytes()])
     return _split_tail(tokens, val_fraction, BYTE_VOCAB, path)
 
@@ -104,8 +107,10 @@ def _hidden(relative: Path) -> bool:
 def load_token_file(path: Path, dtype: str, val_fraction: float) -> TokenSplits:
     if path.is_dir():
         raise DataError(f"data.path: {path} is a folder; data.source=tokens reads one .bin file of token ids")
-    if not path.is_file():
+    if not path.exists():
         raise DataError(f"data.path: token file {path} does not exist")
+    if not path.is_file():
+        raise DataError(f"data.path: {path} is not a regular file (a device, FIFO or socket); give a .bin file of token ids")
     itemsize = np.dtype(dtype).itemsize
     size = path.stat().st_size
     if size == 0 or size % itemsize:

@@ -10,15 +10,21 @@ checkpoint (its weights gathered) is evaluated in one process on its global batc
 process's rows routed apart as they were (token choice's capacity is per process), the
 statistics pooled as over processes. Prints the
 result as JSON; --out also writes it there (whole: temporary file, then rename). Nothing in the
-run folder is read but its checkpoint, nor written. --data-path points a text or token-file
+run folder is read but its checkpoint, nor written but a new --out file: --out never names
+one of the run's files, nor any checkpoint. --data-path points a text or token-file
 run at its data where it has moved (the split is by file, relative to the path: the same one).
 """
 from __future__ import annotations
+
+from mode.cli import finish, quiet_start, started
+
+quiet_start(__name__)  # before torch: Ctrl-C while it imports ends with one line
 
 import argparse
 import json
 import sys
 import tempfile
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +33,7 @@ import torch
 from mode.config import ConfigError
 from mode.data import DataError
 from mode.generate import model_from_payload
+from mode.run_folder import LOCK, RUN_FILES
 from mode.train import Trainer, load_checkpoint_file, restore_rng
 from mode.utils import atomic_write_text, folder_problem, pick_device
 
@@ -73,6 +80,7 @@ def _processes(payload: dict[str, Any]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    started()
     parser = argparse.ArgumentParser(description="Evaluate a trained run's checkpoint on validation batches.")
     parser.add_argument("run", type=Path, help="run folder or checkpoint.pt")
     parser.add_argument("--batches", type=int, default=64, help="validation batches (of train.batch_size sequences)")
@@ -84,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--out {args.out}: is a folder; give a file name")
     try:
         if args.out is not None:  # checked before the evaluation, made after it (nothing left by a failed one)
-            _check_folder_of(args.out)
+            _check_out(args.out, args.run)
         result = evaluate_checkpoint(args.run, args.batches, args.device, args.data_path)
         text = json.dumps(result, indent=2)
         print(text)
@@ -100,8 +108,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _check_folder_of(out: Path) -> None:
-    """A ValueError naming --out where its folder cannot be made (it is a file, or lies under one)."""
+def _check_out(out: Path, run: Path) -> None:
+    """A ValueError naming --out where writing it would replace a run's file (the evaluated run's, or
+    any checkpoint) or its folder cannot be made (it is a file, or lies under one)."""
+    run_dir = run if run.is_dir() else run.parent
+    if out.resolve().parent == run_dir.resolve() and out.name in (*RUN_FILES, LOCK):
+        raise ValueError(f"--out {out}: is the run's own {out.name}; give another file name")
+    if out.exists() and (out.resolve() == run.resolve() or zipfile.is_zipfile(out)):
+        raise ValueError(f"--out {out}: is a checkpoint, which the JSON would replace; give another file name")
     problem = folder_problem(out.parent)
     if problem is not None:
         raise ValueError(f"--out {out}: cannot make its folder {out.parent}: it {problem}")
@@ -109,4 +123,4 @@ def _check_folder_of(out: Path) -> None:
 
 if __name__ == "__main__":
     torch.set_grad_enabled(False)
-    sys.exit(main())
+    finish(main())

@@ -22,6 +22,10 @@ out with a note; a bad line anywhere else is an error naming the file and line.
 """
 from __future__ import annotations
 
+from mode.cli import finish, quiet_start, started
+
+quiet_start(__name__)  # before torch: Ctrl-C while it imports ends with one line
+
 import argparse
 import io
 import json
@@ -346,6 +350,7 @@ def report(paths: list[Path], out: Path | None = None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    started()
     parser = argparse.ArgumentParser(description="Compare run folders: a table and a loss-vs-FLOPs plot.")
     parser.add_argument("runs", nargs="+", type=Path, help="run folders (each holds config.yaml and metrics.jsonl)")
     parser.add_argument("--out", type=Path, default=None, help="also write report.md, report.json and a PNG here")
@@ -362,4 +367,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    finish(main())

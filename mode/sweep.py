@@ -19,10 +19,17 @@ cores / N unless set); parallel runs write their output to
 
 Started again with the same arguments, a sweep skips its finished runs and resumes the others
 from their checkpoints, so a stopped sweep continues where it stopped. A run that fails is
-reported and the sweep goes on with the next. At the end `mode.report` compares every run
+reported and the sweep goes on with the next; a point whose folder another process is training
+(its lock is held) is skipped and reported. Ctrl-C or SIGTERM stops the sweep and sends its
+running trainings SIGTERM, which they honour whatever signals they inherited: each stops at a
+whole checkpoint. At the end `mode.report` compares every run
 (`<out>/report.md`, `report.json`, `val_loss_vs_flops.png`).
 """
 from __future__ import annotations
+
+from mode.cli import finish, quiet_start, started
+
+quiet_start(__name__)  # before torch: Ctrl-C while it imports ends with one line
 
 import argparse
 import itertools
@@ -41,12 +48,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 import yaml
 
 from mode.config import Config, ConfigError, load_config, load_yaml, override_field, read_yaml_file
 from mode.report import ReportError, report
-from mode.train import CHECKPOINT, INTERRUPTED, METRICS, curve_differences, steps_within_budget
+from mode.run_folder import CHECKPOINT, CONFIG, METRICS, PLOT, holder
+from mode.train import INTERRUPTED, TERMINATED, curve_differences, load_checkpoint_file, steps_within_budget
 
 
 class SweepError(ValueError):
@@ -165,11 +172,10 @@ def existing_run(run_dir: Path) -> tuple[int, dict[str, Any]] | None:
     if not path.is_file():
         return None
     try:
-        payload = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        payload = load_checkpoint_file(path, mmap=True)
         return int(payload["state"]["step"]), payload["config"]
-    except Exception as e:  # truncated, not a zip, not a mode checkpoint
-        raise SweepError(f"{path} is not a readable checkpoint ({type(e).__name__}: {str(e).splitlines()[0]}): "
-                         "remove it (or its run folder) to train that point again") from None
+    except (ValueError, KeyError, TypeError) as e:  # truncated, not a zip, not a mode checkpoint
+        raise SweepError(f"{e}: remove it (or its run folder) to train that point again") from None
 
 
 def finished_steps(run_dir: Path) -> int | None:
@@ -182,7 +188,7 @@ def saved_config(run_dir: Path) -> dict[str, Any] | None:
     """The config a run folder without a checkpoint saved (config.yaml, written as its run starts);
     None when it has neither config.yaml nor metrics.jsonl. A folder whose files cannot be told to be
     a run's (metrics without a config, a config that is no mapping) is a SweepError naming it."""
-    path = run_dir / "config.yaml"
+    path = run_dir / CONFIG
     if not path.is_file():
         if (run_dir / METRICS).exists():  # mode.train writes config.yaml first: not a mode run's curve
             raise SweepError(f"{run_dir} holds {METRICS} but no config.yaml, so it cannot be told to be this "
@@ -233,8 +239,8 @@ def say(line: str) -> None:
 def outcome_of(code: int, where_output: str) -> str:
     if code == 0:
         return "done"
-    if code == INTERRUPTED:
-        return f"stopped (Ctrl-C; {where_output})"
+    if code in (INTERRUPTED, TERMINATED):
+        return f"stopped ({'Ctrl-C' if code == INTERRUPTED else 'SIGTERM'}; {where_output})"
     return f"failed (exit status {code}; {where_output})"
 
 
@@ -297,11 +303,15 @@ def parse_slots(jobs: int | None, gpus: str | None) -> Slots:
 def run_point(args: argparse.Namespace, point: Point, overrides: list[str], max_steps: int, slots: Slots) -> str:
     """Train (or finish) one point; returns what happened: finished before, done, or failed."""
     run_dir = args.out / point.name
+    pid = holder(run_dir)
+    if pid is not None:  # a training from another sweep (or one that outlived a killed sweep) writes there
+        return f"skipped: {run_dir} is in use by another training (pid {pid})"
     step = finished_steps(run_dir)
     if step is not None and step >= max_steps:
         return f"finished before (step {step})"
-    if step is None and (run_dir / METRICS).exists():  # this point's run, stopped before its first checkpoint
-        (run_dir / METRICS).unlink()  # (plan's check_existing_run saw its config.yaml): it starts again
+    if step is None:  # this point's run, stopped before its first checkpoint (plan's check_existing_run saw
+        for name in (METRICS, CONFIG, PLOT):  # its config.yaml): it starts again, on no file of the old one
+            (run_dir / name).unlink(missing_ok=True)
     command = train_command(args.config, overrides, run_dir, resume=step is not None, parallel=slots.parallel)
     what = "training" if step is None else f"resuming from step {step}"
     gpu = slots.gpus.get() if slots.gpus is not None else None  # held until the run ends
@@ -326,13 +336,13 @@ def run_environment(gpu: str | None, jobs: int) -> dict[str, str]:
     return env
 
 
-_RUNNING: set[subprocess.Popen] = set()  # the trainings running now (a SIGTERM passes them a Ctrl-C)
+_RUNNING: set[subprocess.Popen] = set()  # the trainings running now (a stop passes them a SIGTERM)
 _RUNNING_LOCK = threading.Lock()
 
 
 def _call(command: list[str], **popen: Any) -> int:
-    """subprocess.call, except that on Ctrl-C it waits for the training, which had the same Ctrl-C,
-    to stop by itself (subprocess.call kills it after a quarter second), then raises KeyboardInterrupt."""
+    """subprocess.call, except that on Ctrl-C it stops the training (SIGTERM) and waits for it to stop
+    at its checkpoint (subprocess.call kills it after a quarter second), then raises KeyboardInterrupt."""
     process = subprocess.Popen(command, **popen)
     with _RUNNING_LOCK:
         _RUNNING.add(process)
@@ -344,6 +354,7 @@ def _call(command: list[str], **popen: Any) -> int:
                 break
             except KeyboardInterrupt:
                 interrupted = True
+                _stop_running()
     finally:
         with _RUNNING_LOCK:
             _RUNNING.discard(process)
@@ -352,15 +363,21 @@ def _call(command: list[str], **popen: Any) -> int:
     return code
 
 
-def _stop_on_sigterm(signum: int, frame: Any) -> None:
-    """SIGTERM (kill, timeout, a job scheduler) reaches the sweep alone, where a terminal's Ctrl-C
-    reaches its trainings too: each running training gets a Ctrl-C (it stops at its checkpoint) and
-    the sweep stops as on Ctrl-C, waiting for them. Left running, they would go on writing their
-    folders while a restarted sweep resumed the same runs."""
+def _stop_running() -> None:
+    """SIGTERM to every running training: each stops at a whole checkpoint. Not SIGINT: a sweep started
+    in the background by a script passes its trainings an ignored SIGINT, and a terminal's Ctrl-C
+    reaches only the foreground's. A training already stopping ignores it."""
     with _RUNNING_LOCK:
         running = list(_RUNNING)
     for process in running:
-        process.send_signal(signal.SIGINT)
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+
+
+def _stop_on_sigterm(signum: int, frame: Any) -> None:
+    """SIGTERM (kill, timeout, a job scheduler) stops the sweep as Ctrl-C does, its trainings first.
+    Left running, they would go on writing their folders while a restarted sweep resumed the same runs."""
+    _stop_running()
     raise KeyboardInterrupt
 
 
@@ -391,7 +408,8 @@ def run_all(args: argparse.Namespace, planned: list[tuple[Point, list[str], int]
                    for point, overrides, steps in planned}
         return {name: future.result() for name, future in futures.items()}
     except KeyboardInterrupt:
-        # The running trainings had the same Ctrl-C and stop at a checkpoint; none queued starts.
+        # The running trainings stop at a checkpoint; none queued starts.
+        _stop_running()
         pool.shutdown(wait=True, cancel_futures=True)
         raise
     finally:
@@ -399,6 +417,7 @@ def run_all(args: argparse.Namespace, planned: list[tuple[Point, list[str], int]
 
 
 def main(argv: list[str] | None = None) -> int:
+    started()
     parser = argparse.ArgumentParser(
         description="Run a grid of config overrides, one training run each, then compare them.",
         epilog="Other --section.field=value arguments apply to every run.",
@@ -446,7 +465,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:  # main() called in a process that goes on (a test, a notebook) gets its own handler back
         signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
     print("\n" + "\n".join(f"{name}: {outcome}" for name, outcome in outcomes.items()))
-    compared = [args.out / name for name, outcome in outcomes.items() if not outcome.startswith("failed")]
+    compared = [args.out / name for name, outcome in outcomes.items()
+                if not outcome.startswith(("failed", "skipped"))]
     if compared:
         try:
             print("\n" + report(compared, args.out))
@@ -457,4 +477,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    finish(main())

@@ -3,9 +3,15 @@
 One loop for every setting: the optimizer step is delegated to an `Optimization` object
 (plain AdamW here; mode.parallel supplies a DeepSpeed one), so logging, evaluation and
 checkpoints exist once. A run folder holds config.yaml, metrics.jsonl, checkpoint.pt and
-loss_vs_flops.png; everything is written to a temporary file first and renamed.
+loss_vs_flops.png (mode.run_folder); everything is written to a temporary file first and
+renamed, and the run holds the folder's lock while it trains. SIGINT (Ctrl-C) and SIGTERM
+(kill, timeout, a job scheduler) stop it cleanly: every file whole, the checkpoint resumable.
 """
 from __future__ import annotations
+
+from mode.cli import finish, quiet_start, started
+
+quiet_start(__name__)  # before torch: Ctrl-C while it imports ends with one line
 
 import argparse
 import contextlib
@@ -24,12 +30,13 @@ import torch
 from torch import Tensor, nn
 from tqdm import tqdm
 
-from mode.config import Config, ConfigError, field_differences, load_config, save_config
+from mode.config import Config, ConfigError, config_text, field_differences, load_config, save_config
 from mode.data import DataError, TokenSplits, batch_generator, describe_source, load_splits, sample_batch
 from mode.flops import model_flops, train_step_flops
 from mode.layers.moe import MoEFFN
 from mode.model import LanguageModel, ModelOutput
 from mode.routing import CausalPredictor, Routing, TokenChoiceRouting, token_mask
+from mode.run_folder import CHECKPOINT, CONFIG, METRICS, PLOT, FolderInUse, RunFolderLock, run_files_in
 from mode.utils import (
     atomic_torch_save,
     atomic_write_bytes,
@@ -39,10 +46,11 @@ from mode.utils import (
     pick_device,
     read_metrics,
     remove_stale_temporaries,
+    stop_how,
+    stop_status,
+    stops_on_signals,
 )
 
-CHECKPOINT = "checkpoint.pt"
-METRICS = "metrics.jsonl"
 POSITION_BINS = 16
 
 
@@ -592,7 +600,8 @@ RESUMABLE_FIELDS = (
     "train.max_steps", "train.flops_budget", "train.progress", "train.out_dir", *EXECUTION_FIELDS,
     "train.init_from",  # a resumed run loads its own weights
 )
-INTERRUPTED = 130  # the exit status of a run stopped by Ctrl-C
+INTERRUPTED = 130  # the exit status of a run stopped by Ctrl-C (by SIGTERM: TERMINATED)
+TERMINATED = 143
 
 
 @dataclass
@@ -640,6 +649,18 @@ def _token_dtype_hint(config: Config, data: TokenSplits) -> str:
     if d.source == "tokens" and d.token_dtype == "uint32" and data.vocab_size > 1 << 16:
         return "; if the file holds uint16 ids, set data.token_dtype=uint16"
     return ""
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (a full disk, a lost mount); the message says which step the
+    run folder's checkpoint still holds, whole."""
+
+    def __init__(self, trainer: "Trainer", error: OSError) -> None:
+        path = trainer.out_dir / CHECKPOINT
+        kept = (f"{path} still holds step {trainer.saved_step}, whole: continue with --resume once there is room"
+                if trainer.saved_step is not None else "the run has no checkpoint yet")
+        super().__init__(f"cannot write the checkpoint of step {trainer.state.step} to {path} "
+                         f"({error.strerror or error}); {kept}")
 
 
 class Trainer:
@@ -706,31 +727,77 @@ class Trainer:
         if problem:
             raise ConfigError(f"train.out_dir: {self.out_dir} {problem}")
         checkpoint = self.out_dir / CHECKPOINT
-        if resume:
-            if not checkpoint.is_file():
-                raise FileNotFoundError(f"--resume: no checkpoint at {checkpoint}")
-            self.load_checkpoint(checkpoint)
-            self._check_not_past_the_end()
-            self._truncate_metrics()
-            if self.is_main:  # a checkpoint write killed outright (SIGKILL, out of memory) left its temporary
-                self.notes += [f"removed {stale.name}, a checkpoint write that never finished"
-                               for stale in remove_stale_temporaries(checkpoint)]
-        elif checkpoint.exists():
+        if resume and not checkpoint.is_file():
+            raise FileNotFoundError(f"--resume: no checkpoint at {checkpoint}")
+        if not resume:
+            self._refuse_written_folder()
+        self._lock_run_folder()
+        try:
+            if resume:
+                self._resume_from(checkpoint)
+            if self.is_main:
+                save_config(self.config, self.out_dir / CONFIG)
+        except BaseException:  # a refused resume leaves the folder free for the next attempt
+            self.close()
+            raise
+
+    def _resume_from(self, checkpoint: Path) -> None:
+        self.load_checkpoint(checkpoint)
+        self._check_not_past_the_end()
+        self._truncate_metrics()
+        if self.is_main:  # a checkpoint write killed outright (SIGKILL, out of memory) left its temporary
+            self.notes += [f"removed {stale.name}, a checkpoint write that never finished"
+                           for stale in remove_stale_temporaries(checkpoint)]
+
+    def _refuse_written_folder(self) -> None:
+        """A new run writes no file over another run's (nor over a --config file kept there). A config.yaml
+        holding exactly what this run writes is its own, left by the same command stopped before training."""
+        written = [name for name in run_files_in(self.out_dir) if not (name == CONFIG and self._own_config())]
+        if CHECKPOINT in written:
             raise FileExistsError(
-                f"{self.out_dir} already holds a run ({checkpoint}); pass --resume to continue it "
+                f"{self.out_dir} already holds a run ({self.out_dir / CHECKPOINT}); pass --resume to continue it "
                 f"or choose another --train.out_dir"
             )
-        elif (self.out_dir / METRICS).exists():  # a new run would append its curve to the old one's
+        if METRICS in written:  # a new run would append its curve to the old one's
             raise FileExistsError(
                 f"{self.out_dir} holds {METRICS} of a run that stopped before its first checkpoint: remove "
                 f"it (or the folder) or choose another --train.out_dir"
             )
+        if written:
+            raise FileExistsError(
+                f"{self.out_dir} holds {', '.join(written)}, which a new run would replace: choose another "
+                f"--train.out_dir (or move them away)"
+            )
+
+    def _own_config(self) -> bool:
+        path = self.out_dir / CONFIG
+        try:
+            return path.is_file() and path.read_text() == config_text(self.config)
+        except (OSError, UnicodeDecodeError):
+            return False
+
+    def _lock_run_folder(self) -> None:
+        """Rank 0 makes the folder and holds its lock for the run's lifetime; every rank learns whether
+        it could, so all stop together when another process holds it."""
+        self.lock = RunFolderLock(self.out_dir)
+        problem = None
         if self.is_main:
             try:
                 self.out_dir.mkdir(parents=True, exist_ok=True)
+                self.lock.acquire()
+            except FolderInUse as e:
+                problem = f"train.out_dir: {e}"
             except OSError as e:  # no permission, a read-only disk: one line naming the field, not a traceback
-                raise ConfigError(f"train.out_dir: cannot create {self.out_dir}: {e.strerror or e}") from None
-            save_config(self.config, self.out_dir / "config.yaml")
+                problem = f"train.out_dir: cannot create {self.out_dir}: {e.strerror or e}"
+        failed = self.mean_over_ranks({"lock_failed": float(problem is not None)})["lock_failed"] > 0
+        if failed:
+            raise ConfigError(problem or f"train.out_dir: rank 0 could not take {self.out_dir} (it says why)")
+
+    def close(self) -> None:
+        """Release the run folder (the lock); the process ending does the same."""
+        lock = getattr(self, "lock", None)
+        if lock is not None:
+            lock.release()
 
     def _check_not_past_the_end(self) -> None:
         """A resume whose max_steps (or budget) ends before the checkpoint's step would leave the run
@@ -765,7 +832,10 @@ class Trainer:
         with interrupts_deferred():  # a Ctrl-C while writing stops the run after the checkpoint is whole
             payload = self.checkpoint_payload()
             if self.is_main:
-                atomic_torch_save(payload, self.out_dir / CHECKPOINT)
+                try:
+                    atomic_torch_save(payload, self.out_dir / CHECKPOINT)
+                except OSError as e:  # a full disk: the rename never happened, the previous file is whole
+                    raise CheckpointWriteError(self, e) from None
             self.saved_step = self.state.step
 
     def load_checkpoint(self, path: Path) -> None:
@@ -972,9 +1042,22 @@ class Trainer:
 
     # -- the loop
     def run(self) -> list[dict[str, Any]]:
-        """Train to train.max_steps. The host queues step n+1 before it reads step n's losses, so the
-        device is never left idle while the host waits for a read or prepares the next batch;
-        before an evaluation, a checkpoint or the end, the step in flight is read first."""
+        """Train to train.max_steps, then release the run folder. A run that stops early (a signal, an
+        error) redraws its loss plot first, so the plot shows what the metrics hold."""
+        try:
+            return self._train()
+        except BaseException:
+            if self.is_main and self.saved_step is not None and (self.out_dir / METRICS).exists():
+                with contextlib.suppress(Exception):  # the stop's own reason is what the user must see
+                    plot_losses(self.out_dir)
+            raise
+        finally:
+            self.close()
+
+    def _train(self) -> list[dict[str, Any]]:
+        """The host queues step n+1 before it reads step n's losses, so the device is never left idle
+        while the host waits for a read or prepares the next batch; before an evaluation, a
+        checkpoint or the end, the step in flight is read first."""
         t = self.config.train
         self.records: list[dict[str, Any]] = []
         self.bar = tqdm(
@@ -1104,8 +1187,9 @@ def restore_cuda_rng(states: Sequence[Tensor]) -> None:
         torch.cuda.set_rng_state(state.cpu(), index)
 
 
-def load_checkpoint_file(path: Path, device: torch.device | str = "cpu") -> dict[str, Any]:
-    """Read a checkpoint written by this project; a missing or foreign file is a clear error."""
+def load_checkpoint_file(path: Path, device: torch.device | str = "cpu", mmap: bool = False) -> dict[str, Any]:
+    """Read a checkpoint written by this project; a missing or foreign file is a clear error.
+    mmap: tensors are mapped, not read (for a look at its step and config)."""
     path = Path(path)
     if path.is_dir():
         path = path / CHECKPOINT
@@ -1117,7 +1201,7 @@ def load_checkpoint_file(path: Path, device: torch.device | str = "cpu") -> dict
     try:
         # weights_only: tensors, numbers, strings and containers, which is all a checkpoint holds;
         # a file that would run code on loading (a pickle of anything else) is refused.
-        payload = torch.load(path, map_location=device, weights_only=True)
+        payload = torch.load(path, map_location=device, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError:  # torch's text advises weights_only=False, which would run the file's code
         raise ValueError(f"{path} is not a readable checkpoint: not a checkpoint written by mode.train (it holds "
                          "objects other than tensors and plain data; refused, as loading them could run code)") from None
@@ -1152,7 +1236,7 @@ def plot_losses(run_dir: Path) -> Path:
     png = io.BytesIO()
     fig.savefig(png, format="png", dpi=100)
     plt.close(fig)
-    target = run_dir / "loss_vs_flops.png"
+    target = run_dir / PLOT
     atomic_write_bytes(target, png.getvalue())
     return target
 
@@ -1172,17 +1256,30 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     return args, rest
 
 
+SETUP_ERRORS = (ConfigError, DataError, FileExistsError, FileNotFoundError, ValueError)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """SIGINT and SIGTERM stop the run cleanly wherever they arrive (stops_on_signals)."""
+    started()
     args, overrides = parse_args(argv)
+    with stops_on_signals():
+        try:
+            return _train_from_args(args, overrides)
+        except KeyboardInterrupt as stop:  # while a line about an earlier stop was being printed
+            return stop_status(stop)
+
+
+def _train_from_args(args: argparse.Namespace, overrides: list[str]) -> int:
     try:
         config = load_config(args.config, overrides)
         trainer = Trainer(config, resume=args.resume)
-    except (ConfigError, DataError, FileExistsError, FileNotFoundError, ValueError) as e:
+    except SETUP_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # while the data and model are built: no step has run
-        print("\ninterrupted before training started: nothing to resume; run the command again", file=sys.stderr)
-        return INTERRUPTED
+    except KeyboardInterrupt as stop:  # while the data and model are built: no step has run
+        print(f"\n{stop_how(stop)} before training started: nothing to resume; run the command again", file=sys.stderr)
+        return stop_status(stop)
     for note in trainer.notes:
         print(f"note: {note}", file=sys.stderr)
     print(
@@ -1191,24 +1288,24 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         trainer.run()
-    except KeyboardInterrupt:  # stopped between steps or inside one: every file is whole (written, then renamed)
-        print(f"\n{interrupted_message(trainer)}", file=sys.stderr)
-        return INTERRUPTED
+    except KeyboardInterrupt as stop:  # stopped between steps or inside one: every file is whole (written, then renamed)
+        print(f"\n{interrupted_message(trainer, stop_how(stop))}", file=sys.stderr)
+        return stop_status(stop)
+    except CheckpointWriteError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     print(f"done: run folder {trainer.out_dir}")
     return 0
 
 
 def interrupted_message(trainer: Trainer, how: str = "interrupted") -> str:
-    """What a run stopped before its end left: which step its checkpoint holds, and how to go on.
-    Redraws the loss plot (rank 0)."""
+    """What a run stopped before its end left: which step its checkpoint holds, and how to go on."""
     if trainer.saved_step is None:
         return (f"{how} at step {trainer.state.step}, before the run's first checkpoint: nothing to resume; "
                 f"remove {trainer.out_dir} to start the run again")
-    if trainer.is_main and (trainer.out_dir / METRICS).exists():
-        plot_losses(trainer.out_dir)
     return (f"{how} at step {trainer.state.step}; {trainer.out_dir / CHECKPOINT} holds step {trainer.saved_step}: "
             "continue with --resume (the metrics logged after it are dropped then)")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    finish(main())

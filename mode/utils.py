@@ -12,6 +12,8 @@ from typing import Any, BinaryIO, Callable, Iterator
 
 import torch
 
+from mode.cli import STOP_SIGNALS, ignore_stop_signals
+
 
 def _umask() -> int:
     mask = os.umask(0)
@@ -140,23 +142,81 @@ def pick_device(name: str, field: str = "train.device") -> torch.device:
     return torch.device(name)
 
 
+class StopSignal(KeyboardInterrupt):
+    """SIGINT or SIGTERM, raised where it arrived (stops_on_signals): a clean stop, as Ctrl-C's."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def stop_how(stop: KeyboardInterrupt) -> str:
+    """'interrupted' (Ctrl-C) or 'stopped by SIGTERM', for the line that says where the run stands."""
+    if isinstance(stop, StopSignal) and stop.signum != signal.SIGINT:
+        return f"stopped by {signal.Signals(stop.signum).name}"
+    return "interrupted"
+
+
+def stop_status(stop: KeyboardInterrupt) -> int:
+    """The exit status of a process stopped by this signal: 128 + its number (Ctrl-C's is 130)."""
+    return 128 + (stop.signum if isinstance(stop, StopSignal) else signal.SIGINT)
+
+
+def _in_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
 @contextlib.contextmanager
-def interrupts_deferred() -> Iterator[None]:
-    """Ctrl-C (SIGINT) held back until the block ends, then handed to the handler that was there (by
-    default: raised as KeyboardInterrupt; launch/train.py's marks a stop for every process): a checkpoint
-    being written is finished (seconds) instead of abandoned half-way, where torch.save's zip writer
-    would turn the interrupt into a RuntimeError. In the main thread only (signals go there)."""
-    if threading.current_thread() is not threading.main_thread():
+def stops_on_signals() -> Iterator[None]:
+    """SIGINT and SIGTERM raise StopSignal (a KeyboardInterrupt) where they arrive; once one has, the
+    stop's clean-up runs to its end and says where the run stands: signals after it are ignored.
+    A SIGINT ignored on entry (a job started in the background by a script) stays ignored, as
+    Python leaves it; SIGTERM always stops. Main thread only (signals go there)."""
+    if not _in_main_thread():
         yield
         return
-    caught: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+
+    def stop(signum: int, frame: Any) -> None:
+        ignore_stop_signals()
+        raise StopSignal(signum)
+
+    previous = {number: signal.getsignal(number) for number in STOP_SIGNALS}
+    for number in STOP_SIGNALS:
+        if not (number == signal.SIGINT and previous[number] == signal.SIG_IGN):
+            signal.signal(number, stop)
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
-    if caught:  # delivered now, to the handler that was there (which raises KeyboardInterrupt by default)
-        if callable(previous):
-            previous(signal.SIGINT, None)
+        for number, handler in previous.items():
+            signal.signal(number, handler if handler is not None else signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def interrupts_deferred() -> Iterator[None]:
+    """SIGINT and SIGTERM held back until the block ends, then handed to the handler that was there
+    (stops_on_signals' raises StopSignal; launch/train.py's marks a stop for every process; Python's
+    default raises KeyboardInterrupt): a checkpoint being written is finished (seconds) instead of
+    abandoned half-way, where torch.save's zip writer would turn the interrupt into a RuntimeError.
+    A signal ignored on entry stays ignored. Main thread only (signals go there)."""
+    if not _in_main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = {number: signal.getsignal(number) for number in STOP_SIGNALS}
+    for number in STOP_SIGNALS:
+        if previous[number] != signal.SIG_IGN:
+            signal.signal(number, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler if handler is not None else signal.SIG_DFL)
+    if caught:  # delivered now, to the handler that was there
+        signum = caught[0]
+        handler = previous[signum]
+        if callable(handler):
+            handler(signum, None)
+        elif handler == signal.SIG_DFL:
+            signal.raise_signal(signum)  # the default action, now that the file is whole
         else:
             raise KeyboardInterrupt

@@ -182,6 +182,17 @@ def test_missing_path_names_it(tmp_path: Path) -> None:
             load_splits(DataConfig(source=source, path=str(missing), seq_len=8))
 
 
+def test_a_device_or_fifo_as_data_path_is_refused_naming_it(tmp_path: Path) -> None:
+    """/dev/zero was read until memory ran out, and a FIFO would block forever: anything that is not a
+    regular file or a folder is refused before it is opened."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    for path in (Path("/dev/zero"), fifo):
+        for source in ("text", "tokens"):
+            with pytest.raises(DataError, match=rf"data.path: {path} is not a regular file"):
+                load_splits(DataConfig(source=source, path=str(path), seq_len=8))
+
+
 def test_empty_folder_and_empty_file_name_them(tmp_path: Path) -> None:
     folder = tmp_path / "empty_folder"
     folder.mkdir()

@@ -186,3 +186,24 @@ def test_causal_share_of_a_staged_ffn_pools_over_batches(tmp_path: Path, corpus:
     pooled = sum(f * d for f, d in zip(ffn, depth)) / sum(depth)
     assert routing["layer1.ffn"]["causal_processed"] == pytest.approx(pooled, abs=1e-5)
     assert routing["layer1"]["causal_processed"] == pytest.approx(sum(depth) / 4, abs=1e-5)
+
+
+def test_out_never_names_a_file_of_the_run_or_any_checkpoint(tmp_path: Path, corpus: Path, capsys) -> None:
+    """--out RUN/checkpoint.pt replaced the checkpoint with JSON. Every file a run writes in its folder,
+    the checkpoint given (wherever it lies) and any other checkpoint are refused with one line, before
+    the evaluation, and nothing changes; a new file in the run folder is written."""
+    run, other = tmp_path / "run", tmp_path / "other"
+    _train(run, corpus)
+    _train(other, corpus)
+    capsys.readouterr()
+    before, other_before = _folder(run), _folder(other)
+    refused = [run / name for name in ("checkpoint.pt", "config.yaml", "metrics.jsonl", "loss_vs_flops.png", ".lock")]
+    for out, given in [*((path, run) for path in refused), (run / "checkpoint.pt", run / "checkpoint.pt"),
+                       (other / "checkpoint.pt", run)]:
+        assert main([str(given), "--batches", "1", "--device", "cpu", "--out", str(out)]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err.startswith(f"error: --out {out}: is ") and \
+            captured.err.count("\n") == 1, captured
+    assert _folder(run) == before and _folder(other) == other_before
+    assert main([str(run), "--batches", "1", "--device", "cpu", "--out", str(run / "eval.json")]) == 0
+    assert json.loads((run / "eval.json").read_text())["batches"] == 1

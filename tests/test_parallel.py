@@ -223,6 +223,9 @@ def test_stop_after_checkpoint_and_resume_continues_the_run(data_parallel):
     first, _ = records(out)
     assert sorted(first) == [1, 2, 3, 4] and not (out / "deepspeed" / "step6").exists()
     assert (out / "loss_vs_flops.png").is_file()
+    for folder in ("my_notes", "step1"):  # a user's files beside DeepSpeed's tags: never the run's to delete
+        (out / "deepspeed" / folder).mkdir()
+        (out / "deepspeed" / folder / "notes.txt").write_text("keep me")
     resumed_run = launch(data_parallel["config"], *args, "--resume", "--train.eval_interval=50")
     assert resumed_run.stdout.count("note: --resume changes train.eval_interval (100 there, 50 here)") == 1  # rank 0 alone
     resumed, resumed_val = records(out)
@@ -233,7 +236,8 @@ def test_stop_after_checkpoint_and_resume_continues_the_run(data_parallel):
     assert resumed_val[STEPS]["val_loss"] == pytest.approx(uninterrupted_val[STEPS]["val_loss"], rel=1e-6)
     payload = load_checkpoint_file(out / CHECKPOINT)
     assert payload["state"]["step"] == STEPS and payload["optimizer"]["tag"] == f"step{STEPS}"
-    assert sorted(p.name for p in (out / "deepspeed").iterdir() if p.is_dir()) == ["step3", "step6"]
+    assert sorted(p.name for p in (out / "deepspeed").iterdir() if p.is_dir()) == ["my_notes", "step1", "step3", "step6"]
+    assert all((out / "deepspeed" / f / "notes.txt").read_text() == "keep me" for f in ("my_notes", "step1"))
 
 
 def test_launch_arguments_and_environment_are_clear_errors(tmp_path, monkeypatch, capsys):
@@ -437,13 +441,15 @@ def worker_ranks(launcher_pid: int, world: int) -> dict[int, int]:
     return found
 
 
-@pytest.mark.parametrize("signalled", [[1], [0, 1]], ids=["rank 1 alone", "every rank"])
-def test_ctrl_c_stops_every_process_at_the_same_step(corpus, tmp_path, signalled: list[int]) -> None:
-    """SIGINT to some ranks of an expert-parallel run (kill -INT, a scheduler, a terminal's Ctrl-C):
+@pytest.mark.parametrize("signalled,number", [([1], signal.SIGINT), ([0, 1], signal.SIGINT), ([0, 1], signal.SIGTERM)],
+                         ids=["rank 1 alone", "every rank", "SIGTERM to every rank"])
+def test_ctrl_c_stops_every_process_at_the_same_step(corpus, tmp_path, signalled: list[int], number: int) -> None:
+    """SIGINT or SIGTERM to some ranks of an expert-parallel run (kill, a scheduler, a terminal's Ctrl-C):
     each rank that gets it marks a request, every rank reads the marks in the next all-reduce and
     stops at the same step. Raised where it landed, one rank could wait in the all-to-all while
-    another reported its last step (an all-reduce): both hung. Each worker exits 130 with the
-    interrupted line, the checkpoint holds a step, and --resume continues the run."""
+    another reported its last step (an all-reduce): both hung. Each worker exits 128 + the signal
+    with the stop's line, the checkpoint holds a step, and --resume continues the run. While it
+    trains, rank 0 holds the run folder: another training there is refused naming rank 0's pid."""
     raw = raw_config(corpus, tmp_path / "dist", train={"max_steps": 100000, "checkpoint_interval": 2,
                                                        "eval_interval": 100000},
                      parallel={"zero_stage": 0, "expert_parallel": 2})
@@ -455,13 +461,19 @@ def test_ctrl_c_stops_every_process_at_the_same_step(corpus, tmp_path, signalled
             assert proc.poll() is None and time.monotonic() < deadline, "the run did not start"
             time.sleep(0.2)
         ranks = worker_ranks(proc.pid, WORLD)
+        if number == signal.SIGTERM:
+            second = subprocess.run([sys.executable, "-m", "mode.train", "--config", str(tmp_path / "config.yaml"),
+                                     "--resume"], cwd=ROOT, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
+            assert second.returncode == 2 and f"is in use by another training (pid {ranks[0]})" in second.stderr, \
+                second.stderr
         for rank in signalled:
-            os.kill(ranks[rank], signal.SIGINT)
-        out = output_within(proc, 60, "the processes did not stop within 60 s of the SIGINT (hung)")
-    # torchrun's summary: the first worker to leave exited 130 (it then stops the others, which
-    # leave at the same moment, with 130 or by its SIGTERM), after rank 0 printed the stop.
-    assert "exitcode  : 130" in out and "exitcode  : 1 " not in out, out[-4000:]
-    assert "interrupted at step" in out and "continue with --resume" in out, out[-4000:]
+            os.kill(ranks[rank], number)
+        out = output_within(proc, 60, "the processes did not stop within 60 s of the signal (hung)")
+    # torchrun's summary: the first worker to leave exited 128 + the signal (it then stops the others,
+    # which leave at the same moment, with that status or by its SIGTERM), after rank 0 printed the stop.
+    assert f"exitcode  : {128 + number}" in out and "exitcode  : 1 " not in out, out[-4000:]
+    how = "interrupted" if number == signal.SIGINT else "stopped by SIGTERM"
+    assert f"{how} at step" in out and "continue with --resume" in out, out[-4000:]
     assert not re.search(r'File ".*/(mode|launch)/', out), out[-4000:]  # no traceback from the workers (torchrun's own is there)
     saved = load_checkpoint_file(tmp_path / "dist")["state"]["step"]
     assert saved >= 2
@@ -585,3 +597,86 @@ def test_launcher_flags_match_by_their_whole_name(tmp_path) -> None:
     with pytest.raises(SystemExit) as info:
         launch_main(["--config", str(config), "--stop-at-steps=2"])
     assert info.value.code == 2
+
+
+# ----------------------------------------------------------------------------- a received run folder is safe to resume
+class _RunsCode:
+    """Pickled, it calls os.system on loading: what a malicious shard holds."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _poison(shard: Path, marker: Path) -> None:
+    torch.save({"module": _RunsCode(marker)}, shard)
+
+
+@pytest.mark.parametrize("name", ["moe_expert_choice", "moe_token_choice", "mode_integrated"])
+def test_every_deepspeed_file_loads_without_running_code(name, corpus, tmp_path_factory, expert_runs, tmp_path):
+    """Every file of DeepSpeed's checkpoint under ZeRO 0, 1 and 2 (model, expert and optimizer shards) loads
+    through the safe loader, whose allow-list its optimizer state needs; each one, replaced by a pickle that
+    runs code, is refused naming the file, and the code never runs."""
+    from mode.parallel.engine import UnsafeCheckpointError, load_shard
+
+    run = expert_parallel_run(name, corpus, tmp_path_factory, expert_runs)
+    shards = sorted((run["dir"] / "deepspeed").glob("step*/*.pt"))
+    assert any("optim_states" in s.name for s in shards) and any("expert" in s.name for s in shards), shards
+    for shard in shards:
+        assert isinstance(load_shard(shard, "cpu"), dict)
+        poisoned, marker = tmp_path / shard.name, tmp_path / f"{shard.name}.ran"
+        _poison(poisoned, marker)
+        with pytest.raises(UnsafeCheckpointError, match=re.escape(str(poisoned))):
+            load_shard(poisoned, "cpu")
+        assert not marker.exists()
+
+
+def test_resuming_a_run_folder_with_a_malicious_shard_runs_no_code(corpus, tmp_path_factory, expert_runs, tmp_path):
+    """Every shard of the tag checkpoint.pt names replaced by a pickle that runs code: --resume stops on
+    every process with one line naming a file, before training, and no code ran."""
+    run = expert_parallel_run("moe_expert_choice", corpus, tmp_path_factory, expert_runs)
+    copy = tmp_path / "dist"
+    shutil.copytree(run["dir"], copy)
+    tag = load_checkpoint_file(copy)["optimizer"]["tag"]
+    markers = []
+    for shard in sorted(copy.glob(f"deepspeed/{tag}/*.pt")):
+        markers.append(tmp_path / f"{shard.name}.ran")
+        _poison(shard, markers[-1])
+    raw = json.loads(json.dumps(run["raw"]))
+    raw["train"].update(out_dir=str(copy), max_steps=STEPS + 2)
+    result = launch(write_config(raw, tmp_path / "config.yaml"), "--resume", expect_ok=False)
+    assert result.returncode != 0
+    line = next(x for x in result.stdout.splitlines() if x.startswith("error: --resume: DeepSpeed's checkpoint"))
+    assert "holds objects other than tensors and plain data: refused, as loading it could run code" in line, line
+    assert f"deepspeed/{tag}/" in line
+    assert not [m for m in markers if m.exists()]
+    assert max(records(copy)[0]) == STEPS  # nothing trained
+
+
+def test_saving_removes_only_the_step_folders_the_run_wrote(tmp_path):
+    """deepspeed/ may hold a user's folders (notes, a copy of DeepSpeed's csrc), a step-named folder with
+    other files, a link: saving prunes only step<N> folders of DeepSpeed's shard files."""
+    from mode.parallel.engine import remove_tag, written_tag
+
+    save_dir = tmp_path / "deepspeed"
+    ours = save_dir / "step2"
+    ours.mkdir(parents=True)
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+                 "layer_0_expert_3_mp_rank_00_model_states.pt", "expp_rank_1_mp_rank_00_optim_states.pt"):
+        (ours / name).write_bytes(b"shard")
+    theirs = {"my_notes": "notes.txt", "csrc": "adam.cpp", "step7": "notes.txt"}
+    for folder, file in theirs.items():
+        (save_dir / folder).mkdir()
+        (save_dir / folder / file).write_text("keep me")
+    mixed = save_dir / "step4"
+    shutil.copytree(ours, mixed)
+    (mixed / "README").write_text("keep me")
+    (save_dir / "step9").mkdir()  # empty: nothing says a run wrote it
+    (save_dir / "step5").symlink_to(ours)
+    assert written_tag(ours)
+    assert not any(written_tag(save_dir / name) for name in (*theirs, "step4", "step9", "step5"))
+    remove_tag(ours)
+    assert not ours.exists() and (save_dir / "step5").is_symlink()
+    assert all((save_dir / folder / file).read_text() == "keep me" for folder, file in theirs.items())

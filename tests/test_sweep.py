@@ -16,7 +16,7 @@ import yaml
 
 from mode import sweep
 from mode.sweep import SweepError, grid, main, parse_slots, parse_vary, split_values
-from mode.train import CHECKPOINT, METRICS
+from mode.train import CHECKPOINT, METRICS, load_checkpoint_file
 
 
 def test_values_split_on_commas_outside_brackets() -> None:
@@ -282,13 +282,13 @@ def test_an_unreadable_checkpoint_or_a_file_as_out_is_a_clear_error(tmp_path: Pa
 
 
 def test_sigterm_stops_the_sweep_and_its_trainings(tmp_path: Path, corpus: Path) -> None:
-    """SIGTERM to the sweep's process alone (kill, timeout, a scheduler): its trainings get a Ctrl-C and
+    """SIGTERM to the sweep's process alone (kill, timeout, a scheduler): its trainings get a SIGTERM and
     stop at their checkpoints, none is left running to write beside a restarted sweep, and it exits 130."""
     sweep_process, out = _a_long_parallel_sweep(tmp_path, corpus)
     os.kill(sweep_process.pid, signal.SIGTERM)  # the sweep alone, not its process group
     stdout, stderr = sweep_process.communicate(timeout=120)
     assert sweep_process.returncode == 130, (stdout, stderr)
-    assert "== seed=0: stopped (Ctrl-C" in stdout and "== seed=1: stopped (Ctrl-C" in stdout, stdout
+    assert "== seed=0: stopped (SIGTERM" in stdout and "== seed=1: stopped (SIGTERM" in stdout, stdout
     sizes = [(out / f"seed={i}" / METRICS).stat().st_size for i in (0, 1)]
     time.sleep(2)
     assert [(out / f"seed={i}" / METRICS).stat().st_size for i in (0, 1)] == sizes  # nobody writes any more
@@ -376,3 +376,103 @@ def test_zip_fields_change_together(tmp_path: Path, corpus: Path, capsys) -> Non
     with pytest.raises(SystemExit):
         main(args[:4])
     assert "give the grid: --vary" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- locked folders; stopped from a script or a scheduler
+def test_a_point_whose_folder_another_training_holds_is_skipped_and_reported(tmp_path: Path, corpus: Path,
+                                                                             capsys) -> None:
+    """A restarted sweep (or a second one) meets a point another live process trains: it neither starts a
+    second writer nor deletes the point's files; the point is reported skipped, naming the holder's pid,
+    and left out of the report; the others run."""
+    from mode.run_folder import RunFolderLock
+
+    out = tmp_path / "sweep"
+    args = ["--config", str(_config(tmp_path, corpus)), "--out", str(out), "--vary", "train.seed=0,1"]
+    held = out / "seed=1"
+    held.mkdir(parents=True)
+    from mode.config import load_config, save_config
+
+    save_config(load_config(args[1], ["--train.seed=1", f"--train.out_dir={held}"]), held / "config.yaml")
+    (held / METRICS).write_text('{"step": 1, "flops": 1.0, "loss": 5.0}\n')  # its run, writing before a checkpoint
+    lock = RunFolderLock(held)
+    lock.acquire()
+    try:
+        assert main(args) == 1
+    finally:
+        lock.release()
+    printed = capsys.readouterr().out
+    assert f"seed=1: skipped: {held} is in use by another training (pid {os.getpid()})" in printed, printed
+    assert "seed=0: done" in printed
+    assert (held / METRICS).read_text() == '{"step": 1, "flops": 1.0, "loss": 5.0}\n'
+    assert "seed=1" not in (out / "report.md").read_text()
+
+
+def test_a_checkpoint_holding_code_is_refused_without_torchs_advice(tmp_path: Path, corpus: Path, capsys) -> None:
+    """A point's checkpoint.pt that would run code on loading: one line, without torch's advice to load it
+    with weights_only=False."""
+    import torch
+
+    point = tmp_path / "sweep" / "seed=0"
+    point.mkdir(parents=True)
+    torch.save({"format": "mode-checkpoint-v1", "hook": SweepError}, point / CHECKPOINT)
+    assert main(["--config", str(_config(tmp_path, corpus)), "--out", str(tmp_path / "sweep"),
+                 "--vary", "train.seed=0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {point / CHECKPOINT} is not a readable checkpoint") and err.count("\n") == 1, err
+    assert "weights_only" not in err and "could run code" in err, err
+
+
+def _trainings_of(folder: Path) -> list[int]:
+    """The pids of live processes whose command line names `folder`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and entry.name != str(os.getpid()):
+            try:
+                command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if str(folder) in command and "mode.train" in command:
+                found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.parametrize("started", ["under timeout", "as a background job"])
+def test_a_sweep_stopped_by_sigterm_leaves_no_training_running(tmp_path: Path, corpus: Path, started: str) -> None:
+    """`timeout` passes its SIGTERM to the sweep; a script's background job (`sweep &`) passes its trainings
+    an ignored SIGINT. Either way the trainings stop at a checkpoint (the sweep sends them SIGTERM, which
+    they honour whatever they inherited), none is left running, and each point resumes."""
+    import shlex
+
+    out = tmp_path / "sweep"
+    sweep_command = [sys.executable, "-m", "mode.sweep", "--config", str(_config(tmp_path, corpus)), "--out", str(out),
+                     "--vary", "train.seed=0,1,2", "--jobs", "2", "--train.max_steps=100000",
+                     "--train.checkpoint_interval=1"]
+    pid_file = tmp_path / "pid"
+    if started == "under timeout":
+        command = ["timeout", "600", *sweep_command]
+    else:  # bash without job control: a background job's SIGINT is ignored, and inherited by its children
+        command = ["bash", "-c", f"{shlex.join(sweep_command)} > {tmp_path / 'sweep.out'} 2>&1 & "
+                                 f"echo $! > {pid_file}; wait"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True, cwd=Path(__file__).resolve().parents[1])
+    try:
+        deadline = time.monotonic() + 120
+        while not all((out / f"seed={i}" / CHECKPOINT).exists() for i in (0, 1)):
+            assert time.monotonic() < deadline and process.poll() is None, process.communicate()
+            time.sleep(0.2)
+        target = process.pid if started == "under timeout" else int(pid_file.read_text())
+        os.kill(target, signal.SIGTERM)
+        stdout, _ = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    printed = stdout if started == "under timeout" else (tmp_path / "sweep.out").read_text()
+    assert "sweep stopped (Ctrl-C or SIGTERM)" in printed and "Traceback" not in printed, printed
+    assert "== seed=0: stopped (SIGTERM" in printed and "== seed=1: stopped (SIGTERM" in printed, printed
+    assert _trainings_of(out) == []
+    dry = subprocess.run([*sweep_command, "--dry-run"], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[1])
+    for i in (0, 1):
+        step = load_checkpoint_file(out / f"seed={i}")["state"]["step"]
+        assert f"seed={i} (100000 steps, resumes from step {step})" in dry.stdout, dry.stdout
+        assert max(_steps(out / f"seed={i}")) >= step

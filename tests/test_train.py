@@ -999,6 +999,7 @@ def test_flops_budget_sets_the_whole_steps_within_it(tmp_path: Path, corpus: Pat
     resumed = Trainer(make_config(tmp_path / "run", corpus, train={"flops_budget": 5.5 * per_step, "max_steps": 5,
                                                                    "warmup_steps": 1}), resume=True)
     assert "in place of" not in resumed.notes[0]  # the run's own steps: nothing replaced
+    resumed.close()  # built, not run: it holds the run folder until closed
     saved_config = (tmp_path / "run" / "config.yaml").read_bytes()
     with pytest.raises(ConfigError, match=r"run is at step 5, past train\.max_steps=2 \(train\.flops_budget="):
         Trainer(make_config(tmp_path / "run", corpus, train={"flops_budget": 2.5 * per_step, "warmup_steps": 1}),
@@ -1186,3 +1187,178 @@ def test_a_file_that_is_not_a_checkpoint_as_init_from_is_one_line(tmp_path: Path
                                   "by mode.train ("), message
         assert "\n" not in message and "weights_only" not in message, message
     assert not (tmp_path / "b").exists()
+
+
+# ----------------------------------------------------------------------------- a run folder is one run's; stops by any signal
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _long_run(tmp_path: Path, corpus: Path, out: Path, *extra: str, **popen: Any) -> subprocess.Popen:
+    """python -m mode.train of a run too long to end by itself, checkpointing every step."""
+    config_file = write_config_file(tmp_path / "long.yaml", out, corpus,
+                                    train={"max_steps": 100000, "checkpoint_interval": 1})
+    return subprocess.Popen([sys.executable, "-m", "mode.train", "--config", str(config_file), *extra],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+
+
+def _wait_for(path: Path, process: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.1)
+
+
+def test_a_second_writer_of_a_run_folder_is_refused_naming_the_holder(tmp_path: Path, corpus: Path) -> None:
+    """Two real processes: while one trains, another mode.train into its folder (a resume, here) gets one
+    line naming the folder and the holder's pid, and writes nothing; once the first is killed outright
+    (kill -9: no clean-up), the lock died with it and the resume trains."""
+    import signal
+
+    out = tmp_path / "run"
+    first = _long_run(tmp_path, corpus, out)
+    try:
+        _wait_for(out / CHECKPOINT, first)
+        second = subprocess.run([sys.executable, "-m", "mode.train", "--config", str(tmp_path / "long.yaml"),
+                                 "--resume"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert second.returncode == 2, second.stderr
+        assert second.stderr.strip() == (f"error: train.out_dir: {out} is in use by another training (pid {first.pid}); "
+                                         "wait for it to end, or stop it, before writing to this folder"), second.stderr
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.communicate()
+    resumed = subprocess.run([sys.executable, "-m", "mode.train", "--config", str(tmp_path / "long.yaml"), "--resume",
+                              f"--train.max_steps={load_checkpoint_file(out)['state']['step'] + 1}"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert resumed.returncode == 0, resumed.stderr
+    train_losses(out)  # one record a step: nobody else wrote
+
+
+def test_an_unrun_trainer_holds_the_folder_until_closed(tmp_path: Path, corpus: Path) -> None:
+    """In one process too: a built Trainer holds its folder; a refused resume releases it at once."""
+    config = make_config(tmp_path / "run", corpus, train={"max_steps": 2})
+    Trainer(config).run()  # run() releases the folder when it ends
+    held = Trainer(make_config(tmp_path / "run", corpus, train={"max_steps": 4}), resume=True)
+    with pytest.raises(ConfigError, match="is in use by another training"):
+        Trainer(make_config(tmp_path / "run", corpus, train={"max_steps": 4}), resume=True)
+    held.close()
+    with pytest.raises(ConfigError, match="past train.max_steps=1"):  # refused after taking the lock
+        Trainer(make_config(tmp_path / "run", corpus, train={"max_steps": 1}), resume=True)
+    Trainer(make_config(tmp_path / "run", corpus, train={"max_steps": 4}), resume=True).run()
+    assert max(train_losses(tmp_path / "run")) == 4
+
+
+@pytest.mark.parametrize("how", ["timeout", "kill"])
+def test_sigterm_stops_training_cleanly_and_the_run_resumes(tmp_path: Path, corpus: Path, how: str) -> None:
+    """SIGTERM (a job scheduler's kill; `timeout`, which passes its own SIGTERM on) gets Ctrl-C's clean stop:
+    one line saying which step the checkpoint holds, exit 143, no traceback, and --resume continues."""
+    import signal
+
+    out = tmp_path / "run"
+    wrapper = ["timeout", "600"] if how == "timeout" else []
+    config_file = write_config_file(tmp_path / "long.yaml", out, corpus,
+                                    train={"max_steps": 100000, "checkpoint_interval": 1})
+    process = subprocess.Popen([*wrapper, sys.executable, "-m", "mode.train", "--config", str(config_file)],
+                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for(out / CHECKPOINT, process)
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 143, err
+    assert "Traceback" not in err and "stopped by SIGTERM at step" in err, err
+    saved = load_checkpoint_file(out)["state"]["step"]
+    assert f"{out / CHECKPOINT} holds step {saved}: continue with --resume" in err, err
+    resumed = main(["--config", str(config_file), "--resume", f"--train.max_steps={saved + 1}"])
+    assert resumed == 0 and max(train_losses(out)) == saved + 1
+
+
+def test_signals_during_the_stops_clean_up_are_ignored(tmp_path: Path, corpus: Path) -> None:
+    """A burst of Ctrl-Cs (a user pressing it again while the first one's clean-up runs): the first stops
+    the run, the rest are ignored, and the line saying which step the checkpoint holds is printed."""
+    import signal
+
+    out = tmp_path / "run"
+    process = _long_run(tmp_path, corpus, out)
+    _wait_for(out / CHECKPOINT, process)
+    for _ in range(200):
+        if process.poll() is not None:
+            break
+        process.send_signal(signal.SIGINT)
+        time.sleep(0.01)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 130, err
+    assert "Traceback" not in err and "continue with --resume" in err, err
+
+
+def test_ctrl_c_while_the_command_imports_is_one_line(tmp_path: Path, corpus: Path) -> None:
+    """Ctrl-C (or SIGTERM) while python -m mode.train is still importing torch: one line, the signal's exit
+    status, no traceback, nothing written."""
+    import signal
+
+    out = tmp_path / "run"
+    config_file = write_config_file(tmp_path / "x.yaml", out, corpus)
+    for number in (signal.SIGINT, signal.SIGTERM):
+        process = subprocess.Popen([sys.executable, "-m", "mode.train", "--config", str(config_file)], cwd=ROOT,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(0.5)  # the interpreter is up; torch takes seconds to import
+        process.send_signal(number)
+        _, err = process.communicate(timeout=60)
+        assert process.returncode == 128 + number, err
+        assert "Traceback" not in err and err.strip().endswith("while starting: nothing was written"), err
+        assert not out.exists()
+
+
+def test_a_new_run_refuses_a_folder_holding_files_a_run_writes(tmp_path: Path, corpus: Path, capsys) -> None:
+    """config.yaml (here the very file given as --config, with its comments) or loss_vs_flops.png in the
+    folder of a new run: one line naming them, nothing replaced. The same command stopped before training
+    (its own config.yaml, byte for byte) runs again."""
+    out = tmp_path / "run"
+    out.mkdir()
+    config_file = out / "config.yaml"
+    config_file.write_text("# my notes on this experiment\n" + yaml.safe_dump(raw_config(out, corpus)))
+    before = config_file.read_bytes()
+    assert main(["--config", str(config_file)]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: {out} holds config.yaml, which a new run would replace: choose another "
+                   "--train.out_dir (or move them away)\n"), err
+    assert config_file.read_bytes() == before and sorted(p.name for p in out.iterdir()) == ["config.yaml"]
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "loss_vs_flops.png").write_bytes(b"a plot of another run")
+    elsewhere = write_config_file(tmp_path / "x.yaml", other, corpus, train={"max_steps": 1})
+    assert main(["--config", str(elsewhere)]) == 2
+    assert "holds loss_vs_flops.png, which a new run would replace" in capsys.readouterr().err
+    assert (other / "loss_vs_flops.png").read_bytes() == b"a plot of another run"
+    own = tmp_path / "own"
+    mine = write_config_file(tmp_path / "y.yaml", own, corpus, train={"max_steps": 1})
+    from mode.config import save_config
+
+    own.mkdir()
+    save_config(load_config(mine), own / "config.yaml")  # what the same command wrote before it was stopped
+    assert main(["--config", str(mine)]) == 0
+
+
+def test_a_full_disk_during_a_checkpoint_write_is_one_line_and_the_last_checkpoint_stays(
+        tmp_path: Path, corpus: Path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The second checkpoint's write fails half-way with ENOSPC: one line naming the step the folder's
+    checkpoint still holds (whole, loadable), exit 1, no traceback, no temporary left behind."""
+    import errno
+
+    real_save = torch.save
+    calls = []
+
+    def disk_fills(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        calls.append(1)
+        if len(calls) == 2:
+            f.write(b"half a checkpoint")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", disk_fills)
+    out = tmp_path / "run"
+    config_file = write_config_file(tmp_path / "x.yaml", out, corpus, train={"checkpoint_interval": 2})
+    assert main(["--config", str(config_file)]) == 1
+    err = capsys.readouterr().err
+    assert err.strip() == (f"error: cannot write the checkpoint of step 4 to {out / CHECKPOINT} (No space left on "
+                           f"device); {out / CHECKPOINT} still holds step 2, whole: continue with --resume once there "
+                           "is room"), err
+    assert load_checkpoint_file(out)["state"]["step"] == 2
+    assert not list(out.glob(".checkpoint.pt.*"))

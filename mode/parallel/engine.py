@@ -32,12 +32,19 @@ predictor_parameter_ids); DeepSpeed's ZeRO 1/2 clipping counts them in its one n
 
 The learning rate is the project's schedule: the loop passes it to step(), which writes it
 into the optimizer's parameter groups; DeepSpeed has no scheduler.
+
+Checkpoints: every file of DeepSpeed's checkpoint is read as checkpoint.pt is, without running
+code (SafeLoading: tensors, plain data and the three DeepSpeed classes its optimizer state
+holds); a file that would run code is refused with an error naming it. Saving removes only
+the step folders this run wrote (step<N>, holding nothing but DeepSpeed's shard files).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-import shutil
+import pickle
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,13 +53,71 @@ import deepspeed
 import torch
 import torch.distributed as dist
 from deepspeed.moe.utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer
+from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+from deepspeed.runtime.zero.config import ZeroStageEnum
+from deepspeed.utils.tensor_fragment import fragment_address
 from torch import Tensor, nn
 
 from mode.config import Config, ConfigError
 from mode.parallel.expert_parallel import ExpertParallelExperts, full_state_dict
+from mode.run_folder import DEEPSPEED_DIR
 from mode.train import clipped_gradients, parameter_groups, predictor_parameter_ids, split_predictor_parameters
 
-DEEPSPEED_DIR = "deepspeed"  # inside the run folder
+# The classes (besides tensors and plain data) DeepSpeed's optimizer shards hold: plain records,
+# rebuilt from their fields, never by running code.
+SHARD_GLOBALS = [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+STEP_TAG = re.compile(r"step\d+")
+# The files DeepSpeed writes into a tag's folder: the model's, each expert's and each optimizer shard's.
+SHARD_FILE = re.compile(
+    r"(mp_rank_\d+_model_states|layer_\d+_expert_\d+_mp_rank_\d+_model_states"
+    r"|(bf16_)?zero_pp_rank_\d+_mp_rank_\d+_optim_states|expp_rank_\d+_mp_rank_\d+_optim_states)\.pt"
+)
+
+
+class UnsafeCheckpointError(ValueError):
+    """A DeepSpeed checkpoint file holds objects whose loading could run code; the message names it."""
+
+
+def load_shard(path: str | Path, map_location: Any = None) -> Any:
+    """One file of DeepSpeed's checkpoint, loaded as checkpoint.pt is: without running code."""
+    try:
+        with torch.serialization.safe_globals(SHARD_GLOBALS):
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError:  # torch's text advises weights_only=False, which would run the file's code
+        raise UnsafeCheckpointError(
+            f"{path} holds objects other than tensors and plain data: refused, as loading it could run code"
+        ) from None
+
+
+class SafeLoading:
+    """DeepSpeed's checkpoint engine with its load() replaced by load_shard; everything else its own."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+
+    def load(self, path: str, map_location: Any = None) -> Any:
+        return load_shard(path, map_location)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+
+def written_tag(folder: Path) -> bool:
+    """Whether `folder` is a step folder DeepSpeed wrote for a run: named step<N>, holding DeepSpeed's
+    shard files and nothing else."""
+    if not (STEP_TAG.fullmatch(folder.name) and folder.is_dir() and not folder.is_symlink()):
+        return False
+    entries = list(folder.iterdir())
+    return bool(entries) and all(e.is_file() and not e.is_symlink() and SHARD_FILE.fullmatch(e.name) for e in entries)
+
+
+def remove_tag(folder: Path) -> None:
+    """Delete a written_tag folder: its shard files, then the folder itself. A file that cannot be
+    removed (permissions) leaves the folder in place; training goes on."""
+    with contextlib.suppress(OSError):
+        for shard in folder.iterdir():
+            shard.unlink()
+        folder.rmdir()
 
 
 # ----------------------------------------------------------------------------- processes
@@ -177,6 +242,8 @@ class DeepSpeedOptimization:
         self.optimizer = build_optimizer(model, config, processes.device.type)
         match_accelerator(processes.device.type)
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=self.optimizer, config=self.ds_config)
+        if self.engine.checkpoint_engine is not None:  # DeepSpeed makes none under ZeRO 3 offload
+            self.engine.checkpoint_engine = SafeLoading(self.engine.checkpoint_engine)
         # DeepSpeed's ZeRO 0 "all-reduce" on one process flattens every gradient into buckets,
         # averages over a group of one and copies back: an identity that cost about 3 ms a step
         # on an H200 (730M float32 gradients). Under ZeRO 1/2 the same hook fills the sharded
@@ -266,8 +333,8 @@ class DeepSpeedOptimization:
         if self.processes.rank == 0:  # keep this tag and the one checkpoint.pt names until rank 0 rewrites it
             keep = {tag, self._last_tag}
             for old in save_dir.iterdir():
-                if old.is_dir() and old.name not in keep:
-                    shutil.rmtree(old, ignore_errors=True)
+                if old.name not in keep and written_tag(old):
+                    remove_tag(old)
         self._last_tag = tag
         return {
             "model": weights,
@@ -308,6 +375,8 @@ class DeepSpeedOptimization:
             path, client = self.engine.load_checkpoint(
                 str(load_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False
             )
+        except UnsafeCheckpointError as e:
+            return str(e)
         except (OSError, RuntimeError, KeyError, ValueError, EOFError) as e:  # a file missing, cut short or foreign
             return f"{type(e).__name__}: {e}"
         if path is None:

@@ -22,17 +22,20 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from mode.cli import ignore_stop_signals, started
 from mode.config import Config, ConfigError, load_config
 from mode.data import DataError
 from mode.flops import model_flops
 from mode.parallel.engine import DeepSpeedOptimization, Processes, init_distributed, quiet_deepspeed
 from mode.parallel.expert_parallel import apply_expert_parallel
 from mode.routing import primitives
-from mode.train import INTERRUPTED, LaunchedStep, Trainer, build_model, interrupted_message, parse_args
+from mode.run_folder import FolderInUse
+from mode.train import LaunchedStep, Trainer, build_model, interrupted_message, parse_args
+from mode.utils import STOP_SIGNALS, StopSignal, stop_how, stop_status, stops_on_signals
 
 # Errors every process would report alike (the config, the data, the run folder, an unreadable
 # checkpoint or metrics file): printed once, without a traceback, as mode.train prints them.
-ERRORS = (ConfigError, DataError, FileExistsError, FileNotFoundError, ValueError)
+ERRORS = (ConfigError, DataError, FileExistsError, FileNotFoundError, ValueError, FolderInUse)
 # Variables a launcher (torchrun, deepspeed, mpirun) sets in each process it starts.
 LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 # The key under which each rank's stop request rides in the losses' all-reduce (LaunchTrainer).
@@ -51,44 +54,49 @@ class Preempted(Exception):
 
 class LaunchTrainer(Trainer):
     """The Trainer, plus a way to stop mid-run (tests of resume; drills for preemption), and
-    Ctrl-C made collective.
+    Ctrl-C and SIGTERM made collective.
 
     A signal reaches each process wherever it is: raised there as KeyboardInterrupt, one rank
     would go on to report its last step (an all-reduce) while another still waits inside the
-    step's all-to-all, and both would wait forever. So during run() a first SIGINT only marks a
-    request; every rank's mark travels in the losses' all-reduce (mean_over_ranks), which every
-    rank runs at the same point, and every rank raises KeyboardInterrupt at its next step's
-    launch: all stop at the same step, as --stop-at-step stops them. A second SIGINT raises at
+    step's all-to-all, and both would wait forever. So during run() a first SIGINT or SIGTERM
+    only marks a request; every rank's mark travels in the losses' all-reduce (mean_over_ranks),
+    which every rank runs at the same point, and every rank raises StopSignal at its next step's
+    launch: all stop at the same step, as --stop-at-step stops them. A second signal raises at
     once (the way out of a run that no longer reaches an all-reduce).
     """
 
     stop_at_step: int | None = None
     clean_stops = (KeyboardInterrupt, Preempted)  # every rank stops at the same step: reporting it stays collective
-    stop_requested = False  # this rank got a SIGINT during run()
+    stop_requested: int | None = None  # the signal this rank got during run()
     stop_everywhere = False  # some rank did, as the last all-reduce told every rank
 
     def run(self) -> list[dict[str, Any]]:
-        previous = signal.signal(signal.SIGINT, self._request_stop)
+        previous = {number: signal.getsignal(number) for number in STOP_SIGNALS}
+        for number in STOP_SIGNALS:
+            if not (number == signal.SIGINT and previous[number] == signal.SIG_IGN):  # a background job's
+                signal.signal(number, self._request_stop)
         try:
             return super().run()
         finally:
-            signal.signal(signal.SIGINT, previous)
+            for number, handler in previous.items():
+                signal.signal(number, handler if handler is not None else signal.SIG_DFL)
 
     def _request_stop(self, signum: int, frame: Any) -> None:
-        if self.stop_requested:
-            raise KeyboardInterrupt
-        self.stop_requested = True
-        print(f"[rank {self.rank}] Ctrl-C: every process stops after the step in progress (Ctrl-C again to stop "
+        if self.stop_requested is not None:
+            raise StopSignal(signum)
+        self.stop_requested = signum
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        print(f"[rank {self.rank}] {name}: every process stops after the step in progress (a second signal stops "
               "at once)", file=sys.stderr, flush=True)
 
     def mean_over_ranks(self, values: dict[str, float]) -> dict[str, float]:
-        pooled = super().mean_over_ranks({**values, STOP_KEY: float(self.stop_requested)})
+        pooled = super().mean_over_ranks({**values, STOP_KEY: float(self.stop_requested is not None)})
         self.stop_everywhere = self.stop_everywhere or pooled.pop(STOP_KEY) > 0
         return pooled
 
     def launch_step(self) -> LaunchedStep:
         if self.stop_everywhere:
-            raise KeyboardInterrupt
+            raise StopSignal(self.stop_requested or signal.SIGINT)  # a rank that got none stops as Ctrl-C's
         if self.stop_at_step is not None and self.state.step >= self.stop_at_step:
             raise Preempted(f"stopped after step {self.state.step} (--stop-at-step)")
         return super().launch_step()
@@ -187,6 +195,18 @@ def _fail(rank: int, error: Exception) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """SIGINT and SIGTERM stop cleanly: before training, at once; during it, every rank at the same step."""
+    started()
+    with stops_on_signals():
+        try:
+            return _launch(argv)
+        except KeyboardInterrupt as stop:  # before training started (run() handles its own)
+            _say(int(os.environ.get("RANK", "0")),
+                 f"\n{stop_how(stop)} before training started: nothing to resume; run the command again", sys.stderr)
+            return stop_status(stop)
+
+
+def _launch(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if {"-h", "--help"} & set(argv):
         print(__doc__.split("\n\n")[0] + "\n    --stop-at-step N: leave the loop after N optimizer steps (a preemption drill)\n")
@@ -219,13 +239,14 @@ def main(argv: list[str] | None = None) -> int:
         except Preempted:
             _say(processes.rank, interrupted_message(trainer, "stopped by --stop-at-step"))
             return 0
-        except KeyboardInterrupt:  # files are whole; a first Ctrl-C stops every rank at the same step
-            _say(processes.rank, f"\n{interrupted_message(trainer)}", sys.stderr)
+        except KeyboardInterrupt as stop:  # files are whole; a first signal stops every rank at the same step
+            ignore_stop_signals()
+            _say(processes.rank, f"\n{interrupted_message(trainer, stop_how(stop))}", sys.stderr)
             if trainer.stop_everywhere:
                 # Every rank is here: none leaves before rank 0 has spoken, since a launcher stops
                 # the others (SIGTERM) once one has exited with a failure's status.
                 dist.barrier()
-            return INTERRUPTED
+            return stop_status(stop)
         _say(processes.rank, f"done: run folder {trainer.out_dir}")
         return 0
     finally:
@@ -248,6 +269,7 @@ def run_and_exit(argv: list[str] | None = None) -> NoReturn:
 def exit_without_teardown(code: int) -> NoReturn:
     """Flush the output streams and leave the process with `code`, skipping the interpreter's
     teardown (run_and_exit says why); for any script that ran DeepSpeed or gloo."""
+    ignore_stop_signals()  # the last line is printed: nothing may cut the flush short
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
