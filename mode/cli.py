@@ -12,6 +12,8 @@ import threading
 from typing import Any, NoReturn
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+INTERRUPTED = 128 + signal.SIGINT  # the exit status of a command stopped by Ctrl-C
+TERMINATED = 128 + signal.SIGTERM  # and by SIGTERM
 _BEFORE_START: dict[int, Any] = {}  # the handlers quiet_start replaced, which started() puts back
 
 

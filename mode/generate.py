@@ -866,7 +866,7 @@ def generate(
 # ----------------------------------------------------------------------------- loading
 def load_model(checkpoint: str | Path, device: str | torch.device = "cpu") -> LanguageModel:
     """A LanguageModel from a run folder or checkpoint.pt written by mode.train (errors are clear)."""
-    from mode.train import load_checkpoint_file
+    from mode.checkpoint import load_checkpoint_file
 
     return model_from_payload(load_checkpoint_file(Path(checkpoint), device), str(checkpoint), device)
 

@@ -38,10 +38,12 @@ from typing import Any
 import torch
 import yaml
 
+from mode.checkpoint import describes_execution
 from mode.config import Config, ConfigError, config_from_dict, flat_fields, load_yaml
 from mode.flops import model_flops
 from mode.model import LanguageModel
-from mode.train import METRICS, describes_execution, is_expert_router, share_reaching
+from mode.run_folder import METRICS
+from mode.training.router_stats import is_expert_router, share_reaching
 from mode.utils import MetricsError, atomic_write_bytes, atomic_write_text, read_metrics
 
 CONFIG_FILE = "config.yaml"

@@ -27,7 +27,7 @@ whole checkpoint. At the end `mode.report` compares every run
 """
 from __future__ import annotations
 
-from mode.cli import finish, quiet_start, started
+from mode.cli import INTERRUPTED, TERMINATED, finish, quiet_start, started
 
 quiet_start(__name__)  # before torch: Ctrl-C while it imports ends with one line
 
@@ -50,10 +50,18 @@ from typing import Any
 
 import yaml
 
-from mode.config import Config, ConfigError, load_config, load_yaml, override_field, read_yaml_file
+from mode.checkpoint import curve_differences, load_checkpoint_file
+from mode.config import (
+    Config,
+    ConfigError,
+    load_config,
+    load_yaml,
+    override_field,
+    read_yaml_file,
+)
 from mode.report import ReportError, report
 from mode.run_folder import CHECKPOINT, CONFIG, METRICS, PLOT, holder
-from mode.train import INTERRUPTED, TERMINATED, curve_differences, load_checkpoint_file, steps_within_budget
+from mode.training.optim import steps_within_budget
 
 
 class SweepError(ValueError):
@@ -450,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"sweep: {len(planned)} runs in {args.out}{at_once}")
     for point, overrides, steps in planned:
         done = finished_steps(args.out / point.name)
-        state = "" if done is None else (f", finished" if done >= steps else f", resumes from step {done}")
+        state = "" if done is None else (", finished" if done >= steps else f", resumes from step {done}")
         command = train_command(args.config, overrides, args.out / point.name, resume=done is not None,
                                 parallel=slots.parallel)
         print(f"  {point.name} ({steps} steps{state}): python {shlex.join(command[1:])}")
@@ -460,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         outcomes = run_all(args, planned, slots)
     except KeyboardInterrupt:
-        say(f"\nsweep stopped (Ctrl-C or SIGTERM): each run keeps its last checkpoint; the same command continues it")
+        say("\nsweep stopped (Ctrl-C or SIGTERM): each run keeps its last checkpoint; the same command continues it")
         return INTERRUPTED
     finally:  # main() called in a process that goes on (a test, a notebook) gets its own handler back
         signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)

@@ -9,7 +9,6 @@ import yaml
 from mode.config import (
     Config,
     ConfigError,
-    apply_overrides,
     config_from_dict,
     load_config,
     parse_override,

@@ -311,7 +311,7 @@ def test_uint32_ids_past_int32_range_are_a_vocabulary_error(tmp_path: Path) -> N
     """An id of 2**31 or more is counted as itself (a widening to int32 wrapped it negative, past the
     vocabulary check, to crash in the embedding): the error names the file and the dtype to try."""
     from mode.config import ConfigError, config_from_dict
-    from mode.train import Trainer
+    from mode.training.trainer import Trainer
 
     ids = np.arange(200, dtype=np.uint32)
     ids[5] = 2**31 + 3

@@ -9,7 +9,8 @@ import torch
 
 from mode.config import config_from_dict
 from mode.evaluate import evaluate_checkpoint, main
-from mode.train import METRICS, Trainer
+from mode.run_folder import METRICS
+from mode.training.trainer import Trainer
 
 
 def _train(out_dir: Path, corpus: Path | str, moe: dict | None = None, **routing: object) -> None:
@@ -115,8 +116,8 @@ def test_a_multi_process_token_choice_run_routes_each_process_rows_apart(tmp_pat
     monkeypatch.setattr(evaluate, "_processes", lambda payload: 2)
     result = evaluate_checkpoint(run, 3, "cpu")
     assert result["processes"] == 2 and result["tokens"] == 3 * 4 * 32
+    from mode.checkpoint import load_checkpoint_file
     from mode.generate import model_from_payload
-    from mode.train import load_checkpoint_file
 
     payload = load_checkpoint_file(run)
     ranks = []

@@ -19,7 +19,7 @@ from mode.generate import Decoder, LayerCache, generate, layer_step, load_model,
 from mode.layers.mod import MoDBlock
 from mode.model import LanguageModel
 from mode.routing import DepthRouter, ExpertChoiceRouter, token_mask
-from mode.train import Trainer
+from mode.training.trainer import Trainer
 
 # The model is float64 but the router and its gate g(r) = sigmoid(r) compute in float32 by
 # design. A float32 sigmoid can differ by one ulp (~6e-8 relative) depending on the shape of

@@ -34,10 +34,12 @@ import pytest
 import torch
 import yaml
 
+from mode.checkpoint import load_checkpoint_file
 from mode.config import ConfigError, config_from_dict, load_config
 from mode.data import batch_generator, load_splits, sample_batch
 from mode.model import LanguageModel
-from mode.train import CHECKPOINT, METRICS, Trainer, load_checkpoint_file
+from mode.run_folder import CHECKPOINT, METRICS
+from mode.training.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH_TIMEOUT = 240  # seconds per 2-process launch (the first one may build DeepSpeed's CPU comm op)
@@ -585,7 +587,8 @@ def test_launcher_flags_match_by_their_whole_name(tmp_path) -> None:
     """--stop-at-step and --local_rank are matched by name, not by prefix: a typo such as
     --stop-at-steps=2 was read as --stop-at-step 2; now it reaches parse_args, which refuses it.
     Pure argument parsing: no process group, no launch."""
-    from mode.parallel.launch import _launcher_args, main as launch_main
+    from mode.parallel.launch import _launcher_args
+    from mode.parallel.launch import main as launch_main
 
     assert _launcher_args(["--stop-at-step=4", "--x.y=1"]) == (["--x.y=1"], 4)
     assert _launcher_args(["--stop-at-step", "4"]) == ([], 4)
@@ -680,3 +683,29 @@ def test_saving_removes_only_the_step_folders_the_run_wrote(tmp_path):
     remove_tag(ours)
     assert not ours.exists() and (save_dir / "step5").is_symlink()
     assert all((save_dir / folder / file).read_text() == "keep me" for folder, file in theirs.items())
+
+
+def test_two_nodes_on_one_host_equal_the_one_node_run(data_parallel, tmp_path):
+    """Two launchers, one a "node" (--nnodes 2 --node_rank 0/1, one process each, rendezvous on
+    127.0.0.1 over gloo): the losses of the one-node 2-process run, to rounding."""
+    raw = json.loads(json.dumps(data_parallel["raw"]))
+    raw["train"]["out_dir"] = str(tmp_path / "dist")
+    config = write_config(raw, tmp_path / "config.yaml")
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    nodes = []
+    for node_rank in (0, 1):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node_rank}",
+               "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={port}",
+               str(ROOT / "launch" / "train.py"), "--config", str(config)]
+        nodes.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True, start_new_session=True))
+    with killed_on_exit(nodes[0]), killed_on_exit(nodes[1]):
+        outputs = [output_within(node, LAUNCH_TIMEOUT, f"node {i} did not finish") for i, node in enumerate(nodes)]
+    assert [node.returncode for node in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    assert "2 processes (gloo, cpu)" in outputs[0]
+    one_node, two_nodes = records(data_parallel["dir"])[0], records(tmp_path / "dist")[0]
+    assert sorted(two_nodes) == sorted(one_node)
+    for step, record in one_node.items():
+        for key in ("loss", "grad_norm"):
+            assert two_nodes[step][key] == pytest.approx(record[key], rel=FIRST_RTOL), (step, key)

@@ -9,8 +9,17 @@ import pytest
 
 from mode.config import config_from_dict, load_config, save_config
 from mode.model import LanguageModel
-from mode.report import ReportError, differing_fields, load_run, main, report, routing_means, val_loss_at
-from mode.train import METRICS, Trainer
+from mode.report import (
+    ReportError,
+    differing_fields,
+    load_run,
+    main,
+    report,
+    routing_means,
+    val_loss_at,
+)
+from mode.run_folder import METRICS
+from mode.training.trainer import Trainer
 
 
 def _train(out_dir: Path, corpus: Path, capacity: float) -> None:

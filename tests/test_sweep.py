@@ -15,8 +15,9 @@ import pytest
 import yaml
 
 from mode import sweep
+from mode.checkpoint import load_checkpoint_file
+from mode.run_folder import CHECKPOINT, METRICS
 from mode.sweep import SweepError, grid, main, parse_slots, parse_vary, split_values
-from mode.train import CHECKPOINT, METRICS, load_checkpoint_file
 
 
 def test_values_split_on_commas_outside_brackets() -> None:
@@ -197,7 +198,7 @@ def test_a_flops_budget_gives_each_point_the_steps_within_it(tmp_path: Path, cor
     import argparse
 
     from mode.config import load_config
-    from mode.train import steps_within_budget
+    from mode.training.optim import steps_within_budget
 
     config = str(_config(tmp_path, corpus))
     args = argparse.Namespace(config=config, out=tmp_path / "sweep", vary=["model.block_pattern=[dense,mod],[dense,dense]"],

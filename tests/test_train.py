@@ -16,25 +16,17 @@ import pytest
 import torch
 import yaml
 
+from mode.checkpoint import build_model, load_checkpoint_file
 from mode.config import Config, ConfigError, TrainConfig, config_from_dict, load_config
 from mode.data import batch_generator, sample_batch
 from mode.flops import model_flops, train_step_flops
 from mode.model import LanguageModel
-from mode.train import (
-    CHECKPOINT,
-    METRICS,
-    POSITION_BINS,
-    LaunchedStep,
-    RunState,
-    TorchOptimization,
-    Trainer,
-    build_model,
-    clipped_gradients,
-    eager_graphs,
-    learning_rate,
-    load_checkpoint_file,
-    main,
-)
+from mode.run_folder import CHECKPOINT, METRICS
+from mode.train import main
+from mode.training.graphs import eager_graphs
+from mode.training.optim import TorchOptimization, clipped_gradients, learning_rate
+from mode.training.router_stats import POSITION_BINS
+from mode.training.trainer import LaunchedStep, RunState, Trainer
 
 # Resumed and uninterrupted runs do the same float32 operations on CPU in the same order;
 # the constant only absorbs printing/JSON round trips (json keeps full float precision).
@@ -778,7 +770,7 @@ GRAPHED_MEMORY_RATIO = 1.7
 _PEAK_RESERVED = """
 import sys, torch
 from mode.config import load_config
-from mode.train import Trainer
+from mode.training.trainer import Trainer
 Trainer(load_config(sys.argv[1], [])).run()
 print(torch.cuda.max_memory_reserved())
 """
@@ -848,7 +840,7 @@ def test_eager_cuda_graphs_are_validated(tmp_path: Path, corpus: Path) -> None:
 # ------------------------------------------------------------------ reading a step's statistics
 def _reference_summary(routing) -> dict[str, Any]:
     """Each value read on its own, the obvious way."""
-    from mode.train import processed_fraction
+    from mode.training.router_stats import processed_fraction
 
     gates = routing.gates.detach().float()
     out = {
@@ -867,8 +859,7 @@ def test_read_output_equals_reading_each_value(tmp_path: Path, corpus: Path, blo
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """A step's losses, router statistics and gradient norm come from the device in one transfer,
     with the values (and rounding) of reading each one on its own."""
-    import mode.train as train_module
-    from mode.train import read_output, routed_layers
+    from mode.training.router_stats import HostCopy, read_output, routed_layers
 
     config = make_config(tmp_path / "run", corpus, model={"block_pattern": ["dense", block]},
                          moe={"n_noop": 2}, routing={"causal": "aux_loss"}, train={"grad_accum": 2})
@@ -882,12 +873,13 @@ def test_read_output_equals_reading_each_value(tmp_path: Path, corpus: Path, blo
 
     transfers = []
 
-    class CountedCopy(train_module.HostCopy):
-        def __init__(self, tensors: list[torch.Tensor]) -> None:
-            transfers.append(len(tensors))
-            super().__init__(tensors)
+    counted_init = HostCopy.__init__
 
-    monkeypatch.setattr(train_module, "HostCopy", CountedCopy)
+    def counting_init(self: HostCopy, tensors: list[torch.Tensor]) -> None:
+        transfers.append(len(tensors))
+        counted_init(self, tensors)
+
+    monkeypatch.setattr(HostCopy, "__init__", counting_init)
     record = Trainer(config).train_step()
     assert len(transfers) == 1  # one per step (two micro-batches), whatever the number of statistics
     assert set(record["routing"]) == {name for name, _ in layers}
@@ -896,7 +888,7 @@ def test_read_output_equals_reading_each_value(tmp_path: Path, corpus: Path, blo
 def test_pool_summaries_equals_the_statistics_of_the_whole_batch() -> None:
     """Two ranks' statistics pooled = those of both ranks' tokens at once: means average, counts
     add, and the spread pools through the second moment."""
-    from mode.train import pool_summaries
+    from mode.training.router_stats import pool_summaries
 
     gates = [torch.rand(40, dtype=torch.float64), torch.rand(40, dtype=torch.float64)]
     counts = [[3.0, 5.0], [4.0, 1.0]]
@@ -928,7 +920,7 @@ def test_average_summaries_pools_the_spread_of_every_micro_batch(sum_counts: boo
     """Micro-batches (of a step, or validation batches) pool like processes: the spread of all
     their gates through the second moment, not the mean of their spreads (which reads low when
     the micro-batches' means differ); means average, counts add over a step's micro-batches."""
-    from mode.train import average_summaries
+    from mode.training.router_stats import average_summaries
 
     gates = [torch.rand(40, dtype=torch.float64) * 0.2, 0.6 + torch.rand(40, dtype=torch.float64) * 0.2]
     summaries = [{"layer1": {"gate_mean": float(g.mean()), "gate_std": float(g.std(correction=0)),
@@ -946,7 +938,7 @@ def test_average_summaries_keeps_a_small_spread(batches: int) -> None:
     """Gates near 0.5 with a spread of 1e-3 (sigmoid gates early in training, expert choice's
     softmax gates): the pooled spread is the spread, not the rounding of the mean (read 0.0 or
     several times too large when the rounded mean entered E[g^2] - mean^2)."""
-    from mode.train import average_summaries
+    from mode.training.router_stats import average_summaries
 
     generator = torch.Generator().manual_seed(3)
     gates = [0.5 + 1e-4 * i + 1e-3 * torch.randn(64, generator=generator, dtype=torch.float64) for i in range(batches)]
@@ -960,7 +952,11 @@ def test_average_summaries_keeps_a_small_spread(batches: int) -> None:
 def test_position_share_reads_a_uniform_router_as_uniform_whatever_the_sequence_length(seq_len: int) -> None:
     """Buckets hold unequal numbers of positions where 16 does not divide seq_len (and sequences
     shorter than 16 get one bucket a position): each bucket's share is per position it holds."""
-    from mode.train import position_bins, position_histogram, position_share
+    from mode.training.router_stats import (
+        position_bins,
+        position_histogram,
+        position_share,
+    )
 
     bins = position_bins(seq_len)
     positions = torch.arange(seq_len).repeat(3)  # every position chosen three times
@@ -975,7 +971,7 @@ def test_position_share_reads_a_uniform_router_as_uniform_whatever_the_sequence_
 def test_flops_budget_sets_the_whole_steps_within_it(tmp_path: Path, corpus: Path, capsys) -> None:
     """train.flops_budget: max_steps becomes the whole steps whose training FLOPs fit (every process's
     tokens), the run stops there, and its saved config records them; under one step is an error."""
-    from mode.train import steps_within_budget
+    from mode.training.optim import steps_within_budget
 
     config = make_config(tmp_path / "run", corpus)
     per_step = model_flops(config).train_per_token * 4 * 32  # batch 4 x seq 32, one process
@@ -1062,7 +1058,7 @@ def _yaml(tmp_path: Path, config: Config) -> Path:
 def test_cuda_generators_restore_onto_fewer_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
     """A checkpoint saved by a process that saw 3 GPUs resumes where it sees 1: the states of the GPUs
     present are restored, the others left out (set_rng_state_all would index GPUs that are not there)."""
-    from mode.train import restore_cuda_rng
+    from mode.checkpoint import restore_cuda_rng
 
     restored: list[tuple[int, torch.Tensor]] = []
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -1077,7 +1073,7 @@ def test_each_process_resumes_its_gpu_generator_from_the_one_the_run_computed_on
     saw (GPU 1's never advanced there) and the one it computed on (cuda_rng_run). Every process draws
     alike from its own GPU (routing.random), so rank 1, on GPU 1, must resume GPU 1's generator from
     cuda_rng_run, not from the list, which would restart its draws from the seed."""
-    from mode.train import restore_rng
+    from mode.checkpoint import restore_rng
 
     restored: dict[int, torch.Tensor] = {}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -1099,7 +1095,7 @@ def test_chosen_positions_are_positions_in_the_sequence(tmp_path: Path, corpus: 
     """position_share bins sequence positions: an expert-choice group of 2 sequences maps its indices back
     to (sequence, position), and a Staged MoDE block's FFN router, which indexes the depth router's chosen
     tokens, maps through the depth router's indices. Checked against a slow loop over every index."""
-    from mode.train import chosen_positions
+    from mode.training.router_stats import chosen_positions
 
     seq = 32
     config = make_config(tmp_path / "run", corpus, model={"block_pattern": [block]}, moe={"group_size": 2})
@@ -1139,15 +1135,13 @@ def test_ctrl_c_while_a_checkpoint_is_written_finishes_it_then_stops(tmp_path: P
     inside torch.save's zip writer came out as a RuntimeError and exit status 1)."""
     import signal
 
-    import mode.train as train_module
+    real_save = torch.save
 
-    real_save = train_module.atomic_torch_save
-
-    def interrupted_save(obj: Any, path: Path) -> None:
+    def interrupted_save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
         os.kill(os.getpid(), signal.SIGINT)  # delivered now, in the middle of the write
-        real_save(obj, path)
+        real_save(obj, f, *args, **kwargs)
 
-    monkeypatch.setattr(train_module, "atomic_torch_save", interrupted_save)
+    monkeypatch.setattr(torch, "save", interrupted_save)
     out = tmp_path / "run"
     config_file = write_config_file(tmp_path / "x.yaml", out, corpus, train={"checkpoint_interval": 2})
     assert main(["--config", str(config_file)]) == 130

@@ -52,7 +52,10 @@ from typing import Any
 import deepspeed
 import torch
 import torch.distributed as dist
-from deepspeed.moe.utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer
+from deepspeed.moe.utils import (
+    is_moe_param,
+    split_params_into_different_moe_groups_for_optimizer,
+)
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
@@ -61,7 +64,12 @@ from torch import Tensor, nn
 from mode.config import Config, ConfigError
 from mode.parallel.expert_parallel import ExpertParallelExperts, full_state_dict
 from mode.run_folder import DEEPSPEED_DIR
-from mode.train import clipped_gradients, parameter_groups, predictor_parameter_ids, split_predictor_parameters
+from mode.training.optim import (
+    clipped_gradients,
+    parameter_groups,
+    predictor_parameter_ids,
+    split_predictor_parameters,
+)
 
 # The classes (besides tensors and plain data) DeepSpeed's optimizer shards hold: plain records,
 # rebuilt from their fields, never by running code.

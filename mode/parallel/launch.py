@@ -22,15 +22,22 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from mode.checkpoint import build_model
 from mode.cli import ignore_stop_signals, started
 from mode.config import Config, ConfigError, load_config
 from mode.data import DataError
 from mode.flops import model_flops
-from mode.parallel.engine import DeepSpeedOptimization, Processes, init_distributed, quiet_deepspeed
+from mode.parallel.engine import (
+    DeepSpeedOptimization,
+    Processes,
+    init_distributed,
+    quiet_deepspeed,
+)
 from mode.parallel.expert_parallel import apply_expert_parallel
 from mode.routing import primitives
 from mode.run_folder import FolderInUse
-from mode.train import LaunchedStep, Trainer, build_model, interrupted_message, parse_args
+from mode.train import interrupted_message, parse_args
+from mode.training.trainer import LaunchedStep, Trainer
 from mode.utils import STOP_SIGNALS, StopSignal, stop_how, stop_status, stops_on_signals
 
 # Errors every process would report alike (the config, the data, the run folder, an unreadable
@@ -111,7 +118,7 @@ def build_trainer(config: Config, processes: Processes, resume: bool = False) ->
             "train.compile_mode=reduce-overhead (CUDA graphs) runs with python -m mode.train (one "
             "process) only; through launch/train.py (DeepSpeed) use train.compile_mode=default"
         )
-    if config.train.cuda_graphs is True:  # auto: plain eager here (mode.train.eager_graphs)
+    if config.train.cuda_graphs is True:  # auto: plain eager here (mode.training.graphs.eager_graphs)
         raise ConfigError(
             "train.cuda_graphs=true (CUDA graphs) runs with python -m mode.train (one process) only; "
             "through launch/train.py (DeepSpeed) set train.cuda_graphs=auto or false"

@@ -1,0 +1,1 @@
+"""Training: the optimizer step, CUDA graphs, router statistics and the Trainer loop."""

@@ -1,0 +1,184 @@
+"""The learning-rate schedule and the optimizer step: the `Optimization` protocol the Trainer
+calls (plain AdamW here; mode.parallel supplies a DeepSpeed one), clipping, and step budgets."""
+from __future__ import annotations
+
+import contextlib
+import math
+from pathlib import Path
+from typing import Any, Iterator, Protocol, Sequence, runtime_checkable
+
+import torch
+from torch import Tensor, nn
+
+from mode.config import Config, ConfigError
+from mode.flops import train_step_flops
+from mode.routing import CausalPredictor
+
+
+# ----------------------------------------------------------------------------- schedule
+def learning_rate(step: int, cfg: Any) -> float:
+    """Linear warmup to train.lr, then cosine decay to train.min_lr at train.max_steps."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+# ----------------------------------------------------------------------------- optimizer step
+class Optimization(Protocol):
+    """What the loop needs from an optimizer: backward, one step, and state for checkpoints."""
+
+    def backward(self, loss: Tensor) -> None: ...
+
+    def step(self, lr: float) -> Tensor: ...  # returns the gradient norm before clipping, 0-d, on the device
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@runtime_checkable
+class DistributedOptimization(Optimization, Protocol):
+    """An Optimization spread over processes (mode.parallel.DeepSpeedOptimization).
+
+    Every rank calls these (they are collective); the Trainer writes checkpoint.pt from rank 0.
+    """
+
+    def mean_over_ranks(self, values: dict[str, float]) -> dict[str, float]: ...
+
+    def save_checkpoint(self, run_dir: Path, client_state: dict[str, Any]) -> dict[str, Any]:
+        """Save the sharded state; return checkpoint.pt's "model" (one-device layout) and "optimizer" entries."""
+        ...
+
+    def load_checkpoint(self, run_dir: Path, payload: dict[str, Any]) -> None: ...
+
+
+def steps_within_budget(config: Config, world_size: int = 1) -> int:
+    """train.flops_budget -> the whole optimizer steps whose training FLOPs (3 x forward, the tokens of
+    every process's micro-batches) fit in it; a budget under one step is a ConfigError."""
+    t = config.train
+    per_step = train_step_flops(config, world_size)
+    steps = math.floor(round(t.flops_budget / per_step, 9))  # 300 steps' FLOPs give 300, not 299.99999
+    if steps < 1:
+        raise ConfigError(f"train.flops_budget ({t.flops_budget:.4g}) is less than one step's training FLOPs "
+                          f"({per_step:.4g} with {world_size} process(es))")
+    return steps
+
+
+def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Decay matrices (linear and embedding weights), never norms' scales or biases."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+@contextlib.contextmanager
+def clipped_gradients(
+    optimizer: torch.optim.Optimizer,
+    grads: list[Tensor],
+    norm: Tensor,
+    max_norm: float,
+    apart: Sequence[tuple[list[Tensor], Tensor]] = (),
+) -> Iterator[None]:
+    """Inside, optimizer.step() steps on the gradients times min(1, max_norm / (norm + 1e-6)),
+    clip_grad_norm_'s factor; max_norm <= 0 clips nothing.
+
+    apart: more (gradients, their norm) groups, each clipped by its own norm, not counted in
+    `norm` (the causal predictors: see TorchOptimization). Every gradient the optimizer steps
+    on belongs to grads or to one group of apart.
+
+    A fused AdamW applies the factor inside its own pass over the gradients (its grad_scale,
+    with which GradScaler unscales, divides them by 1 / factor): one read and write of every
+    gradient fewer than scaling them first (for 730M float32 gradients, 5.8 GB of traffic).
+    Other optimizers get the factor multiplied into the gradients on entry.
+    """
+    if max_norm <= 0:
+        yield
+        return
+    coef = _clip_factor(norm, max_norm)
+    fused = bool(optimizer.defaults.get("fused"))
+    for group_grads, group_norm in apart:
+        if group_grads:  # the fused step multiplies these by coef too: their own factor over it
+            group_coef = _clip_factor(group_norm, max_norm)
+            torch._foreach_mul_(group_grads, group_coef / coef if fused else group_coef)
+    if not fused:
+        torch._foreach_mul_(grads, coef)
+        yield
+        return
+    optimizer.grad_scale = coef.reciprocal()  # read by Adam(W).step()
+    try:
+        yield
+    finally:
+        del optimizer.grad_scale  # this step only
+
+
+def _clip_factor(norm: Tensor, max_norm: float) -> Tensor:
+    return (max_norm / (norm + 1e-6)).clamp(max=1.0)
+
+
+def predictor_parameter_ids(model: nn.Module) -> frozenset[int]:
+    """The ids of the causal predictors' parameters (routing.causal=predictor), found once per model.
+
+    The predictors are clipped apart from the model: their loss must never reach the language
+    model, and in one global norm it would, by scaling the model's clipping (the predictor must
+    not touch the LM loss: docs/routing-math.md).
+    """
+    return frozenset(id(p) for m in model.modules() if isinstance(m, CausalPredictor) for p in m.parameters())
+
+
+def split_predictor_parameters(model: nn.Module, predictor_ids: frozenset[int]) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """(the model's parameters, the causal predictors' parameters: predictor_parameter_ids), each with a gradient."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    return [p for p in params if id(p) not in predictor_ids], [p for p in params if id(p) in predictor_ids]
+
+
+class TorchOptimization:
+    """AdamW with global-norm clipping, clipped *before* the optimizer step.
+
+    keep_grads: gradients stay allocated and are zeroed in place between steps, instead of
+    being freed. Needed under CUDA graphs (compile_mode=reduce-overhead): a freed gradient is
+    replaced by the backward graph's own output tensor, which the next micro-batch's replay
+    overwrites; an allocated one has each micro-batch's gradient added into it. (A parameter
+    that got no gradient in a step then has a zero one: AdamW still decays it and moves it by
+    its momentum, where a freed gradient would skip it; in every shipped config each
+    parameter gets a gradient each step: tests/test_configs.py.)
+    """
+
+    def __init__(self, model: nn.Module, config: Config, device: torch.device, keep_grads: bool = False) -> None:
+        t = config.train
+        self.model = model
+        self.keep_grads = keep_grads
+        self.grad_clip = t.grad_clip
+        self.predictor_ids = predictor_parameter_ids(model)
+        self.optimizer = torch.optim.AdamW(
+            parameter_groups(model, t.weight_decay),
+            lr=t.lr,
+            betas=(t.beta1, t.beta2),
+            fused=device.type == "cuda",
+        )
+        if keep_grads:
+            for p in model.parameters():
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
+
+    def backward(self, loss: Tensor) -> None:
+        loss.backward()
+
+    def step(self, lr: float) -> Tensor:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        params, predictor_params = split_predictor_parameters(self.model, self.predictor_ids)
+        grads, predictor_grads = [p.grad for p in params], [p.grad for p in predictor_params]
+        norm = torch.nn.utils.get_total_norm(grads, 2.0)
+        apart = [(predictor_grads, torch.nn.utils.get_total_norm(predictor_grads, 2.0))] if predictor_grads else []
+        with clipped_gradients(self.optimizer, grads, norm, self.grad_clip, apart):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=not self.keep_grads)
+        return norm.detach()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state)

@@ -1,0 +1,612 @@
+"""The Trainer: one loop for every setting (one process or a DeepSpeed engine), its run folder,
+checkpoints, logging and evaluation."""
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch import Tensor, nn
+from tqdm import tqdm
+
+from mode.checkpoint import (
+    build_model,
+    curve_differences,
+    load_checkpoint_file,
+    may_change_on_resume,
+    restore_rng,
+)
+from mode.config import Config, ConfigError, config_text, field_differences, save_config
+from mode.data import (
+    TokenSplits,
+    batch_generator,
+    describe_source,
+    load_splits,
+    sample_batch,
+)
+from mode.flops import model_flops, train_step_flops
+from mode.run_folder import (
+    CHECKPOINT,
+    CONFIG,
+    METRICS,
+    FolderInUse,
+    RunFolderLock,
+    run_files_in,
+)
+from mode.training.graphs import GraphedMicroStep, eager_graphs
+from mode.training.optim import (
+    DistributedOptimization,
+    Optimization,
+    TorchOptimization,
+    learning_rate,
+    steps_within_budget,
+)
+from mode.training.plot import plot_losses
+from mode.training.router_stats import (
+    HostCopy,
+    Outputs,
+    average_summaries,
+    chosen_positions,
+    copy_outputs,
+    output_tensors,
+    outputs_to_host,
+    parse_outputs,
+    pool_as_ranks,
+    pool_summaries,
+    position_bins,
+    position_histogram,
+    position_share,
+    read_output,
+    routed_layers,
+    share_reaching,
+    split_list,
+)
+from mode.utils import (
+    atomic_torch_save,
+    atomic_write_text,
+    folder_problem,
+    interrupts_deferred,
+    pick_device,
+    read_metrics,
+    remove_stale_temporaries,
+)
+
+
+# ----------------------------------------------------------------------------- the trainer
+@dataclass
+class RunState:
+    step: int = 0  # optimizer steps completed
+    tokens: int = 0
+    flops: float = 0.0
+
+
+LOSS_KEYS = ("loss", "lm_loss", "aux_loss")  # what a step reports of ModelOutput
+
+
+@dataclass
+class LaunchedStep:
+    """A step queued on the device (Trainer.launch_step), its values still on their way to the host."""
+
+    state: RunState  # the run's state after this step
+    lr: float
+    outputs: Outputs  # output_tensors of each micro-batch
+    copy: HostCopy  # of outputs, then the gradient norm
+    timer: "StepTimer"  # how long it computed, for tokens/s
+
+
+class StepTimer:
+    """How long one step computed: between two CUDA events the step's stream passes (the GPU's
+    view: the time it waited for the host's launches counts, evaluation and the host's pauses
+    between steps do not), or two host clock readings on CPU, which computes as it launches."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if device.type == "cuda" else None
+        self.start()
+
+    def start(self) -> None:
+        if self.events is None:
+            self.began = time.perf_counter()
+        else:
+            self.events[0].record()
+
+    def stop(self) -> None:
+        if self.events is None:
+            self.ended = time.perf_counter()
+        else:
+            self.events[1].record()
+
+    def seconds(self) -> float:
+        if self.events is None:
+            return self.ended - self.began
+        self.events[1].synchronize()  # just after the step's values: no wait to speak of
+        return self.events[0].elapsed_time(self.events[1]) / 1e3
+
+
+def _token_dtype_hint(config: Config, data: TokenSplits) -> str:
+    """A vocabulary past uint16's range from a file read as uint32 is most likely uint16 ids read in pairs."""
+    d = config.data
+    if d.source == "tokens" and d.token_dtype == "uint32" and data.vocab_size > 1 << 16:
+        return "; if the file holds uint16 ids, set data.token_dtype=uint16"
+    return ""
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (a full disk, a lost mount); the message says which step the
+    run folder's checkpoint still holds, whole."""
+
+    def __init__(self, trainer: "Trainer", error: OSError) -> None:
+        path = trainer.out_dir / CHECKPOINT
+        kept = (f"{path} still holds step {trainer.saved_step}, whole: continue with --resume once there is room"
+                if trainer.saved_step is not None else "the run has no checkpoint yet")
+        super().__init__(f"cannot write the checkpoint of step {trainer.state.step} to {path} "
+                         f"({error.strerror or error}); {kept}")
+
+
+class Trainer:
+    # Exceptions that stop a run between two steps (an interrupt; launch/train.py's --stop-at-step):
+    # the step still in flight is reported before the run stops.
+    clean_stops: tuple[type[BaseException], ...] = (KeyboardInterrupt,)
+
+    def __init__(
+        self,
+        config: Config,
+        resume: bool = False,
+        optimization: Optimization | None = None,
+        model: nn.Module | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        self.config = config
+        self.rank, self.world_size = rank, world_size
+        # Row blocks a validation batch is evaluated in, each pooled as a process's share: mode.evaluate
+        # of a multi-process run (token choice's capacity and dropping are per process's micro-batch).
+        self.eval_splits = 1
+        self.is_main = rank == 0
+        self.out_dir = Path(config.train.out_dir)
+        self.device = pick_device(config.train.device)
+        torch.manual_seed(config.train.seed)
+        self.data: TokenSplits = load_splits(config.data)
+        if self.data.vocab_size > config.model.vocab_size:
+            raise ConfigError(
+                f"model.vocab_size ({config.model.vocab_size}) is smaller than the data's vocabulary "
+                f"({self.data.vocab_size} token ids in {describe_source(config.data)}){_token_dtype_hint(config, self.data)}"
+            )
+        self.model = model if model is not None else build_model(config, self.device, resume)
+        t = config.train
+        self.forward = torch.compile(self.model, mode=t.compile_mode) if t.compile else self.model
+        self.notes: list[str] = []  # for the user, before training starts
+        # The eager model as CUDA graphs (train.cuda_graphs); one process: a given optimization is an engine's.
+        eager_graphed, note = eager_graphs(config, self.device, self.model, one_process=optimization is None)
+        if note:
+            self.notes.append(note)
+        # CUDA graphs (compiled, or the eager model's) own their outputs and add into kept gradients.
+        self.graphed = (t.compile and t.compile_mode == "reduce-overhead") or eager_graphed
+        self.optimization = optimization or TorchOptimization(self.model, config, self.device, keep_grads=self.graphed)
+        self.graphed_step: GraphedMicroStep | None = None
+        if eager_graphed:
+            self.graphed_step = GraphedMicroStep(self.model, self.optimization.backward, t.grad_accum)
+        self.flops_per_token = model_flops(config).train_per_token
+        if t.flops_budget is not None:  # before the run folder's config is written: it records the steps
+            given, t.max_steps = t.max_steps, steps_within_budget(config, world_size)
+            instead = "" if given == t.max_steps else f", in place of the config's max_steps={given}"
+            self.notes.append(f"train.flops_budget={t.flops_budget:.4g}: max_steps={t.max_steps}{instead} "
+                              f"({train_step_flops(config, world_size):.4g} training FLOPs a step)")
+        if t.warmup_steps >= t.max_steps:  # legal (a short smoke run), but a budget sweep's small points land here unseen
+            reach = ("reaches train.lr={lr:g} only at the last step" if t.warmup_steps == t.max_steps
+                     else "never reaches train.lr={lr:g}").format(lr=t.lr)
+            self.notes.append(f"train.warmup_steps={t.warmup_steps} is not below max_steps={t.max_steps}: the learning "
+                              f"rate {reach} and there is no decay")
+        self.state = RunState()
+        self.saved_step: int | None = None  # the step the run folder's checkpoint holds
+        self._prepare_run_folder(resume)
+
+    # -- run folder and checkpoints
+    def _prepare_run_folder(self, resume: bool) -> None:
+        problem = folder_problem(self.out_dir)
+        if problem:
+            raise ConfigError(f"train.out_dir: {self.out_dir} {problem}")
+        checkpoint = self.out_dir / CHECKPOINT
+        if resume and not checkpoint.is_file():
+            raise FileNotFoundError(f"--resume: no checkpoint at {checkpoint}")
+        if not resume:
+            self._refuse_written_folder()
+        self._lock_run_folder()
+        try:
+            if resume:
+                self._resume_from(checkpoint)
+            if self.is_main:
+                save_config(self.config, self.out_dir / CONFIG)
+        except BaseException:  # a refused resume leaves the folder free for the next attempt
+            self.close()
+            raise
+
+    def _resume_from(self, checkpoint: Path) -> None:
+        self.load_checkpoint(checkpoint)
+        self._check_not_past_the_end()
+        self._truncate_metrics()
+        if self.is_main:  # a checkpoint write killed outright (SIGKILL, out of memory) left its temporary
+            self.notes += [f"removed {stale.name}, a checkpoint write that never finished"
+                           for stale in remove_stale_temporaries(checkpoint)]
+
+    def _refuse_written_folder(self) -> None:
+        """A new run writes no file over another run's (nor over a --config file kept there). A config.yaml
+        holding exactly what this run writes is its own, left by the same command stopped before training."""
+        written = [name for name in run_files_in(self.out_dir) if not (name == CONFIG and self._own_config())]
+        if CHECKPOINT in written:
+            raise FileExistsError(
+                f"{self.out_dir} already holds a run ({self.out_dir / CHECKPOINT}); pass --resume to continue it "
+                f"or choose another --train.out_dir"
+            )
+        if METRICS in written:  # a new run would append its curve to the old one's
+            raise FileExistsError(
+                f"{self.out_dir} holds {METRICS} of a run that stopped before its first checkpoint: remove "
+                f"it (or the folder) or choose another --train.out_dir"
+            )
+        if written:
+            raise FileExistsError(
+                f"{self.out_dir} holds {', '.join(written)}, which a new run would replace: choose another "
+                f"--train.out_dir (or move them away)"
+            )
+
+    def _own_config(self) -> bool:
+        path = self.out_dir / CONFIG
+        try:
+            return path.is_file() and path.read_text() == config_text(self.config)
+        except (OSError, UnicodeDecodeError):
+            return False
+
+    def _lock_run_folder(self) -> None:
+        """Rank 0 makes the folder and holds its lock for the run's lifetime; every rank learns whether
+        it could, so all stop together when another process holds it."""
+        self.lock = RunFolderLock(self.out_dir)
+        problem = None
+        if self.is_main:
+            try:
+                self.out_dir.mkdir(parents=True, exist_ok=True)
+                self.lock.acquire()
+            except FolderInUse as e:
+                problem = f"train.out_dir: {e}"
+            except OSError as e:  # no permission, a read-only disk: one line naming the field, not a traceback
+                problem = f"train.out_dir: cannot create {self.out_dir}: {e.strerror or e}"
+        failed = self.mean_over_ranks({"lock_failed": float(problem is not None)})["lock_failed"] > 0
+        if failed:
+            raise ConfigError(problem or f"train.out_dir: rank 0 could not take {self.out_dir} (it says why)")
+
+    def close(self) -> None:
+        """Release the run folder (the lock); the process ending does the same."""
+        lock = getattr(self, "lock", None)
+        if lock is not None:
+            lock.release()
+
+    def _check_not_past_the_end(self) -> None:
+        """A resume whose max_steps (or budget) ends before the checkpoint's step would leave the run
+        folder's config.yaml contradicting its checkpoint and metrics."""
+        t = self.config.train
+        if self.state.step > t.max_steps:
+            source = f" (train.flops_budget={t.flops_budget:.4g})" if t.flops_budget is not None else ""
+            raise ConfigError(f"--resume: the run is at step {self.state.step}, past train.max_steps={t.max_steps}"
+                              f"{source}; resume with at least its steps")
+
+    def checkpoint_payload(self) -> dict[str, Any]:
+        """Every rank builds it (a distributed engine saves collectively); rank 0 writes it."""
+        payload = {
+            "format": "mode-checkpoint-v1",
+            "config": self.config.to_dict(),
+            "state": vars(self.state).copy(),
+            "rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            # The generator of the GPU the run computed on (rank 0's): every process of a
+            # multi-process run draws alike from its own GPU's (routing.random: the global batch's
+            # scores), so this is the state of every process's GPU, which the list above, of the
+            # GPUs rank 0's process saw, does not give for the others.
+            "cuda_rng_run": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None,
+        }
+        if isinstance(self.optimization, DistributedOptimization):
+            payload.update(self.optimization.save_checkpoint(self.out_dir, payload))
+        else:
+            payload.update(model=self.model.state_dict(), optimizer=self.optimization.state_dict())
+        return payload
+
+    def save_checkpoint(self) -> None:
+        with interrupts_deferred():  # a Ctrl-C while writing stops the run after the checkpoint is whole
+            payload = self.checkpoint_payload()
+            if self.is_main:
+                try:
+                    atomic_torch_save(payload, self.out_dir / CHECKPOINT)
+                except OSError as e:  # a full disk: the rename never happened, the previous file is whole
+                    raise CheckpointWriteError(self, e) from None
+            self.saved_step = self.state.step
+
+    def load_checkpoint(self, path: Path) -> None:
+        payload = load_checkpoint_file(path, self.device)
+        differ = curve_differences(payload["config"], self.config)
+        if differ:
+            raise ConfigError(
+                f"--resume: the config differs from the run's, saved in {path}: {', '.join(differ)}. Resume with "
+                f"the run's settings ({self.out_dir / 'config.yaml'}), or start a new run in another --train.out_dir"
+            )
+        changes = field_differences(payload["config"], self.config, may_change_on_resume)
+        self.notes += [f"--resume changes {change}" for change in changes]
+        if isinstance(self.optimization, DistributedOptimization):
+            self.optimization.load_checkpoint(self.out_dir, payload)
+        elif payload.get("sharded"):
+            raise ConfigError(
+                f"--resume: {path} belongs to a multi-process run ({payload['sharded']}) whose optimizer state is "
+                "sharded over its processes: resume it with launch/train.py (its weights load on one device)"
+            )
+        else:
+            self.model.load_state_dict(payload["model"])
+            self.optimization.load_state_dict(payload["optimizer"])
+        self.state = RunState(**payload["state"])
+        self.saved_step = self.state.step
+        restore_rng(payload, self.device)
+
+    def _truncate_metrics(self) -> None:
+        """Drop records a crashed run logged after its last checkpoint, so the curve continues; a last
+        line cut short by the crash goes with them (a bad line elsewhere is an error naming it)."""
+        path = self.out_dir / METRICS
+        if not (self.is_main and path.exists()):
+            return
+        records, notes = read_metrics(path)
+        self.notes += notes
+        kept = [record for record in records if record["step"] <= self.state.step]
+        atomic_write_text(path, "".join(json.dumps(record) + "\n" for record in kept))  # as log() wrote them
+
+    def mean_over_ranks(self, values: dict[str, float]) -> dict[str, float]:
+        """Losses averaged over data-parallel ranks (each rank saw its share of the batch)."""
+        if isinstance(self.optimization, DistributedOptimization):
+            return self.optimization.mean_over_ranks(values)
+        return values
+
+    def pool_over_ranks(self, summaries: list[dict[str, dict[str, Any]]]) -> list[dict[str, dict[str, Any]]]:
+        """Router statistics of each micro-batch over every rank's share of it (pool_summaries)."""
+        if not isinstance(self.optimization, DistributedOptimization) or not summaries[0]:
+            return summaries
+        return pool_summaries(summaries, lambda values: self.mean_of_lists([values])[0], self.world_size)
+
+    def mean_of_lists(self, lists: list[list[float]]) -> list[list[float]]:
+        """Element-wise means over ranks (one all-reduce); the lists themselves on one process."""
+        flat = [v for values in lists for v in values]
+        if not isinstance(self.optimization, DistributedOptimization) or not flat:  # same on every rank
+            return lists
+        pooled = self.optimization.mean_over_ranks({str(i): v for i, v in enumerate(flat)})
+        return split_list([pooled[str(i)] for i in range(len(flat))], [len(values) for values in lists])
+
+    def log(self, record: dict[str, Any]) -> None:
+        if self.is_main:
+            with open(self.out_dir / METRICS, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    # -- one step
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens one optimizer step consumes over all ranks and micro-batches."""
+        t = self.config.train
+        return t.grad_accum * t.batch_size * self.config.data.seq_len * self.world_size
+
+    def micro_batch(self, split: Tensor, step: int, micro: int) -> tuple[Tensor, Tensor]:
+        """This rank's share of the global micro-batch: one sample for every world size."""
+        t = self.config.train
+        global_batch = t.batch_size * self.world_size
+        x, y = sample_batch(split, global_batch, self.config.data.seq_len, batch_generator(t.seed, step, micro))
+        rows = slice(self.rank * t.batch_size, (self.rank + 1) * t.batch_size)
+        return to_device(x[rows], self.device), to_device(y[rows], self.device)
+
+    def train_step(self) -> dict[str, Any]:
+        """One optimizer step, queued and then read: its losses, learning rate, gradient norm and
+        router statistics."""
+        return self.finish_step(self.launch_step())
+
+    def launch_step(self) -> LaunchedStep:
+        """Queue one optimizer step (every micro-batch's forward and backward, then the update) and
+        its outputs' copy to the host, without waiting for the device; advances self.state."""
+        t = self.config.train
+        step = self.state.step
+        outputs = []
+        timer = StepTimer(self.device)
+        self.model.train()
+        for micro in range(t.grad_accum):
+            x, y = self.micro_batch(self.data.train, step, micro)
+            self._new_step()
+            if self.graphed_step is not None:
+                out = self.graphed_step(x, y)  # forward and backward: one graph replayed
+            else:
+                with self.autocast():
+                    out = self.forward(x, y)
+                self.optimization.backward(out.loss / t.grad_accum)
+            tensors = output_tensors(out, LOSS_KEYS)  # read after the optimizer step
+            # A CUDA-graphed forward's outputs live in memory its next replay (the next
+            # micro-batch) overwrites: keep copies (a few scalars and small vectors).
+            outputs.append(copy_outputs(tensors) if self.graphed else tensors)
+        lr = learning_rate(step, t)
+        grad_norm = self.optimization.step(lr)
+        tokens = self.tokens_per_step
+        self.state = RunState(step + 1, self.state.tokens + tokens, self.state.flops + tokens * self.flops_per_token)
+        # One device-to-host transfer per step: losses, statistics, norm.
+        copy = outputs_to_host(outputs, [grad_norm])
+        timer.stop()
+        return LaunchedStep(self.state, lr, outputs, copy, timer)
+
+    def finish_step(self, launched: LaunchedStep) -> dict[str, Any]:
+        """A launched step's metrics: waits for its values alone (not for steps queued after it);
+        pooled over ranks (collective: every rank finishes the same steps in the same order)."""
+        t = self.config.train
+        micro_losses, summaries, (norm,) = parse_outputs(launched.outputs, LOSS_KEYS, launched.copy)
+        losses = self.mean_over_ranks({key: sum(m[key] for m in micro_losses) / t.grad_accum for key in LOSS_KEYS})
+        summaries = self.pool_over_ranks(summaries)
+        routing = average_summaries(summaries, sum_counts=True) if summaries[0] else {}
+        return {**losses, "lr": launched.lr, "grad_norm": norm, "routing": routing}
+
+    def _new_step(self) -> None:
+        """Before each compiled forward: the last one's outputs have been read (a CUDA-graphed
+        model, compile_mode=reduce-overhead, reuses their memory on its next replay)."""
+        if self.config.train.compile:
+            torch.compiler.cudagraph_mark_step_begin()
+
+    def evaluate(self) -> dict[str, Any]:
+        """Validation loss and router statistics; leaves the global RNG as it found it.
+
+        The random-routing ablation draws from the global RNG, which checkpoints save: were
+        evaluation to advance it, a run that evaluates at other steps (a resumed one, whose
+        first leg ended with an evaluation) would route differently from then on.
+        """
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            return self._evaluate()
+
+    @torch.no_grad()
+    def _evaluate(self) -> dict[str, Any]:
+        t = self.config.train
+        self.model.eval()
+        total, summaries, histograms = 0.0, [], {}
+        seq_len = self.config.data.seq_len
+        bins = position_bins(seq_len)
+        for i in range(t.eval_batches):
+            shares = []
+            for x, y in self._validation_blocks(i):
+                self._new_step()
+                with self.autocast():
+                    out = self.forward(x, y)
+                micro_losses, summary = read_output(out, ("lm_loss",))
+                total += micro_losses["lm_loss"] / self.eval_splits
+                shares.append(summary)
+                for name, positions in chosen_positions(out, seq_len):
+                    histograms[name] = histograms.get(name, 0) + position_histogram(positions, seq_len, bins)
+            summaries.append(pool_as_ranks(shares))
+        routing = average_summaries(self.pool_over_ranks(summaries)) if summaries[0] else {}
+        for name, hist in histograms.items():
+            hist = torch.tensor(self.mean_of_lists([hist.tolist()])[0])  # every rank's positions
+            routing[name]["position_share"] = position_share(hist, seq_len)
+        losses = {"val_loss": total / t.eval_batches}
+        if self.config.routing.causal != "none":
+            losses["val_loss_causal"] = self._causal_val_loss(routing)
+        return {**self.mean_over_ranks(losses), "routing": routing}
+
+    def _validation_blocks(self, batch: int) -> Iterator[tuple[Tensor, Tensor]]:
+        """Validation batch `batch` (the same at every evaluation: seeded apart from training's), in
+        eval_splits row blocks of equal size."""
+        x, y = self.micro_batch(self.data.val, -1, batch)
+        return zip(x.chunk(self.eval_splits), y.chunk(self.eval_splits), strict=True)
+
+    def _causal_val_loss(self, routing: dict[str, dict[str, Any]]) -> float:
+        """The same validation batches routed by the causal decision (as sampling routes them).
+
+        Adds each routed layer's share of tokens actually processed under causal routing
+        ("causal_processed"), pooled over the batches: a Staged MoDE FFN's share is of the tokens
+        its depth router chose, whose number varies from batch to batch, so each batch weighs by
+        it. Runs the uncompiled model: causal routing has data-dependent shapes.
+        """
+        t = self.config.train
+        total, processed, weights = 0.0, {}, {}
+        for i in range(t.eval_batches):
+            for x, y in self._validation_blocks(i):
+                with self.autocast():
+                    out = self.model(x, y, routing_mode="causal")
+                total += float(out.lm_loss) / self.eval_splits
+                shares = {name: float(r.stats["processed"]) for name, r in routed_layers(out) if "processed" in r.stats}
+                for name, share in shares.items():
+                    weight = share_reaching(name, shares)
+                    processed[name] = processed.get(name, 0.0) + share * weight
+                    weights[name] = weights.get(name, 0.0) + weight
+        names = [name for name in processed if name in routing]
+        pooled = self.mean_of_lists([[processed[n] for n in names], [weights[n] for n in names]])
+        for name, value, weight in zip(names, *pooled):
+            routing[name]["causal_processed"] = round(value / weight, 5) if weight > 0 else 0.0
+        return total / t.eval_batches
+
+    # -- the loop
+    def run(self) -> list[dict[str, Any]]:
+        """Train to train.max_steps, then release the run folder. A run that stops early (a signal, an
+        error) redraws its loss plot first, so the plot shows what the metrics hold."""
+        try:
+            return self._train()
+        except BaseException:
+            if self.is_main and self.saved_step is not None and (self.out_dir / METRICS).exists():
+                with contextlib.suppress(Exception):  # the stop's own reason is what the user must see
+                    plot_losses(self.out_dir)
+            raise
+        finally:
+            self.close()
+
+    def _train(self) -> list[dict[str, Any]]:
+        """The host queues step n+1 before it reads step n's losses, so the device is never left idle
+        while the host waits for a read or prepares the next batch; before an evaluation, a
+        checkpoint or the end, the step in flight is read first."""
+        t = self.config.train
+        self.records: list[dict[str, Any]] = []
+        self.bar = tqdm(
+            total=t.max_steps, initial=self.state.step, disable=not (t.progress and self.is_main),
+            dynamic_ncols=True, file=sys.stdout,
+        )
+        self.window_seconds, self.window_tokens = 0.0, 0
+        in_flight: LaunchedStep | None = None
+        while self.state.step < t.max_steps:
+            try:
+                launched = self.launch_step()
+            except self.clean_stops:  # a stop between steps: the step before it is still reported
+                if in_flight is not None:
+                    self._report(in_flight)
+                raise
+            if in_flight is not None:
+                self._report(in_flight)
+            in_flight = launched
+            step = self.state.step
+            if step % t.eval_interval and step % t.checkpoint_interval and step != t.max_steps:
+                continue
+            self._report(in_flight)
+            in_flight = None
+            if step % t.eval_interval == 0 or step == t.max_steps:
+                evaluation = {"step": step, "tokens": self.state.tokens, "flops": self.state.flops, **self.evaluate()}
+                self.records.append(evaluation)
+                self.log(evaluation)
+                if self.is_main:
+                    self.bar.write(f"step {step}: val_loss {evaluation['val_loss']:.4f}")
+            if step % t.checkpoint_interval == 0 or step == t.max_steps:
+                self.save_checkpoint()
+        self.bar.close()
+        if self.is_main:
+            plot_losses(self.out_dir)
+        return self.records
+
+    def _report(self, launched: LaunchedStep) -> None:
+        """Finish a launched step: progress bar, tokens/s, and its record at log intervals."""
+        t = self.config.train
+        metrics = self.finish_step(launched)
+        self.window_tokens += self.tokens_per_step
+        self.window_seconds += launched.timer.seconds()
+        step = launched.state.step
+        record = {"step": step, "tokens": launched.state.tokens, "flops": launched.state.flops, **metrics}
+        record["tokens_per_s"] = self.window_tokens / max(self.window_seconds, 1e-9)
+        record["processes"] = self.world_size  # tokens and tokens_per_s count every process's
+        self.bar.update(1)
+        self.bar.set_postfix_str(self._progress_text(record))
+        if step % t.log_interval == 0 or step == t.max_steps:
+            self.records.append(record)
+            self.log(record)
+            self.window_seconds, self.window_tokens = 0.0, 0
+
+    def _progress_text(self, record: dict[str, Any]) -> str:
+        fractions = " ".join(
+            f"{name.removeprefix('layer')}:{stats['processed']:.2f}" for name, stats in record["routing"].items()
+        )
+        text = f"loss {record['loss']:.3f} | {record['tokens_per_s']:.0f} tok/s"
+        return f"{text} | routed {fractions}" if fractions else text
+
+
+def to_device(batch: Tensor, device: torch.device) -> Tensor:
+    """A host batch on device. To CUDA from contiguous pinned memory without waiting: a copy
+    from pageable memory, or from a strided view (which PyTorch first makes contiguous in
+    pageable memory), waits for the device's queue to drain (the step before it)."""
+    if device.type != "cuda":
+        return batch.to(device)
+    return batch.contiguous().pin_memory().to(device, non_blocking=True)
