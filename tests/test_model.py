@@ -141,7 +141,7 @@ def test_routed_updates_in_place_equal_the_copy_path(pattern: list[str], routing
 
 
 def test_a_mod_block_on_its_own_leaves_its_input_alone() -> None:
-    """Outside a LanguageModel a MoDBlock (add_in_place off) returns a new tensor: a researcher's
+    """Outside a LanguageModel a MoDBlock (residual_owned off) returns a new tensor: a researcher's
     `block(x, angles)[0] - x` is the update."""
     model = tiny(["dense", "mod"])
     block = MoDBlock(model.config.model, model.config.routing)
