@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     # The MoD block adds its updates into x in place, as inside the model: x drifts by the
     # updates from pass to pass, which changes which tokens are chosen, not what a pass costs.
     # Likewise its backward adds the chosen tokens' gradient into the incoming gradient `grad`
-    # in place (MoDBlock.add_in_place), as into the model's residual gradient: `grad` drifts too.
+    # in place (residual_owned=True), as into the model's residual gradient: `grad` drifts too.
     angles = model.rotary.prefix(args.seq)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     x = torch.randn(args.batch, args.seq, args.width, device=device, requires_grad=True)
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     def fwd_bwd(block: torch.nn.Module) -> Callable[[], None]:
         def run() -> None:
             with autocast:
-                out, _ = block(x, angles)
+                out, _ = block(x, angles, residual_owned=True)  # as the model calls it
             out.backward(grad)
             fresh_gradients()
         return run
@@ -144,10 +144,10 @@ def main(argv: list[str] | None = None) -> None:
 
     def routing_alone() -> None:
         with autocast:  # as MoDBlock.forward routes and adds back, in place where the block would
-            routed = mod.router.route(x, owns_gradient=mod.add_in_place)
+            routed = mod.router.route(x, owns_gradient=True)
             routing = routed.routing
             out = add_gated_tokens(routed.residual, routing.indices, routing.gates, routed.chosen,
-                                   mod.add_in_place and routed.residual_writable, routed.flat)
+                                   routed.residual_writable, routed.flat)
         out.backward(grad)
         fresh_gradients()
 

@@ -75,8 +75,7 @@ def calibrate_routers(model: LanguageModel, prompts: torch.Tensor, share: float)
             proj.bias.zero_()
             scores = block.router.router(x).flatten()
             proj.bias.fill_(-float(torch.quantile(scores.float(), 1.0 - share)))
-            with model.routing_mode("causal"):
-                x, _ = block(x, angles)
+            x, _ = block(x, angles, causal=True)
         else:
             x, _ = block(x, angles)
 

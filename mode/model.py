@@ -17,7 +17,7 @@ from mode.layers.mode import IntegratedMoDEBlock, StagedMoDEBlock
 from mode.layers.moe import MoEFFN
 from mode.layers.loss import linear_cross_entropy
 from mode.layers.rotary import RotaryEmbedding
-from mode.routing import DepthRouter, ExpertChoiceRouter, Routing, TokenChoiceRouter
+from mode.routing import DepthRouter, ExpertChoiceRouter, Routing
 
 ROUTING_MODES = ("topk", "causal")
 
@@ -54,9 +54,10 @@ class LanguageModel(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.rotary = RotaryEmbedding(cfg.d_model // cfg.n_heads, cfg.max_seq_len, cfg.rope_base)
         self.blocks = nn.ModuleList(build_block(kind, config) for kind in cfg.block_kinds())
-        for block in self.blocks:  # the residual stream is this model's own: routed updates go in place
-            if isinstance(block, MoDBlock):
-                block.add_in_place = True
+        # The residual stream is this model's own: routed blocks add their updates into it in place
+        # (see MoDBlock.forward's residual_owned). False: every block copies (the reference path).
+        self.residual_in_place = True
+        self._routing_mode = "topk"  # what forward routes by when not told (see routing_mode)
         self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -87,44 +88,50 @@ class LanguageModel(nn.Module):
 
     @contextlib.contextmanager
     def routing_mode(self, mode: str) -> Iterator[None]:
-        """Within the block every router routes by `mode`: "topk" (training) or "causal" (sampling).
+        """Within the block this model's forward routes by `mode` when not told otherwise: "topk"
+        (training) or "causal" (sampling; see `forward`). The model passes the mode to its blocks;
+        a block called directly takes its own causal argument."""
+        self._check_mode(mode)
+        previous = self._routing_mode
+        self._routing_mode = mode
+        try:
+            yield
+        finally:
+            self._routing_mode = previous
 
-        causal: MoD / Staged MoDE depth routers and expert-choice routers use their causal
-        decision (variable token counts, no look-ahead); token choice drops its capacity.
-        """
+    def _check_mode(self, mode: str) -> None:
         if mode not in ROUTING_MODES:
             raise ValueError(f"routing_mode must be one of {ROUTING_MODES}, got {mode!r}")
         if mode == "causal":
             self.check_causal()
-        routers = [m for m in self.modules() if isinstance(m, (DepthRouter, ExpertChoiceRouter, TokenChoiceRouter))]
-        previous = [m.causal_mode for m in routers]
-        try:
-            for m in routers:
-                m.causal_mode = mode == "causal"
-            yield
-        finally:
-            for m, old in zip(routers, previous):
-                m.causal_mode = old
 
     def forward(self, tokens: Tensor, targets: Tensor | None = None, routing_mode: str | None = None) -> ModelOutput:
         """tokens (B, S) -> logits (B, S, V); with targets (B, S), the loss too.
 
-        routing_mode "causal" routes every routed block by its causal decision (see
-        `routing_mode`); None keeps the routers' current mode (top-k unless set).
+        routing_mode "causal": MoD / Staged MoDE depth routers and expert-choice routers route by
+        their causal decision (variable token counts, no look-ahead), token choice drops its
+        capacity; "topk": training's routing. None: the mode `routing_mode` set (top-k unless set).
         """
-        if routing_mode is not None:
-            with self.routing_mode(routing_mode):
-                return self._forward(tokens, targets)
-        return self._forward(tokens, targets)
+        if routing_mode is None:
+            routing_mode = self._routing_mode
+        else:
+            self._check_mode(routing_mode)
+        return self._forward(tokens, targets, routing_mode == "causal")
 
-    def _forward(self, tokens: Tensor, targets: Tensor | None) -> ModelOutput:
+    def _owns_input(self, index: int) -> bool:
+        """Whether block `index` may write into its input: the stream is the model's and no hook
+        holds it (a forward hook of the block or of the module that produced its input)."""
+        producer = self.embed if index == 0 else self.blocks[index - 1]
+        return self.residual_in_place and not (_hooked(self.blocks[index], pre=True) or _hooked(producer, pre=False))
+
+    def _forward(self, tokens: Tensor, targets: Tensor | None, causal: bool) -> ModelOutput:
         x = self.embed(tokens)  # (B, S, D)
         angles = self.rotary.prefix(tokens.shape[1])
         routings: list[Routing | None] = []
         ffn_routings: list[Routing | None] = []
         aux_loss = x.new_zeros((), dtype=torch.float32)
-        for block in self.blocks:
-            x, info = block(x, angles)
+        for index, block in enumerate(self.blocks):
+            x, info = block(x, angles, causal=causal, residual_owned=self._owns_input(index))
             routings.append(info.routing)
             ffn_routings.append(info.ffn_routing)
             for routing in info.routings():
@@ -139,3 +146,12 @@ class LanguageModel(nn.Module):
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+def _hooked(module: nn.Module, pre: bool) -> bool:
+    """Whether a forward hook (and with pre, a forward pre-hook) of module, or a global one, sees
+    its tensors: a hook may keep them, so nothing may write into them later."""
+    hooks = [module._forward_hooks, nn.modules.module._global_forward_hooks]
+    if pre:
+        hooks += [module._forward_pre_hooks, nn.modules.module._global_forward_pre_hooks]
+    return any(len(h) > 0 for h in hooks)

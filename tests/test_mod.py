@@ -333,7 +333,6 @@ def test_two_autograd_nodes_equal_the_separate_ops(cfg: ModelConfig, gate: str, 
     from mode.routing import primitives
 
     mod = make_mod(cfg, RoutingConfig(capacity=0.25, gate=gate, random=random, router_bias=bias))
-    mod.add_in_place = in_place
     angles = rotary(cfg).prefix(S)
     x0 = torch.randn(B, S, D, dtype=torch.float64)
     probe = torch.randn(B, S, D, dtype=torch.float64)
@@ -342,9 +341,9 @@ def test_two_autograd_nodes_equal_the_separate_ops(cfg: ModelConfig, gate: str, 
         monkeypatch.setattr(primitives, "DEPTH_ROUTE_NODES", nodes)
         mod.zero_grad(set_to_none=True)
         leaf = x0.clone().requires_grad_()
-        x = leaf * 1.0  # a tensor the caller owns (add_in_place writes into it)
+        x = leaf * 1.0  # a tensor the caller owns (residual_owned: the updates go into it)
         torch.manual_seed(1)  # random routing draws the same tokens both ways
-        out, info = mod(x, angles)
+        out, info = mod(x, angles, residual_owned=in_place)
         (out * probe).sum().backward()
         runs.append((info.routing.indices, out.detach(), leaf.grad, {n: p.grad for n, p in mod.named_parameters()}))
     (idx, out, x_grad, grads), (want_idx, want_out, want_x_grad, want_grads) = runs

@@ -112,9 +112,9 @@ def test_compiled_model_on_the_gpu_matches_eager(routing: dict) -> None:
 ])
 def test_routed_updates_in_place_equal_the_copy_path(pattern: list[str], routing: dict, monkeypatch) -> None:
     """LanguageModel's MoD blocks add their updates into the residual stream in place
-    (MoDBlock.add_in_place) unless their router saved x (a causal predictor), and in the backward
-    the chosen tokens' gradient into the stream's gradient; with it off every block copies both.
-    Same loss and gradients, exactly."""
+    (MoDBlock.forward's residual_owned) unless their router saved x (a causal predictor), and in the
+    backward the chosen tokens' gradient into the stream's gradient; with it off (the model's
+    residual_in_place) every block copies both. Same loss and gradients, exactly."""
     calls, grad_in_place = [], []
     add_apply, route_apply = primitives._AddGatedRows.apply, primitives._RouteTokens.apply
     monkeypatch.setattr(primitives._AddGatedRows, "apply", lambda *a: calls.append(a[4]) or add_apply(*a))
@@ -124,9 +124,8 @@ def test_routed_updates_in_place_equal_the_copy_path(pattern: list[str], routing
         torch.manual_seed(0)
         model = tiny(pattern, routing)
         mods = [m for m in model.modules() if isinstance(m, MoDBlock)]
-        assert mods and all(m.add_in_place for m in mods)  # the model turns it on
-        for m in mods:
-            m.add_in_place = in_place
+        assert mods and model.residual_in_place  # the model turns it on
+        model.residual_in_place = in_place
         tokens = torch.randint(0, 256, (2, 33))
         torch.manual_seed(1)  # random routing draws the same tokens in both runs
         out = model(tokens[:, :-1], tokens[:, 1:])
@@ -142,7 +141,7 @@ def test_routed_updates_in_place_equal_the_copy_path(pattern: list[str], routing
 
 
 def test_a_mod_block_on_its_own_leaves_its_input_alone() -> None:
-    """Outside a LanguageModel a MoDBlock (add_in_place off) returns a new tensor: a researcher's
+    """Outside a LanguageModel a MoDBlock (residual_owned off) returns a new tensor: a researcher's
     `block(x, angles)[0] - x` is the update."""
     model = tiny(["dense", "mod"])
     block = MoDBlock(model.config.model, model.config.routing)
@@ -152,6 +151,82 @@ def test_a_mod_block_on_its_own_leaves_its_input_alone() -> None:
     assert torch.equal(x.detach(), before)
     changed = (out.detach() != before).any(-1)  # (B, S): the chosen tokens
     assert changed.sum(-1).tolist() == [info.routing.indices.shape[1]] * 2
+
+
+@pytest.mark.parametrize("pattern", [["dense", "mod"], ["mode_staged", "dense"]], ids=["mod", "staged MoDE"])
+@pytest.mark.parametrize("causal", [False, True], ids=["top-k", "causal"])
+def test_a_block_of_a_built_model_leaves_a_users_leaf_alone(pattern: list[str], causal: bool) -> None:
+    """model.blocks[i](x) on the caller's own leaf that requires grad: a new tensor comes back,
+    x stays bit-identical, and the backward reaches x and the block's weights."""
+    torch.manual_seed(0)
+    model = tiny(pattern, {"causal": "aux_loss"})
+    index = pattern.index(pattern[0] if pattern[0] != "dense" else pattern[1])
+    block = model.blocks[index]
+    assert isinstance(block, MoDBlock)
+    x = torch.randn(2, 32, 32, requires_grad=True)
+    before = x.detach().clone()
+    out, info = block(x, model.rotary.prefix(32), causal=causal)
+    assert out is not x and out.data_ptr() != x.data_ptr()
+    assert torch.equal(x.detach(), before)
+    changed = (out.detach() != before).any(-1)  # (B, S): the chosen tokens, the others pass as they were
+    assert changed.any() and not changed.all()
+    assert torch.equal(out.detach()[~changed], before[~changed])
+    (out * torch.randn_like(out)).sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
+    assert block.block.attn.qkv.weight.grad.abs().sum() > 0
+    assert torch.equal(x.detach(), before)
+
+
+@pytest.mark.parametrize("pattern", [["dense", "mod"], ["mod", "dense"], ["mode_staged", "dense"]])
+@pytest.mark.parametrize("hook_on", ["block", "producer"])
+def test_a_forward_pre_hook_sees_a_routed_blocks_input_unchanged(pattern: list[str], hook_on: str) -> None:
+    """A hook that keeps a routed block's input (a pre-hook of the block, or a forward hook of the
+    module whose output it is) inside the model's forward sees it unchanged after the forward: the
+    model adds in place only into a stream no hook holds. Same loss and gradients as without it."""
+    torch.manual_seed(0)
+    model = tiny(pattern)
+    index = next(i for i, b in enumerate(model.blocks) if isinstance(b, MoDBlock))
+    tokens = torch.randint(0, 256, (2, 33))
+    results, kept = [], []
+    for hooked in (False, True):
+        handle = None
+        if hooked and hook_on == "block":
+            handle = model.blocks[index].register_forward_pre_hook(lambda m, args: kept.append((args[0], args[0].clone())))
+        elif hooked:
+            producer = model.embed if index == 0 else model.blocks[index - 1]
+            handle = producer.register_forward_hook(
+                lambda m, args, out: kept.append((o := out if torch.is_tensor(out) else out[0], o.clone()))
+            )
+        model.zero_grad(set_to_none=True)
+        out = model(tokens[:, :-1], tokens[:, 1:])
+        out.loss.backward()
+        results.append((out.loss.detach(), [p.grad for p in model.parameters()]))
+        if handle is not None:
+            handle.remove()
+    assert kept
+    for seen, copy in kept:
+        assert torch.equal(seen, copy)
+    (loss, grads), (hooked_loss, hooked_grads) = results
+    assert torch.equal(loss, hooked_loss)
+    for a, b in zip(grads, hooked_grads, strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
+def test_in_place_residual_gives_the_logits_of_the_copy_path(monkeypatch) -> None:
+    """The model's own forward keeps its speed path (routed updates added into its residual stream,
+    checked by the calls) and gives exactly the logits of the out-of-place path."""
+    calls = []
+    add_apply = primitives._AddGatedRows.apply
+    monkeypatch.setattr(primitives._AddGatedRows, "apply", lambda *a: calls.append(a[4]) or add_apply(*a))
+    torch.manual_seed(0)
+    model = tiny(["dense", "mod", "mod", "mode_staged"])
+    tokens = torch.randint(0, 256, (2, 32))
+    logits = {}
+    for in_place in (True, False):
+        model.residual_in_place = in_place
+        logits[in_place] = model(tokens).logits
+    assert calls == [True] * 3 + [False] * 3
+    assert torch.equal(logits[True], logits[False])
 
 
 def test_rotary_tables_stay_float32_when_the_model_is_cast_to_bfloat16() -> None:

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mode.kernels import use_triton
-from mode.layers.rotary import RotaryAngles, apply_rotary
+from mode.layers.rotary import RotaryAngles, apply_rotary, rotate_qk_
 
 
 class CausalSelfAttention(nn.Module):
@@ -25,6 +25,16 @@ class CausalSelfAttention(nn.Module):
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
         )  # (B, H, S, hd)
         return self.out(y.transpose(1, 2).reshape(batch, seq, width))  # (B, S, D)
+
+    def forward_cached(self, x: Tensor, rows) -> Tensor:
+        """x (n, K, D): the tokens a layer computes in a chunk (mode/layers/chunks.py), normed ->
+        attention output (n, K, D) over the layer's cache and themselves. rows (a row plan) holds
+        their angles, writes their keys and values into the cache and attends."""
+        n, tokens, width = x.shape
+        qkv = self.qkv(x).view(n, tokens, 3, self.n_heads, self.head_dim)  # (n, K, 3, H, hd)
+        rotate_qk_(qkv, rows.angles)
+        y = rows.attend(qkv)  # (n, K, H, hd)
+        return self.out(y.reshape(n, tokens, width))
 
     @staticmethod
     def _rotate(qkv: Tensor, angles: RotaryAngles) -> tuple[Tensor, Tensor, Tensor]:

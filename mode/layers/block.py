@@ -7,6 +7,7 @@ from torch import Tensor, nn
 
 from mode.config import ModelConfig
 from mode.layers.attention import CausalSelfAttention
+from mode.layers.kv_cache import LayerCache
 from mode.layers.mlp import SwiGLU
 from mode.layers.moe import MoEFFN
 from mode.layers.rotary import RotaryAngles
@@ -35,23 +36,48 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.ffn = ffn if ffn is not None else SwiGLU(cfg.d_model, cfg.d_ff)
 
-    def forward(self, x: Tensor, angles: RotaryAngles) -> tuple[Tensor, BlockInfo]:
+    def forward(
+        self, x: Tensor, angles: RotaryAngles, causal: bool | None = None, residual_owned: bool = False,
+    ) -> tuple[Tensor, BlockInfo]:
+        """x (B, S, D) -> (out (B, S, D), BlockInfo); x is never written (residual_owned is for the
+        routed blocks' signature). causal: an MoE FFN routes as sampling does (see MoEFFN)."""
         h = x + self.attn(self.attn_norm(x), angles)
-        out, ffn_routing = self._ffn(self.ffn_norm(h))
+        out, ffn_routing = self._ffn(self.ffn_norm(h), causal=causal)
         return h + out, BlockInfo(ffn_routing=ffn_routing)
 
     def update(self, x: Tensor, angles: RotaryAngles) -> Tensor:
         """f(x) = out - x, computed without the subtraction: Attn(...) + FFN(...)."""
         return self.routed_update(x, angles)[0]
 
-    def routed_update(self, x: Tensor, angles: RotaryAngles, valid: Tensor | None = None) -> tuple[Tensor, Routing | None]:
+    def routed_update(
+        self, x: Tensor, angles: RotaryAngles, valid: Tensor | None = None, causal: bool | None = None,
+    ) -> tuple[Tensor, Routing | None]:
         """f(x) and the FFN's Routing (None for a dense FFN). valid (B, k): the rows that are
         chosen tokens, where causal routing padded them (an MoE FFN then skips the padding)."""
         a = self.attn(self.attn_norm(x), angles)
-        out, ffn_routing = self._ffn(self.ffn_norm(x + a), valid)
+        out, ffn_routing = self._ffn(self.ffn_norm(x + a), valid, causal)
         return a + out, ffn_routing
 
-    def _ffn(self, x: Tensor, valid: Tensor | None = None) -> tuple[Tensor, Routing | None]:
+    def forward_cached(self, x: Tensor, cache: LayerCache, chunk, chosen: Tensor | None = None) -> Tensor:
+        """Incremental decoding: x (B, n, D), a chunk of new tokens (mode/layers/chunks.py: a prefill
+        chunk or a decode step) -> their hidden states after the block (B, n, D). The chunk's valid
+        tokens (or chosen (B, n), those given) go through the block and join its cache; the rest
+        come out unchanged. The FFN routes causally."""
+        rows = chunk.select(x, cache, chosen)
+        if rows is None:
+            return x
+        _, h, out = self.cached_parts(rows)
+        return rows.put(x, h + out)
+
+    def cached_parts(self, rows) -> tuple[Tensor, Tensor, Tensor]:
+        """The block on a row plan's tokens rows.x (n, K, D) against the cache: (Attn(norm(x)),
+        h = x + Attn, FFN(norm(h))), each (n, K, D); an MoE FFN skips the plan's padding rows."""
+        a = self.attn.forward_cached(self.attn_norm(rows.x), rows)
+        h = rows.x + a
+        out, _ = self._ffn(self.ffn_norm(h), rows.valid, causal=True)
+        return a, h, out
+
+    def _ffn(self, x: Tensor, valid: Tensor | None = None, causal: bool | None = None) -> tuple[Tensor, Routing | None]:
         """A routed FFN (MoEFFN) returns (output, Routing); a dense one its output alone."""
-        out = self.ffn(x, valid) if isinstance(self.ffn, MoEFFN) else self.ffn(x)
+        out = self.ffn(x, valid, causal) if isinstance(self.ffn, MoEFFN) else self.ffn(x)
         return out if isinstance(out, tuple) else (out, None)

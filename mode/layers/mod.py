@@ -4,12 +4,15 @@ x_i <- x_i + g(r_i) * f_i(X~) for the k chosen tokens of each sequence, x_i unch
 """
 from __future__ import annotations
 
+import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mode.config import ModelConfig, RoutingConfig
 from mode.layers.block import BlockInfo, TransformerBlock
+from mode.layers.kv_cache import LayerCache
 from mode.layers.rotary import RotaryAngles
-from mode.routing import DepthRouter, add_gated_tokens
+from mode.routing import DepthRouter, add_gated_tokens, apply_gate
 
 
 class MoDBlock(nn.Module):
@@ -20,20 +23,57 @@ class MoDBlock(nn.Module):
             routing.causal, routing.causal_loss_weight, routing.predictor_hidden,
         )
         self.block = block if block is not None else TransformerBlock(cfg)
-        # True where the caller owns x and never reads it again, and owns the gradient that
-        # reaches the block's output (LanguageModel's residual stream): the updates are then
-        # added into x's memory when the router allows (no copy of x), and in the backward the
-        # chosen tokens' gradient into that incoming gradient (no copy of it either).
-        self.add_in_place = False
 
-    def forward(self, x: Tensor, angles: RotaryAngles) -> tuple[Tensor, BlockInfo]:
+    def forward(
+        self, x: Tensor, angles: RotaryAngles, causal: bool | None = None, residual_owned: bool = False,
+    ) -> tuple[Tensor, BlockInfo]:
+        """x (B, S, D) -> (out (B, S, D), BlockInfo). causal: route by the causal decision (None:
+        the router's own setting). residual_owned: the caller owns x and never reads it again, and
+        owns the gradient that reaches the output (LanguageModel's residual stream): the updates
+        then go into x's memory when the router allows (no copy of x), and in the backward the
+        chosen tokens' gradient into that incoming gradient. False: x is left untouched."""
         # indices (B, k), sorted: causal order kept; chosen (B, k, D); residual: x, for the updates
-        routed = self.router.route(x, owns_gradient=self.add_in_place)
+        routed = self.router.route(x, owns_gradient=residual_owned, causal=causal)
         routing = routed.routing
         # (B, k, D) at the original positions; ffn_routing is the MoE's in Staged MoDE, else None.
-        update, ffn_routing = self.block.routed_update(routed.chosen, angles.select(routing.indices), routing.valid)
+        update, ffn_routing = self.block.routed_update(
+            routed.chosen, angles.select(routing.indices), routing.valid, causal,
+        )
         # The gate scales only the update; the residual of every token passes untouched.
         # (float32 gates times the update promote to the residual stream's precision.)
-        in_place = self.add_in_place and routed.residual_writable
+        in_place = residual_owned and routed.residual_writable
         out = add_gated_tokens(routed.residual, routing.indices, routing.gates, update, in_place, routed.flat)
         return out, BlockInfo(routing=routing, ffn_routing=ffn_routing)
+
+    def forward_cached(self, x: Tensor, cache: LayerCache, chunk, chosen: Tensor | None = None) -> Tensor:
+        """Incremental decoding (see TransformerBlock.forward_cached): the valid tokens of the chunk
+        x (B, n, D) that the causal decision takes (or chosen (B, n), given) go through the block
+        and join its cache, x_i + g(r_i) * f_i; every other token comes out unchanged and never
+        enters the cache."""
+        decided, scores = self.decide(x, cache.router_weights if chunk.fp32_router else None)
+        rows = chunk.select(x, cache, decided if chosen is None else chosen)
+        if rows is None:
+            return x
+        a, _, out = self.block.cached_parts(rows)
+        update = a + out
+        # f = Attn + FFN times the float32 gate, rounded once to the update's dtype, as forward
+        torch.mul(update, apply_gate(rows.take(scores), self.router.gate).unsqueeze(-1), out=update)
+        return rows.add(x, update)
+
+    def decide(self, x: Tensor, weights: tuple[Tensor, Tensor | None] | None = None) -> tuple[Tensor, Tensor]:
+        """The causal decision on tokens x (B, n, D): (taken (B, n) bool, router scores (B, n) float32).
+        weights: the router's float32 weights (router_weights()), used directly outside autocast
+        (no cast per call); None: the router and its predictor decide (DepthRouter.decide)."""
+        if weights is None or torch.is_autocast_enabled(x.device.type):
+            return self.router.decide(x)
+        scores = F.linear(x.float(), *weights).squeeze(-1)  # Router.forward with float32 weights
+        return scores > 0, scores
+
+    def router_weights(self) -> tuple[Tensor, Tensor | None] | None:
+        """A float32 snapshot of the router's weights where its own logit decides (causal=aux_loss),
+        for decode steps; None where a predictor decides."""
+        causal = self.router.causal
+        if causal is None or causal.predictor is not None:
+            return None
+        proj = self.router.router.proj
+        return proj.weight.detach().float(), None if proj.bias is None else proj.bias.detach().float()

@@ -49,28 +49,31 @@ class MoEFFN(nn.Module):
             )
         self.experts = Experts(moe.n_experts, d_model, moe.d_expert or d_ff, moe.activation, moe.backend)
 
-    def forward(self, x: Tensor, valid: Tensor | None = None) -> tuple[Tensor, Routing]:
+    def forward(self, x: Tensor, valid: Tensor | None = None, causal: bool | None = None) -> tuple[Tensor, Routing]:
         """valid (B, S) bool: under causal routing, False rows are padding: no expert computes
-        them (their output is 0) and the statistics leave them out. None: every row is a token."""
-        if isinstance(self.router, ExpertChoiceRouter) and not self.router.causal_mode:
+        them (their output is 0) and the statistics leave them out. None: every row is a token.
+        causal: route as sampling does (see the routers); None takes the router's `causal_mode`."""
+        causal = self.router.causal_mode if causal is None else causal
+        if isinstance(self.router, ExpertChoiceRouter) and not causal:
             routing, rows, xs = self.router.route(x)
             return self._expert_choice(routing, rows, xs).view_as(x), routing
-        routing = self.router(x, valid)
+        routing = self.router(x, valid, causal)
         if isinstance(routing, CausalExpertRouting):
             out = self._causal_experts(x.reshape(-1, x.shape[-1]), routing)
         else:
             out = self._token_choice(x.reshape(-1, x.shape[-1]), routing)
         return out.view_as(x), routing
 
-    def syncs_with_host(self, x: Tensor) -> bool:
+    def syncs_with_host(self, x: Tensor, causal: bool | None = None) -> bool:
         """Whether a pass on tokens like x reads routing results on the host (so no CUDA graph can
         capture it): token choice sorted by expert with host counts, that is dropless (or under
         causal routing) except by ends on the torch backend, or on a grouped backend."""
+        causal = self.router.causal_mode if causal is None else causal
         if isinstance(self.router, ExpertChoiceRouter):
-            return self.router.causal_mode  # causal decisions: variable counts
+            return causal  # causal decisions: variable counts
         if self.experts.backend != "torch":
             return True
-        dropless = self.router.dropless or self.router.causal_mode
+        dropless = self.router.dropless or causal
         return dropless and not self.experts.by_ends_applies(x)
 
     def _experts_combined(self, xs: Tensor, gates: Tensor, rows: ExpertRows, counts: Tensor | None = None,

@@ -86,3 +86,13 @@ def apply_rotary(x: Tensor, angles: RotaryAngles) -> Tensor:
     cos, sin = angles.cos_full.view(shape), angles.sin_signed.view(shape)
     rotate_half = torch.cat((x[..., half:], x[..., :half]), dim=-1)  # (x2, x1)
     return (x * cos + rotate_half * sin).to(x.dtype)
+
+
+def rotate_qk_(qkv: Tensor, angles: RotaryAngles) -> None:
+    """qkv (N, S, 3, H, hd): rotate q and k in place with apply_rotary's arithmetic (x * cos +
+    rotate_half(x) * sin, in float32 or wider), cast once into qkv's dtype as it is written."""
+    x = qkv[:, :, :2]
+    half = x.shape[-1] // 2
+    shape = (angles.cos_full.shape[0], x.shape[1], 1, 1, x.shape[-1])
+    rotate_half = torch.cat((x[..., half:], x[..., :half]), dim=-1)  # (x2, x1)
+    torch.add(x * angles.cos_full.view(shape), rotate_half * angles.sin_signed.view(shape), out=x)

@@ -158,9 +158,10 @@ class DepthRouter(nn.Module):
     """Mixture-of-Depths router: per sequence, the top-k tokens by score go through the block.
 
     With a causal decision (routing.causal != none) it also trains that decision (its BCE in
-    aux_loss, its accuracy in stats). With `causal_mode` set (LanguageModel's
+    aux_loss, its accuracy in stats). Called with causal=True (LanguageModel's
     routing_mode="causal"), it routes by the causal decision instead of top-k: a variable
     number of tokens per sequence, padded to the batch maximum (see `causal_routing`).
+    causal=None (the default) takes `causal_mode`, the router's own setting (False).
     """
 
     def __init__(
@@ -184,7 +185,7 @@ class DepthRouter(nn.Module):
         self.gate = gate
         self.random = random
         self.causal = None if causal == "none" else CausalDecision(causal, d_model, 1, causal_loss_weight, predictor_hidden)
-        self.causal_mode = False
+        self.causal_mode = False  # forward's default for causal=None; a model passes causal itself
 
     @property
     def capacity(self) -> float:
@@ -198,8 +199,8 @@ class DepthRouter(nn.Module):
         scores = self.router(x).squeeze(-1)
         return self.causal.logits(x, scores.unsqueeze(-1)).squeeze(-1) > 0, scores
 
-    def forward(self, x: Tensor) -> Routing:
-        if self.causal_mode:
+    def forward(self, x: Tensor, causal: bool | None = None) -> Routing:
+        if self.causal_mode if causal is None else causal:
             return self.causal_routing(x)
         scores = self.router(x).squeeze(-1)  # (B, S)
         indices = self._select(scores)
@@ -207,7 +208,7 @@ class DepthRouter(nn.Module):
         aux, stats = self._causal_terms(x, scores, indices)
         return Routing(indices=indices, gates=gates, logits=scores, aux_loss=aux, stats=stats)
 
-    def route(self, x: Tensor, owns_gradient: bool = False) -> "RoutedTokens":
+    def route(self, x: Tensor, owns_gradient: bool = False, causal: bool | None = None) -> "RoutedTokens":
         """forward(), the chosen tokens (B, k, D) of x and x itself, from split_tokens: what MoDBlock
         consumes (the updates go back into the residual with scatter_add_tokens).
 
@@ -220,8 +221,9 @@ class DepthRouter(nn.Module):
         (LanguageModel's stream); the chosen tokens' gradient is then added into it in place.
         """
         dense_grad = self.causal is not None and self.causal.method == "aux_loss"
-        if self.causal_mode or dense_grad or not torch.is_grad_enabled():
-            routing = self(x)  # its scores' backward needs x: the residual is not writable
+        causal = self.causal_mode if causal is None else causal
+        if causal or dense_grad or not torch.is_grad_enabled():
+            routing = self(x, causal)  # its scores' backward needs x: the residual is not writable
             return RoutedTokens(routing, *split_tokens(x, routing.indices), residual_writable=False)
         k = capacity_to_k(x.shape[1], self.capacity)
         proj = self.router.proj
@@ -332,7 +334,7 @@ class ExpertChoiceRouter(nn.Module):
         self.causal = (
             None if causal == "none" else CausalDecision(causal, d_model, n_experts, causal_loss_weight, predictor_hidden)
         )
-        self.causal_mode = False
+        self.causal_mode = False  # forward's default for causal=None; a model passes causal itself
 
     def decide(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """Causal decision: x (..., D) -> (chosen (..., E) bool per real expert, softmax probs (..., E))."""
@@ -342,10 +344,11 @@ class ExpertChoiceRouter(nn.Module):
         probs = logits.softmax(-1)[..., : self.n_experts]
         return self.causal.logits(x, logits[..., : self.n_experts]) > 0, probs
 
-    def forward(self, x: Tensor, valid: Tensor | None = None) -> Routing:
+    def forward(self, x: Tensor, valid: Tensor | None = None, causal: bool | None = None) -> Routing:
         """x (B, S, D). valid (B, S) bool, causal mode only: rows that are padding (False) go to
-        no expert and count in no statistic (Staged MoDE under causal routing passes its own)."""
-        if self.causal_mode:
+        no expert and count in no statistic (Staged MoDE under causal routing passes its own).
+        causal: route by the causal decision; None takes the router's own `causal_mode`."""
+        if self.causal_mode if causal is None else causal:
             return self._causal_forward(x, valid)
         groups, tokens, capacity = self._groups_and_capacity(x)
         logits = self.router(x).reshape(groups, tokens, -1)  # (G, T, E+N), float32
@@ -370,7 +373,7 @@ class ExpertChoiceRouter(nn.Module):
         return Routing(indices=indices, gates=gates, logits=logits, aux_loss=aux, stats=stats)
 
     def route(self, x: Tensor) -> tuple[Routing, ExpertRows, Tensor]:
-        """forward() (not causal_mode) and the tokens it chose, gathered expert-major: (routing, their
+        """forward() (top-C, not causal) and the tokens it chose, gathered expert-major: (routing, their
         ExpertRows, the rows (E*G*C, D) of x (B, S, D)), what MoEFFN's experts consume.
 
         Eager on CUDA without a causal decision, one autograd function does it all
@@ -416,7 +419,7 @@ class ExpertChoiceRouter(nn.Module):
 
 @dataclass
 class CausalExpertRouting(Routing):
-    """Expert choice routed by the causal decision (causal_mode): variable rows per expert.
+    """Expert choice routed by the causal decision (causal=True): variable rows per expert.
 
     indices: (..., E) bool, token t goes to real expert e; gates: (..., E) softmax probabilities
     of the real experts (the same gate the top-C routing uses); logits (..., E+N).
@@ -455,19 +458,21 @@ class TokenChoiceRouter(nn.Module):
         self.z_loss_weight = z_loss_weight
         self.causal_mode = False  # token choice is causal already; causal mode only drops the capacity
 
-    def forward(self, x: Tensor, valid: Tensor | None = None) -> TokenChoiceRouting:
+    def forward(self, x: Tensor, valid: Tensor | None = None, causal: bool | None = None) -> TokenChoiceRouting:
         """x (B, S, D). valid (B, S) bool, causal mode only: rows that are padding (False) are
         computed by no expert and left out of the shares and counts in the statistics (Staged
-        MoDE under causal routing); the auxiliary losses still see every row."""
+        MoDE under causal routing); the auxiliary losses still see every row. causal: sampling's
+        routing (no capacity); None takes the router's own `causal_mode`."""
+        causal = self.causal_mode if causal is None else causal
         logits = self.router(x).reshape(1, -1, self.router.n_slots)  # (1, T, E+N), float32
         tokens, n_slots = logits.shape[1:]
         # Under causal routing (sampling) capacity dropping, which depends on the other tokens of
         # the batch, is switched off: every token gets its top-k slots.
-        capacity = None if (self.dropless or self.causal_mode) else token_choice_capacity(tokens, n_slots, self.top_k, self.capacity_factor)
+        capacity = None if (self.dropless or causal) else token_choice_capacity(tokens, n_slots, self.top_k, self.capacity_factor)
         head = token_choice_head(logits.view(tokens, n_slots), self.top_k, self.n_experts, capacity,
                                  self.lb_loss_weight, self.z_loss_weight)  # gates, slots (T, k) each
         positions, layout = capacity_positions(head.slots, self.n_experts, capacity, x)  # (T, k), eager CUDA: (E, C)
-        if valid is not None and self.causal_mode:
+        if valid is not None and causal:
             positions = torch.where(valid.reshape(-1, 1), positions, -1)  # padding: no expert computes it
             stats = self._stats_of_rows(head, positions, valid.reshape(-1, 1))
         else:

@@ -1,0 +1,343 @@
+"""Prefill and decode steps with causal routing and one sparse KV cache per layer.
+
+How a routed layer runs at inference:
+- Every MoD / Staged MoDE layer decides per token, causally, whether the token goes through
+  it (routing.causal: the router's sigmoid > 0.5, or the predictor's logit > 0).
+- Each layer has its own KV cache (mode/layers/kv_cache.py) with a per-sequence length: a
+  layer writes keys and values only for the tokens it processed, so a token routed around a
+  layer is absent from that layer's cache and later tokens cannot attend to it there.
+- A decode token routed around a layer skips it: its hidden state comes out unchanged and the
+  layer's cache never sees it.
+- Prompts of different lengths are right-padded in one prefill; padding never enters a cache
+  and every token is rotated at its absolute position, so a padded batch gives what the
+  prompts give one by one.
+Dense layers (and MoE / Integrated MoDE layers, whose attention sees every token) process
+every valid token; their FFN routes causally (expert choice by its causal decision, token
+choice without capacity).
+
+Every block runs through its one incremental method, `block.forward_cached(x, cache, chunk)`;
+the chunk says how (mode/layers/chunks.py): a prefill chunk, the gather decode step (the rows a
+layer chose computed alone, one host sync per routed layer; its cost follows the rows computed)
+or the static decode step (every row computed, chosen rows kept, no host sync: captured once as
+a CUDA graph and replayed). Attention runs on the SDPA backends without per-shape state (flash,
+memory-efficient, math): decode shapes change every step and cuDNN attention builds and caches
+an execution plan per shape.
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from mode.layers.chunks import GatherStep, Prefill, StaticStep
+from mode.layers.kv_cache import LayerCache, PackedRows, attend_used, to_device
+from mode.layers.mlp import SwiGLU
+from mode.layers.mod import MoDBlock
+from mode.model import LanguageModel
+
+# The SDPA backends the decoder allows by default: the ones with no per-shape state. Decode
+# shapes change every step (the key window grows; a routed layer computes a varying number of
+# rows), and cuDNN attention builds an execution plan for every new shape (tens of ms each).
+DECODE_SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+# How a decode step runs a routed (MoD / Staged MoDE) layer (Decoder's routed_rows):
+# - "gather": only the rows whose token chose the layer are computed, the rest skip it
+#   entirely; the decisions go to the host first (one sync per routed layer). Eager.
+# - "masked": the static step. Every active row is computed and only the chosen rows keep the
+#   update and write a cache slot that counts; decisions, lengths and positions never leave
+#   the device, and the whole step is one fixed sequence of kernels: on a GPU it is captured
+#   once as a CUDA graph (cuda_graph) and replayed, so the host no longer paces the step.
+# "auto": "masked" on a GPU where the step can be captured (every FFN dense) or from batch
+# MASKED_MIN_BATCH (where almost every routed layer has some chosen row and its matmuls read
+# the same weights for 8 rows as for 64), else "gather".
+ROUTED_ROWS = ("auto", "gather", "masked")
+MASKED_MIN_BATCH = 16
+
+
+@torch.no_grad()
+def layer_step(
+    block: nn.Module, cache: LayerCache, rotary: nn.Module, x: Tensor, positions: Tensor, select: Tensor,
+    counts: Tensor | None = None,
+) -> Tensor:
+    """Run one block on a chunk of new tokens with its cache; return the chunk's new hidden states.
+
+    x (B, n, D); positions (B, n) absolute positions, on x's device; select (B, n) bool: the
+    tokens this layer processes. counts: select.sum(1) on the host when the caller knows it
+    (else one sync). Unselected tokens come out bit-identical and leave no trace in the cache.
+    Inference only (no autograd): the cache is written in place.
+    """
+    counts = select.sum(1).cpu() if counts is None else counts
+    return block.forward_cached(x, cache, Prefill(rotary, positions, select, counts), chosen=select)
+
+
+def _inner_block(block: nn.Module) -> nn.Module:
+    return block.block if isinstance(block, MoDBlock) else block
+
+
+def _run_layer(block: nn.Module, x: Tensor, cache: LayerCache, chunk: StaticStep) -> Tensor:
+    return block.forward_cached(x, cache, chunk)
+
+
+_COMPILED_LAYER = None
+
+
+def _static_layer(compiled: bool):
+    """The static step's per-layer call, compiled once per process when asked: every decoder and
+    layer shares it (regional compilation: the modules' parameters are inputs, not constants);
+    the cache write and attention between its pieces stay eager (MaskedRows.attend)."""
+    global _COMPILED_LAYER
+    if not compiled:
+        return _run_layer
+    if _COMPILED_LAYER is None:
+        _COMPILED_LAYER = torch.compile(_run_layer, dynamic=False)
+    return _COMPILED_LAYER
+
+
+class Decoder:
+    """Prefill and decode for a batch of B sequences, with one sparse KV cache per layer.
+
+    sdpa_backends: the attention backends the decoder allows (torch.nn.attention.SDPBackend),
+    in torch's order of preference; None leaves torch's own choice. The default leaves out
+    cuDNN attention, whose per-shape plan building dominates a decode step. Ignored on CPU,
+    and where the static step calls flash attention directly.
+    routed_rows: "gather", "masked" (the static step) or "auto" (see ROUTED_ROWS).
+    cuda_graph: capture the static step as a CUDA graph (None: wherever it can be, that is on
+    a GPU with every FFN dense); compile: torch.compile the static step's per-layer call.
+    The decoder snapshots each routed layer's router weights in float32 at construction (the
+    decision is computed in float32, as the router does); build a new one after changing them.
+    """
+
+    def __init__(
+        self, model: LanguageModel, batch: int, max_len: int,
+        sdpa_backends: Sequence[SDPBackend] | None = DECODE_SDPA_BACKENDS,
+        routed_rows: str = "auto",
+        cuda_graph: bool | None = None,
+        compile: bool = False,
+    ) -> None:
+        cfg = model.config.model
+        if max_len > cfg.max_seq_len:
+            raise ValueError(f"max_len ({max_len}) exceeds the model's context window model.max_seq_len ({cfg.max_seq_len})")
+        if routed_rows not in ROUTED_ROWS:
+            raise ValueError(f"routed_rows must be one of {', '.join(ROUTED_ROWS)}, got {routed_rows!r}")
+        model.check_causal()
+        self.model = model
+        param = model.embed.weight
+        head_dim = cfg.d_model // cfg.n_heads
+        self.caches = [LayerCache.empty(batch, max_len, cfg.n_heads, head_dim, param.dtype, param.device)
+                       for _ in model.blocks]
+        for block, cache in zip(model.blocks, self.caches):
+            if isinstance(block, MoDBlock):
+                cache.router_weights = block.router_weights()
+        self.positions = torch.zeros(batch, dtype=torch.long)  # next absolute position per row (host)
+        self.batch = batch
+        self.max_len = max_len
+        self.device = param.device
+        # A CUDA graph needs a step without host syncs: the static step, with dense FFNs only (an
+        # MoE FFN routes causally through data-dependent row counts).
+        dense_ffns = all(isinstance(_inner_block(b).ffn, SwiGLU) for b in model.blocks)
+        graphable = self.device.type == "cuda" and dense_ffns
+        if routed_rows == "auto":
+            big = self.device.type == "cuda" and batch >= MASKED_MIN_BATCH
+            routed_rows = "masked" if graphable or big else "gather"
+        if cuda_graph is None:
+            cuda_graph = graphable and routed_rows == "masked"
+        elif cuda_graph and not (graphable and routed_rows == "masked"):
+            raise ValueError(
+                "cuda_graph=True needs a CUDA model whose FFNs are all dense (no MoE FFN layers) and routed_rows='masked'"
+            )
+        if compile and routed_rows != "masked":
+            raise ValueError("compile=True compiles the static step: it needs routed_rows='masked'")
+        self.routed_rows, self.cuda_graph, self.compile = routed_rows, cuda_graph, compile
+        self._positions_dev: Tensor | None = None  # (B,) next positions on the device, in the static step
+        self._static_buffers: tuple[list[Tensor], Tensor] | None = None  # the device lengths and positions
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._row_base = torch.arange(batch, device=self.device) * (max_len + 1)  # row b's first slot, packed
+        self._packed = PackedRows.build(batch, max_len, self.device, param.dtype, head_dim)
+        self.sdpa_backends = None if sdpa_backends is None or self.device.type == "cpu" else list(sdpa_backends)
+        self._all_rows = torch.arange(batch, device=self.device)
+
+    @property
+    def _flash_varlen(self) -> bool:
+        """Whether the static step attends with flash attention's variable-length kernel."""
+        return self._packed.flash
+
+    @_flash_varlen.setter
+    def _flash_varlen(self, value: bool) -> None:
+        self._packed.flash = value
+
+    def _inference(self) -> contextlib.AbstractContextManager:
+        """The decoder's attention backends."""
+        return sdpa_kernel(self.sdpa_backends) if self.sdpa_backends is not None else contextlib.nullcontext()
+
+    @torch.no_grad()
+    def forward(self, tokens: Tensor, valid: Tensor) -> Tensor:
+        """tokens (B, n), valid (B, n) bool, valid tokens a prefix of each row -> hidden (B, n, D)."""
+        model = self.model
+        batch, n = tokens.shape
+        valid_cpu = valid.cpu()
+        if n == 1:
+            return self._decode(tokens.view(-1), valid_cpu.view(-1))
+        counts = valid_cpu.sum(1)
+        self._leave_static()  # the prefill path decides on exact host lengths
+        if int((self.positions + counts).max()) > self.max_len:
+            raise ValueError(f"a sequence would exceed the decoder's max_len ({self.max_len})")
+        positions = (self.positions.unsqueeze(1) + torch.arange(n)).clamp(max=model.config.model.max_seq_len - 1)
+        chunk = Prefill(model.rotary, to_device(positions, self.device), to_device(valid_cpu, self.device), counts)
+        x = model.embed(to_device(tokens, self.device))
+        with self._inference():
+            for block, cache in zip(model.blocks, self.caches):
+                x = block.forward_cached(x, cache, chunk)
+        self.positions += counts
+        return x
+
+    def _decode(self, tokens: Tensor, active: Tensor) -> Tensor:
+        """One token per row: tokens (B,) on any device, active (B,) bool on the host -> hidden (B, 1, D)."""
+        if self.routed_rows == "masked":
+            return self._static_decode(tokens, active, logits=False)
+        model = self.model
+        batch = tokens.shape[0]
+        x = model.embed(to_device(tokens, self.device)).view(batch, 1, -1)
+        if not bool(active.any()):
+            return x
+        if int(self.positions[active].max()) + 1 > self.max_len:
+            raise ValueError(f"a sequence would exceed the decoder's max_len ({self.max_len})")
+        step = GatherStep.at(model.rotary, self.positions, active, model.config.model.max_seq_len, self.device,
+                             self._packed.slot_ids, self._all_rows)
+        with self._inference():
+            for block, cache in zip(model.blocks, self.caches):
+                x = self._decode_layer(block, cache, x, step)
+        self.positions += active.long()
+        return x
+
+    def _decode_layer(self, block: nn.Module, cache: LayerCache, x: Tensor, step: GatherStep) -> Tensor:
+        """One gather decode step through one layer (a method of its own, for profilers to label)."""
+        return block.forward_cached(x, cache, step)
+
+    # ------------------------------------------------------------------ the static decode step
+    # One decode step is a fixed sequence of kernels on device tensors, with no host sync and no
+    # host value (lengths and positions live on the device), so it can be captured once as a CUDA
+    # graph and replayed every step.
+
+    def _enter_static(self) -> None:
+        """Hand the lengths and positions to the device (after a prefill, which keeps them on the host).
+
+        Always into the same device buffers: a captured CUDA graph reads and updates them in place."""
+        if self._positions_dev is not None:
+            return
+        if self._static_buffers is None:  # copies, never aliases (on CPU .to would return the host tensor)
+            lengths = [cache.lengths_cpu.to(self.device, copy=True) for cache in self.caches]
+            self._static_buffers = (lengths, self.positions.to(self.device, copy=True))
+        else:
+            for buffer, cache in zip(self._static_buffers[0], self.caches):
+                buffer.copy_(cache.lengths_cpu)
+            self._static_buffers[1].copy_(self.positions)
+        for buffer, cache in zip(self._static_buffers[0], self.caches):
+            cache.lengths_dev = buffer
+        self._positions_dev = self._static_buffers[1]
+
+    def _leave_static(self) -> None:
+        """Bring the exact lengths back to the host (one copy); host positions are always exact."""
+        for cache in self.caches:
+            cache.sync_lengths()
+        self._positions_dev = None
+
+    def _static_decode(self, tokens: Tensor, active: Tensor, logits: bool) -> Tensor:
+        """tokens (B,) on any device, active (B,) bool on the host -> logits (B, V), or hidden (B, 1, D).
+
+        Checks on the host, then the static step on the device; positions advance by active."""
+        if not bool(active.any()):  # nothing to compute: the inputs' embeddings, as the gather step
+            x = self.model.embed(to_device(tokens, self.device)).view(tokens.shape[0], 1, -1)
+            return self.logits(x[:, 0]) if logits else x
+        if int(self.positions[active].max()) + 1 > self.max_len:
+            raise ValueError(f"a sequence would exceed the decoder's max_len ({self.max_len})")
+        self._enter_static()
+        tokens_dev, active_dev = to_device(tokens, self.device), to_device(active, self.device)
+        out = self._static_logits(tokens_dev, active_dev) if logits else self._static_step(tokens_dev, active_dev)
+        self.positions += active.long()
+        return out
+
+    def _static_logits(self, tokens: Tensor, active: Tensor) -> Tensor:
+        """tokens (B,), active (B,) on the device -> logits (B, V): replays the CUDA graph if there is one."""
+        if self.cuda_graph and self._graph is None:
+            try:
+                self._capture()
+            except RuntimeError as e:  # an op that cannot be captured: the same step, launched eagerly
+                warnings.warn(f"mode.generate: CUDA graph capture failed ({str(e).splitlines()[0]}); decoding without it")
+                self.cuda_graph = False
+        if not self.cuda_graph:
+            return self.logits(self._static_step(tokens, active)[:, 0])
+        self._graph_inputs[0].copy_(tokens)
+        self._graph_inputs[1].copy_(active)
+        self._graph.replay()
+        return self._graph_logits.clone()  # the next replay overwrites the graph's output
+
+    def _capture(self) -> None:
+        """Record one static step as a CUDA graph. The warm-up runs have no active row, so they
+        write only scratch slots and leave every length and position as it was."""
+        batch = self.positions.shape[0]
+        tokens = torch.zeros(batch, dtype=torch.long, device=self.device)
+        active = torch.zeros(batch, dtype=torch.bool, device=self.device)
+        run = lambda: self.logits(self._static_step(tokens, active)[:, 0])  # noqa: E731
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                run()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._graph_logits = run()
+        self._graph, self._graph_inputs = graph, (tokens, active)
+
+    def _static_step(self, tokens: Tensor, active: Tensor) -> Tensor:
+        """tokens (B,), active (B,) bool, on the device -> hidden (B, 1, D). Every row is computed;
+        a layer keeps the update (and caches the token) of the rows it chose, routed or active."""
+        model = self.model
+        positions = self._positions_dev
+        x = model.embed(tokens).view(tokens.shape[0], 1, -1)
+        step = StaticStep(model.rotary, positions, active, model.config.model.max_seq_len, self._row_base, self._packed)
+        layer = _static_layer(self.compile)
+        with self._inference():
+            for block, cache in zip(model.blocks, self.caches):
+                x = layer(block, x, cache, step)
+        positions.add_(active)  # in place: the graph's own buffer
+        return x
+
+    def _attend(self, q: Tensor, cache: LayerCache, used: Tensor) -> Tensor:
+        """Single-query attention of row b over its first used[b] cache slots: q (B, H, hd) -> (B, H, hd)."""
+        return attend_used(q, cache, used, self._packed)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        return self.model.lm_head(self.model.norm(hidden)).float()
+
+    def _check_batch(self, what: str, rows: int) -> None:
+        if rows != self.batch:
+            raise ValueError(f"Decoder.{what}: {rows} rows, but the decoder was built for batch {self.batch}")
+
+    @torch.no_grad()
+    def prefill(self, prompts: Sequence[Sequence[int]]) -> Tensor:
+        """Right-padded prefill of B prompts -> logits at each prompt's last token (B, V)."""
+        self._check_batch("prefill", len(prompts))
+        lengths = torch.tensor([len(p) for p in prompts])
+        tokens = torch.zeros(len(prompts), int(lengths.max()), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            tokens[i, : len(p)] = torch.tensor(list(p), dtype=torch.long)
+        valid = torch.arange(tokens.shape[1]) < lengths.unsqueeze(1)
+        hidden = self.forward(tokens, valid)
+        last = to_device(lengths - 1, self.device)
+        return self.logits(hidden[torch.arange(len(prompts), device=self.device), last])
+
+    @torch.no_grad()
+    def step(self, tokens: Tensor, active: Tensor | None = None) -> Tensor:
+        """One decode step: tokens (B,) (on any device) -> logits (B, V). Inactive rows (finished) compute nothing."""
+        self._check_batch("step", tokens.numel())
+        if active is not None and active.numel() != self.batch:
+            raise ValueError(f"Decoder.step: active has {active.numel()} rows, the decoder {self.batch}")
+        active = torch.ones(tokens.shape[0], dtype=torch.bool) if active is None else active.cpu()
+        if self.routed_rows == "masked":
+            return self._static_decode(tokens.reshape(-1), active.view(-1), logits=True)
+        hidden = self._decode(tokens.reshape(-1), active.view(-1))
+        return self.logits(hidden[:, 0])

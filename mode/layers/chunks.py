@@ -1,0 +1,309 @@
+"""How a chunk of new tokens meets a layer's KV cache: the three ways a block's forward_cached runs.
+
+A block's `forward_cached(x, cache, chunk)` (mode/layers/block.py, mod.py) computes its causal
+decision, asks the chunk for the rows it processes (`chunk.select`) and does its arithmetic on
+them; the row plan it gets back does what differs between the ways: which rows and tokens are
+computed, where their keys and values go in the cache, the attention over the cache, and how the
+new hidden states go back. A token a layer does not process comes out unchanged and never
+enters the layer's cache.
+
+- Prefill: a chunk of any length per row. The chosen tokens of each row are compacted (padded
+  to the longest row's count, padding past every cached slot); rows with none are not computed.
+  Host counts, so one sync per routed layer.
+- GatherStep: one token per row; only the rows the layer processes are computed (index_select)
+  and updated in place in the step's own hidden states. Lengths on the host; a routed layer's
+  decision goes to the host (its one sync).
+- StaticStep: one token per row; every row is computed and only the chosen rows keep their
+  result and cache a slot. Lengths and positions stay on the device and nothing is read on the
+  host: a fixed sequence of kernels that a CUDA graph can capture.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mode.layers.kv_cache import LayerCache, PackedRows, attend_used, to_device
+from mode.layers.rotary import RotaryAngles
+
+# Gather-step windows are rounded up to a multiple of this many slots: aligned mask rows for
+# the memory-efficient kernel (no padding copy) and one shape per 16 steps instead of one per step.
+WINDOW_ALIGN = 16
+
+
+# ----------------------------------------------------------------------------- prefill
+class Prefill:
+    """A chunk of n new tokens per row. positions (B, n): absolute positions (device); valid (B, n)
+    bool (device): the row's real tokens; counts (B,): valid.sum(1) on the host."""
+
+    fp32_router = False  # the router module decides, as the model's forward does
+
+    def __init__(self, rotary: nn.Module, positions: Tensor, valid: Tensor, counts: Tensor) -> None:
+        self.rotary, self.positions, self.valid, self.counts = rotary, positions, valid, counts
+
+    def select(self, x: Tensor, cache: LayerCache, chosen: Tensor | None = None) -> "ChunkRows | None":
+        """The plan for the valid tokens (chosen (B, n) bool: those of them a routed layer took);
+        None when no row has any."""
+        if chosen is None:
+            chosen, counts = self.valid, self.counts
+        else:
+            chosen = chosen & self.valid
+            counts = chosen.sum(1).cpu()  # the layer's one sync
+        rows_cpu = counts.nonzero().squeeze(1)
+        return ChunkRows(self, x, cache, chosen, counts, rows_cpu) if rows_cpu.numel() > 0 else None
+
+
+class ChunkRows:
+    """The rows of a prefill chunk one layer computes: x (m, K, D), the chosen tokens of each
+    computed row first, in order, then padding (valid (m, K) False, never cached)."""
+
+    def __init__(self, chunk: Prefill, x: Tensor, cache: LayerCache, chosen: Tensor, counts: Tensor,
+                 rows_cpu: Tensor) -> None:
+        batch, n, width = x.shape
+        device = x.device
+        self.cache, self.batch = cache, batch
+        self.every_row = rows_cpu.numel() == batch
+        self.rows = None if self.every_row else to_device(rows_cpu, device)
+        self.count = counts if self.every_row else counts.index_select(0, rows_cpu)  # (m,) host
+        self.rows_cpu = rows_cpu
+        old_cpu = cache.lengths_cpu if self.every_row else cache.lengths_cpu.index_select(0, rows_cpu)  # (m,) host
+        self.old_cpu, self.count_list, self.old_list = old_cpu, self.count.tolist(), old_cpu.tolist()
+        self.width = max(self.count_list)
+        self.full = min(self.count_list) == n  # every computed row processes its whole chunk: nothing to compact
+        xr, pr = self._rows(x), self._rows(chunk.positions)
+        if self.full:
+            self.idx = self.valid = None
+            self.x, pos = xr, pr
+        else:  # chosen tokens first, in order; then padding (unchosen tokens, never cached)
+            sr = self._rows(chosen)
+            ar = torch.arange(n, device=device)
+            self.idx = torch.where(sr, ar, ar + n).argsort(dim=1)[:, : self.width]  # (m, K)
+            self.valid = sr.gather(1, self.idx)  # (m, K)
+            self.x = xr.gather(1, self.idx.unsqueeze(-1).expand(-1, -1, width))  # (m, K, D)
+            pos = pr.gather(1, self.idx)
+        self.angles = chunk.rotary.angles(pos)
+
+    def _rows(self, t: Tensor) -> Tensor:
+        return t if self.every_row else t.index_select(0, self.rows)
+
+    def take(self, t: Tensor) -> Tensor:
+        """A per-token value (B, n) -> the computed tokens' (m, K)."""
+        t = self._rows(t)
+        return t if self.idx is None else t.gather(1, self.idx)
+
+    def attend(self, qkv: Tensor) -> Tensor:
+        """qkv (m, K, 3, H, hd), q and k rotated -> attention output (m, K, H, hd); the chosen
+        tokens' keys and values join the cache. Query j sees the cached tokens and tokens 0..j."""
+        cache, device = self.cache, qkv.device
+        q, k, v = qkv.unbind(2)  # (m, K, H, hd) each
+        k, v = k.to(cache.k.dtype), v.to(cache.v.dtype)
+        q = q.transpose(1, 2)  # (m, H, K, hd)
+        width = self.width
+        if self.full and max(self.old_list) == 0:  # a fresh cache and a whole chunk: plain causal attention
+            kt, vt = k.transpose(1, 2), v.transpose(1, 2)  # (m, H, K, hd)
+            if self.every_row:
+                cache.k[:, :, :width] = kt
+                cache.v[:, :, :width] = vt
+            else:
+                cache.k[self.rows, :, :width] = kt
+                cache.v[self.rows, :, :width] = vt
+            y = F.scaled_dot_product_attention(q, kt.to(q.dtype), vt.to(q.dtype), is_causal=True)  # (m, H, K, hd)
+        else:
+            old = to_device(self.old_cpu, device)
+            slots = old.unsqueeze(1) + torch.arange(width, device=device)  # (m, K)
+            if not self.full:  # padding past the end of the cache goes to the scratch slot
+                slots = slots.clamp(max=cache.max_len)
+            row_ids = (torch.arange(self.batch, device=device) if self.every_row else self.rows).unsqueeze(1)
+            cache.k[row_ids, :, slots] = k  # indexed (m, K, H, hd)
+            cache.v[row_ids, :, slots] = v
+            window = max(o + c for o, c in zip(self.old_list, self.count_list))
+            keys, values = cache.k[:, :, :window], cache.v[:, :, :window]  # (B, H, L, hd) views
+            if not self.every_row:
+                keys, values = keys.index_select(0, self.rows), values.index_select(0, self.rows)  # (m, H, L, hd)
+            visible = torch.arange(window, device=device) <= slots.unsqueeze(-1)  # (m, K, L)
+            y = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=visible.unsqueeze(1))
+        if self.every_row:
+            cache.lengths_cpu += self.count
+        else:
+            cache.lengths_cpu.index_add_(0, self.rows_cpu, self.count)
+        return y.transpose(1, 2)  # (m, K, H, hd)
+
+    def put(self, x: Tensor, new: Tensor) -> Tensor:
+        """The chunk's hidden states (B, n, D) with the computed tokens' new states new (m, K, D)."""
+        new = new.to(x.dtype)
+        if self.full:
+            return new if self.every_row else x.index_copy(0, self.rows, new)
+        new = torch.where(self.valid.unsqueeze(-1), new, self.x)  # padding (unchosen tokens) unchanged
+        result = x.clone()
+        row_ids = torch.arange(self.batch, device=x.device) if self.every_row else self.rows
+        result[row_ids.unsqueeze(1), self.idx] = new
+        return result
+
+    def add(self, x: Tensor, update: Tensor) -> Tensor:
+        """put() of the computed tokens' states plus update (m, K, D), in their dtype."""
+        return self.put(x, self.x + update.to(self.x.dtype))
+
+
+# ----------------------------------------------------------------------------- gather decode step
+class GatherStep:
+    """One token per row; active (B,) bool on the host (finished rows compute nothing); angles:
+    every row's (B, 1, 1, hd), or one shared (1, 1, 1, hd) when every row is at one position."""
+
+    fp32_router = True  # the router's float32 weights decide (LayerCache.router_weights)
+
+    def __init__(self, angles: RotaryAngles, active: Tensor, slot_ids: Tensor, all_rows: Tensor) -> None:
+        self.angles, self.active, self.slot_ids, self.all_rows = angles, active, slot_ids, all_rows
+        self.all_active = bool(active.all())
+        self.active_rows = None if self.all_active else active.nonzero().squeeze(1)  # host
+
+    @classmethod
+    def at(cls, rotary: nn.Module, positions: Tensor, active: Tensor, max_seq_len: int, device: torch.device,
+           slot_ids: Tensor, all_rows: Tensor) -> "GatherStep":
+        """The step for rows at host positions (B,): one angle for all where the computed rows share
+        a position, as views; else one per row (a finished row at the end of the window is clamped
+        to the table)."""
+        now = (positions if bool(active.all()) else positions[active]).tolist()
+        first, last = min(now), max(now)
+        if first == last:
+            angles = RotaryAngles(rotary.cos_full[first].view(1, 1, 1, -1), rotary.sin_signed[first].view(1, 1, 1, -1))
+        else:
+            pos = to_device(positions.clamp(max=max_seq_len - 1), device)
+            batch = positions.shape[0]
+            angles = RotaryAngles(rotary.cos_full.index_select(0, pos).view(batch, 1, 1, -1),
+                                  rotary.sin_signed.index_select(0, pos).view(batch, 1, 1, -1))
+        return cls(angles, active, slot_ids, all_rows)
+
+    def select(self, x: Tensor, cache: LayerCache, chosen: Tensor | None = None) -> "GatherRows | None":
+        """The plan for the active rows (chosen (B, 1) bool on the device: those a routed layer
+        took, read on the host); None when the layer computes no row."""
+        if chosen is None:
+            return GatherRows(self, x, cache, self.active_rows)
+        picked = chosen.view(-1).cpu()  # the layer's one sync: (B,) decisions to the host
+        if not self.all_active:
+            picked &= self.active
+        rows = picked.nonzero().squeeze(1)
+        if rows.numel() == 0:
+            return None  # no row chose this layer: nothing computed, nothing cached
+        return GatherRows(self, x, cache, None if rows.numel() == x.shape[0] else rows)
+
+
+class GatherRows:
+    """The rows rows_cpu (host, sorted; None: every row) of a gather step: x (n, 1, D). Their new
+    states go into the step's hidden states in place (the decoder's own tensor)."""
+
+    def __init__(self, step: GatherStep, x: Tensor, cache: LayerCache, rows_cpu: Tensor | None) -> None:
+        self.step, self.cache, self.rows_cpu, self.valid = step, cache, rows_cpu, None
+        lengths = cache.lengths_cpu if rows_cpu is None else cache.lengths_cpu.index_select(0, rows_cpu)  # host
+        lengths_list = lengths.tolist()
+        self.lengths, self.shortest, self.longest = lengths, min(lengths_list), max(lengths_list)
+        self.aligned = self.shortest == self.longest  # every computed row appends at one slot
+        angles, device = step.angles, x.device
+        if rows_cpu is None:
+            self.rows, self.slots, self.x = None, None, x
+            if not self.aligned:
+                self.slots = to_device(lengths, device)
+        else:
+            if self.aligned:
+                self.rows, self.slots = to_device(rows_cpu, device), None
+            else:  # rows and write slots in one host -> device copy
+                self.rows, self.slots = to_device(torch.stack((rows_cpu, lengths)), device).unbind(0)
+            self.x = x.index_select(0, self.rows)  # (n, 1, D)
+            if angles.cos_full.shape[0] > 1:
+                angles = RotaryAngles(angles.cos_full.index_select(0, self.rows), angles.sin_signed.index_select(0, self.rows))
+        self.angles = angles
+
+    def take(self, t: Tensor) -> Tensor:
+        """A per-token value (B, 1) -> the computed rows' (n, 1)."""
+        return t if self.rows is None else t.index_select(0, self.rows)
+
+    def attend(self, qkv: Tensor) -> Tensor:
+        """qkv (n, 1, 3, H, hd), q and k rotated -> (n, 1, H, hd): each row's key and value written
+        at its length (a slice where the rows line up, else one indexed write and a length mask)."""
+        cache, rows, n = self.cache, self.rows, qkv.shape[0]
+        q, kv = qkv[:, :, 0], qkv[:, 0, 1:].transpose(0, 1).to(cache.kv.dtype)  # (n, 1, H, hd), (2, n, H, hd)
+        mask = None
+        if self.aligned:
+            slot = self.shortest
+            if rows is None:
+                cache.kv[:, :, slot] = kv
+                window_kv = cache.kv[:, :, : slot + 1]  # (2, B, L, H, hd) view
+            else:
+                cache.kv[:, :, slot].index_copy_(1, rows, kv)
+                window_kv = cache.kv[:, :, : slot + 1].index_select(1, rows)  # (2, n, L, H, hd)
+        else:
+            cache.kv[:, self.step.all_rows if rows is None else rows, self.slots] = kv
+            window = min(-(-(self.longest + 1) // WINDOW_ALIGN) * WINDOW_ALIGN, cache.kv.shape[2])
+            window_kv = cache.kv[:, :, :window]
+            if rows is not None:
+                window_kv = window_kv.index_select(1, rows)
+            mask = self.step.slot_ids[:window] <= self.slots.view(n, 1, 1, 1)  # (n, 1, 1, L): its cache and itself
+        keys, values = window_kv.to(q.dtype).transpose(2, 3).unbind(0)  # (n, H, L, hd) each
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask)  # (n, H, 1, hd)
+        if self.rows_cpu is None:
+            cache.lengths_cpu += 1
+        else:
+            cache.lengths_cpu[self.rows_cpu] = self.lengths + 1
+        return y.transpose(1, 2)
+
+    def put(self, x: Tensor, new: Tensor) -> Tensor:
+        return new if self.rows is None else x.index_copy_(0, self.rows, new.to(x.dtype))
+
+    def add(self, x: Tensor, update: Tensor) -> Tensor:
+        return self.x + update if self.rows is None else x.index_add_(0, self.rows, update.to(x.dtype))
+
+
+# ----------------------------------------------------------------------------- static decode step
+class StaticStep:
+    """One token per row, on device tensors only: positions (B,) and active (B,) bool. row_base
+    (B,): each row's first slot in the packed cache; packed: the attention's layout."""
+
+    fp32_router = True
+
+    def __init__(self, rotary: nn.Module, positions: Tensor, active: Tensor, max_seq_len: int, row_base: Tensor,
+                 packed: PackedRows) -> None:
+        batch = positions.shape[0]
+        # A finished row may stand at the end of the context window: its (discarded) rotation is
+        # clamped to the table, as the prefill clamps its padding.
+        angle_ids = positions.clamp(max=max_seq_len - 1)
+        self.angles = RotaryAngles(rotary.cos_full.index_select(0, angle_ids).view(batch, 1, 1, -1),
+                                   rotary.sin_signed.index_select(0, angle_ids).view(batch, 1, 1, -1))
+        self.active, self.row_base, self.packed = active, row_base, packed
+
+    def select(self, x: Tensor, cache: LayerCache, chosen: Tensor | None = None) -> "MaskedRows":
+        """Every row, the active ones (and of them those a routed layer chose, chosen (B, 1)) kept."""
+        return MaskedRows(self, x, cache, self.active if chosen is None else chosen.view(-1) & self.active)
+
+
+class MaskedRows:
+    """Every row of a static step computed; chosen (B,) bool: the rows that keep the result."""
+
+    valid = None
+
+    def __init__(self, step: StaticStep, x: Tensor, cache: LayerCache, chosen: Tensor) -> None:
+        self.step, self.x, self.cache, self.chosen, self.angles = step, x, cache, chosen, step.angles
+
+    def take(self, t: Tensor) -> Tensor:
+        return t
+
+    @torch.compiler.disable
+    def attend(self, qkv: Tensor) -> Tensor:
+        """qkv (B, 1, 3, H, hd), q and k rotated -> (B, 1, H, hd). A chosen row writes its key and
+        value at its length and attends over its cache and itself; every other row writes to its
+        scratch slot (max_len), so the cache holds exactly the chosen tokens, and its output is
+        discarded. Eager under torch.compile: the cache is written in place."""
+        cache, chosen = self.cache, self.chosen
+        q, kv = qkv[:, 0, 0], qkv[:, 0, 1:].transpose(0, 1)  # (B, H, hd), (2, B, H, hd)
+        lengths = cache.lengths_dev  # (B,) exact
+        slot = torch.where(chosen, lengths, cache.max_len)
+        packed = cache.kv.view(2, -1, *kv.shape[2:])  # (2, B * (max_len + 1), H, hd)
+        packed.index_copy_(1, self.step.row_base + slot, kv.to(cache.kv.dtype))
+        # An unchosen row's output is discarded; reading at least one (finite) slot keeps it finite.
+        used = torch.where(chosen, lengths + 1, lengths.clamp(min=1))
+        lengths.add_(chosen)
+        return attend_used(q, cache, used, self.step.packed).unsqueeze(1)
+
+    def put(self, x: Tensor, new: Tensor) -> Tensor:
+        return torch.where(self.chosen.view(-1, 1, 1), new, x)
+
+    def add(self, x: Tensor, update: Tensor) -> Tensor:
+        return torch.where(self.chosen.view(-1, 1, 1), x + update.to(x.dtype), x)

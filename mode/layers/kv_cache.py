@@ -1,0 +1,121 @@
+"""A layer's KV cache for incremental decoding, and single-query attention over it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclass
+class LayerCache:
+    """Keys and values of the tokens one layer processed, kv (2, B, max_len + 1, H, hd), and lengths (B,).
+
+    kv[0] / kv[1] hold keys / values token-major: viewed as (B * (max_len + 1), H, hd) they are
+    the packed layout of flash attention's variable-length kernel (the static decode step);
+    k and v are their (B, H, max_len + 1, hd) views, the layout SDPA reads, so a layer attends
+    over views of its cache with no copy, and keys and values are written (and gathered)
+    together in one operation. Row b holds its first lengths[b] slots.
+    The extra last slot is scratch: a prefill chunk's padding (tokens a row did not choose,
+    computed only to keep shapes rectangular) is written there or past the row's length,
+    never over a cached token. The lengths live on the host (exact, updated as tokens are
+    written) so that no decision about them needs a sync.
+    router_weights: a routed layer's router weights in float32 (MoDBlock.router_weights), which
+    the decode steps decide with; None where the router decides itself.
+    """
+
+    kv: Tensor
+    lengths_cpu: Tensor  # (B,) long, on the host: exact unless lengths_dev is set
+    # While the decoder runs its static step the exact lengths live on the device, updated
+    # there; lengths_cpu is then stale until sync_lengths().
+    lengths_dev: Tensor | None = None
+    router_weights: tuple[Tensor, Tensor | None] | None = None
+
+    @classmethod
+    def empty(cls, batch: int, max_len: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> "LayerCache":
+        # zeros, not empty: masked slots are read (weight 0) and must hold finite values.
+        kv = torch.zeros(2, batch, max_len + 1, heads, head_dim, dtype=dtype, device=device)
+        return cls(kv, torch.zeros(batch, dtype=torch.long))
+
+    @property
+    def k(self) -> Tensor:
+        """(B, H, max_len + 1, hd) view"""
+        return self.kv[0].transpose(1, 2)
+
+    @property
+    def v(self) -> Tensor:
+        """(B, H, max_len + 1, hd) view"""
+        return self.kv[1].transpose(1, 2)
+
+    @property
+    def max_len(self) -> int:
+        return self.kv.shape[2] - 1
+
+    @property
+    def lengths(self) -> Tensor:
+        """(B,) long on the cache's device: the exact lengths."""
+        return self.lengths_cpu.to(self.kv.device) if self.lengths_dev is None else self.lengths_dev
+
+    def sync_lengths(self) -> None:
+        """Make lengths_cpu exact again after static decode steps (one device -> host copy)."""
+        if self.lengths_dev is not None:
+            self.lengths_cpu = self.lengths_dev.to("cpu", copy=True)
+            self.lengths_dev = None
+
+
+def to_device(t: Tensor, device: torch.device) -> Tensor:
+    """A small host tensor on the device without waiting for the device (no stream sync)."""
+    return t.to(device, non_blocking=True)
+
+
+def flash_varlen_available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether flash attention's variable-length kernel with seqused_k runs here (tried once, tiny)."""
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        return False
+    try:
+        q = torch.zeros(2, 1, head_dim, dtype=dtype, device=device)
+        kv = torch.zeros(4, 1, head_dim, dtype=dtype, device=device)
+        cu = torch.tensor([0, 1, 2], dtype=torch.int32, device=device)
+        used = torch.ones(2, dtype=torch.int32, device=device)
+        torch.ops.aten._flash_attention_forward(q, kv, kv, cu, cu * 2, 1, 2, 0.0, False, False, seqused_k=used)
+        return True
+    except (RuntimeError, TypeError):
+        return False
+
+
+@dataclass
+class PackedRows:
+    """The packed-cache layout of a batch for single-query attention: cu_q (B + 1,) int32, one
+    query per row; cu_k (B + 1,) int32, each row's region of the packed cache; slot_ids
+    (max_len + 1,); flash: whether flash attention's variable-length kernel runs here."""
+
+    cu_q: Tensor
+    cu_k: Tensor
+    slot_ids: Tensor
+    flash: bool
+
+    @classmethod
+    def build(cls, batch: int, max_len: int, device: torch.device, dtype: torch.dtype, head_dim: int) -> "PackedRows":
+        cu_q = torch.arange(batch + 1, device=device, dtype=torch.int32)
+        return cls(cu_q, cu_q * (max_len + 1), torch.arange(max_len + 1, device=device),
+                   flash_varlen_available(device, dtype, head_dim))
+
+
+def attend_used(q: Tensor, cache: LayerCache, used: Tensor, packed: PackedRows) -> Tensor:
+    """Single-query attention of row b over its first used[b] cache slots: q (B, H, hd) -> (B, H, hd).
+
+    With flash attention (CUDA, fp16 / bf16): its variable-length kernel on the packed cache,
+    which reads only the used slots (seqused_k) and takes no host value. Elsewhere: SDPA over
+    the whole cache with a length mask (the same result at full-length cost).
+    """
+    batch, heads, head_dim = q.shape
+    if packed.flash:
+        slots = cache.kv.shape[2]
+        keys, values = cache.kv.view(2, -1, heads, head_dim).to(q.dtype).unbind(0)  # (B * slots, H, hd)
+        return torch.ops.aten._flash_attention_forward(
+            q.contiguous(), keys, values, packed.cu_q, packed.cu_k, 1, slots, 0.0, False, False, seqused_k=used.int(),
+        )[0]
+    mask = packed.slot_ids < used.view(batch, 1, 1, 1)  # (B, 1, 1, max_len + 1)
+    y = F.scaled_dot_product_attention(q.unsqueeze(2), cache.k.to(q.dtype), cache.v.to(q.dtype), attn_mask=mask)
+    return y.squeeze(2)
