@@ -18,8 +18,8 @@ setup(
     extras_require={
         # triton: tests/test_kernels.py runs the Triton kernels in Triton's interpreter on CPU
         # (CUDA builds of torch bring their own triton). pytest-xdist: launch/test.sh runs the suite
-        # on every core.
-        "test": ["pytest>=7", "pytest-timeout>=2", "pytest-xdist>=3", "triton>=3.2"],
+        # on every core. ruff: the lint CI runs (.ci/ruff.toml).
+        "test": ["pytest>=7", "pytest-timeout>=2", "pytest-xdist>=3", "triton>=3.2", "ruff>=0.6"],
         # DeepSpeed runs on CPU too (over gloo), for the distributed tests.
         "cpu-dist": ["deepspeed==0.19.8"],
         "gpu": ["deepspeed==0.19.8", "megablocks==0.10.0", "grouped_gemm==0.3.0"],

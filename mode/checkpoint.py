@@ -3,6 +3,7 @@ model a run trains (fresh, or from train.init_from)."""
 from __future__ import annotations
 
 import pickle
+import sys
 import zipfile
 from pathlib import Path
 from typing import Any, Sequence
@@ -10,7 +11,8 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from mode.config import Config, ConfigError, field_differences
+from mode.config import Config, ConfigError, config_from_dict, field_differences
+from mode.layers.experts import check_backend
 from mode.model import LanguageModel
 from mode.run_folder import CHECKPOINT
 
@@ -118,3 +120,39 @@ def load_checkpoint_file(path: Path, device: torch.device | str = "cpu", mmap: b
     if not isinstance(payload, dict) or payload.get("format") != "mode-checkpoint-v1":
         raise ValueError(f"{path} is not a mode checkpoint (no 'format: mode-checkpoint-v1' entry)")
     return payload
+
+
+def load_model(checkpoint: str | Path, device: str | torch.device = "cpu") -> LanguageModel:
+    """A LanguageModel from a run folder or checkpoint.pt written by mode.train (errors are clear)."""
+    return model_from_payload(load_checkpoint_file(Path(checkpoint), device), str(checkpoint), device)
+
+
+def model_from_payload(payload: dict[str, Any], source: str, device: str | torch.device) -> LanguageModel:
+    """The model a loaded checkpoint holds, with its own config (model.config), in eval mode."""
+    if not isinstance(payload.get("config"), dict):
+        raise ValueError(f"{source} holds no config: not a checkpoint written by mode.train")
+    config = config_from_dict(payload["config"], source)
+    if "model" not in payload:
+        raise ValueError(f"{source} holds no model weights")
+    _backend_that_runs_here(config, source)
+    model = LanguageModel(config).to(device)
+    try:
+        model.load_state_dict(payload["model"])
+    except RuntimeError as e:  # missing, unexpected or reshaped weights
+        raise ValueError(f"{source}: its weights do not fit the model its config describes ({e})") from None
+    model.eval()
+    return model
+
+
+def _backend_that_runs_here(config: Config, source: str) -> None:
+    """A model trained on moe.backend grouped_gemm or megablocks (GPU extensions) loaded where that
+    backend cannot run: the torch backend computes the same experts from the same weights (the
+    backends differ only in how they compute), so it takes over, with a note on stderr."""
+    if not config.model.has_experts() or config.moe.backend == "torch":
+        return
+    try:
+        check_backend(config.moe.backend)
+    except ConfigError as e:
+        print(f"note: {source}: moe.backend={config.moe.backend!r} cannot run here ({e}); its experts run on "
+              "moe.backend='torch' (the same weights and results)", file=sys.stderr)
+        config.moe.backend = "torch"

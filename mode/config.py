@@ -11,7 +11,16 @@ from pathlib import Path
 from typing import Any, Callable, Literal, Sequence, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 BLOCK_KINDS = ("dense", "mod", "moe", "mode_staged", "mode_integrated")
 BlockKind = Literal["dense", "mod", "moe", "mode_staged", "mode_integrated"]

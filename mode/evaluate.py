@@ -30,10 +30,9 @@ from typing import Any
 
 import torch
 
-from mode.checkpoint import load_checkpoint_file, restore_rng
+from mode.checkpoint import load_checkpoint_file, model_from_payload, restore_rng
 from mode.config import ConfigError
 from mode.data import DataError
-from mode.generate import model_from_payload
 from mode.run_folder import LOCK, RUN_FILES
 from mode.training.trainer import Trainer
 from mode.utils import atomic_write_text, folder_problem, pick_device

@@ -16,22 +16,20 @@ import argparse
 import math
 import re
 import sys
-from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 from torch import Tensor
 
-from mode.config import Config, ConfigError, config_from_dict, seed_problem
+from mode.checkpoint import load_model
+from mode.config import seed_problem
 from mode.inference.decoder import DECODE_SDPA_BACKENDS, ROUTED_ROWS, Decoder, layer_step
-from mode.layers.experts import check_backend
 from mode.layers.kv_cache import LayerCache
 from mode.model import LanguageModel
 from mode.utils import pick_device
 
 __all__ = [
-    "DECODE_SDPA_BACKENDS", "ROUTED_ROWS", "Decoder", "LayerCache", "generate", "layer_step", "load_model", "main",
-    "model_from_payload", "sample",
+    "DECODE_SDPA_BACKENDS", "ROUTED_ROWS", "Decoder", "LayerCache", "generate", "layer_step", "main", "sample",
 ]
 
 
@@ -165,45 +163,6 @@ def generate(
     finally:
         model.train(was_training)
     return [decode_bytes(o) for o in outputs] if as_text else outputs
-
-
-# ----------------------------------------------------------------------------- loading
-def load_model(checkpoint: str | Path, device: str | torch.device = "cpu") -> LanguageModel:
-    """A LanguageModel from a run folder or checkpoint.pt written by mode.train (errors are clear)."""
-    from mode.checkpoint import load_checkpoint_file
-
-    return model_from_payload(load_checkpoint_file(Path(checkpoint), device), str(checkpoint), device)
-
-
-def model_from_payload(payload: dict[str, Any], source: str, device: str | torch.device) -> LanguageModel:
-    """The model a loaded checkpoint holds, with its own config (model.config), in eval mode."""
-    if not isinstance(payload.get("config"), dict):
-        raise ValueError(f"{source} holds no config: not a checkpoint written by mode.train")
-    config = config_from_dict(payload["config"], source)
-    if "model" not in payload:
-        raise ValueError(f"{source} holds no model weights")
-    _backend_that_runs_here(config, source)
-    model = LanguageModel(config).to(device)
-    try:
-        model.load_state_dict(payload["model"])
-    except RuntimeError as e:  # missing, unexpected or reshaped weights
-        raise ValueError(f"{source}: its weights do not fit the model its config describes ({e})") from None
-    model.eval()
-    return model
-
-
-def _backend_that_runs_here(config: Config, source: str) -> None:
-    """A model trained on moe.backend grouped_gemm or megablocks (GPU extensions) loaded where that
-    backend cannot run: the torch backend computes the same experts from the same weights (the
-    backends differ only in how they compute), so it takes over, with a note on stderr."""
-    if not config.model.has_experts() or config.moe.backend == "torch":
-        return
-    try:
-        check_backend(config.moe.backend)
-    except ConfigError as e:
-        print(f"note: {source}: moe.backend={config.moe.backend!r} cannot run here ({e}); its experts run on "
-              "moe.backend='torch' (the same weights and results)", file=sys.stderr)
-        config.moe.backend = "torch"
 
 
 # ----------------------------------------------------------------------------- command line

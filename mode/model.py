@@ -12,10 +12,10 @@ from torch import Tensor, nn
 from mode.config import Config
 from mode.layers.block import TransformerBlock
 from mode.layers.experts import Experts
+from mode.layers.loss import linear_cross_entropy
 from mode.layers.mod import MoDBlock
 from mode.layers.mode import IntegratedMoDEBlock, StagedMoDEBlock
 from mode.layers.moe import MoEFFN
-from mode.layers.loss import linear_cross_entropy
 from mode.layers.rotary import RotaryEmbedding
 from mode.routing import DepthRouter, ExpertChoiceRouter, Routing
 

@@ -116,8 +116,7 @@ def test_a_multi_process_token_choice_run_routes_each_process_rows_apart(tmp_pat
     monkeypatch.setattr(evaluate, "_processes", lambda payload: 2)
     result = evaluate_checkpoint(run, 3, "cpu")
     assert result["processes"] == 2 and result["tokens"] == 3 * 4 * 32
-    from mode.checkpoint import load_checkpoint_file
-    from mode.generate import model_from_payload
+    from mode.checkpoint import load_checkpoint_file, model_from_payload
 
     payload = load_checkpoint_file(run)
     ranks = []

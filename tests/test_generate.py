@@ -14,11 +14,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from mode.checkpoint import load_model
 from mode.config import config_from_dict
-from mode.generate import Decoder, LayerCache, generate, layer_step, load_model, main, sample
+from mode.generate import Decoder, LayerCache, generate, layer_step, main, sample
 from mode.layers.mod import MoDBlock
 from mode.model import LanguageModel
-from mode.routing import DepthRouter, ExpertChoiceRouter, token_mask
+from mode.routing import ExpertChoiceRouter, token_mask
 from mode.training.trainer import Trainer
 
 # The model is float64 but the router and its gate g(r) = sigmoid(r) compute in float32 by
@@ -655,14 +656,14 @@ def test_a_gpu_backend_model_samples_on_the_torch_backend_where_its_backend_cann
                                                                                        monkeypatch) -> None:
     """The experts' weights do not depend on moe.backend: a run trained on grouped_gemm loads where that
     cannot run, on the torch backend, with a note, and samples what the torch model samples."""
-    import mode.generate as generate_module
+    import mode.checkpoint as checkpoint_module
     from mode.config import ConfigError
 
     def no_gpu_backend(name: str) -> None:
         if name != "torch":
             raise ConfigError(f"moe.backend={name!r} needs a CUDA GPU")
 
-    monkeypatch.setattr(generate_module, "check_backend", no_gpu_backend)
+    monkeypatch.setattr(checkpoint_module, "check_backend", no_gpu_backend)
     model = make_model("mode_integrated", "aux_loss").float()
     raw = model.config.to_dict()
     raw["moe"]["backend"] = "grouped_gemm"

@@ -1,4 +1,4 @@
-"""The Mixture-of-Depths block against slow, obvious references (DESIGN.md, "MoD block").
+"""The Mixture-of-Depths block against slow, obvious references (docs/routing-math.md).
 
 Everything runs in float64 so the block and the reference agree to summation-order
 rounding. The router alone computes in float32 by design; where its score matters the

@@ -3,7 +3,7 @@
 `deepspeed_config(config, ...)` derives DeepSpeed's JSON from the project's config (there is
 no second, hand-kept file); `DeepSpeedOptimization` implements the training loop's
 `Optimization` protocol (and `DistributedOptimization`, its multi-process hooks) on a
-`deepspeed.initialize` engine, so mode.train's one loop, logging, evaluation and
+`deepspeed.initialize` engine, so the Trainer's one loop, logging, evaluation and
 checkpoints run unchanged.
 
 Gradient accumulation: the loop owns it. It divides each micro-batch's loss by
@@ -27,7 +27,7 @@ compute the exact global norm (shared parameters once, experts summed over the
 expert-parallel group) and clip ourselves, with DeepSpeed's clipping off. ZeRO 1/2 gave
 the exact norm too with ep = world size, and with expert-data-parallel replicas (ep < world
 size: 4 processes, ep 2, ZeRO 2), both checked against one process (tests/test_parallel.py).
-The causal predictors are clipped apart by their own norm under ZeRO 0 (mode.train's
+The causal predictors are clipped apart by their own norm under ZeRO 0 (mode.training.optim's
 predictor_parameter_ids); DeepSpeed's ZeRO 1/2 clipping counts them in its one norm.
 
 The learning rate is the project's schedule: the loop passes it to step(), which writes it
@@ -238,7 +238,7 @@ def build_optimizer(model: nn.Module, config: Config, device_type: str) -> torch
 
 # ----------------------------------------------------------------------------- the Optimization
 class DeepSpeedOptimization:
-    """mode.train's Optimization (and DistributedOptimization) on a DeepSpeed engine."""
+    """The Trainer's Optimization (and DistributedOptimization) on a DeepSpeed engine."""
 
     def __init__(self, model: nn.Module, config: Config, processes: Processes) -> None:
         self.config = config

@@ -7,7 +7,7 @@
 Same config files and overrides as `python -m mode.train`; the `parallel:` section picks
 ZeRO stage, expert-parallel size and backend. Each process builds the whole model from the
 same seed, keeps its expert slice (parallel.expert_parallel), and hands the DeepSpeed
-engine to mode.train's Trainer as its Optimization: one loop, one set of logs (rank 0),
+engine to mode.training's Trainer as its Optimization: one loop, one set of logs (rank 0),
 one checkpoint.pt (rank 0, weights gathered: it loads on one device) next to DeepSpeed's
 sharded checkpoint in the run folder's deepspeed/.
 """
