@@ -37,7 +37,8 @@ from common import host_queue_ms, precision, require_cuda_unless_tiny, timed  # 
 
 from mode.config import config_from_dict
 from mode.model import LanguageModel
-from mode.routing import add_gated_tokens, capacity_to_k, primitives
+from mode.kernels import use_kernels
+from mode.routing import add_gated_tokens, capacity_to_k, top_k_positions
 
 PROFILED_PASSES = 5
 
@@ -80,11 +81,8 @@ def print_pair(host_ms: dict[str, float], kernel_ms: dict[str, float]) -> None:
 
 def _top_k_positions_with(kernel: bool, scores: Tensor, k: int) -> Tensor:
     """mode.routing.top_k_positions with its Triton kernel allowed (where it applies) or not."""
-    before, primitives.TOPK_KERNEL = primitives.TOPK_KERNEL, kernel
-    try:
-        return primitives.top_k_positions(scores, k)
-    finally:
-        primitives.TOPK_KERNEL = before
+    with use_kernels(topk=kernel):
+        return top_k_positions(scores, k)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -46,8 +46,6 @@ from common import (  # noqa: E402
 from mode.config import Config, config_from_dict
 from mode.flops import model_flops
 from mode.model import LanguageModel
-from mode import kernels
-from mode.routing import primitives
 from mode.train import GraphedMicroStep
 
 
@@ -165,17 +163,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--profile", nargs="*", choices=["eager", "compiled"], default=None,
                         help="also print the host's time queuing fwd+bwd and its top kernels (eager if no mode is named)")
     parser.add_argument("--kernels", choices=["triton", "torch"], default="triton",
-                        help="eager rotary / SwiGLU: Triton kernels or PyTorch ops (mode.kernels.ENABLED)")
+                        help="eager: any Triton kernels at all, or PyTorch ops only (KernelPolicy.enabled, "
+                             "as MODE_KERNELS=torch)")
     add_routing_switches(parser)
-    parser.add_argument("--router-score", choices=["reduction", "gemv"], default="reduction",
-                        help="compiled MoD routers: a product summed over D that the compiler fuses, or a GEMV "
-                             "(mode.routing.primitives.ONE_SCORE_REDUCTION)")
     args = parser.parse_args(argv)
     require_cuda_unless_tiny(parser, args)
     check_modes(parser, args.modes)
-    apply_routing_switches(args)
-    primitives.ONE_SCORE_REDUCTION = args.router_score == "reduction"
-    kernels.ENABLED = args.kernels == "triton"
+    apply_routing_switches(args, enabled=args.kernels == "triton")
     if args.tiny:
         args.batch, args.seq, args.width, args.heads, args.layers, args.ffn, args.vocab = 2, 128, 64, 4, 4, 128, 256
         args.warmup, args.iters, args.rounds, args.no_compile = 1, 3, 2, True
@@ -196,8 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     triton = kernels_in_use(device, {"eager kernels": args.kernels, "top-k": args.topk})
     print(f"card: {card}; torch {torch.__version__}; B={args.batch} S={args.seq} D={args.width} "
           f"layers={args.layers} ffn={args.ffn} vocab={args.vocab} capacity={args.capacity} on every other block, "
-          f"{precision(device)}, rows added back with {args.row_add}, {triton}, router score {args.router_score}, "
-          f"depth route {args.depth_route}")
+          f"{precision(device)}, {triton}")
     print(f"analytic forward FLOPs/token: dense {model_flops(dense_cfg).forward_per_token / 1e6:.1f}M, "
           f"MoD {model_flops(mod_cfg).forward_per_token / 1e6:.1f}M, ratio {flop_ratio:.3f}\n")
     print("| mode | model | fwd+bwd ms | step ms (AdamW) | steps back to back ms | peak GiB | fwd+bwd ratio | step ratio "

@@ -7,7 +7,7 @@ Rows (median microseconds, CUDA events, same process and card):
   0 to 8 times), and the three ways to add them back: index_add (what index_select's
   backward does), index_put with accumulate, scatter_add (what mode.routing uses);
 - the router's projection in float32 and in bf16 (mode's default: a bf16 GEMM with float32
-  output, mode.routing.primitives.HALF_ROUTER);
+  output, mode.routing.router_scores);
 - single-query attention over a (64, 16, 2049, 64) bf16 KV cache on each SDPA backend, and
   the memory-efficient backend with the (B, 1, 1, L) length mask a routed layer's decode uses,
   beside the time to read the cache once at the card's nominal bandwidth (--bandwidth, TB/s).

@@ -58,7 +58,7 @@ import torch.distributed as dist  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 
 from bench.common import GeluMLP, profile_report, sync  # noqa: E402
-from mode import kernels  # noqa: E402
+from mode.kernels import kernel_policy  # noqa: E402
 from mode.config import Config, ConfigError, load_config  # noqa: E402
 from mode.layers.mlp import SwiGLU  # noqa: E402
 from mode.layers.moe import MoEFFN  # noqa: E402
@@ -204,7 +204,7 @@ def describe(config: Config, processes: Processes, impl: str, args: argparse.Nam
     precision = "bf16 autocast" if processes.device.type == "cuda" else "fp32"
     # Eager runs on CUDA use mode/kernels/ (rotary, SwiGLU, loss) unless MODE_KERNELS=torch.
     eager_kernels = "" if t.compile or processes.device.type != "cuda" else (
-        " (Triton kernels)" if kernels.ENABLED else " (MODE_KERNELS=torch: no Triton kernels)")
+        " (Triton kernels)" if kernel_policy().enabled else " (MODE_KERNELS=torch: no Triton kernels)")
     if processes.device.type == "cuda" and config.parallel.zero_stage > 0:
         precision += " + DeepSpeed bf16 weights"
     return (f"# {args.label or impl}: {card} x {processes.world_size} ({processes.backend}); --impl {impl}, "

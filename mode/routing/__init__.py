@@ -17,6 +17,7 @@ from mode.routing.primitives import (
     gather_tokens,
     load_balancing_loss,
     positions_in_expert,
+    random_scores,
     route_tokens,
     router_scores,
     router_z_loss,
@@ -44,6 +45,7 @@ from mode.routing.router import (
     Routing,
     TokenChoiceRouter,
     TokenChoiceRouting,
+    set_random_score_rows,
 )
 
 __all__ = [
@@ -74,6 +76,7 @@ __all__ = [
     "gather_tokens",
     "load_balancing_loss",
     "positions_in_expert",
+    "random_scores",
     "route_tokens",
     "router_scores",
     "router_z_loss",
@@ -89,4 +92,5 @@ __all__ = [
     "token_mask",
     "top_k_positions",
     "top_k_slots",
+    "set_random_score_rows",
 ]

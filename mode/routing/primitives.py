@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from torch import Tensor
 
-from mode import kernels
+from mode.kernels import on_kernel_device, use_triton
 
 if TYPE_CHECKING:
     from mode.kernels.expert_choice import Dispatch
@@ -22,18 +22,12 @@ if TYPE_CHECKING:
 # enough for any real capacity, and it removes float error (1.5 / 11 * 55 = 7.4999999999999991).
 _CAPACITY_DECIMALS = 9
 
-# (this process's rank, the number of processes) over which the data-parallel batch is split, set
-# by mode/parallel for multi-process training: the random-routing ablation then draws the scores of
-# every process's sequences and keeps its own rows, so N processes draw what one process draws for
-# the N-fold batch (their generators are seeded alike and stay in step).
-RANDOM_SCORE_ROWS: tuple[int, int] = (0, 1)
-
-
-def random_scores(scores: Tensor) -> Tensor:
+def random_scores(scores: Tensor, rows: tuple[int, int] = (0, 1)) -> Tensor:
     """The random-routing ablation's scores: uniform, shaped as scores (G, T) (G sequences or
-    groups of this process); under data parallelism the rows this process's sequences would have
-    in the global batch (RANDOM_SCORE_ROWS)."""
-    rank, world = RANDOM_SCORE_ROWS
+    groups of this process). rows = (rank, world): under data parallelism every process draws the
+    scores of the whole global batch and keeps its own rows, so N processes (generators seeded
+    alike) route as one process does with the N-fold batch."""
+    rank, world = rows
     if world == 1:
         return torch.rand_like(scores)
     rows = scores.shape[0]
@@ -49,14 +43,9 @@ def capacity_to_k(num_tokens: int, capacity: float) -> int:
     return max(1, min(num_tokens, math.floor(round(capacity * num_tokens, _CAPACITY_DECIMALS) + 0.5)))
 
 
-# True: on CUDA in eager mode, top_k_positions is one Triton kernel (mode/kernels/topk.py) instead of
-# a top-k and a sort; False: always the PyTorch ops (bench/mod_step.py and bench/moe_layer.py --topk).
-TOPK_KERNEL = True
-
-
 def _topk_kernel_applies(scores: Tensor) -> bool:
     """Eager on CUDA, float32 rows that fit one Triton program: mode/kernels/topk.py."""
-    if not (TOPK_KERNEL and kernels.use_triton(scores)):
+    if not use_triton(scores, "topk"):
         return False
     from mode.kernels.topk import fits
 
@@ -123,14 +112,10 @@ def _flat_indices(indices: Tensor, tokens_per_group: int) -> Tensor:
 # gather); a depth router's split and update by the functional _SplitRowsTraced and index_put,
 # which Inductor turns into in-place adds. index_select / index_add traced under torch.compile
 # fall back to the slow atomic kernel.
-# "scatter_add" or "index_add": the kernel that adds rows back (bench/moe_layer.py --row-add compares them).
-ROW_ADD = "scatter_add"
 
 
 def _add_rows(out: Tensor, flat: Tensor, rows: Tensor) -> Tensor:
     """out[flat[i]] += rows[i], in place."""
-    if ROW_ADD == "index_add":
-        return out.index_add_(0, flat, rows)
     return out.scatter_add_(0, flat.unsqueeze(1).expand_as(rows), rows)  # ids broadcast along the row: a view
 
 
@@ -191,7 +176,7 @@ class _SplitRows(torch.autograd.Function):
 
 class _SplitRowsTraced(torch.autograd.Function):
     """_SplitRows under torch.compile: x (N, D) -> (the rows x[flat] (M, D), x). Functional ops
-    only (the in-place functions here are compiled wrongly by torch 2.11, see ROW_ADD's comment).
+    only (the in-place functions here are compiled wrongly by torch 2.11, see the comment above _add_rows).
 
     The backward adds the rows' gradient into x's with index_put(accumulate), which Inductor does
     in place on the incoming gradient; traced as plain ops, autograd instead summed x's gradient
@@ -277,7 +262,7 @@ def gather_tokens(x: Tensor, indices: Tensor) -> Tensor:
     groups, tokens, width = x.shape
     flat = _flat_indices(indices, tokens)
     rows = x.reshape(groups * tokens, width)
-    if torch.compiler.is_compiling():  # plain ops (see ROW_ADD's comment)
+    if torch.compiler.is_compiling():  # plain ops (see the comment above _add_rows)
         return rows.gather(0, flat.unsqueeze(1).expand(-1, width)).view(*indices.shape, width)
     return _GatherRows.apply(rows, flat).view(*indices.shape, width)
 
@@ -313,31 +298,17 @@ def combine_tokens(indices: Tensor, updates: Tensor, tokens_per_group: int) -> T
     groups, width = indices.shape[0], updates.shape[-1]
     flat = _flat_indices(indices, tokens_per_group)
     rows = updates.reshape(-1, width)
-    if torch.compiler.is_compiling():  # plain ops (see ROW_ADD's comment)
+    if torch.compiler.is_compiling():  # plain ops (see the comment above _add_rows)
         zeros = rows.new_zeros(groups * tokens_per_group, width)
         return zeros.scatter_add(0, flat.unsqueeze(1).expand_as(rows), rows).view(groups, tokens_per_group, width)
     return _CombineRows.apply(rows, flat, groups * tokens_per_group).view(groups, tokens_per_group, width)
 
 
 # ----------------------------------------------------------------------------- a depth router's two nodes
-# True: outside torch.compile, a depth router's scores, top-k, gather and gates are one autograd
-# node (_RouteTokens) and the gated updates go back into the residual in another (_AddGatedRows),
-# on CUDA with the top-k kernel writing the flat positions and one kernel each way for the update;
-# False: the separate ops (split_tokens, the chosen rows' scores, apply_gate, the product with the
-# gates, scatter_add_tokens), each recorded by autograd. Eager MoD is bound by the host: on an
-# H100 a MoD block's forward took 1.15 to 1.35 ms of host time against 0.6 for a dense block and
-# about 0.3 ms of kernels, 0.36 to 0.40 of it in the router and 0.21 to 0.24 in the gate and the
-# residual update. With the two nodes, routing and update took 309 and 388 us of host time per
-# block against 390 and 492 us (two runs each); the eager MoD step, still bound by the host and
-# varying from round to round, 1.149 x its FLOP ratio against 1.195 x (medians of 8 rounds
-# alternating in one process), and with CUDA graphs 1.032 / 1.034 x against 1.040 / 1.041 x
-# (bench/mod_step.py --depth-route nodes|ops; bench/RESULTS.md, "Measurements after the
-# depth router's two autograd nodes").
-DEPTH_ROUTE_NODES = True
-
-
-def _route_nodes_apply(x: Tensor) -> bool:
-    return DEPTH_ROUTE_NODES and not torch.compiler.is_compiling()
+# Outside torch.compile a depth router's scores, top-k, gather and gates are one autograd node
+# (_RouteTokens) and the gated update of the residual another (_AddGatedRows): eager MoD is bound
+# by the host, and two nodes queue faster than the separate ops autograd would record. The
+# separate ops (fused=False) remain for torch.compile and as the tests' reference.
 
 
 class _RouteTokens(torch.autograd.Function):
@@ -353,12 +324,13 @@ class _RouteTokens(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, k: int, gate: str, random: bool,
-                grad_in_place: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, k: int, gate: str,
+                random_rows: tuple[int, int] | None, grad_in_place: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
         groups, tokens, width = x.shape
         scores = router_scores(x, weight, bias).squeeze(-1)  # (G, T) float32
         # The random-routing ablation changes only which tokens are chosen; gates stay learned.
-        indices, flat = top_k_flat(random_scores(scores) if random else scores, k)  # (G, k) sorted, (G*k,)
+        selection = scores if random_rows is None else random_scores(scores, random_rows)
+        indices, flat = top_k_flat(selection, k)  # (G, k) sorted, (G*k,)
         rows = x.reshape(-1, width).index_select(0, flat)  # (G*k, D)
         gates = apply_gate(scores.gather(1, indices), gate)  # (G, k)
         ctx.save_for_backward(flat, rows, weight, gates)
@@ -400,20 +372,22 @@ class DepthRoute(NamedTuple):
 
 
 def route_tokens(x: Tensor, weight: Tensor, bias: Tensor | None, k: int, gate: str, random: bool = False,
-                 grad_in_place: bool = False) -> DepthRoute:
+                 grad_in_place: bool = False, random_rows: tuple[int, int] = (0, 1), fused: bool = True
+                 ) -> DepthRoute:
     """A depth router's routing of x (G, T, D) by a router of weight (1, D): the top-k tokens of each
     group by score w . x_i (+ bias), or k random ones (random: the ablation; gates stay learned).
 
     The same as split_tokens(x, top_k_positions(scores, k)) with the gates g(w . x_i) of the chosen
-    rows, in one autograd node (DEPTH_ROUTE_NODES; under torch.compile the separate ops).
-    grad_in_place as split_tokens'.
+    rows, in one autograd node (fused; under torch.compile, or fused=False, the separate ops).
+    grad_in_place as split_tokens'; random_rows = (rank, world) as random_scores'.
     """
-    if _route_nodes_apply(x):
-        chosen, residual, gates, indices, flat, scores = _RouteTokens.apply(x, weight, bias, k, gate, random, grad_in_place)
+    if fused and not torch.compiler.is_compiling():
+        chosen, residual, gates, indices, flat, scores = _RouteTokens.apply(
+            x, weight, bias, k, gate, random_rows if random else None, grad_in_place)
         return DepthRoute(indices, gates, chosen, residual, scores, flat)
     with torch.no_grad():
         scores = router_scores(x, weight, bias).squeeze(-1)  # (G, T)
-    indices = top_k_positions(random_scores(scores) if random else scores, k)
+    indices = top_k_positions(random_scores(scores, random_rows) if random else scores, k)
     chosen, residual = split_tokens(x, indices, grad_in_place=grad_in_place)  # (G, k, D), (G, T, D)
     gates = apply_gate(router_scores(chosen, weight, bias).squeeze(-1), gate)  # (G, k), the gradient's path
     return DepthRoute(indices, gates, chosen, residual, scores, None)
@@ -460,12 +434,12 @@ class _AddGatedRows(torch.autograd.Function):
 
 
 def add_gated_tokens(x: Tensor, indices: Tensor, gates: Tensor, updates: Tensor, in_place: bool = False,
-                     flat: Tensor | None = None) -> Tensor:
+                     flat: Tensor | None = None, fused: bool = True) -> Tensor:
     """x (G, T, D) with gates (G, k) * updates (G, k, D) added at indices (G, k) (distinct within a
     group): scatter_add_tokens(x, indices, gates[..., None] * updates, in_place), the product
-    formed and added in one autograd node (DEPTH_ROUTE_NODES) instead of three. flat: indices in
-    the flattened (G*T) axis where the caller has them (DepthRoute.flat)."""
-    if not _route_nodes_apply(x):
+    formed and added in one autograd node (fused, outside torch.compile) instead of three. flat:
+    indices in the flattened (G*T) axis where the caller has them (DepthRoute.flat)."""
+    if not fused or torch.compiler.is_compiling():
         return scatter_add_tokens(x, indices, gates.unsqueeze(-1) * updates, in_place=in_place)
     width = x.shape[-1]
     flat = _flat_indices(indices, x.shape[1]) if flat is None else flat
@@ -473,12 +447,10 @@ def add_gated_tokens(x: Tensor, indices: Tensor, gates: Tensor, updates: Tensor,
 
 
 # ----------------------------------------------------------------------------- expert-major rows
-# True: on CUDA in eager mode, the MoE layers' rows (every layout but megablocks' own) move
-# through mode/kernels/rows.py: each token sums the rows it feeds through an inverse map (the
-# combine with its gates, and the gather's backward) instead of a zero fill and a scatter_add;
-# False: always gather_tokens and combine_tokens (bench/moe_layer.py --rows compares them).
+# On CUDA in eager mode (the "rows" kernels), the MoE layers' rows (every layout but megablocks')
+# move through mode/kernels/rows.py: each token sums the rows it feeds through an inverse map (the
+# combine with its gates, and the gather's backward) instead of a zero fill and a scatter_add.
 # Under torch.compile the plain ops (Inductor fuses them with their neighbours).
-ROWS_KERNEL = True
 
 
 class ExpertRows(NamedTuple):
@@ -491,7 +463,7 @@ class ExpertRows(NamedTuple):
 
 def _rows_kernel_applies(x: Tensor) -> bool:
     """The kernels sum in float32: float64 layers (the reference tests) keep the PyTorch ops."""
-    return ROWS_KERNEL and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and kernels.use_triton(x)
+    return x.dtype in (torch.float32, torch.bfloat16, torch.float16) and use_triton(x, "rows")
 
 
 def rows_by_slot(ids: Tensor, slots: Tensor, n_slots: int, x: Tensor, computed: Tensor | None = None) -> ExpertRows:
@@ -564,17 +536,12 @@ def combine_rows(ys: Tensor, gates: Tensor | None, rows: ExpertRows) -> Tensor:
     return CombineRows.apply(ys, gates, rows.ids, rows.inverse)
 
 
-# True: on CUDA in eager mode, expert choice's router head (softmax, top-C per expert, gates,
-# z-loss, statistics), the rows' layout and the gather are one autograd function
-# (mode/kernels/expert_choice.py), whose backward adds the router's input gradient into the
-# gather's; False: the router's PyTorch ops, then expert_choice_rows and gather_rows
-# (bench/moe_layer.py --expert-choice compares them).
-EXPERT_CHOICE_KERNEL = True
-
-
 def expert_choice_kernel_applies(x: Tensor, weight: Tensor, bias: Tensor | None, groups: int) -> bool:
-    """x (N, D) routed in `groups` equal runs by a router of weight (S, D): where the row kernels run."""
-    if not (EXPERT_CHOICE_KERNEL and bias is None and _rows_kernel_applies(x)):
+    """x (N, D) routed in `groups` equal runs by a router of weight (S, D): where expert choice's
+    router head, layout and gather run as one autograd function (mode/kernels/expert_choice.py,
+    its backward adding the router's input gradient into the gather's): the row kernels apply and
+    the policy allows the "expert_choice" kernels."""
+    if not (bias is None and _rows_kernel_applies(x) and use_triton(x, "expert_choice")):
         return False
     from mode.kernels.expert_choice import fits
 
@@ -603,12 +570,10 @@ def expert_choice_dispatch(x: Tensor, weight: Tensor, groups: int, n_experts: in
 # exact products, summed in float32. On CUDA that GEMM (torch.mm with out_dtype) reads x once,
 # instead of writing a float32 copy of the whole (tokens, D) activation and reading it back,
 # which in the backward also meant a float32 (tokens, D) input gradient cast down to bf16.
-# False: always the float32 copy (bench/moe_layer.py --router fp32 compares the two).
-HALF_ROUTER = True
 
 
 def _half_router_applies(x: Tensor, weight: Tensor) -> bool:
-    return HALF_ROUTER and x.is_cuda and x.dtype == weight.dtype == torch.bfloat16
+    return x.dtype == weight.dtype == torch.bfloat16 and on_kernel_device(x)
 
 
 class _HalfRouterScores(torch.autograd.Function):
@@ -633,22 +598,17 @@ class _HalfRouterScores(torch.autograd.Function):
         return grad @ weight, grad.t() @ x
 
 
-# Compiled, one score per token (a depth router) as a float32 product summed over D: Inductor
-# fuses that reduction into the kernel that writes x (the previous block's residual add)
-# instead of a GEMV reading the (tokens, D) residual again. On an H100 (bench/mod_step.py
-# --router-score, interleaved runs) the compiled MoD step went from 1.058 / 1.062 x its FLOP
-# ratio to 1.038 / 1.041 x (with CUDA graphs 1.042 / 1.043 x to 1.038 / 1.036 x). Only for one
-# score: for expert choice's 8 a product summed over D was slower than the GEMM (1.87 -> 2.43 ms
-# a layer). False: the GEMV.
-ONE_SCORE_REDUCTION = True
+def router_scores(x: Tensor, weight: Tensor, bias: Tensor | None = None, half: bool = True) -> Tensor:
+    """x (..., D), weight (n, D), bias (n,) or None -> float32 scores (..., n), whatever the autocast.
 
-
-def router_scores(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x (..., D), weight (n, D), bias (n,) or None -> float32 scores (..., n), whatever the autocast."""
+    half=False: never the bf16 GEMM, always a float32 copy of x (the tests' reference). Compiled,
+    one score (a depth router) is a float32 product summed over D, which Inductor fuses into the
+    kernel that wrote x instead of a GEMV reading x again; for several scores the GEMM is faster.
+    """
     with torch.autocast(device_type=x.device.type, enabled=False):
-        if ONE_SCORE_REDUCTION and weight.shape[0] == 1 and torch.compiler.is_compiling():
+        if weight.shape[0] == 1 and torch.compiler.is_compiling():
             scores = (x.float() * weight.float()).sum(-1, keepdim=True)  # (..., 1)
-        elif _half_router_applies(x, weight):
+        elif half and _half_router_applies(x, weight):
             scores = _HalfRouterScores.apply(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], -1)
         else:
             return torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
@@ -710,13 +670,8 @@ class TokenChoiceHead(NamedTuple):
     computed_fraction: Tensor  # () share of the T*k assignments computed: with k = 1, of the tokens
 
 
-# True: on CUDA in eager mode, token_choice_head is two Triton launches forward and one backward
-# (mode/kernels/softmax_topk.py); False: always the PyTorch ops.
-SOFTMAX_TOPK_KERNEL = True
-
-
 def _softmax_topk_kernel_applies(logits: Tensor, k: int) -> bool:
-    if not (SOFTMAX_TOPK_KERNEL and kernels.use_triton(logits)):
+    if not use_triton(logits, "softmax_topk"):
         return False
     from mode.kernels.softmax_topk import fits
 
