@@ -429,11 +429,11 @@ def test_top_k_positions_takes_the_kernel_only_where_it_applies(monkeypatch: pyt
     from mode.routing import primitives
 
     kernels_on()
-    assert primitives._topk_kernel_applies(torch.zeros(2, MAX_TOKENS))
-    assert not primitives._topk_kernel_applies(torch.zeros(2, MAX_TOKENS + 1))  # a row no longer fits
-    assert not primitives._topk_kernel_applies(torch.zeros(2, 8, dtype=torch.float64))
+    assert primitives.topk_kernel_applies(torch.zeros(2, MAX_TOKENS))
+    assert not primitives.topk_kernel_applies(torch.zeros(2, MAX_TOKENS + 1))  # a row no longer fits
+    assert not primitives.topk_kernel_applies(torch.zeros(2, 8, dtype=torch.float64))
     kernels_on(topk=False)
-    assert not primitives._topk_kernel_applies(torch.zeros(2, 8))
+    assert not primitives.topk_kernel_applies(torch.zeros(2, 8))
 
 
 HEAD_CASES = [  # tokens, slots, k, real experts, capacity, whether the capacity drops assignments
@@ -518,11 +518,11 @@ def test_token_choice_head_takes_the_kernel_only_where_it_applies(monkeypatch: p
 
     logits = torch.randn(50, 6, device=DEVICE)
     kernels_on()
-    assert primitives._softmax_topk_kernel_applies(logits, 2)
-    assert not primitives._softmax_topk_kernel_applies(torch.zeros(4, MAX_SLOTS + 1), 1)
-    assert not primitives._softmax_topk_kernel_applies(logits.double(), 2)
+    assert primitives.softmax_topk_kernel_applies(logits, 2)
+    assert not primitives.softmax_topk_kernel_applies(torch.zeros(4, MAX_SLOTS + 1), 1)
+    assert not primitives.softmax_topk_kernel_applies(logits.double(), 2)
     kernels_on(softmax_topk=False)
-    assert not primitives._softmax_topk_kernel_applies(logits, 2)
+    assert not primitives.softmax_topk_kernel_applies(logits, 2)
 
 
 def _expert_choice_ids(tokens: int, n_experts: int, per_expert: int) -> torch.Tensor:
@@ -780,7 +780,7 @@ def test_expert_choice_dispatch_with_a_bf16_router_matches_pytorch(monkeypatch: 
     from mode.routing import primitives
 
     with use_kernels(KernelPolicy(enabled=False, cpu=True)):  # the bf16 GEMM, kernels or not
-        assert primitives._half_router_applies(torch.zeros(2, 2).bfloat16(), torch.zeros(2, 2).bfloat16())
+        assert primitives.half_router_applies(torch.zeros(2, 2).bfloat16(), torch.zeros(2, 2).bfloat16())
     torch.manual_seed(0)
     layer = MoEFFN(32, 48, MoEConfig(n_experts=4, n_noop=2, scheme="expert_choice", group_size=2,
                                      capacity_factor=1.5, z_loss_weight=0.1)).to(DEVICE).bfloat16()

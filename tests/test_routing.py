@@ -437,7 +437,7 @@ def test_router_scores_on_cuda_take_the_bf16_gemm_and_match_float32(bias: bool) 
 
     router = Router(D, 4, bias=bias).cuda().bfloat16()
     x = torch.randn(2, 48, D, device="cuda", dtype=torch.bfloat16)
-    assert primitives._half_router_applies(x, router.proj.weight)
+    assert primitives.half_router_applies(x, router.proj.weight)
     runs = {}
     for half in (True, False):  # False: the float32 copy of x
         router.zero_grad(set_to_none=True)

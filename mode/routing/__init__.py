@@ -1,4 +1,6 @@
-"""Router primitives shared by every routed block (MoD, MoE, Staged and Integrated MoDE)."""
+"""Routing shared by every routed block (MoD, MoE, Staged and Integrated MoDE): the primitives
+(mode/routing/{selection,scores,moves,expert_rows,depth,expert_choice,token_choice}.py, all
+importable from mode.routing.primitives too) and the routers (mode/routing/router.py)."""
 from mode.routing.primitives import (
     ExpertRows,
     TokenChoiceHead,

@@ -7,29 +7,19 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from mode.routing.primitives import (
+from mode.routing.depth import route_tokens
+from mode.routing.expert_choice import expert_choice_dispatch, expert_choice_kernel_applies, expert_major_ids
+from mode.routing.expert_rows import ExpertRows, expert_choice_rows, gather_rows
+from mode.routing.moves import split_tokens
+from mode.routing.scores import apply_gate, random_scores, router_scores
+from mode.routing.selection import capacity_to_k, count_ids, token_mask, top_k_positions
+from mode.routing.token_choice import (
     CapacityRows,
-    ExpertRows,
     TokenChoiceHead,
-    apply_gate,
     capacity_positions,
-    capacity_to_k,
-    count_ids,
-    expert_choice_dispatch,
-    expert_choice_kernel_applies,
-    expert_choice_rows,
-    expert_major_ids,
-    gather_rows,
-    positions_in_expert,
-    random_scores,
-    route_tokens,
-    router_scores,
     router_z_loss,
-    split_tokens,
     token_choice_capacity,
     token_choice_head,
-    token_mask,
-    top_k_positions,
 )
 
 
