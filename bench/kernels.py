@@ -1,6 +1,6 @@
 """The Triton kernels of mode/kernels/ against the PyTorch ops they replace, forward+backward, on one GPU.
 
-    python bench/kernels.py   # rotary on qkv (B=8, S=2048, 16 heads of 64), SwiGLU (16k rows, F=4096),
+    python -m bench.kernels   # rotary on qkv (B=8, S=2048, 16 heads of 64), SwiGLU (16k rows, F=4096),
                               # GELU times row gates (an MoE layer's GELU experts, 16k rows, F=4096),
                               # the loss's softmax cross-entropy + gradient on one chunk (2048 x 32k),
                               # and the whole fused loss (16k tokens, 32k vocabulary, width 1024)
@@ -23,16 +23,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import sys
-from pathlib import Path
 from typing import Callable
 
 import torch
 from torch import Tensor
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/common.py, however this is started
-from common import gpu_busy_ms, host_queue_ms, require_cuda, timed  # noqa: E402
-
+from bench.common import gpu_busy_ms, host_queue_ms, require_cuda, timed
 from mode.kernels.cross_entropy import cross_entropy_and_grad
 from mode.kernels.gelu import gated_gelu
 from mode.kernels.rotary import rotary_qkv

@@ -1,7 +1,7 @@
 """MoD vs dense: training-step time, peak memory and the analytic FLOP ratio, on one GPU.
 
-    python bench/mod_step.py                 # seq 2048, width 1024, 12 layers, bf16, B=8
-    python bench/mod_step.py --tiny          # a CPU-sized smoke run of the same script
+    python -m bench.mod_step                 # seq 2048, width 1024, 12 layers, bf16, B=8
+    python -m bench.mod_step --tiny          # a CPU-sized smoke run of the same script
 
 Both models have the same shape; the MoD model routes 12.5% of each sequence through every
 other block. Measured in the same process, same card: forward+backward, and the whole step
@@ -21,15 +21,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/common.py, however this is started
-from common import (  # noqa: E402
+from bench.common import (
     add_model_args,
     add_routing_switches,
     apply_routing_switches,
@@ -42,7 +39,6 @@ from common import (  # noqa: E402
     timed,
     timed_back_to_back,
 )
-
 from mode.config import Config, config_from_dict
 from mode.flops import model_flops
 from mode.model import LanguageModel

@@ -1,6 +1,6 @@
 """One MoE FFN layer, forward+backward, bf16, on one GPU: this project against megablocks and DeepSpeed.
 
-    python bench/moe_layer.py            # D=1024, expert hidden 4096, 8 experts, 8 x 2048 tokens, top-1 / capacity 1
+    python -m bench.moe_layer            # D=1024, expert hidden 4096, 8 experts, 8 x 2048 tokens, top-1 / capacity 1
 
 Rows, all measured in the same process on the same card, two ways: each pass on its own (the
 median of --iters passes after --warmup, the GPU idle at the start of each, so a pass also pays
@@ -41,15 +41,13 @@ import os
 import statistics
 import sys
 import traceback
-from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/common.py, however this is started
-from common import (  # noqa: E402
+from bench.common import (
     GeluMLP,
     add_routing_switches,
     apply_routing_switches,
@@ -60,7 +58,6 @@ from common import (  # noqa: E402
     timed,
     timed_back_to_back,
 )
-
 from mode.config import MoEConfig
 from mode.layers.mlp import SwiGLU
 from mode.layers.moe import MoEFFN

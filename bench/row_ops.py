@@ -1,6 +1,6 @@
 """The row moves routed layers are built on, and decode attention, one op at a time (GPU).
 
-    python bench/row_ops.py      # 16 x 1024 rows of width 1024 (bf16), decode at batch 64, cache 2048
+    python -m bench.row_ops      # 16 x 1024 rows of width 1024 (bf16), decode at batch 64, cache 2048
 
 Rows (median microseconds, CUDA events, same process and card):
 - gathering the rows expert choice picks (8 experts x 2048 of 16384 tokens, a token taken
@@ -15,16 +15,13 @@ Rows (median microseconds, CUDA events, same process and card):
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/common.py, however this is started
-from common import require_cuda, timed  # noqa: E402
+from bench.common import require_cuda, timed
 
 
 def row(name: str, fn: Callable[[], object], device: torch.device) -> None:
