@@ -1,7 +1,7 @@
 """Whole-model training-step time for each block kind at one shape, on one GPU.
 
-    python bench/block_kinds.py          # D=1024, 12 layers, S=2048, B=8, pattern [dense, KIND]
-    python bench/block_kinds.py --tiny   # CPU smoke run
+    python -m bench.block_kinds          # D=1024, 12 layers, S=2048, B=8, pattern [dense, KIND]
+    python -m bench.block_kinds --tiny   # CPU smoke run
 
 Every model alternates dense blocks with blocks of one kind; the MoE FFNs have 8 experts of
 the dense FFN's width with expert choice at capacity factor 1 (so an MoE FFN costs what the
@@ -11,13 +11,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/common.py, however this is started
-from common import (  # noqa: E402
+from bench.common import (
     add_model_args,
     add_routing_switches,
     apply_routing_switches,
@@ -26,8 +23,7 @@ from common import (  # noqa: E402
     precision,
     require_cuda_unless_tiny,
 )
-from mod_step import COMPILE, Runner, check_modes  # noqa: E402
-
+from bench.mod_step import COMPILE, Runner, check_modes
 from mode.config import BLOCK_KINDS, Config, config_from_dict
 from mode.flops import model_flops
 

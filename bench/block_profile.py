@@ -1,7 +1,7 @@
 """One dense block against one MoD block, and the routing ops a MoD block adds, on one GPU.
 
-    python bench/block_profile.py          # B=8, S=2048, D=1024, 16 heads, SwiGLU 2816, capacity 12.5%
-    python bench/block_profile.py --tiny   # CPU smoke run (host times; "kernels" are CPU ops there)
+    python -m bench.block_profile          # B=8, S=2048, D=1024, 16 heads, SwiGLU 2816, capacity 12.5%
+    python -m bench.block_profile --tiny   # CPU smoke run (host times; "kernels" are CPU ops there)
 
 Where a routed block's time goes in eager mode (--compile: compiled), bf16 autocast over
 float32 weights (as training runs it). Table 1, forward+backward of each piece with an incoming gradient:
@@ -24,20 +24,17 @@ and without its Triton kernel (mode/kernels/topk.py) at the MoD shape and at exp
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 from typing import Callable
 
 import torch
 from torch import Tensor
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/common.py, however this is started
-from common import host_queue_ms, precision, require_cuda_unless_tiny, timed  # noqa: E402
-
+from bench.common import host_queue_ms, precision, require_cuda_unless_tiny, timed
 from mode.config import config_from_dict
+from mode.kernels import use_kernels
 from mode.model import LanguageModel
-from mode.routing import add_gated_tokens, capacity_to_k, primitives
+from mode.routing import add_gated_tokens, capacity_to_k, top_k_positions
 
 PROFILED_PASSES = 5
 
@@ -80,11 +77,8 @@ def print_pair(host_ms: dict[str, float], kernel_ms: dict[str, float]) -> None:
 
 def _top_k_positions_with(kernel: bool, scores: Tensor, k: int) -> Tensor:
     """mode.routing.top_k_positions with its Triton kernel allowed (where it applies) or not."""
-    before, primitives.TOPK_KERNEL = primitives.TOPK_KERNEL, kernel
-    try:
-        return primitives.top_k_positions(scores, k)
-    finally:
-        primitives.TOPK_KERNEL = before
+    with use_kernels(topk=kernel):
+        return top_k_positions(scores, k)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -4,6 +4,7 @@ header words that say what a run can do on this machine."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 from typing import Callable
@@ -71,38 +72,32 @@ class GeluMLP(nn.Module):
 
 
 def add_routing_switches(parser: argparse.ArgumentParser) -> None:
-    """--row-add, --topk, --slot-choice, --rows, --expert-choice and --depth-route: module switches of mode.routing.primitives that the benchmarks compare."""
-    parser.add_argument("--row-add", choices=["scatter_add", "index_add"], default="scatter_add",
-                        help="the kernel routed layers add rows back with (mode.routing.primitives.ROW_ADD)")
+    """--topk, --slot-choice, --rows and --expert-choice: which routing ops run as Triton kernels
+    (mode.kernels.KernelPolicy), for the benchmarks that compare them."""
     parser.add_argument("--topk", choices=["triton", "torch"], default="triton",
                         help="top-k positions as one Triton kernel on CUDA, or torch.topk then a sort "
-                             "(mode.routing.primitives.TOPK_KERNEL)")
+                             "(KernelPolicy.topk)")
     parser.add_argument("--slot-choice", choices=["triton", "torch"], default="triton",
                         help="token choice's router head (softmax, top-k slots, aux loss, statistics) as Triton "
-                             "kernels on CUDA, or PyTorch ops (mode.routing.primitives.SOFTMAX_TOPK_KERNEL)")
+                             "kernels on CUDA, or PyTorch ops (KernelPolicy.softmax_topk)")
     parser.add_argument("--rows", choices=["triton", "torch"], default="triton",
                         help="MoE rows (every layout but megablocks'): the gated combine and the "
                              "gather's backward as token-major Triton kernels on CUDA in eager mode, or gather / "
-                             "scatter_add (mode.routing.primitives.ROWS_KERNEL)")
+                             "scatter_add (KernelPolicy.rows)")
     parser.add_argument("--expert-choice", choices=["triton", "torch"], default="triton",
                         help="expert choice's routing and gather as one autograd function of Triton kernels on CUDA "
                              "in eager mode (its backward adds the router's input gradient into the gather's), or "
-                             "the router's PyTorch ops then the rows (mode.routing.primitives.EXPERT_CHOICE_KERNEL)")
-    parser.add_argument("--depth-route", choices=["nodes", "ops"], default="nodes",
-                        help="depth routers (MoD, Staged MoDE) outside torch.compile: the routing and the gated "
-                             "residual update as two autograd nodes, or the separate ops autograd records "
-                             "(mode.routing.primitives.DEPTH_ROUTE_NODES)")
+                             "the router's PyTorch ops then the rows (KernelPolicy.expert_choice)")
 
 
-def apply_routing_switches(args: argparse.Namespace) -> None:
-    from mode.routing import primitives
+def apply_routing_switches(args: argparse.Namespace, **policy: bool) -> None:
+    """Set the process's kernel policy from the flags of add_routing_switches (and `policy`)."""
+    from mode.kernels import kernel_policy, set_kernel_policy
 
-    primitives.ROW_ADD = args.row_add
-    primitives.TOPK_KERNEL = args.topk == "triton"
-    primitives.SOFTMAX_TOPK_KERNEL = args.slot_choice == "triton"
-    primitives.ROWS_KERNEL = args.rows == "triton"
-    primitives.EXPERT_CHOICE_KERNEL = args.expert_choice == "triton"
-    primitives.DEPTH_ROUTE_NODES = args.depth_route == "nodes"
+    set_kernel_policy(dataclasses.replace(
+        kernel_policy(), topk=args.topk == "triton", softmax_topk=args.slot_choice == "triton",
+        rows=args.rows == "triton", expert_choice=args.expert_choice == "triton", **policy,
+    ))
 
 
 def timed(fn: Callable[[], None], warmup: int, iters: int, device: torch.device) -> float:

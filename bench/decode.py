@@ -1,7 +1,7 @@
 """MoD vs dense: decode tokens/s with causal routing and per-layer sparse KV caches.
 
-    python bench/decode.py            # D=1024, 16 heads, 12 layers, vocab 32768, bf16, CUDA
-    python bench/decode.py --tiny     # a CPU-sized smoke run of the same script
+    python -m bench.decode            # D=1024, 16 heads, 12 layers, vocab 32768, bf16, CUDA
+    python -m bench.decode --tiny     # a CPU-sized smoke run of the same script
 
 Both models have the same shape. The MoD model routes every other block (capacity 12.5%)
 with causal method (a) (routing.causal=aux_loss: a token goes through a routed block when
@@ -11,13 +11,13 @@ printed). Prefill (--prompt, default 128) is timed apart; decode is 256 greedy s
 the cache, for batch 1 and batch 64, in the same process on the same card, the settings
 interleaved over --repeats runs (best kept). Prints a markdown table.
 
-    python bench/decode.py --prompt 2048 --routed-rows gather masked   # both routed-layer policies
+    python -m bench.decode --prompt 2048 --routed-rows gather masked   # both routed-layer policies
 
 --routed-rows: the Decoder's decode step (auto: on a GPU the static "masked" step captured as a
 CUDA graph, else "gather"); a dense and a MoD row for each one named, the ratio taken between
 the two models decoded the same way.
 
-    python bench/decode.py --profile [--tiny | --width 128 --heads 4 ...]   # a GPU, or --device cpu
+    python -m bench.decode --profile [--tiny | --width 128 --heads 4 ...]   # a GPU, or --device cpu
 
 --profile: instead of timing, runs a few decode steps per model and batch under
 torch.profiler and prints, per decode step and per layer call (dense / routed), the aten
@@ -35,12 +35,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/common.py, however this is started
-from common import add_model_args, require_cuda_unless_tiny, sync  # noqa: E402
-
+from bench.common import add_model_args, require_cuda_unless_tiny, sync
 from mode.config import Config, config_from_dict
 from mode.generate import DECODE_SDPA_BACKENDS, Decoder
 from mode.layers.mod import MoDBlock

@@ -1,6 +1,6 @@
 """The Triton kernels of mode/kernels/ against the PyTorch ops they replace, forward+backward, on one GPU.
 
-    python bench/kernels.py   # rotary on qkv (B=8, S=2048, 16 heads of 64), SwiGLU (16k rows, F=4096),
+    python -m bench.kernels   # rotary on qkv (B=8, S=2048, 16 heads of 64), SwiGLU (16k rows, F=4096),
                               # GELU times row gates (an MoE layer's GELU experts, 16k rows, F=4096),
                               # the loss's softmax cross-entropy + gradient on one chunk (2048 x 32k),
                               # and the whole fused loss (16k tokens, 32k vocabulary, width 1024)
@@ -16,22 +16,19 @@ inputs and incoming gradients once, write outputs and input gradients once) divi
 GPU busy time. Both passes include the incoming gradient's fill (torch.ones_like).
 A second table: mode.layers.loss.linear_cross_entropy on bf16 hidden states and weight (what
 autocast hands it), forward+backward, with each chunk's GEMMs writing the hidden states' gradient
-rows and adding into the float32 weight gradient themselves (CHUNK_GEMMS_IN_PLACE), against the
+rows and adding into the float32 weight gradient themselves (gemms_in_place), against the
 products followed by a copy and an add; plus the host's time queuing a pass (bench.common.host_queue_ms).
 """
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
+import functools
 from typing import Callable
 
 import torch
 from torch import Tensor
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/common.py, however this is started
-from common import gpu_busy_ms, host_queue_ms, require_cuda, timed  # noqa: E402
-
+from bench.common import gpu_busy_ms, host_queue_ms, require_cuda, timed
 from mode.kernels.cross_entropy import cross_entropy_and_grad
 from mode.kernels.gelu import gated_gelu
 from mode.kernels.rotary import rotary_qkv
@@ -131,22 +128,19 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def whole_loss(args: argparse.Namespace, device: torch.device) -> None:
-    """The fused loss over a batch, forward+backward, with and without CHUNK_GEMMS_IN_PLACE."""
+    """The fused loss over a batch, forward+backward, with and without its chunk GEMMs in place."""
     tokens = args.batch * args.seq
     hidden = torch.randn(tokens, args.width, device=device, dtype=torch.bfloat16, requires_grad=True)
     weight = (0.02 * torch.randn(args.vocab, args.width, device=device)).bfloat16().requires_grad_()
     targets = torch.randint(0, args.vocab, (tokens,), device=device)
-    run = fwd_bwd(loss_module.linear_cross_entropy, [hidden, weight], (targets,))
     print(f"\nthe fused loss, forward+backward: hidden ({tokens}, {args.width}), weight ({args.vocab}, {args.width}), bf16, "
           f"{-(-tokens // loss_module._chunk_size(tokens, args.vocab))} chunks\n")
     print("| chunk GEMMs | ms, synchronised | GPU busy ms | host ms queuing a pass |")
     print("| --- | --- | --- | --- |")
     for in_place, name in ((False, "product, then a copy / an add"), (True, "writing in place, adding into the float32 gradient")):
-        loss_module.CHUNK_GEMMS_IN_PLACE = in_place
-        try:
-            ms, busy, host = timed(run, args.warmup, args.iters, device), gpu_busy_ms(run, args.iters), host_queue_ms(run, args.iters)
-        finally:
-            loss_module.CHUNK_GEMMS_IN_PLACE = True
+        loss = functools.partial(loss_module.linear_cross_entropy, gemms_in_place=in_place)
+        run = fwd_bwd(loss, [hidden, weight], (targets,))
+        ms, busy, host = timed(run, args.warmup, args.iters, device), gpu_busy_ms(run, args.iters), host_queue_ms(run, args.iters)
         print(f"| {name} | {ms:.3f} | {busy:.3f} | {host:.3f} |", flush=True)
 
 

@@ -1,7 +1,7 @@
 """MoD vs dense: training-step time, peak memory and the analytic FLOP ratio, on one GPU.
 
-    python bench/mod_step.py                 # seq 2048, width 1024, 12 layers, bf16, B=8
-    python bench/mod_step.py --tiny          # a CPU-sized smoke run of the same script
+    python -m bench.mod_step                 # seq 2048, width 1024, 12 layers, bf16, B=8
+    python -m bench.mod_step --tiny          # a CPU-sized smoke run of the same script
 
 Both models have the same shape; the MoD model routes 12.5% of each sequence through every
 other block. Measured in the same process, same card: forward+backward, and the whole step
@@ -12,7 +12,7 @@ torch.compile, and torch.compile with CUDA graphs
 (mode="reduce-overhead": the step replayed without launching kernels one by one from the
 host). Both models of a mode stay built and are timed in interleaved rounds (dense, MoD,
 dense, ...); each cell is the median over rounds of each round's median. Prints a markdown table.
-"eager + CUDA graphs" is the eager model as train.cuda_graphs trains it (mode.train.GraphedMicroStep:
+"eager + CUDA graphs" is the eager model as train.cuda_graphs trains it (mode.training.graphs.GraphedMicroStep:
 forward and backward captured once, replayed; no torch.compile): how python -m mode.train runs
 without torch.compile on a GPU by default (train.cuda_graphs=auto). "eager" is plain eager
 (train.cuda_graphs=false), each kernel launched from the host.
@@ -21,15 +21,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
-from typing import Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/common.py, however this is started
-from common import (  # noqa: E402
+from bench.common import (
     add_model_args,
     add_routing_switches,
     apply_routing_switches,
@@ -42,13 +38,10 @@ from common import (  # noqa: E402
     timed,
     timed_back_to_back,
 )
-
 from mode.config import Config, config_from_dict
 from mode.flops import model_flops
 from mode.model import LanguageModel
-from mode import kernels
-from mode.routing import primitives
-from mode.train import GraphedMicroStep
+from mode.training.graphs import GraphedMicroStep
 
 
 def make_config(pattern: list[str], args: argparse.Namespace) -> Config:
@@ -165,17 +158,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--profile", nargs="*", choices=["eager", "compiled"], default=None,
                         help="also print the host's time queuing fwd+bwd and its top kernels (eager if no mode is named)")
     parser.add_argument("--kernels", choices=["triton", "torch"], default="triton",
-                        help="eager rotary / SwiGLU: Triton kernels or PyTorch ops (mode.kernels.ENABLED)")
+                        help="eager: any Triton kernels at all, or PyTorch ops only (KernelPolicy.enabled, "
+                             "as MODE_KERNELS=torch)")
     add_routing_switches(parser)
-    parser.add_argument("--router-score", choices=["reduction", "gemv"], default="reduction",
-                        help="compiled MoD routers: a product summed over D that the compiler fuses, or a GEMV "
-                             "(mode.routing.primitives.ONE_SCORE_REDUCTION)")
     args = parser.parse_args(argv)
     require_cuda_unless_tiny(parser, args)
     check_modes(parser, args.modes)
-    apply_routing_switches(args)
-    primitives.ONE_SCORE_REDUCTION = args.router_score == "reduction"
-    kernels.ENABLED = args.kernels == "triton"
+    apply_routing_switches(args, enabled=args.kernels == "triton")
     if args.tiny:
         args.batch, args.seq, args.width, args.heads, args.layers, args.ffn, args.vocab = 2, 128, 64, 4, 4, 128, 256
         args.warmup, args.iters, args.rounds, args.no_compile = 1, 3, 2, True
@@ -196,8 +185,7 @@ def main(argv: list[str] | None = None) -> None:
     triton = kernels_in_use(device, {"eager kernels": args.kernels, "top-k": args.topk})
     print(f"card: {card}; torch {torch.__version__}; B={args.batch} S={args.seq} D={args.width} "
           f"layers={args.layers} ffn={args.ffn} vocab={args.vocab} capacity={args.capacity} on every other block, "
-          f"{precision(device)}, rows added back with {args.row_add}, {triton}, router score {args.router_score}, "
-          f"depth route {args.depth_route}")
+          f"{precision(device)}, {triton}")
     print(f"analytic forward FLOPs/token: dense {model_flops(dense_cfg).forward_per_token / 1e6:.1f}M, "
           f"MoD {model_flops(mod_cfg).forward_per_token / 1e6:.1f}M, ratio {flop_ratio:.3f}\n")
     print("| mode | model | fwd+bwd ms | step ms (AdamW) | steps back to back ms | peak GiB | fwd+bwd ratio | step ratio "

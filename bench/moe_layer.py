@@ -1,6 +1,6 @@
 """One MoE FFN layer, forward+backward, bf16, on one GPU: this project against megablocks and DeepSpeed.
 
-    python bench/moe_layer.py            # D=1024, expert hidden 4096, 8 experts, 8 x 2048 tokens, top-1 / capacity 1
+    python -m bench.moe_layer            # D=1024, expert hidden 4096, 8 experts, 8 x 2048 tokens, top-1 / capacity 1
 
 Rows, all measured in the same process on the same card, two ways: each pass on its own (the
 median of --iters passes after --warmup, the GPU idle at the start of each, so a pass also pays
@@ -41,15 +41,13 @@ import os
 import statistics
 import sys
 import traceback
-from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/common.py, however this is started
-from common import (  # noqa: E402
+from bench.common import (
     GeluMLP,
     add_routing_switches,
     apply_routing_switches,
@@ -60,12 +58,10 @@ from common import (  # noqa: E402
     timed,
     timed_back_to_back,
 )
-
 from mode.config import MoEConfig
+from mode.kernels import use_kernels
 from mode.layers.mlp import SwiGLU
 from mode.layers.moe import MoEFFN
-from mode.routing import primitives
-
 
 PARAM_DTYPE = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -114,17 +110,13 @@ def ours(args: argparse.Namespace, **moe: object) -> Callable[[Tensor], Tensor]:
     return MoEFFN(args.width, args.ffn, cfg).cuda().to(PARAM_DTYPE[args.params])
 
 
-def with_switch(name: str, enabled: bool, layer: Layer) -> Layer:
-    """layer run with the mode.routing.primitives switch `name` (ROWS_KERNEL, EXPERT_CHOICE_KERNEL) set
-    as given, and restored: an eager MoE layer with and without some kernels in one process."""
+def with_switch(op: str, enabled: bool, layer: Layer) -> Layer:
+    """layer run with the kernel policy's `op` (rows, expert_choice) set as given, and restored: an
+    eager MoE layer with and without some kernels in one process."""
 
     def run(x: Tensor) -> Tensor:
-        saved = getattr(primitives, name)
-        setattr(primitives, name, enabled)
-        try:
+        with use_kernels(**{op: enabled}):
             return layer(x)
-        finally:
-            setattr(primitives, name, saved)
 
     run.params = parameters_of(layer)
     return run
@@ -223,13 +215,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="grad: each pass's backward from a fixed bf16 gradient of the output (the layer alone); "
                              "sum: from y.float().sum(), as the tables before this option (about 110 us more a row)")
     add_routing_switches(parser)
-    parser.add_argument("--router", choices=["bf16", "fp32"], default="bf16",
-                        help="bf16: float32 scores from a bf16 GEMM; fp32: from a float32 copy of x "
-                             "(mode.routing.primitives.HALF_ROUTER)")
     args = parser.parse_args(argv)
     require_cuda(parser)  # GPU kernels only: no CPU mode to fall back to
     apply_routing_switches(args)
-    primitives.HALF_ROUTER = args.router == "bf16"
     global UPSTREAM
     UPSTREAM = args.upstream
     torch.manual_seed(0)
@@ -258,10 +246,10 @@ def main(argv: list[str] | None = None) -> None:
             rows = [(eager_name, build, "eager"), (name("one CUDA graph"), build, "graph")]
             if expert_choice:
                 rows.append((name("one CUDA graph, router head by PyTorch ops"),
-                             lambda: with_switch("EXPERT_CHOICE_KERNEL", False, build()), "graph"))
+                             lambda: with_switch("expert_choice", False, build()), "graph"))
             if routed:
                 rows.append((name("one CUDA graph, rows by gather/scatter_add"),
-                             lambda: with_switch("ROWS_KERNEL", False, build()), "graph"))
+                             lambda: with_switch("rows", False, build()), "graph"))
             modes = ["eager"] + ["one CUDA graph"] * (len(rows) - 1)
         run_mode.update({row[0]: mode for row, mode in zip(rows, modes)})
         return rows
@@ -297,7 +285,7 @@ def main(argv: list[str] | None = None) -> None:
     ]
     print(f"card: {torch.cuda.get_device_name()}; torch {torch.__version__}; tokens {args.batch} x {args.seq}, "
           f"D={args.width}, expert hidden {args.ffn}, {args.experts} {mlp} experts, {args.params} weights, bf16 autocast, fwd+bwd, "
-          f"rows added back with {args.row_add}, router {args.router}, top-k {args.topk}, "
+          f"top-k {args.topk}, "
           f"token choice slots {args.slot_choice}, MoE rows {args.rows}, "
           f"expert choice dispatch {args.expert_choice}, backward from {'a fixed gradient' if args.upstream == 'grad' else 'y.float().sum()'}\n")
     layers = build_rows(rows, x)

@@ -1,13 +1,13 @@
 """The row moves routed layers are built on, and decode attention, one op at a time (GPU).
 
-    python bench/row_ops.py      # 16 x 1024 rows of width 1024 (bf16), decode at batch 64, cache 2048
+    python -m bench.row_ops      # 16 x 1024 rows of width 1024 (bf16), decode at batch 64, cache 2048
 
 Rows (median microseconds, CUDA events, same process and card):
 - gathering the rows expert choice picks (8 experts x 2048 of 16384 tokens, a token taken
   0 to 8 times), and the three ways to add them back: index_add (what index_select's
   backward does), index_put with accumulate, scatter_add (what mode.routing uses);
 - the router's projection in float32 and in bf16 (mode's default: a bf16 GEMM with float32
-  output, mode.routing.primitives.HALF_ROUTER);
+  output, mode.routing.router_scores);
 - single-query attention over a (64, 16, 2049, 64) bf16 KV cache on each SDPA backend, and
   the memory-efficient backend with the (B, 1, 1, L) length mask a routed layer's decode uses,
   beside the time to read the cache once at the card's nominal bandwidth (--bandwidth, TB/s).
@@ -15,16 +15,13 @@ Rows (median microseconds, CUDA events, same process and card):
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/common.py, however this is started
-from common import require_cuda, timed  # noqa: E402
+from bench.common import require_cuda, timed
 
 
 def row(name: str, fn: Callable[[], object], device: torch.device) -> None:

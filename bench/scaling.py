@@ -1,7 +1,7 @@
 """Multi-GPU training throughput: tokens/s on 1, 2, 4 ... processes, expert parallelism = world size.
 
-    python3 -m torch.distributed.run --standalone --nproc_per_node N bench/scaling.py [--impl mode|deepspeed] [...]
-    .venv/bin/python -m torch.distributed.run --standalone --nproc_per_node 2 bench/scaling.py --tiny   # CPU, gloo
+    python3 -m torch.distributed.run --standalone --nproc_per_node N -m bench.scaling [--impl mode|deepspeed] [...]
+    .venv/bin/python -m torch.distributed.run --standalone --nproc_per_node 2 -m bench.scaling --tiny   # CPU, gloo
     bash bench/scaling.sh            # N = 1, 2, 4 (as many GPUs as there are), both impls, one table
 
 Each process trains the GPU-sized Integrated MoDE model of configs/mode_integrated_gpu.yaml
@@ -51,21 +51,19 @@ import time
 import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, installed or not
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch import Tensor, nn  # noqa: E402
-
-from bench.common import GeluMLP, profile_report, sync  # noqa: E402
-from mode import kernels  # noqa: E402
-from mode.config import Config, ConfigError, load_config  # noqa: E402
-from mode.layers.mlp import SwiGLU  # noqa: E402
-from mode.layers.moe import MoEFFN  # noqa: E402
-from mode.model import LanguageModel, ModelOutput  # noqa: E402
-from mode.parallel.engine import DeepSpeedOptimization, Processes, init_distributed, quiet_deepspeed  # noqa: E402
-from mode.parallel.launch import build_trainer, exit_without_teardown  # noqa: E402
-from mode.train import Trainer  # noqa: E402
+from bench.common import GeluMLP, profile_report, sync
+from mode.config import Config, ConfigError, load_config
+from mode.kernels import kernel_policy
+from mode.layers.mlp import SwiGLU
+from mode.layers.moe import MoEFFN
+from mode.model import LanguageModel, ModelOutput
+from mode.parallel.engine import DeepSpeedOptimization, Processes, init_distributed, quiet_deepspeed
+from mode.parallel.launch import build_trainer, exit_without_teardown
+from mode.training.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_CONFIG = ROOT / "configs" / "mode_integrated_gpu.yaml"
@@ -204,7 +202,7 @@ def describe(config: Config, processes: Processes, impl: str, args: argparse.Nam
     precision = "bf16 autocast" if processes.device.type == "cuda" else "fp32"
     # Eager runs on CUDA use mode/kernels/ (rotary, SwiGLU, loss) unless MODE_KERNELS=torch.
     eager_kernels = "" if t.compile or processes.device.type != "cuda" else (
-        " (Triton kernels)" if kernels.ENABLED else " (MODE_KERNELS=torch: no Triton kernels)")
+        " (Triton kernels)" if kernel_policy().enabled else " (MODE_KERNELS=torch: no Triton kernels)")
     if processes.device.type == "cuda" and config.parallel.zero_stage > 0:
         precision += " + DeepSpeed bf16 weights"
     return (f"# {args.label or impl}: {card} x {processes.world_size} ({processes.backend}); --impl {impl}, "

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Multi-GPU scaling table: bench/scaling.py for N = 1, 2, 4, 8 processes (those <= the GPUs
+# Multi-GPU scaling table: python -m bench.scaling for N = 1, 2, 4, 8 processes (those <= the GPUs
 # `nvidia-smi -L` lists), --impl mode and --impl deepspeed, one table with speedups vs 1 GPU.
 #
-#   source .whl/setup_device.sh > /tmp/setup.log 2>&1 && bash bench/scaling.sh [bench/scaling.py args ...]
+#   source .whl/setup_device.sh > /tmp/setup.log 2>&1 && bash bench/scaling.sh [bench.scaling args ...]
 #
 # Sources nothing itself: python3 must already import torch and deepspeed (setup_device.sh).
 # Environment (all optional):
@@ -15,7 +15,7 @@
 #   RUN_TIMEOUT=120           seconds per launch (killed after, its row marked as such)
 #   BUDGET_S=400              no new launch starts after this many seconds
 #   LOG_DIR=$OUT/scaling      per-run logs and table.md ($OUT, else /tmp)
-# Extra arguments go to every bench/scaling.py run (e.g. --steps 10, --zero-stage 1, --config ...;
+# Extra arguments go to every bench.scaling run (e.g. --steps 10, --zero-stage 1, --config ...;
 # the mode-moe rows keep their own --config).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -61,7 +61,7 @@ for n in $COUNTS; do
       *) impl_args=(--impl "$impl") ;;
     esac
     timeout -k 15 "$RUN_TIMEOUT" "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node "$n" \
-      bench/scaling.py "$@" "${impl_args[@]}" >"$log" 2>&1
+      -m bench.scaling "$@" "${impl_args[@]}" >"$log" 2>&1
     rc=$?
     if grep -q "^| $impl | $n |" "$log" && [ "$rc" -eq 0 ]; then
       grep "^| $impl | $n |" "$log"

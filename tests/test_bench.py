@@ -9,7 +9,7 @@ exit 2, not a traceback nor a GPU-sized run on CPU), and that the CPU headers sa
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 import re
 import subprocess
 import sys
@@ -60,16 +60,9 @@ def check_cpu_header(text: str) -> None:
 
 
 def bench_module(name: str) -> ModuleType:
-    """bench/<name>.py imported in this process (its main then takes argv), sys.path as before:
-    the scripts put bench/ on it for their own imports."""
-    path = list(sys.path)
-    try:
-        spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path[:] = path
+    """bench/<name>.py imported in this process as bench.<name> (its main then takes argv): the
+    benchmarks are a package, importable from the repository root without installing anything."""
+    return importlib.import_module(f"bench.{name}")
 
 
 def refusal(name: str, argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
@@ -124,7 +117,7 @@ HOST_LINE = re.compile(r"### (.+): the host's time queuing a pass .*: forward ([
 
 
 def test_mod_step_tiny() -> None:
-    out = run("bench/mod_step.py", "--tiny", "--profile")
+    out = run("-m", "bench.mod_step", "--tiny", "--profile")
     rows = table_rows(out)
     # --tiny turns compile off; on CUDA the eager model is also timed as CUDA graphs
     modes = ["eager", "eager + CUDA graphs"] if CUDA else ["eager"]
@@ -144,7 +137,7 @@ def test_mod_step_tiny() -> None:
 
 
 def test_block_kinds_tiny() -> None:
-    out = run("bench/block_kinds.py", "--tiny")
+    out = run("-m", "bench.block_kinds", "--tiny")
     rows = table_rows(out)
     assert [r[0] for r in rows] == ["dense", "mod", "moe", "mode_staged", "mode_integrated"]
     assert all(number(r[1]) > 0 and number(r[2]) > 0 for r in rows)
@@ -154,13 +147,13 @@ def test_block_kinds_tiny() -> None:
 
 
 def test_decode_tiny() -> None:
-    rows = table_rows(run("bench/decode.py", "--tiny"))
+    rows = table_rows(run("-m", "bench.decode", "--tiny"))
     assert {r[1] for r in rows} == {"dense", "MoD"}
     assert all(number(r[3]) > 0 for r in rows)  # tokens/s
 
 
 def test_scaling_tiny_on_two_gloo_processes() -> None:
-    out = run("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "bench/scaling.py", "--tiny",
+    out = run("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "bench.scaling", "--tiny",
               "--profile", "1", "--train.device=cpu")  # CPU even where a GPU is (a one-GPU machine has no rank 1)
     rows = table_rows(out)
     assert len(rows) == 1 and rows[0][:2] == ["mode", "2"], out
@@ -170,7 +163,7 @@ def test_scaling_tiny_on_two_gloo_processes() -> None:
 
 def test_block_profile_tiny_compiled() -> None:
     """--compile: the dense and the MoD block each compiled; the table has those two rows."""
-    out = run("bench/block_profile.py", "--tiny", "--compile", "--top", "2")
+    out = run("-m", "bench.block_profile", "--tiny", "--compile", "--top", "2")
     rows = table_rows(out)
     assert [r[0] for r in rows[:2]] == ["dense block", "MoD block"] and rows[2][0].startswith("top-k"), out
     assert ("; compiled, bf16 autocast" if CUDA else "; compiled, float32") in out
@@ -181,7 +174,7 @@ def test_block_profile_tiny_compiled() -> None:
 def test_mod_step_modes_selects_modes(capsys: pytest.CaptureFixture[str]) -> None:
     """--modes keeps the named modes of those the run allows (--tiny: no torch.compile); naming
     none of them is an error, not an empty table."""
-    rows = table_rows(run("bench/mod_step.py", "--tiny", "--modes", "eager", "compiled"))
+    rows = table_rows(run("-m", "bench.mod_step", "--tiny", "--modes", "eager", "compiled"))
     modes = ["eager"] + (["eager + CUDA graphs"] if CUDA else [])
     assert [r[:2] for r in rows] == [["eager", "dense"], ["eager", "MoD"]]
     message = refusal("mod_step", ["--tiny", "--modes", "compiled"], capsys)
@@ -189,7 +182,7 @@ def test_mod_step_modes_selects_modes(capsys: pytest.CaptureFixture[str]) -> Non
 
 
 def test_block_profile_tiny() -> None:
-    out = run("bench/block_profile.py", "--tiny", "--top", "3")
+    out = run("-m", "bench.block_profile", "--tiny", "--top", "3")
     rows = table_rows(out)
     assert [r[0] for r in rows[:4]] == ["dense block", "MoD block", "the block alone on k=8 tokens",
                                         "routing alone (route, gate, add back)"]

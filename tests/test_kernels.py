@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from mode.kernels import use_triton
+from mode.kernels import KernelPolicy, kernel_policy, set_kernel_policy, use_kernels, use_triton
 from mode.kernels.common import store_rounded
 from mode.kernels.gelu import gated_gelu
 from mode.kernels.rotary import rotary_qkv
@@ -28,6 +28,20 @@ from mode.layers.rotary import RotaryEmbedding, apply_rotary
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ONE_BF16_ROUNDING = dict(rtol=2**-8, atol=1e-5)
+
+
+@pytest.fixture(autouse=True)
+def _restore_kernel_policy():
+    """Each test may set the process's kernel policy (kernels_on); it is restored after the test."""
+    before = kernel_policy()
+    yield
+    set_kernel_policy(before)
+
+
+def kernels_on(on: bool = True, **ops: bool) -> None:
+    """Until the test ends: the Triton kernels wherever they may run (CPU tensors too: Triton's
+    interpreter, as on CUDA in eager mode), or (on=False) the PyTorch ops; `ops` turn single ones off."""
+    set_kernel_policy(KernelPolicy(enabled=on, cpu=True, **ops))
 
 
 def _reference_rotary(qkv: torch.Tensor, cos_full: torch.Tensor, sin_signed: torch.Tensor):
@@ -228,16 +242,18 @@ def test_store_rounded_rounds_to_nearest_even_like_pytorch() -> None:
     assert torch.equal(out.view(torch.int16), want.view(torch.int16))
 
 
-def test_use_triton_only_for_cuda_tensors_in_eager_mode(monkeypatch: pytest.MonkeyPatch) -> None:
-    import mode.kernels as kernels
-
+def test_use_triton_only_for_cuda_tensors_in_eager_mode() -> None:
     assert not use_triton(torch.zeros(2))  # CPU tensors: the PyTorch path
     if torch.cuda.is_available():
         x = torch.zeros(2, device="cuda")
         assert use_triton(x) and use_triton(x.bfloat16())
         assert not use_triton(x.double())  # the kernels compute in float32: float64 keeps the PyTorch ops
-        monkeypatch.setattr(kernels, "ENABLED", False)
-        assert not use_triton(x)
+        with use_kernels(enabled=False):
+            assert not use_triton(x)
+        with use_kernels(topk=False):
+            assert not use_triton(x, "topk") and use_triton(x, "rows")
+    with use_kernels(cpu=True):  # Triton's interpreter takes CPU tensors
+        assert use_triton(torch.zeros(2)) and not use_triton(torch.zeros(2, dtype=torch.float64))
 
 
 def test_mode_kernels_environment_variable_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -245,9 +261,13 @@ def test_mode_kernels_environment_variable_is_checked(monkeypatch: pytest.Monkey
 
     monkeypatch.setenv("MODE_KERNELS", "cuda")
     with pytest.raises(ValueError, match="MODE_KERNELS"):
-        kernels._enabled_from_env()
+        kernels.policy_from_env()
     monkeypatch.setenv("MODE_KERNELS", "torch")
-    assert kernels._enabled_from_env() is False
+    assert kernels.policy_from_env() == KernelPolicy(enabled=False)
+    assert not KernelPolicy(enabled=False).allows("rows") and KernelPolicy().allows("rows")
+    assert KernelPolicy.only("rows").allows("rows") and not KernelPolicy.only("rows").allows("topk")
+    with pytest.raises(ValueError, match="unknown kernel op"):
+        KernelPolicy().allows("gemm")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -308,15 +328,13 @@ def test_fused_loss_in_bf16_over_several_chunks_matches_float64(monkeypatch: pyt
     values: the loss within the bf16 rounding of its logits, the GEMM's output (on an H100 off by 3e-4
     of 6.8), the gradients within 1% of their largest entry (they are rounded to bf16 at the end;
     measured on CPU: 0.3%)."""
-    import mode.layers.loss as loss_module
     from mode.layers.loss import linear_cross_entropy
 
-    monkeypatch.setattr(loss_module, "use_triton", lambda x: True)
-    monkeypatch.setattr(loss_module, "CHUNK_ELEMENTS", 300 * 13)  # 13 rows a chunk: 64 rows in 5 chunks
+    kernels_on()
     hidden = torch.randn(64, 32, device=DEVICE).bfloat16().requires_grad_()
     weight = (0.3 * torch.randn(300, 32, device=DEVICE)).bfloat16().requires_grad_()
     targets = torch.randint(0, 300, (64,), device=DEVICE)
-    loss = linear_cross_entropy(hidden, weight, targets)
+    loss = linear_cross_entropy(hidden, weight, targets, chunk_elements=300 * 13)  # 13 rows a chunk: 64 rows in 5 chunks
     loss.backward()
     h64, w64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
     want = F.cross_entropy(h64 @ w64.t(), targets)
@@ -330,7 +348,6 @@ def test_fused_loss_in_bf16_over_several_chunks_matches_float64(monkeypatch: pyt
 def test_fused_loss_takes_the_kernel_path_on_cuda_and_matches_pytorch(monkeypatch: pytest.MonkeyPatch) -> None:
     """linear_cross_entropy with the kernel (CUDA) against its PyTorch path; on CPU the kernel path
     is forced through the interpreter, so the branch itself is exercised too."""
-    import mode.layers.loss as loss_module
     from mode.layers.loss import linear_cross_entropy
 
     hidden = torch.randn(40, 16, device=DEVICE, requires_grad=True)
@@ -338,7 +355,7 @@ def test_fused_loss_takes_the_kernel_path_on_cuda_and_matches_pytorch(monkeypatc
     targets = torch.randint(0, 300, (40,), device=DEVICE)
     results = {}
     for fused in (True, False):
-        monkeypatch.setattr(loss_module, "use_triton", lambda x, fused=fused: fused)
+        kernels_on(fused)
         hidden.grad = weight.grad = None
         loss = linear_cross_entropy(hidden, weight, targets)
         loss.backward()
@@ -348,13 +365,10 @@ def test_fused_loss_takes_the_kernel_path_on_cuda_and_matches_pytorch(monkeypatc
 
 
 def _top_k_positions_torch(scores: torch.Tensor, k: int) -> torch.Tensor:
-    from mode.routing import primitives
+    from mode.routing import top_k_positions
 
-    before, primitives.TOPK_KERNEL = primitives.TOPK_KERNEL, False
-    try:
-        return primitives.top_k_positions(scores, k)
-    finally:
-        primitives.TOPK_KERNEL = before
+    with use_kernels(topk=False):
+        return top_k_positions(scores, k)
 
 
 @pytest.mark.parametrize(
@@ -411,16 +425,15 @@ def test_top_k_positions_kernel_and_pytorch_path_break_ties_alike() -> None:
 
 
 def test_top_k_positions_takes_the_kernel_only_where_it_applies(monkeypatch: pytest.MonkeyPatch) -> None:
-    import mode.kernels as kernels
     from mode.kernels.topk import MAX_TOKENS
     from mode.routing import primitives
 
-    monkeypatch.setattr(kernels, "use_triton", lambda x: True)  # as on CUDA in eager mode
-    assert primitives._topk_kernel_applies(torch.zeros(2, MAX_TOKENS))
-    assert not primitives._topk_kernel_applies(torch.zeros(2, MAX_TOKENS + 1))  # a row no longer fits
-    assert not primitives._topk_kernel_applies(torch.zeros(2, 8, dtype=torch.float64))
-    monkeypatch.setattr(primitives, "TOPK_KERNEL", False)
-    assert not primitives._topk_kernel_applies(torch.zeros(2, 8))
+    kernels_on()
+    assert primitives.topk_kernel_applies(torch.zeros(2, MAX_TOKENS))
+    assert not primitives.topk_kernel_applies(torch.zeros(2, MAX_TOKENS + 1))  # a row no longer fits
+    assert not primitives.topk_kernel_applies(torch.zeros(2, 8, dtype=torch.float64))
+    kernels_on(topk=False)
+    assert not primitives.topk_kernel_applies(torch.zeros(2, 8))
 
 
 HEAD_CASES = [  # tokens, slots, k, real experts, capacity, whether the capacity drops assignments
@@ -444,10 +457,9 @@ def test_token_choice_head_kernel_and_pytorch_path_break_ties_and_rank_nan_alike
 
 
 def _head(logits: torch.Tensor, case: tuple, kernel: bool, monkeypatch: pytest.MonkeyPatch):
-    import mode.kernels as kernels
     from mode.routing import token_choice_head
 
-    monkeypatch.setattr(kernels, "use_triton", lambda x: kernel)
+    kernels_on(kernel)
     _, _, k, experts, capacity, _ = case
     return token_choice_head(logits, k, experts, capacity, 0.3, 0.02)
 
@@ -501,17 +513,16 @@ def test_token_choice_head_kernel_gradient_from_the_gates_alone(monkeypatch: pyt
 
 
 def test_token_choice_head_takes_the_kernel_only_where_it_applies(monkeypatch: pytest.MonkeyPatch) -> None:
-    import mode.kernels as kernels
     from mode.kernels.softmax_topk import MAX_SLOTS
     from mode.routing import primitives
 
     logits = torch.randn(50, 6, device=DEVICE)
-    monkeypatch.setattr(kernels, "use_triton", lambda x: True)  # as on CUDA in eager mode
-    assert primitives._softmax_topk_kernel_applies(logits, 2)
-    assert not primitives._softmax_topk_kernel_applies(torch.zeros(4, MAX_SLOTS + 1), 1)
-    assert not primitives._softmax_topk_kernel_applies(logits.double(), 2)
-    monkeypatch.setattr(primitives, "SOFTMAX_TOPK_KERNEL", False)
-    assert not primitives._softmax_topk_kernel_applies(logits, 2)
+    kernels_on()
+    assert primitives.softmax_topk_kernel_applies(logits, 2)
+    assert not primitives.softmax_topk_kernel_applies(torch.zeros(4, MAX_SLOTS + 1), 1)
+    assert not primitives.softmax_topk_kernel_applies(logits.double(), 2)
+    kernels_on(softmax_topk=False)
+    assert not primitives.softmax_topk_kernel_applies(logits, 2)
 
 
 def _expert_choice_ids(tokens: int, n_experts: int, per_expert: int) -> torch.Tensor:
@@ -523,10 +534,9 @@ def _rows_run(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor | None, g
               kernel: bool, monkeypatch: pytest.MonkeyPatch):
     """gather_rows -> a per-row linear map -> combine_rows; output and the gradients of x, weight and gates.
     weight None: the gathered rows are combined as they are; gates None: summed without gates."""
-    import mode.kernels as kernels
     from mode.routing import combine_rows, expert_choice_rows, gather_rows
 
-    monkeypatch.setattr(kernels, "use_triton", lambda t: kernel)
+    kernels_on(kernel)
     x = x.detach().clone().requires_grad_()
     gates = None if gates is None else gates.detach().clone().requires_grad_()
     weight = None if weight is None else weight.detach().clone().requires_grad_()
@@ -574,10 +584,9 @@ def test_expert_rows_kernels_match_pytorch(dtype: torch.dtype, gated: bool, monk
 def test_expert_rows_combine_rounds_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """bf16 rows: the combine is the float32 sum of float32 gate x row, rounded once to bf16 (to
     nearest even): equal to that computation in PyTorch bit for bit."""
-    import mode.kernels as kernels
     from mode.routing import combine_rows, expert_choice_rows
 
-    monkeypatch.setattr(kernels, "use_triton", lambda t: True)
+    kernels_on()
     tokens, width, n_experts, per_expert = 33, 64, 3, 20
     ids = _expert_choice_ids(tokens, n_experts, per_expert)
     ys = torch.randn(n_experts * per_expert, width, device=DEVICE).bfloat16()
@@ -591,15 +600,14 @@ def test_expert_rows_combine_rounds_once(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_expert_rows_kernels_take_the_kernel_only_where_they_apply(monkeypatch: pytest.MonkeyPatch) -> None:
-    import mode.kernels as kernels
-    from mode.routing import expert_choice_rows, primitives
+    from mode.routing import expert_choice_rows
 
     ids = _expert_choice_ids(10, 2, 3)
     assert expert_choice_rows(ids, torch.zeros(10, 4)).inverse is None  # CPU (use_triton's own test: eager CUDA only)
-    monkeypatch.setattr(kernels, "use_triton", lambda t: True)  # as on CUDA in eager mode
+    kernels_on()
     assert expert_choice_rows(ids, torch.zeros(10, 4, device=DEVICE)).inverse.shape == (10, 2)
     assert expert_choice_rows(ids, torch.zeros(10, 4, device=DEVICE, dtype=torch.float64)).inverse is None
-    monkeypatch.setattr(primitives, "ROWS_KERNEL", False)
+    kernels_on(rows=False)
     assert expert_choice_rows(ids, torch.zeros(10, 4, device=DEVICE)).inverse is None
 
 
@@ -610,7 +618,6 @@ def test_add_gated_tokens_kernel_matches_pytorch(in_place: bool, monkeypatch: py
     updates, float32 gates; output and the gradients of x, gates and updates (the updates' at one
     bf16 rounding both ways, the gates' float32 sums in another order: rtol 1e-5). Tokens not chosen
     keep x's value and gradient exactly."""
-    import mode.kernels as kernels
     from mode.routing import add_gated_tokens, token_mask
 
     groups, tokens, width, k = 3, 40, 300, 7
@@ -621,7 +628,7 @@ def test_add_gated_tokens_kernel_matches_pytorch(in_place: bool, monkeypatch: py
     probe = torch.randn(groups, tokens, width, device=DEVICE)
     runs = []
     for kernel in (True, False):
-        monkeypatch.setattr(kernels, "use_triton", lambda t, kernel=kernel: kernel)
+        kernels_on(kernel)
         leaf, gates, updates = (t.clone().requires_grad_() for t in (x0, gates0, updates0))
         x = leaf * 1.0
         out = add_gated_tokens(x, indices, gates, updates, in_place=in_place)
@@ -655,8 +662,6 @@ def test_moe_layer_through_the_row_kernels_equals_pytorch(case: str, monkeypatch
     parameter's gradient, float32 both ways (sums in another order: rtol 1e-5). Every layout: expert
     choice's (E, G*C), token choice's (E, C) with empty rows, the grouped rows sorted by expert
     (dropless), and a causal decision's variable counts."""
-    import mode.kernels as kernels
-    import mode.layers.mlp as mlp
     from mode.config import MoEConfig, RoutingConfig
     from mode.layers.experts import Experts
     from mode.layers.moe import MoEFFN
@@ -675,8 +680,7 @@ def test_moe_layer_through_the_row_kernels_equals_pytorch(case: str, monkeypatch
     probe = torch.randn(4, 24, 32, device=DEVICE)
     runs = []
     for kernel in (True, False):
-        for module in (kernels, mlp):  # mlp: the experts' SwiGLU
-            monkeypatch.setattr(module, "use_triton", lambda t, kernel=kernel: kernel)
+        kernels_on(kernel)
         layer.zero_grad(set_to_none=True)
         x_in = x.clone().requires_grad_()
         out, _ = layer(x_in)
@@ -706,9 +710,7 @@ def _expert_choice_run(layer: torch.nn.Module, x: torch.Tensor, use: str, kernel
                        monkeypatch: pytest.MonkeyPatch) -> tuple:
     """ExpertChoiceRouter.route with the kernels or the PyTorch ops; the loss uses the outputs `use`
     names (rows, gates, aux): the routing, the rows, and the gradients of x and the router's weight."""
-    import mode.kernels as kernels
-
-    monkeypatch.setattr(kernels, "use_triton", lambda t: kernel)
+    kernels_on(kernel)
     layer.zero_grad(set_to_none=True)
     x = x.clone().requires_grad_()
     routing, rows, xs = layer.router.route(x)
@@ -735,7 +737,6 @@ def test_expert_choice_dispatch_matches_pytorch(case: str, use: str, monkeypatch
     same statistics, the z-loss and the gradients of x and the router's weight (the router's input
     gradient summed with the gather's in the kernel) to float32 rounding (rtol 1e-5); the loss
     uses every output or only some (the others' gradients are None)."""
-    import mode.kernels as kernels
     from mode.config import MoEConfig
     from mode.layers.moe import MoEFFN
 
@@ -750,8 +751,7 @@ def test_expert_choice_dispatch_matches_pytorch(case: str, use: str, monkeypatch
     assert torch.equal(got_routing.gates, routing.gates)
     assert torch.equal(got_xs, xs)
     assert torch.equal(got_routing.logits, routing.logits.detach())
-    with pytest.MonkeyPatch.context() as mp:  # the PyTorch path's layout, with its inverse map
-        mp.setattr(kernels, "use_triton", lambda t: True)
+    with use_kernels(KernelPolicy(cpu=True)):  # the PyTorch path's layout, with its inverse map
         from mode.routing import expert_choice_rows, expert_major_ids
 
         want_rows = expert_choice_rows(expert_major_ids(routing.indices, group_size * seq), x.view(-1, 32))
@@ -770,7 +770,7 @@ def test_expert_choice_dispatch_matches_pytorch(case: str, use: str, monkeypatch
 
 def test_expert_choice_dispatch_with_a_bf16_router_matches_pytorch(monkeypatch: pytest.MonkeyPatch) -> None:
     """bf16 tokens and router weight (bf16 training, as DeepSpeed keeps parameters): the scores come
-    from a bf16 GEMM into float32 (primitives.HALF_ROUTER; forced here, as on CUDA) and the
+    from a bf16 GEMM into float32 (router_scores; on CPU through the policy's cpu flag) and the
     backward's GEMMs take the scores' gradient rounded to bf16, both ways. The same selection,
     gates and rows bit for bit; x's gradient is rounded once here and twice (the router's part, then
     the sum) by PyTorch, the weight's from scores' gradients that may differ by one bf16 rounding:
@@ -779,7 +779,8 @@ def test_expert_choice_dispatch_with_a_bf16_router_matches_pytorch(monkeypatch: 
     from mode.layers.moe import MoEFFN
     from mode.routing import primitives
 
-    monkeypatch.setattr(primitives, "_half_router_applies", lambda x, w: x.dtype == w.dtype == torch.bfloat16)
+    with use_kernels(KernelPolicy(enabled=False, cpu=True)):  # the bf16 GEMM, kernels or not
+        assert primitives.half_router_applies(torch.zeros(2, 2).bfloat16(), torch.zeros(2, 2).bfloat16())
     torch.manual_seed(0)
     layer = MoEFFN(32, 48, MoEConfig(n_experts=4, n_noop=2, scheme="expert_choice", group_size=2,
                                      capacity_factor=1.5, z_loss_weight=0.1)).to(DEVICE).bfloat16()
@@ -797,7 +798,6 @@ def test_expert_choice_dispatch_with_a_bf16_router_matches_pytorch(monkeypatch: 
 def test_expert_choice_dispatch_takes_the_kernel_only_where_it_applies(monkeypatch: pytest.MonkeyPatch) -> None:
     """The one-function dispatch runs eager on CUDA (here patched) for float32/bf16/fp16 tokens without a
     router bias, a group that fits one program's sort and no causal decision; otherwise the PyTorch ops."""
-    import mode.kernels as kernels
     import mode.routing.router as router_module
     from mode.config import MoEConfig, RoutingConfig
     from mode.kernels.topk import MAX_TOKENS
@@ -807,14 +807,16 @@ def test_expert_choice_dispatch_takes_the_kernel_only_where_it_applies(monkeypat
     weight = torch.zeros(6, 8, device=DEVICE)
     x = torch.zeros(32, 8, device=DEVICE)
     assert not primitives.expert_choice_kernel_applies(x.cpu(), weight.cpu(), None, 2)  # use_triton: CUDA only
-    monkeypatch.setattr(kernels, "use_triton", lambda t: True)
+    kernels_on()
     assert primitives.expert_choice_kernel_applies(x, weight, None, 2)
     assert not primitives.expert_choice_kernel_applies(x, weight, torch.zeros(6, device=DEVICE), 2)
     assert not primitives.expert_choice_kernel_applies(x.double(), weight.double(), None, 2)
     assert not primitives.expert_choice_kernel_applies(torch.zeros(2 * MAX_TOKENS + 2, 8, device=DEVICE), weight, None, 2)
-    monkeypatch.setattr(primitives, "EXPERT_CHOICE_KERNEL", False)
+    kernels_on(expert_choice=False)
     assert not primitives.expert_choice_kernel_applies(x, weight, None, 2)
-    monkeypatch.setattr(primitives, "EXPERT_CHOICE_KERNEL", True)
+    kernels_on(rows=False)  # the dispatch writes the rows' inverse map: no row kernels, no dispatch
+    assert not primitives.expert_choice_kernel_applies(x, weight, None, 2)
+    kernels_on()
 
     def refuse(*args: object) -> None:
         raise AssertionError("the dispatch kernel ran for a router with a causal decision")
@@ -881,15 +883,13 @@ def test_capacity_rows_kernel_matches_pytorch(tokens: int, top_k: int, n_experts
 def test_token_choice_rows_name_the_kept_assignments() -> None:
     """token_choice_rows' inverse: each kept choice's row in the (E, C) table, -1 for dropped and
     no-op choices; every row a token names holds that token."""
-    import mode.kernels as kernels
     from mode.routing import positions_in_expert, slot_table, token_choice_rows
 
     torch.manual_seed(0)
     slots = torch.randint(0, 5, (30, 2), device=DEVICE)  # 4 experts and one no-op slot
     positions = positions_in_expert(slots, 4, 6)
     table = slot_table(slots, positions, 4, 6)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(kernels, "use_triton", lambda t: True)
+    with use_kernels(KernelPolicy(cpu=True)):
         rows = token_choice_rows(table, slots, positions, torch.zeros(30, 8, device=DEVICE))
     kept = positions >= 0
     assert torch.equal(rows.inverse >= 0, kept) and (~kept).any() and kept.any()
@@ -908,10 +908,6 @@ def test_models_train_the_same_through_the_kernels(path: Path, monkeypatch: pyte
     positions; token choice's softmax and top-k slots; expert choice's gather and combine) equals
     the PyTorch branches.
     float32 both ways, so they differ by float32 rounding only (sums in another order)."""
-    import mode.kernels as kernels
-    import mode.layers.attention as attention
-    import mode.layers.loss as loss_module
-    import mode.layers.mlp as mlp
     from mode.config import load_config
     from mode.model import LanguageModel
 
@@ -921,8 +917,7 @@ def test_models_train_the_same_through_the_kernels(path: Path, monkeypatch: pyte
     tokens = torch.randint(0, config.model.vocab_size, (2, 33), device=DEVICE)
     runs = {}
     for fused in (True, False):
-        for module in (attention, mlp, loss_module, kernels):  # kernels: the routers' top-k
-            monkeypatch.setattr(module, "use_triton", lambda x, fused=fused: fused)
+        kernels_on(fused)
         model.zero_grad(set_to_none=True)
         loss = model(tokens[:, :-1], tokens[:, 1:]).loss
         loss.backward()

@@ -5,7 +5,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import mode.layers.loss as loss_module
 from mode.layers.loss import linear_cross_entropy
 
 F64_TOL = 1e-12  # float64 throughout: only summation order differs
@@ -18,14 +17,11 @@ def reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor)
 
 @pytest.mark.parametrize("in_place", [True, False])  # the chunk GEMMs writing / adding in place, or not
 @pytest.mark.parametrize("chunk_elements", [7 * 50, 2**26])  # several uneven chunks; one chunk
-def test_matches_cross_entropy_values_and_gradients(monkeypatch: pytest.MonkeyPatch, chunk_elements: int,
-                                                    in_place: bool) -> None:
-    monkeypatch.setattr(loss_module, "CHUNK_ELEMENTS", chunk_elements)
-    monkeypatch.setattr(loss_module, "CHUNK_GEMMS_IN_PLACE", in_place)
+def test_matches_cross_entropy_values_and_gradients(chunk_elements: int, in_place: bool) -> None:
     hidden = torch.randn(3, 11, 16, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
     targets = torch.randint(0, 50, (3, 11))
-    got = linear_cross_entropy(hidden, weight, targets)
+    got = linear_cross_entropy(hidden, weight, targets, chunk_elements=chunk_elements, gemms_in_place=in_place)
     (got * 2.5).backward()  # a non-unit upstream gradient must scale the saved gradients
     gh, gw = hidden.grad.clone(), weight.grad.clone()
     hidden.grad = weight.grad = None
@@ -36,12 +32,11 @@ def test_matches_cross_entropy_values_and_gradients(monkeypatch: pytest.MonkeyPa
     torch.testing.assert_close(gw, weight.grad, rtol=F64_TOL, atol=F64_TOL)
 
 
-def test_no_grad_path_matches(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(loss_module, "CHUNK_ELEMENTS", 64 * 5)
+def test_no_grad_path_matches() -> None:
     hidden, weight = torch.randn(40, 8), torch.randn(64, 8)
     targets = torch.randint(0, 64, (40,))
     with torch.no_grad():
-        got = linear_cross_entropy(hidden, weight, targets)
+        got = linear_cross_entropy(hidden, weight, targets, chunk_elements=64 * 5)
     torch.testing.assert_close(got, reference(hidden, weight, targets), rtol=F32_TOL, atol=F32_TOL)
 
 

@@ -317,44 +317,7 @@ def test_rotary_uses_original_positions(cfg: ModelConfig) -> None:
     )
 
 
-# ------------------------------------------------- the router and the update as two autograd nodes
-
-@pytest.mark.parametrize("gate, bias, random, in_place", [
-    ("sigmoid", False, False, False),
-    ("identity", True, False, True),
-    ("sigmoid", True, True, True),
-], ids=["sigmoid", "identity with a bias, in place", "random routing, in place"])
-def test_two_autograd_nodes_equal_the_separate_ops(cfg: ModelConfig, gate: str, bias: bool, random: bool,
-                                                   in_place: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """primitives.DEPTH_ROUTE_NODES: the router (scores, top-k, gather, gates) and the gated update of
-    the residual as two autograd nodes with hand-written backwards, against the separate ops autograd
-    records: the same chosen tokens, and the output, the input's gradient and every parameter's
-    gradient (the router's float32 scores of the chosen rows come from another GEMV: ROUTER_F32_TOL)."""
-    from mode.routing import primitives
-
-    mod = make_mod(cfg, RoutingConfig(capacity=0.25, gate=gate, random=random, router_bias=bias))
-    angles = rotary(cfg).prefix(S)
-    x0 = torch.randn(B, S, D, dtype=torch.float64)
-    probe = torch.randn(B, S, D, dtype=torch.float64)
-    runs = []
-    for nodes in (True, False):
-        monkeypatch.setattr(primitives, "DEPTH_ROUTE_NODES", nodes)
-        mod.zero_grad(set_to_none=True)
-        leaf = x0.clone().requires_grad_()
-        x = leaf * 1.0  # a tensor the caller owns (residual_owned: the updates go into it)
-        torch.manual_seed(1)  # random routing draws the same tokens both ways
-        out, info = mod(x, angles, residual_owned=in_place)
-        (out * probe).sum().backward()
-        runs.append((info.routing.indices, out.detach(), leaf.grad, {n: p.grad for n, p in mod.named_parameters()}))
-    (idx, out, x_grad, grads), (want_idx, want_out, want_x_grad, want_grads) = runs
-    assert torch.equal(idx, want_idx)
-    tolerance = dict(rtol=ROUTER_F32_TOL, atol=ROUTER_F32_TOL)
-    torch.testing.assert_close(out, want_out, **tolerance)
-    torch.testing.assert_close(x_grad, want_x_grad, **tolerance)
-    assert grads["router.router.proj.weight"].abs().sum() > 0 and (not bias or grads["router.router.proj.bias"].abs() > 0)
-    for name, grad in grads.items():
-        torch.testing.assert_close(grad, want_grads[name], **tolerance, msg=lambda m, n=name: f"{n}: {m}")
-
+# ------------------------------------------------- the router node's backward
 
 @pytest.mark.parametrize("used", ["gates and residual", "chosen rows"])
 def test_route_tokens_backward_gets_none_for_unused_outputs(used: str, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -31,19 +31,16 @@ def test_every_routed_layer_has_its_own_router() -> None:
     assert len({w.data_ptr() for w in weights}) == len(weights)
 
 
-@pytest.mark.parametrize("reduction, pattern, routing", [
-    (True, ["dense", "mod"], {}),
-    (False, ["dense", "mod"], {}),
-    (True, ["mod", "dense"], {"causal": "aux_loss"}),  # the router's BCE: its scores' gradient reaches x
-    (True, ["dense", "mod"], {"causal": "predictor"}),
-    (True, ["mode_staged", "dense"], {}),
-], ids=["router score as a reduction", "router score GEMV", "causal aux_loss", "causal predictor", "staged MoDE"])
-def test_compiled_model_matches_eager(reduction: bool, pattern: list[str], routing: dict,
-                                      monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("pattern, routing", [
+    (["dense", "mod"], {}),
+    (["mod", "dense"], {"causal": "aux_loss"}),  # the router's BCE: its scores' gradient reaches x
+    (["dense", "mod"], {"causal": "predictor"}),
+    (["mode_staged", "dense"], {}),
+], ids=["router score as a reduction", "causal aux_loss", "causal predictor", "staged MoDE"])
+def test_compiled_model_matches_eager(pattern: list[str], routing: dict) -> None:
     """Compiled against eager: same routing, loss and gradients, with the depth routers' compiled
-    scores as a product summed over D (primitives.ONE_SCORE_REDUCTION) and as the GEMV, and the
-    routed tokens split off and added back by the traced functions (_SplitRowsTraced, index_put)."""
-    monkeypatch.setattr(primitives, "ONE_SCORE_REDUCTION", reduction)
+    scores as a product summed over D (router_scores), and the routed tokens split off and added
+    back by the traced functions (_SplitRowsTraced, index_put)."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = tiny(pattern, routing)

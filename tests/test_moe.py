@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mode.config import ConfigError, MoEConfig, ModelConfig, RoutingConfig, config_from_dict
+from mode.config import ConfigError, ModelConfig, MoEConfig, RoutingConfig, config_from_dict
 from mode.layers.block import TransformerBlock
 from mode.layers.mlp import SwiGLU
 from mode.layers.mode import IntegratedMoDEBlock, StagedMoDEBlock
@@ -350,12 +350,11 @@ def test_dropless_by_ends_equals_slow_loop_reference(monkeypatch, n_noop, top_k,
     the row kernels in Triton's interpreter, the rows sorted by the counting sort kernel or (where it
     does not fit) by PyTorch's argsort. Rows past the end are NaN in the GEMMs' outputs and in the
     gradients they return: nothing of them may reach the output or any gradient."""
-    from mode.kernels import sort_rows
-    from mode.routing import primitives
+    from mode.kernels import KernelPolicy, sort_rows, use_kernels
 
-    monkeypatch.setattr(sort_rows, "fits", lambda n, n_experts: layout == "counting sort kernel")
-    monkeypatch.setattr(primitives, "_rows_kernel_applies", lambda x: x.dtype == torch.float32)
-    _check_by_ends_against_slow_reference(monkeypatch, n_noop, top_k)
+    monkeypatch.setattr(sort_rows, "fits", lambda *args: layout == "counting sort kernel")
+    with use_kernels(KernelPolicy.only("rows", cpu=True)):
+        _check_by_ends_against_slow_reference(monkeypatch, n_noop, top_k)
 
 
 @pytest.mark.parametrize("top_k", [1, 2])
@@ -369,11 +368,9 @@ def test_dropless_by_ends_without_the_inverse_map_equals_slow_loop_reference(mon
 
 
 def _check_by_ends_against_slow_reference(monkeypatch: pytest.MonkeyPatch, n_noop: int, top_k: int) -> None:
-    from mode.layers import experts as experts_module
-
     calls = poison_grouped_mm(monkeypatch)
-    monkeypatch.setattr(experts_module.Experts, "by_ends_applies", lambda self, x: True)
     moe = MoEFFN(16, 24, moe_cfg(scheme="token_choice", top_k=top_k, dropless=True, n_noop=n_noop, activation="gelu"))
+    moe.experts.use_by_ends = True  # on CPU it would not apply
     x = inputs().float().detach().requires_grad_(True)
     y1, gx1, g1, routing = run(moe, x)
     assert len(calls) == 2, "the by_ends path did not run"
@@ -561,12 +558,10 @@ def _gpu_pass(moe: MoEFFN, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch
 @pytest.mark.parametrize("backend", ["torch", "grouped_gemm"])
 def test_dropless_by_ends_on_gpu_equals_the_computed_rows_only(monkeypatch, backend, case):
     """Dropless token choice with every assignment a row (Experts.by_ends: torch._grouped_mm with the
-    rows' ends on the device, or gmm) against the computed rows only (BY_ENDS off: the loop over
+    rows' ends on the device, or gmm) against the computed rows only (use_by_ends=False: the loop over
     experts, or gmm, with host counts), bf16, first with the rows past the grouped GEMMs' end
     poisoned (NaN), which nothing may read. On torch, having no host sync, the whole pass captured
     as one CUDA graph replays the eager results bit for bit."""
-    from mode.layers import experts as experts_module
-
     if backend == "grouped_gemm":
         pytest.importorskip("grouped_gemm")
     torch.manual_seed(0)
@@ -580,9 +575,9 @@ def test_dropless_by_ends_on_gpu_equals_the_computed_rows_only(monkeypatch, back
         y0, gx0, g0 = _gpu_pass(moe, x, weight)
         assert len(calls) == 2 and (calls[0] > 0) == (GPU_CASES[case]["n_noop"] > 0)
     y1, gx1, g1 = _gpu_pass(moe, x, weight)
-    with monkeypatch.context() as patch:
-        patch.setattr(experts_module, "BY_ENDS", False)
-        y2, gx2, g2 = _gpu_pass(moe, x, weight)
+    moe.experts.use_by_ends = False
+    y2, gx2, g2 = _gpu_pass(moe, x, weight)
+    moe.experts.use_by_ends = None
     for y, gx, g in ((y0, gx0, g0), (y1, gx1, g1)):
         assert _rel(y, y2) < GPU_REL_TOL and _rel(gx, gx2) < GPU_REL_TOL
         for name in g2:
@@ -655,10 +650,8 @@ def test_dropless_by_ends_traces_as_one_graph(monkeypatch: pytest.MonkeyPatch) -
     """Dropless token choice by ends reads nothing on the host: torch.compile traces it as one graph
     (the rows by host counts split it in eight). bf16, as torch._grouped_mm's meta function requires;
     Dynamo tracing only, by_ends forced on (on CPU it would not apply)."""
-    from mode.layers import experts as experts_module
-
-    monkeypatch.setattr(experts_module.Experts, "by_ends_applies", lambda self, x: True)
     layer = MoEFFN(16, 32, moe_cfg(scheme="token_choice", top_k=2, dropless=True, n_noop=N_NOOP)).bfloat16()
+    layer.experts.use_by_ends = True
     torch._dynamo.reset()
     explained = torch._dynamo.explain(layer)(inputs().bfloat16())
     assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]

@@ -6,7 +6,6 @@ import torch
 
 from mode.config import ModelConfig, RoutingConfig
 from mode.layers.mod import MoDBlock
-from mode.routing import primitives
 from mode.routing import (
     DepthRouter,
     Router,
@@ -15,6 +14,7 @@ from mode.routing import (
     combine_tokens,
     count_ids,
     gather_tokens,
+    primitives,
     scatter_add_tokens,
     split_tokens,
     token_choice_capacity,
@@ -338,12 +338,10 @@ def test_route_equals_forward_then_gather(causal: str, random: bool) -> None:
         torch.testing.assert_close(g, h, rtol=ROUTER_F32_TOL, atol=ROUTER_F32_TOL)
 
 
-@pytest.mark.parametrize("row_add", ["scatter_add", "index_add"])
-def test_updates_added_in_place_equal_a_copy(monkeypatch, row_add: str) -> None:
+def test_updates_added_in_place_equal_a_copy() -> None:
     """split_tokens then scatter_add_tokens(in_place=True): x's memory updated, the output and
     the gradients of x and the updates those of the out-of-place path (float64, exact), the
     updates' duplicates summed; the copy path leaves x as it was."""
-    monkeypatch.setattr(primitives, "ROW_ADD", row_add)
     idx = torch.tensor([[1, 3, 3], [0, 2, 5]])  # a token twice: its updates sum
     outputs = {}
     for in_place in (False, True):
@@ -434,19 +432,18 @@ def test_half_router_scores_match_the_float32_path() -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the bf16 router GEMM runs on CUDA only")
 @pytest.mark.parametrize("bias", [False, True])
-def test_router_scores_on_cuda_take_the_bf16_gemm_and_match_float32(bias: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    from mode.routing import primitives
+def test_router_scores_on_cuda_take_the_bf16_gemm_and_match_float32(bias: bool) -> None:
+    from mode.routing import router_scores
 
     router = Router(D, 4, bias=bias).cuda().bfloat16()
     x = torch.randn(2, 48, D, device="cuda", dtype=torch.bfloat16)
-    assert primitives._half_router_applies(x, router.proj.weight)
+    assert primitives.half_router_applies(x, router.proj.weight)
     runs = {}
-    for half in (True, False):
-        monkeypatch.setattr(primitives, "HALF_ROUTER", half)
+    for half in (True, False):  # False: the float32 copy of x
         router.zero_grad(set_to_none=True)
         xi = x.clone().requires_grad_()
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            scores = router(xi)
+            scores = router(xi) if half else router_scores(xi, router.proj.weight, router.proj.bias, half=False)
         assert scores.dtype == torch.float32
         probe = torch.linspace(-1, 1, scores.numel(), device="cuda").view_as(scores)
         (scores * probe).sum().backward()
@@ -454,3 +451,81 @@ def test_router_scores_on_cuda_take_the_bf16_gemm_and_match_float32(bias: bool, 
     torch.testing.assert_close(runs[True][0], runs[False][0], rtol=0, atol=ROUTER_F32_TOL)
     torch.testing.assert_close(runs[True][1], runs[False][1], rtol=2e-2, atol=2e-3)
     torch.testing.assert_close(runs[True][2], runs[False][2], rtol=2e-2, atol=2e-2)
+
+
+# ------------------------------------------------- the router and the update as two autograd nodes
+
+@pytest.mark.parametrize("gate, bias, random, in_place", [
+    ("sigmoid", False, False, False),
+    ("identity", True, False, True),
+    ("sigmoid", True, True, True),
+], ids=["sigmoid", "identity with a bias, in place", "random routing, in place"])
+def test_two_autograd_nodes_equal_the_separate_ops(gate: str, bias: bool, random: bool, in_place: bool) -> None:
+    """route_tokens and add_gated_tokens as two autograd nodes with hand-written backwards (fused,
+    the eager default) against the separate ops autograd records (fused=False, as under
+    torch.compile), around a block (a linear map and tanh of the chosen rows): the same chosen
+    tokens, and the output, the input's gradient and the router's and the block's gradients (the
+    router's float32 scores of the chosen rows come from another GEMV: ROUTER_F32_TOL)."""
+    from mode.routing import add_gated_tokens, route_tokens
+
+    groups, k = 3, 4
+    gen = torch.Generator().manual_seed(0)
+    x0 = torch.randn(groups, S, D, dtype=torch.float64, generator=gen)
+    probe = torch.randn(groups, S, D, dtype=torch.float64, generator=gen)
+    params0 = {"weight": 0.2 * torch.randn(1, D, dtype=torch.float64, generator=gen),
+               "block": 0.2 * torch.randn(D, D, dtype=torch.float64, generator=gen)}
+    if bias:
+        params0["bias"] = torch.randn(1, dtype=torch.float64, generator=gen)
+    runs = []
+    for fused in (True, False):
+        params = {n: p.clone().requires_grad_() for n, p in params0.items()}
+        leaf = x0.clone().requires_grad_()
+        x = leaf * 1.0  # a tensor the caller owns (the in-place update writes into it)
+        torch.manual_seed(1)  # random routing draws the same tokens both ways
+        route = route_tokens(x, params["weight"], params.get("bias"), k, gate, random, grad_in_place=in_place,
+                             fused=fused)
+        update = torch.tanh(route.chosen @ params["block"])  # (G, k, D)
+        out = add_gated_tokens(route.residual, route.indices, route.gates, update, in_place, route.flat, fused=fused)
+        assert (out.data_ptr() == x.data_ptr()) == in_place
+        (out * probe).sum().backward()
+        runs.append((route.indices, out.detach(), leaf.grad, {n: p.grad for n, p in params.items()}))
+    (idx, out, x_grad, grads), (want_idx, want_out, want_x_grad, want_grads) = runs
+    assert torch.equal(idx, want_idx)
+    tolerance = dict(rtol=ROUTER_F32_TOL, atol=ROUTER_F32_TOL)
+    torch.testing.assert_close(out, want_out, **tolerance)
+    torch.testing.assert_close(x_grad, want_x_grad, **tolerance)
+    assert grads["weight"].abs().sum() > 0 and (not bias or grads["bias"].abs() > 0)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, want_grads[name], **tolerance, msg=lambda m, n=name: f"{n}: {m}")
+
+
+# ------------------------------------------------- random routing under data parallelism
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_random_rows_of_two_processes_are_one_process_halves(fused: bool) -> None:
+    """random_rows = (rank, world): each of 2 processes, its generator seeded as the other's, draws
+    the random scores of the 2-fold batch and keeps its rows, so the two route as one process with
+    the whole batch; set_random_score_rows gives every depth router of a model its rows."""
+    from mode.routing import random_scores, route_tokens, set_random_score_rows
+
+    x = torch.randn(4, S, D)
+    weight = torch.randn(1, D)
+    torch.manual_seed(3)
+    whole = route_tokens(x, weight, None, 3, "sigmoid", random=True, fused=fused).indices
+    halves = []
+    for rank in (0, 1):
+        torch.manual_seed(3)
+        halves.append(route_tokens(x[2 * rank : 2 * rank + 2], weight, None, 3, "sigmoid", random=True,
+                                   random_rows=(rank, 2), fused=fused).indices)
+    assert torch.equal(torch.cat(halves), whole)
+    torch.manual_seed(3)
+    kept = random_scores(torch.zeros(2, S), (1, 2))
+    torch.manual_seed(3)
+    assert torch.equal(kept, torch.rand(4, S)[2:])
+
+    cfg = ModelConfig(d_model=D, n_heads=4, n_layers=2, d_ff=64, max_seq_len=S)
+    model = torch.nn.ModuleList([MoDBlock(cfg, RoutingConfig(random=True)) for _ in range(2)])
+    assert set_random_score_rows(model, 1, 4) == 2
+    assert all(block.router.random_rows == (1, 4) for block in model)
+    with pytest.raises(ValueError, match="rank 4 of 4"):
+        set_random_score_rows(model, 4, 4)

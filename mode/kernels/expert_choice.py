@@ -175,7 +175,7 @@ class _Dispatch(torch.autograd.Function):
                  *_: None) -> tuple[Tensor | None, ...]:
         x, weight, logits, inverse = ctx.saved_tensors
         n_tokens, n_slots = logits.shape
-        # bf16 router (primitives.HALF_ROUTER): the scores' gradient rounded to bf16 for bf16 GEMMs;
+        # bf16 router (routing.router_scores): the scores' gradient rounded to bf16 for bf16 GEMMs;
         # otherwise float32 GEMMs, as F.linear on float32 copies computes them.
         grad_logits = torch.empty(n_tokens, n_slots, dtype=x.dtype if ctx.half else torch.float32, device=x.device)
         # Outputs the loss did not use get no gradient (None): zeros in their place.

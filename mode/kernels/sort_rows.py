@@ -1,6 +1,6 @@
 """Token choice's row layouts in two Triton launches each: a stable counting sort by expert.
 
-The torch backend's sync-free dropless layout (mode.routing.primitives.dropless_rows) makes
+The torch backend's sync-free dropless layout (mode.routing.token_choice.dropless_rows) makes
 every one of the N = T*k assignments a row, sorted by expert (stable: assignment order within an
 expert), the ones no expert computes (no-op slots, padding) last, past the grouped GEMMs' end.
 As PyTorch ops that is an argsort, a count, a cumsum, a gather, the inverse map's fill and index

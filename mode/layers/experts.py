@@ -12,7 +12,7 @@ the FFN hands its gates here and they multiply the activation (the down projecti
 which leaves the combine a plain sum; elsewhere the FFN's combine multiplies them, a pass over
 (rows, D) instead of (rows, F).
 
-Token choice without a capacity (dropless) has a third layout on a GPU (BY_ENDS):
+Token choice without a capacity (dropless) has a third layout on a GPU (Experts.by_ends_applies):
 - by ends: xs (R, D) every assignment sorted by expert, each expert's row end on the device; the
   rows past the last end (no-op slots) are never computed. On the torch backend nothing is read
   on the host: no sync, static shapes, so the pass can be one CUDA graph, eager or compiled.
@@ -32,17 +32,12 @@ import importlib
 import torch
 from torch import Tensor, nn
 
-from mode import kernels
 from mode.config import ConfigError
+from mode.kernels import use_triton
 from mode.layers.mlp import gelu, swiglu
 from mode.routing import TokenChoiceRouting
 
 BACKENDS = ("torch", "grouped_gemm", "megablocks")
-# True: dropless token choice on the torch and grouped_gemm backends takes every assignment as a row
-# (by_ends) where by_ends_applies: torch._grouped_mm with no host sync, or gmm; False: the computed
-# rows only, sorted with their counts read on the host, then a loop over experts or gmm (the GPU
-# tests compare the two).
-BY_ENDS = True
 # Compute capabilities whose torch._grouped_mm is one grouped kernel reading its offsets on the
 # device: 9.0 (H100 / H200), where it was tested and measured. Elsewhere it may fall back to a loop
 # that reads them on the host, so the host-count paths run there.
@@ -71,7 +66,8 @@ def check_backend(name: str) -> None:
 class Experts(nn.Module):
     """E MLPs. swiglu: w_in (E, D, 2F) = [gate | up], w_out (E, F, D); gelu: w_in (E, D, F)."""
 
-    def __init__(self, n_experts: int, d_model: int, d_expert: int, activation: str, backend: str = "torch") -> None:
+    def __init__(self, n_experts: int, d_model: int, d_expert: int, activation: str, backend: str = "torch",
+                 use_by_ends: bool | None = None) -> None:
         super().__init__()
         if activation not in ("swiglu", "gelu"):
             raise ValueError(f"moe.activation: unknown activation {activation!r}")
@@ -81,6 +77,9 @@ class Experts(nn.Module):
         self.n_experts = n_experts
         self.activation = activation
         self.backend = backend
+        # Dropless token choice takes every assignment as a row (by_ends) where by_ends_applies
+        # (None); True / False: always / never (the tests compare it with the computed rows only).
+        self.use_by_ends = use_by_ends
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02, out_std: float | None = None) -> None:
@@ -90,7 +89,7 @@ class Experts(nn.Module):
     def gates_in_activation(self, x: Tensor) -> bool:
         """Whether the FFN should hand its gates to padded / grouped: where the activation runs as its
         Triton kernel (eager CUDA), which applies them at no cost (mode/kernels/swiglu.py, gelu.py)."""
-        return kernels.use_triton(x)
+        return use_triton(x, "elementwise")
 
     def act(self, h: Tensor, gates: Tensor | None = None) -> Tensor:
         """The activation of h (..., W), times gates (h's leading shape) when given."""
@@ -106,10 +105,13 @@ class Experts(nn.Module):
         return self.grouped(xs.reshape(experts * rows, width), counts, gates).view(experts, rows, width)
 
     def by_ends_applies(self, x: Tensor) -> bool:
-        """Whether by_ends runs for tokens x: BY_ENDS, on a GPU; on torch (eager or compiled), one
-        whose torch._grouped_mm is one kernel, bf16 compute, widths aligned to its 16-byte rows; on
-        grouped_gemm, eager (its host copy would split a compiled graph anyway)."""
-        if not (BY_ENDS and x.is_cuda):
+        """Whether by_ends runs for tokens x: as use_by_ends says, or where it is None, on a GPU; on
+        torch (eager or compiled), one whose torch._grouped_mm is one kernel, bf16 compute, widths
+        aligned to its 16-byte rows; on grouped_gemm, eager (its host copy would split a compiled
+        graph anyway)."""
+        if self.use_by_ends is not None:
+            return self.use_by_ends
+        if not x.is_cuda:
             return False
         if self.backend == "grouped_gemm":
             return not torch.compiler.is_compiling()

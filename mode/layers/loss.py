@@ -18,8 +18,8 @@ from mode.kernels import use_triton
 CHUNK_ELEMENTS = 2**26  # logits per chunk: 256 MiB in float32
 
 
-def _chunk_size(num_tokens: int, vocab: int) -> int:
-    return max(1, min(num_tokens, CHUNK_ELEMENTS // vocab))
+def _chunk_size(num_tokens: int, vocab: int, chunk_elements: int = CHUNK_ELEMENTS) -> int:
+    return max(1, min(num_tokens, chunk_elements // vocab))
 
 
 def _minus_one_hot(probs: Tensor, targets: Tensor) -> Tensor:
@@ -34,13 +34,6 @@ def _minus_one_hot(probs: Tensor, targets: Tensor) -> Tensor:
         hit = torch.arange(probs.shape[1], device=probs.device) == targets  # (n, V) by broadcasting
         return torch.where(hit, probs - 1.0, probs)
     return probs.scatter_add_(1, targets, probs.new_full(targets.shape, -1.0))
-
-
-# True: in eager mode each chunk's GEMMs write the hidden states' gradient rows in place and add into
-# the weight's float32 gradient (bf16 operands on CUDA: cuBLAS accumulating in float32); False: the
-# products, then a copy and an add over the (V, D) weight gradient per chunk (bench/kernels.py
-# compares the two).
-CHUNK_GEMMS_IN_PLACE = True
 
 
 def _matmul_into(out: Tensor, start: int, end: int, a: Tensor, b: Tensor, in_place: bool) -> None:
@@ -65,7 +58,8 @@ def _add_matmul(acc: Tensor, a: Tensor, b: Tensor, in_place: bool) -> None:
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor) -> Tensor:  # type: ignore[override]
+    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, chunk_elements: int,  # type: ignore[override]
+                gemms_in_place: bool) -> Tensor:
         """hidden (N, D), weight (V, D), targets (N,) -> mean cross-entropy, a scalar.
 
         Per chunk: one matmul for the logits, one log-softmax pass (reading the logits in their
@@ -81,9 +75,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         acc = torch.promote_types(hidden.dtype, torch.float32)  # float32, or float64 in tests
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros_like(weight, dtype=acc)
-        step = _chunk_size(n, weight.shape[0])
-        fused = use_triton(hidden) and hidden.dtype != torch.float64
-        in_place = CHUNK_GEMMS_IN_PLACE and not torch.compiler.is_compiling()  # compiled: Inductor plans its buffers
+        step = _chunk_size(n, weight.shape[0], chunk_elements)
+        fused = use_triton(hidden, "elementwise")
+        in_place = gemms_in_place and not torch.compiler.is_compiling()  # compiled: Inductor plans its buffers
         if fused:  # eager on CUDA: one Triton kernel for the loss and p - one_hot (mode/kernels)
             from mode.kernels.cross_entropy import cross_entropy_and_grad
         row_loss = torch.empty(n, dtype=acc, device=hidden.device)  # every chunk's, summed once
@@ -108,27 +102,32 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         return total / n
 
     @staticmethod
-    def backward(ctx, grad_loss: Tensor) -> tuple[Tensor, Tensor, None]:  # type: ignore[override]
+    def backward(ctx, grad_loss: Tensor) -> tuple[Tensor, Tensor, None, None, None]:  # type: ignore[override]
         grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * grad_loss.to(grad_hidden.dtype), grad_weight * grad_loss.to(grad_weight.dtype), None
+        return (grad_hidden * grad_loss.to(grad_hidden.dtype), grad_weight * grad_loss.to(grad_weight.dtype),
+                None, None, None)
 
 
-def _chunked_loss_no_grad(hidden: Tensor, weight: Tensor, targets: Tensor) -> Tensor:
+def _chunked_loss_no_grad(hidden: Tensor, weight: Tensor, targets: Tensor, chunk_elements: int) -> Tensor:
     acc = torch.promote_types(hidden.dtype, torch.float32)
     total = hidden.new_zeros((), dtype=acc)
-    step = _chunk_size(hidden.shape[0], weight.shape[0])
+    step = _chunk_size(hidden.shape[0], weight.shape[0], chunk_elements)
     for start in range(0, hidden.shape[0], step):
         logits = (hidden[start : start + step] @ weight.t()).to(acc)
         total += F.cross_entropy(logits, targets[start : start + step], reduction="sum")
     return total / hidden.shape[0]
 
 
-def linear_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor) -> Tensor:
+def linear_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, chunk_elements: int = CHUNK_ELEMENTS,
+                         gemms_in_place: bool = True) -> Tensor:
     """Mean cross-entropy of softmax(hidden @ weight^T) against targets, never holding all logits.
 
     hidden (..., D), weight (V, D), targets (...). Under autocast the matmuls run in the
     autocast dtype (the casts happen here, outside the fused function, so their gradients
-    flow as usual); the softmax and the loss are always float32.
+    flow as usual); the softmax and the loss are always float32. chunk_elements: logits per
+    chunk. gemms_in_place (eager): each chunk's GEMMs write the hidden states' gradient rows
+    and add into the weight's float32 gradient themselves; False: the products, then a copy and
+    an add (the tests' reference).
     """
     hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
     device = hidden.device.type
@@ -139,5 +138,5 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor) -> Ten
         weight = weight.to(hidden.dtype)
     with torch.autocast(device, enabled=False):
         if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-            return _FusedLinearCrossEntropy.apply(hidden, weight, targets)
-        return _chunked_loss_no_grad(hidden, weight, targets)
+            return _FusedLinearCrossEntropy.apply(hidden, weight, targets, chunk_elements, gemms_in_place)
+        return _chunked_loss_no_grad(hidden, weight, targets, chunk_elements)

@@ -34,7 +34,7 @@ from mode.parallel.engine import (
     quiet_deepspeed,
 )
 from mode.parallel.expert_parallel import apply_expert_parallel
-from mode.routing import primitives
+from mode.routing import set_random_score_rows
 from mode.run_folder import FolderInUse
 from mode.train import interrupted_message, parse_args
 from mode.training.trainer import LaunchedStep, Trainer
@@ -124,12 +124,12 @@ def build_trainer(config: Config, processes: Processes, resume: bool = False) ->
             "through launch/train.py (DeepSpeed) set train.cuda_graphs=auto or false"
         )
     torch.manual_seed(config.train.seed)
-    # routing.random: each process draws the global micro-batch's scores and keeps its rows (every
-    # rank's generator is seeded alike), so the ablation routes as one process with the whole batch.
-    primitives.RANDOM_SCORE_ROWS = (processes.rank, processes.world_size)
     # Whole and on the host (where LanguageModel initialises anyway), with train.init_from's
     # weights in the one-device layout; only this rank's experts then reach the device.
     model = build_model(config, "cpu", resume)
+    # routing.random: each process draws the global micro-batch's scores and keeps its rows (every
+    # rank's generator is seeded alike), so the ablation routes as one process with the whole batch.
+    set_random_score_rows(model, processes.rank, processes.world_size)
     rng = torch.get_rng_state()  # where a one-process run's RNG stands when training starts
     apply_expert_parallel(model, config.parallel.expert_parallel)
     model.to(processes.device)

@@ -1,10 +1,12 @@
-"""Router primitives shared by every routed block (MoD, MoE, Staged and Integrated MoDE)."""
+"""Routing shared by every routed block (MoD, MoE, Staged and Integrated MoDE): the primitives
+(mode/routing/{selection,scores,moves,expert_rows,depth,expert_choice,token_choice}.py, all
+importable from mode.routing.primitives too) and the routers (mode/routing/router.py)."""
 from mode.routing.primitives import (
+    CapacityRows,
     ExpertRows,
     TokenChoiceHead,
     add_gated_tokens,
     apply_gate,
-    CapacityRows,
     capacity_positions,
     capacity_to_k,
     combine_rows,
@@ -17,6 +19,7 @@ from mode.routing.primitives import (
     gather_tokens,
     load_balancing_loss,
     positions_in_expert,
+    random_scores,
     route_tokens,
     router_scores,
     router_z_loss,
@@ -44,6 +47,7 @@ from mode.routing.router import (
     Routing,
     TokenChoiceRouter,
     TokenChoiceRouting,
+    set_random_score_rows,
 )
 
 __all__ = [
@@ -74,6 +78,7 @@ __all__ = [
     "gather_tokens",
     "load_balancing_loss",
     "positions_in_expert",
+    "random_scores",
     "route_tokens",
     "router_scores",
     "router_z_loss",
@@ -89,4 +94,5 @@ __all__ = [
     "token_mask",
     "top_k_positions",
     "top_k_slots",
+    "set_random_score_rows",
 ]

@@ -7,29 +7,19 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from mode.routing.primitives import (
+from mode.routing.depth import route_tokens
+from mode.routing.expert_choice import expert_choice_dispatch, expert_choice_kernel_applies, expert_major_ids
+from mode.routing.expert_rows import ExpertRows, expert_choice_rows, gather_rows
+from mode.routing.moves import split_tokens
+from mode.routing.scores import apply_gate, random_scores, router_scores
+from mode.routing.selection import capacity_to_k, count_ids, token_mask, top_k_positions
+from mode.routing.token_choice import (
     CapacityRows,
-    ExpertRows,
     TokenChoiceHead,
-    apply_gate,
     capacity_positions,
-    capacity_to_k,
-    count_ids,
-    expert_choice_dispatch,
-    expert_choice_kernel_applies,
-    expert_choice_rows,
-    expert_major_ids,
-    gather_rows,
-    positions_in_expert,
-    random_scores,
-    route_tokens,
-    router_scores,
     router_z_loss,
-    split_tokens,
     token_choice_capacity,
     token_choice_head,
-    token_mask,
-    top_k_positions,
 )
 
 
@@ -174,6 +164,7 @@ class DepthRouter(nn.Module):
         causal: str = "none",
         causal_loss_weight: float = 0.01,
         predictor_hidden: int = 128,
+        random_rows: tuple[int, int] = (0, 1),
     ) -> None:
         super().__init__()
         self.router = Router(d_model, 1, bias)
@@ -184,6 +175,7 @@ class DepthRouter(nn.Module):
         self._capacity = repr(float(capacity))
         self.gate = gate
         self.random = random
+        self.set_random_rows(*random_rows)
         self.causal = None if causal == "none" else CausalDecision(causal, d_model, 1, causal_loss_weight, predictor_hidden)
         self.causal_mode = False  # forward's default for causal=None; a model passes causal itself
 
@@ -191,6 +183,13 @@ class DepthRouter(nn.Module):
     def capacity(self) -> float:
         """Share of each sequence's tokens through the block."""
         return float(self._capacity)
+
+    def set_random_rows(self, rank: int, world: int) -> None:
+        """The data-parallel split the random-routing ablation draws for: this process's rank of
+        `world` (random_scores); (0, 1) for one process."""
+        if not 0 <= rank < world:
+            raise ValueError(f"random routing rows: rank {rank} of {world} processes")
+        self.random_rows = (rank, world)
 
     def decide(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """Causal decision: x (B, S, D) -> (chosen (B, S) bool, router scores (B, S) float32)."""
@@ -228,7 +227,7 @@ class DepthRouter(nn.Module):
         k = capacity_to_k(x.shape[1], self.capacity)
         proj = self.router.proj
         # owns_gradient: the caller's residual gradient is its own (split_tokens' grad_in_place)
-        route = route_tokens(x, proj.weight, proj.bias, k, self.gate, self.random, owns_gradient)
+        route = route_tokens(x, proj.weight, proj.bias, k, self.gate, self.random, owns_gradient, self.random_rows)
         aux, stats = self._causal_terms(x, route.scores, route.indices)  # a causal predictor saves x for its backward
         routing = Routing(indices=route.indices, gates=route.gates, logits=route.scores, aux_loss=aux, stats=stats)
         return RoutedTokens(routing, route.chosen, route.residual, self.causal is None, route.flat)
@@ -238,7 +237,7 @@ class DepthRouter(nn.Module):
         k = capacity_to_k(scores.shape[1], self.capacity)
         # The stochastic-routing ablation changes only *which* tokens are chosen; the gate
         # still comes from the learned score, so learned vs random differs in one thing.
-        selection = random_scores(scores) if self.random else scores
+        selection = random_scores(scores, self.random_rows) if self.random else scores
         return top_k_positions(selection.detach(), k)
 
     def _causal_terms(self, x: Tensor, scores: Tensor, indices: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
@@ -265,6 +264,15 @@ class DepthRouter(nn.Module):
         gates = torch.where(valid, apply_gate(scores.gather(1, indices), self.gate), 0.0)
         stats = {"processed": chosen.float().mean()}
         return Routing(indices=indices, gates=gates, logits=scores, aux_loss=scores.new_zeros(()), stats=stats, valid=valid)
+
+
+def set_random_score_rows(model: nn.Module, rank: int, world: int) -> int:
+    """Give every depth router of `model` this process's rank of `world` data-parallel processes,
+    for the random-routing ablation (DepthRouter.set_random_rows); returns how many it set."""
+    routers = [m for m in model.modules() if isinstance(m, DepthRouter)]
+    for router in routers:
+        router.set_random_rows(rank, world)
+    return len(routers)
 
 
 # ----------------------------------------------------------------------------- expert routers
