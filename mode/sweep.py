@@ -363,6 +363,7 @@ def _call(command: list[str], **popen: Any) -> int:
             except KeyboardInterrupt:
                 interrupted = True
                 _stop_running()
+                _keep_stopping()
     finally:
         with _RUNNING_LOCK:
             _RUNNING.discard(process)
@@ -380,6 +381,16 @@ def _stop_running() -> None:
     for process in running:
         if process.poll() is None:
             process.send_signal(signal.SIGTERM)
+
+
+def _keep_stopping() -> None:
+    """The sweep is stopping: a further Ctrl-C or SIGTERM (a second one; `timeout`, which signals the
+    sweep and then its process group) is passed on to the trainings, and the sweep goes on waiting
+    for them instead of leaving before they have stopped. Main thread only (signals go there)."""
+    if threading.current_thread() is threading.main_thread():
+        for number in (signal.SIGINT, signal.SIGTERM):
+            if signal.getsignal(number) != signal.SIG_IGN:
+                signal.signal(number, lambda signum, frame: _stop_running())
 
 
 def _stop_on_sigterm(signum: int, frame: Any) -> None:
@@ -418,6 +429,7 @@ def run_all(args: argparse.Namespace, planned: list[tuple[Point, list[str], int]
     except KeyboardInterrupt:
         # The running trainings stop at a checkpoint; none queued starts.
         _stop_running()
+        _keep_stopping()
         pool.shutdown(wait=True, cancel_futures=True)
         raise
     finally:
@@ -464,14 +476,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {point.name} ({steps} steps{state}): python {shlex.join(command[1:])}")
     if args.dry_run:
         return 0
+    previous_int = signal.getsignal(signal.SIGINT)
     previous = signal.signal(signal.SIGTERM, _stop_on_sigterm)
     try:
         outcomes = run_all(args, planned, slots)
     except KeyboardInterrupt:
         say("\nsweep stopped (Ctrl-C or SIGTERM): each run keeps its last checkpoint; the same command continues it")
         return INTERRUPTED
-    finally:  # main() called in a process that goes on (a test, a notebook) gets its own handler back
+    finally:  # main() called in a process that goes on (a test, a notebook) gets its own handlers back
         signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+        signal.signal(signal.SIGINT, previous_int if previous_int is not None else signal.default_int_handler)
     print("\n" + "\n".join(f"{name}: {outcome}" for name, outcome in outcomes.items()))
     compared = [args.out / name for name, outcome in outcomes.items()
                 if not outcome.startswith(("failed", "skipped"))]

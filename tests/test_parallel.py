@@ -567,7 +567,7 @@ def test_a_cpu_run_takes_deepspeeds_cpu_accelerator(monkeypatch) -> None:
 
 def test_random_routing_on_two_processes_equals_one_process(corpus, tmp_path) -> None:
     """routing.random draws the global micro-batch's scores on every process and keeps its own rows
-    (mode.routing.primitives.RANDOM_SCORE_ROWS, set by mode/parallel): 2 processes route and train as
+    (each depth router's random_rows, set by mode/parallel through set_random_score_rows): 2 processes route and train as
     one process with the doubled batch, as learned routing does. (Each process drew alike for its own
     sequences before: the loss differed by about 1e-2 after a few steps.) mode.evaluate of the checkpoint,
     one process on the global batch, repeats the run's last evaluation."""
