@@ -29,16 +29,26 @@ def quiet_start(module_name: str) -> None:
         os.write(sys.stderr.fileno(), f"\n{name} while starting: nothing was written\n".encode())
         os._exit(128 + signum)  # no traceback, no half-imported module's teardown
 
-    for number in STOP_SIGNALS:
-        if not (number == signal.SIGINT and signal.getsignal(number) == signal.SIG_IGN):
-            _BEFORE_START[number] = signal.signal(number, leave)
+    _BEFORE_START.update(handle_stop_signals(leave))
 
 
 def started() -> None:
     """The command's imports are done: the signal handlers quiet_start replaced are back (Python's
     KeyboardInterrupt for Ctrl-C), for the command's main() to use or replace."""
-    while _BEFORE_START:
-        number, handler = _BEFORE_START.popitem()
+    restore_handlers(_BEFORE_START)
+    _BEFORE_START.clear()
+
+
+def handle_stop_signals(handler: Any) -> dict[int, Any]:
+    """`handler` for SIGTERM, and for SIGINT unless it is ignored (a script's background job keeps it
+    ignored, as Python does); returns the handlers it replaced, for restore_handlers."""
+    return {number: signal.signal(number, handler) for number in STOP_SIGNALS
+            if not (number == signal.SIGINT and signal.getsignal(number) == signal.SIG_IGN)}
+
+
+def restore_handlers(previous: dict[int, Any]) -> None:
+    """Put back the handlers handle_stop_signals (or a caller) saved."""
+    for number, handler in previous.items():
         signal.signal(number, handler if handler is not None else signal.SIG_DFL)
 
 

@@ -27,7 +27,7 @@ whole checkpoint. At the end `mode.report` compares every run
 """
 from __future__ import annotations
 
-from mode.cli import INTERRUPTED, TERMINATED, finish, quiet_start, started
+from mode.cli import INTERRUPTED, TERMINATED, finish, handle_stop_signals, quiet_start, started
 
 quiet_start(__name__)  # before torch: Ctrl-C while it imports ends with one line
 
@@ -388,9 +388,7 @@ def _keep_stopping() -> None:
     sweep and then its process group) is passed on to the trainings, and the sweep goes on waiting
     for them instead of leaving before they have stopped. Main thread only (signals go there)."""
     if threading.current_thread() is threading.main_thread():
-        for number in (signal.SIGINT, signal.SIGTERM):
-            if signal.getsignal(number) != signal.SIG_IGN:
-                signal.signal(number, lambda signum, frame: _stop_running())
+        handle_stop_signals(lambda signum, frame: _stop_running())
 
 
 def _stop_on_sigterm(signum: int, frame: Any) -> None:

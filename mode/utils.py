@@ -12,7 +12,7 @@ from typing import Any, BinaryIO, Callable, Iterator
 
 import torch
 
-from mode.cli import STOP_SIGNALS, ignore_stop_signals
+from mode.cli import STOP_SIGNALS, handle_stop_signals, ignore_stop_signals, restore_handlers
 
 
 def _umask() -> int:
@@ -180,15 +180,11 @@ def stops_on_signals() -> Iterator[None]:
         ignore_stop_signals()
         raise StopSignal(signum)
 
-    previous = {number: signal.getsignal(number) for number in STOP_SIGNALS}
-    for number in STOP_SIGNALS:
-        if not (number == signal.SIGINT and previous[number] == signal.SIG_IGN):
-            signal.signal(number, stop)
+    previous = handle_stop_signals(stop)
     try:
         yield
     finally:
-        for number, handler in previous.items():
-            signal.signal(number, handler if handler is not None else signal.SIG_DFL)
+        restore_handlers(previous)
 
 
 @contextlib.contextmanager
@@ -209,8 +205,7 @@ def interrupts_deferred() -> Iterator[None]:
     try:
         yield
     finally:
-        for number, handler in previous.items():
-            signal.signal(number, handler if handler is not None else signal.SIG_DFL)
+        restore_handlers(previous)
     if caught:  # delivered now, to the handler that was there
         signum = caught[0]
         handler = previous[signum]

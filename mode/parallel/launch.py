@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from mode.checkpoint import build_model
-from mode.cli import ignore_stop_signals, started
+from mode.cli import handle_stop_signals, ignore_stop_signals, restore_handlers, started
 from mode.config import Config, ConfigError, load_config
 from mode.data import DataError
 from mode.flops import model_flops
@@ -38,7 +38,7 @@ from mode.routing import set_random_score_rows
 from mode.run_folder import FolderInUse
 from mode.train import interrupted_message, parse_args
 from mode.training.trainer import LaunchedStep, Trainer
-from mode.utils import STOP_SIGNALS, StopSignal, stop_how, stop_status, stops_on_signals
+from mode.utils import StopSignal, stop_how, stop_status, stops_on_signals
 
 # Errors every process would report alike (the config, the data, the run folder, an unreadable
 # checkpoint or metrics file): printed once, without a traceback, as mode.train prints them.
@@ -78,15 +78,11 @@ class LaunchTrainer(Trainer):
     stop_everywhere = False  # some rank did, as the last all-reduce told every rank
 
     def run(self) -> list[dict[str, Any]]:
-        previous = {number: signal.getsignal(number) for number in STOP_SIGNALS}
-        for number in STOP_SIGNALS:
-            if not (number == signal.SIGINT and previous[number] == signal.SIG_IGN):  # a background job's
-                signal.signal(number, self._request_stop)
+        previous = handle_stop_signals(self._request_stop)
         try:
             return super().run()
         finally:
-            for number, handler in previous.items():
-                signal.signal(number, handler if handler is not None else signal.SIG_DFL)
+            restore_handlers(previous)
 
     def _request_stop(self, signum: int, frame: Any) -> None:
         if self.stop_requested is not None:
