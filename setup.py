@@ -22,6 +22,10 @@ setup(
         "test": ["pytest>=7", "pytest-timeout>=2", "pytest-xdist>=3", "triton>=3.2", "ruff>=0.6"],
         # DeepSpeed runs on CPU too (over gloo), for the distributed tests.
         "cpu-dist": ["deepspeed==0.19.8"],
+        # Hugging Face models in and out (mode.hf) and tokenized data (mode.data prepare).
+        "hf": ["transformers>=4.45", "safetensors>=0.4", "tokenizers>=0.20"],
+        # TensorBoard event files beside each run's metrics (train.tensorboard).
+        "track": ["tensorboard>=2.15"],
         "gpu": ["deepspeed==0.19.8", "megablocks==0.10.0", "grouped_gemm==0.3.0"],
     },
 )
