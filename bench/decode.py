@@ -307,7 +307,7 @@ def main(argv: list[str] | None = None) -> None:
         f"MoD: every other block routed, causal method (a), target share {args.capacity}; "
         f"attention backends: {'decoder default (flash, efficient, math)' if sdpa is not None else 'torch default'}\n"
     )
-    print("| batch | model | decode step | decode tokens/s | prefill ms | routed share (decode) | x dense (same step) |")
+    print("| batch | model | decode step | decode tokens/s | prefill ms (one run) | routed share (decode) | x dense (same step) |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     print("\n".join(rows))
 

@@ -84,7 +84,7 @@ def test_gpu_only_scripts_need_cuda(name: str, capsys: pytest.CaptureFixture[str
     assert "needs a CUDA GPU" in refusal(name, [], capsys)
 
 
-@pytest.mark.parametrize("name", ["mod_step", "block_kinds", "block_profile", "decode"])
+@pytest.mark.parametrize("name", ["mod_step", "block_kinds", "block_profile", "decode", "prefill"])
 def test_full_shape_needs_cuda_or_tiny(name: str, capsys: pytest.CaptureFixture[str]) -> None:
     """Without CUDA the GPU-sized default shape is refused (minutes on CPU); --tiny is named instead."""
     if CUDA:
@@ -150,6 +150,14 @@ def test_decode_tiny() -> None:
     rows = table_rows(run("-m", "bench.decode", "--tiny"))
     assert {r[1] for r in rows} == {"dense", "MoD"}
     assert all(number(r[3]) > 0 for r in rows)  # tokens/s
+
+
+def test_prefill_tiny() -> None:
+    """Both models at every batch, median and best wall times positive, the dense row the unit."""
+    rows = table_rows(run("-m", "bench.prefill", "--tiny"))
+    assert [(r[1], r[2]) for r in rows] == [("1", "dense"), ("1", "MoD"), ("4", "dense"), ("4", "MoD")]
+    assert all(number(r[3]) > 0 and number(r[4]) > 0 and number(r[4]) <= number(r[3]) for r in rows)
+    assert all(number(r[8]) == 1.0 for r in rows if r[2] == "dense")
 
 
 def test_scaling_tiny_on_two_gloo_processes() -> None:

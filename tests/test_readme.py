@@ -25,7 +25,7 @@ def _run(command: str, cwd: Path, extra: list[str], replace: tuple[str, str] = (
     argv = shlex.split(command.replace(*replace) if replace[0] else command)
     if argv[0] == "python":
         argv[0] = sys.executable
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     result = subprocess.run([*argv, *extra], cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT)
     assert result.returncode == 0, (command, result.stdout[-3000:], result.stderr[-3000:])
     return result

@@ -1,0 +1,126 @@
+"""MoD vs dense: prefill time with causal routing and per-layer sparse KV caches.
+
+    python -m bench.prefill            # D=1024, 16 heads, 12 layers, vocab 32768, bf16, CUDA
+    python -m bench.prefill --tiny     # a CPU-sized smoke run of the same script
+
+The models are bench/decode.py's (the MoD model routes every other block at capacity 12.5%
+with causal method (a); its random routers are calibrated so that about 12.5% of the prompt
+tokens go through). Each setting is prefilled --repeats times on a fresh Decoder after
+--warmup untimed prefills (kernel compilation, allocator growth), settings interleaved; the
+table gives the median and the best wall time, and from one more prefill under torch.profiler
+the GPU-busy time, the kernels launched and the host synchronisations and copies (a
+device-to-host copy of a routed layer's counts is its one sync). Prefill at batch 1 is bound
+by the host: compare wall time with GPU-busy time.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from bench.common import add_model_args, require_cuda_unless_tiny, sync
+from bench.decode import calibrate_routers, make_config
+from mode.inference.decoder import DECODE_SDPA_BACKENDS, Decoder
+from mode.model import LanguageModel
+
+LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+HOST_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpyAsync", "cudaMemcpy")
+
+
+@dataclass
+class PrefillTime:
+    median_ms: float
+    best_ms: float
+    gpu_busy_ms: float = 0.0
+    launches: int = 0
+    host_waits: int = 0
+
+
+def prefill_once(model: LanguageModel, prompts: list[list[int]], device: torch.device) -> float:
+    """Seconds of one prefill of prompts on a fresh decoder (its construction untimed)."""
+    decoder = Decoder(model, len(prompts), len(prompts[0]) + 1, sdpa_backends=DECODE_SDPA_BACKENDS, routed_rows="gather")
+    sync(device)
+    start = time.perf_counter()
+    decoder.prefill(prompts)
+    sync(device)
+    return time.perf_counter() - start
+
+
+def profile_prefill(model: LanguageModel, prompts: list[list[int]], device: torch.device) -> tuple[float, int, int]:
+    """(GPU-busy ms, kernel launches, host syncs and copies) of one prefill."""
+    decoder = Decoder(model, len(prompts), len(prompts[0]) + 1, sdpa_backends=DECODE_SDPA_BACKENDS, routed_rows="gather")
+    sync(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        decoder.prefill(prompts)
+        sync(device)
+    events = list(prof.events())
+    busy_us = sum(e.device_time for e in events if e.device_type.name == "CUDA")
+    launches = sum(e.name in LAUNCHES for e in events)
+    waits = sum(e.name in HOST_WAITS for e in events)
+    return busy_us / 1e3, launches, waits
+
+
+@torch.no_grad()
+def time_settings(models: dict[str, LanguageModel], prompts: list[list[int]], device: torch.device,
+                  repeats: int, warmup: int) -> dict[str, PrefillTime]:
+    """Every model's prefill of the same prompts, runs interleaved between the models."""
+    for _ in range(warmup):
+        for model in models.values():
+            prefill_once(model, prompts, device)
+    runs: dict[str, list[float]] = {name: [] for name in models}
+    for _ in range(repeats):
+        for name, model in models.items():
+            runs[name].append(prefill_once(model, prompts, device))
+    result = {}
+    for name, model in models.items():
+        busy, launches, waits = profile_prefill(model, prompts, device)
+        result[name] = PrefillTime(statistics.median(runs[name]) * 1e3, min(runs[name]) * 1e3, busy, launches, waits)
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(parser)
+    parser.add_argument("--capacity", type=float, default=0.125)
+    parser.add_argument("--prompts", type=int, nargs="+", default=[128, 2048], help="prompt lengths")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--repeats", type=int, default=10, help="timed prefills per setting; the median is reported")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke run at a small shape")
+    args = parser.parse_args(argv)
+    require_cuda_unless_tiny(parser, args)
+    if args.tiny:
+        args.width, args.heads, args.layers, args.ffn, args.vocab = 64, 4, 4, 128, 256
+        args.prompts, args.batches, args.repeats, args.warmup = [16], [1, 4], 3, 1
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    card = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    rows = []
+    for prompt in args.prompts:
+        args.prompt, args.new_tokens = prompt, 1  # make_config sizes max_seq_len from these
+        torch.manual_seed(0)
+        models = {name: LanguageModel(make_config(pattern, args)).to(device=device, dtype=dtype).eval()
+                  for name, pattern in (("dense", ["dense"]), ("MoD", ["dense", "mod"]))}
+        for batch in args.batches:
+            prompts = torch.randint(0, args.vocab, (batch, prompt), device=device)
+            calibrate_routers(models["MoD"], prompts, args.capacity)
+            times = time_settings(models, prompts.tolist(), device, args.repeats, args.warmup)
+            for name, t in times.items():
+                ratio = t.median_ms / times["dense"].median_ms
+                rows.append(f"| {prompt} | {batch} | {name} | {t.median_ms:.2f} | {t.best_ms:.2f} | {t.gpu_busy_ms:.2f} | "
+                            f"{t.launches} | {t.host_waits} | {ratio:.2f} |")
+    print(f"\nPrefill, {card}, {str(dtype).removeprefix('torch.')}: D={args.width}, {args.heads} heads, "
+          f"{args.layers} layers, vocab {args.vocab}, ffn {args.ffn}; MoD: every other block routed, causal method (a), "
+          f"target share {args.capacity}; median of {args.repeats} prefills after {args.warmup} warm-up\n")
+    print("| prompt | batch | model | median ms | best ms | GPU busy ms | kernel launches | host syncs + copies | x dense |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()
