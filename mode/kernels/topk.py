@@ -6,8 +6,8 @@ causal order). Here one program per row loads the row, maps each score to an int
 orders as the floats do, finds the k-th largest key by bisection (a block-wide count per step,
 about 30 steps), and writes the positions above it and the earliest of those equal to it, in
 order, through a running count. Ties between equal scores go to the earlier position; NaN counts
-as the largest score, as in torch.topk. Bisection rather than sorting the row's 64-bit (score,
-position) keys: a few block-wide counts cost less than a sort's passes.
+as the largest score, as in torch.topk. The bisection's counts cost less than sorting the row's
+64-bit (score, position) keys.
 
 Eager mode only: wrapped as a custom op for torch.compile, it split the compiled graphs and broke
 a compiled expert-choice layer's view tracking, so compiled code keeps the PyTorch ops.
