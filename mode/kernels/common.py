@@ -26,8 +26,8 @@ def store_rounded(ptr, x, mask):
     """Store float32 x at ptr in ptr's dtype, rounding to nearest even.
 
     On the GPU `.to(bfloat16)` rounds to nearest even. Triton's interpreter truncates: there
-    the rounding is done on the bits first (then exact). Only there: on an H100 the bit
-    arithmetic made an elementwise kernel that computes erf 9 us (9%) slower.
+    the rounding is done on the bits first (then exact). Only there: on the GPU the bit
+    arithmetic would slow every elementwise kernel.
     """
     if _INTERPRETED:
         if ptr.dtype.element_ty == tl.bfloat16:

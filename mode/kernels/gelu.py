@@ -3,21 +3,15 @@ GELU experts with their router gates applied in the activation.
 
 out_r = g_r * gelu(h_r), gelu(x) = x Phi(x), Phi(x) = erfc(-x / sqrt 2) / 2. The down projection is
 linear, so the gate may scale the activation instead of the expert's output (as mode/kernels/swiglu.py
-does for SwiGLU): the combine becomes a plain sum of rows, its backward a plain gather (on an H100
-35 -> 23 us for 16k rows of 1024), and the gate's gradient, <gelu(h_r), d out_r>, a row sum in this
-kernel's backward, which has gelu(h_r) in registers anyway (one program per row).
+does for SwiGLU): the combine becomes a plain sum of rows, its backward a plain gather, and the
+gate's gradient, <gelu(h_r), d out_r>, a row sum in this kernel's backward, which has gelu(h_r) in
+registers anyway (one program per row).
 
 Phi comes from Abramowitz and Stegun's 7.1.26, erfc(z) = t P(t) exp(-z^2), t = 1 / (1 + p z), P of
-degree 4: |error| <= 1.5e-7 in erf, so gelu(x) is within 7.5e-8 |x| of exact. PyTorch's own float32
-GELU, 0.5 x (1 + erf(x / sqrt 2)), is no closer: on [-13, 13] against float64 this kernel's float32
-result is off by at most 4.1e-7 (2.6e-7 |x|), PyTorch's by 9.8e-7 (3.1e-7 |x|; below x = -5 its
-1 + erf cancels to no correct digit); their derivatives by 2.5e-7 and 2.3e-7. The point is the
-cost: a reciprocal, five FMAs and the exponential the derivative needs anyway, where libdevice's
-erf, a warp running both of its branches, left the kernels instruction-bound. On an H100, (16384,
-4096) bf16, profiler kernel times: these kernels 93.6 us forward and 134.5 backward, gated, against
-PyTorch's ungated GELU's 97.0 and 134.8; with libdevice's erf 99.2 and 140.1 at their best tiles;
-with a fit accurate relative to erfc in the tails (Numerical Recipes' erfcc: nine FMAs, two
-exponentials) 102.0 and 167.9.
+degree 4: |error| <= 1.5e-7 in erf, so gelu(x) is within 7.5e-8 |x| of exact, no further from it
+than PyTorch's own float32 GELU. It costs a reciprocal, five FMAs and the exponential the
+derivative needs anyway, where libdevice's erf (a warp running both of its branches) leaves the
+kernels instruction-bound.
 
 Eager mode on CUDA (mode.kernels.use_triton); elsewhere the experts run F.gelu(h) times the gates.
 """
@@ -30,9 +24,8 @@ from torch import Tensor
 
 from mode.kernels.common import on_device_of, store_rounded
 
-# Tiles, on an H100 with (16384, 4096) bf16 (triton sweeps, profiler kernel times): the forward up to
-# 4096 columns a program, 8 warps (93.6 us; 95.8 to 96.9 at 1024 or 2048 columns, or 16 warps); the
-# backward a row in steps of 1024 columns, 8 warps (134.5 us; 144 to 187 at the other tiles tried).
+# Tiles, the fastest of a sweep at (16384, 4096) bf16: the forward up to 4096 columns a program, the
+# backward a row in steps of 1024 columns, 8 warps each.
 FORWARD_BLOCK, BACKWARD_BLOCK, WARPS = 4096, 1024, 8
 SQRT_HALF = tl.constexpr(0.7071067811865476)  # Triton reads no other globals
 INV_SQRT_2PI = tl.constexpr(0.3989422804014327)

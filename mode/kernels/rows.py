@@ -20,9 +20,7 @@ Eager mode on CUDA: three autograd functions (GatherRows; CombineRows; SumRows, 
 the experts' activation applied the gates already, mode/kernels/swiglu.py and gelu.py, whose
 backward is a gather).
 Under torch.compile the routed layers keep plain gather / scatter_add, which Inductor fuses with
-its neighbours: these kernels as torch.library operators were no faster there (bench/RESULTS.md,
-"Measurements after the MoE rows' token-major kernels"). Their tiles were swept again after the
-stores stopped rounding on the bits on the GPU: the current ones within 1.2 us of the best.
+its neighbours: these kernels as torch.library operators were no faster there.
 """
 from __future__ import annotations
 
@@ -33,13 +31,9 @@ from torch import Tensor
 
 from mode.kernels.common import on_device_of, store_rounded
 
-# Tiles: the fastest of those tried for each kernel on an H100 with 16k bf16 rows of 1024 from 8
-# experts (expert choice's layout). sum_rows skips a step j that no token of its tile has a row at
-# (expert choice: expert j took none of them), which made small tiles pay: profiler kernel times,
-# the plain sum 26.2 us at (2, 1024) against 27.2 before at (4, 256), the gated one 26.4 against
-# 30.0, with a router's input gradient (S = 8) 34.5 at (2, 512) against 37.0 at (2, 1024); a copy
-# of the rows 23.8. From earlier sweeps (triton.testing.do_bench): combine_backward's tile (39 us),
-# and add_gated_rows_ on the sum's earlier tile (4, 256), a depth router's few rows.
+# Tiles: the fastest tried for each kernel with 16k bf16 rows of 1024 from 8 experts (expert choice's
+# layout). sum_rows skips a step j that no token of its tile has a row at, so few tokens a tile pay;
+# add_gated_rows_ moves a depth router's few rows.
 BLOCK_T, BLOCK_D, SUM_WARPS = 2, 1024, 4  # sum_rows: a (tokens, columns) tile per program
 SCORES_BLOCK_T, SCORES_BLOCK_D, SCORES_WARPS = 2, 512, 2  # sum_rows with a router's input gradient
 ADD_BLOCK_R, ADD_BLOCK_D, ADD_WARPS = 4, 256, 4  # add_gated_rows_

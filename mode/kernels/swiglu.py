@@ -10,9 +10,7 @@ down projection is linear, W (g a) = g (W a), so the gate can be applied here in
 combine, where it cost a pass: the combine becomes a plain sum of rows, its backward a plain
 gather of the output's gradient (no read of the rows), and the gate's gradient,
 <swiglu(h_r), d out_r>, a row sum in this kernel's backward, where swiglu(h_r) is in registers
-anyway (one program per row). On an H100, (16384, 2 x 4096) bf16: forward 138.5 us gated against
-143.5 plain at the old tile, backward 228.8 against 237.4; the combine's backward 35 -> 23 us.
-GELU experts do the same in mode/kernels/gelu.py.
+anyway (one program per row). GELU experts do the same in mode/kernels/gelu.py.
 """
 from __future__ import annotations
 
@@ -23,9 +21,8 @@ from torch import Tensor
 
 from mode.kernels.common import on_device_of, store_rounded
 
-# Tiles, on an H100 with (16384, 2 x 4096) bf16 (tile sweeps, triton.testing.do_bench): the forward
-# 4096 columns a program, 8 warps (143.5 us at 1024 and 4 warps); the gated backward one row a
-# program in steps of 2048 columns, 8 warps; the plain backward as before, 1024 columns, 4 warps.
+# Tiles, the fastest of a sweep at (16384, 2 x 4096) bf16: the forward 4096 columns a program; the
+# gated backward one row a program in steps of 2048 columns; the plain backward 1024 columns.
 FORWARD_BLOCK, FORWARD_WARPS = 4096, 8
 BACKWARD_BLOCK = 1024
 GATED_BACKWARD_BLOCK, GATED_BACKWARD_WARPS = 2048, 8

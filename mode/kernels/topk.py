@@ -6,15 +6,11 @@ causal order). Here one program per row loads the row, maps each score to an int
 orders as the floats do, finds the k-th largest key by bisection (a block-wide count per step,
 about 30 steps), and writes the positions above it and the earliest of those equal to it, in
 order, through a running count. Ties between equal scores go to the earlier position; NaN counts
-as the largest score, as in torch.topk.
+as the largest score, as in torch.topk. The bisection's counts cost less than sorting the row's
+64-bit (score, position) keys.
 
-On an H100 (bench/block_profile.py): (8, 2048) scores, k = 256, 41.5 us of kernels in 8
-launches for PyTorch against 29.3 us in one for this kernel's first version, which sorted the
-row's 64-bit (score, position) keys. Bisection instead (triton.testing.do_bench, one H100): 13.1
-against 33.7 us for 64 rows of 2048, k = 256 (expert choice's (8, 8, 2048)), and 16.7 against
-84.0 us for 64 rows of 4096, k = 512. Eager mode only: wrapped as a custom op for torch.compile,
-it split the compiled graphs and broke a compiled expert-choice layer's view tracking (torch
-2.11), so compiled code keeps the PyTorch ops.
+Eager mode only: wrapped as a custom op for torch.compile, it split the compiled graphs and broke
+a compiled expert-choice layer's view tracking, so compiled code keeps the PyTorch ops.
 """
 from __future__ import annotations
 
@@ -66,7 +62,7 @@ def _top_k_positions(scores_ptr, out_ptr, flat_ptr, tokens, k, FLAT: tl.constexp
 
 
 def num_warps(block: int) -> int:
-    """Warps for a program holding a row of `block` keys (the fastest on an H100 at 2048 and 4096)."""
+    """Warps for a program holding a row of `block` keys (the fastest tried at 2048 and 4096)."""
     return max(4, min(8, block // 512))
 
 

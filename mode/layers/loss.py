@@ -27,8 +27,8 @@ def _minus_one_hot(probs: Tensor, targets: Tensor) -> Tensor:
 
     Eager, a scatter_add of -1 into probs' own memory. Under torch.compile a select instead (the
     same p - 1, bit for bit): Inductor fuses it into the cast that follows, where the scatter_add
-    became an atomic add fused into a reduction over the tokens, a kernel that torch 2.11's Triton
-    failed to compile on an H100 when causal routing's BCE terms joined that reduction.
+    became an atomic add fused into a reduction over the tokens, which failed to compile once
+    causal routing's BCE terms joined that reduction.
     """
     if torch.compiler.is_compiling():
         hit = torch.arange(probs.shape[1], device=probs.device) == targets  # (n, V) by broadcasting

@@ -15,9 +15,8 @@ gradients are reduced across processes once per optimizer step, after the last b
 
 Precision: on CUDA every step computes under the Trainer's bf16 autocast. Under ZeRO 1/2
 DeepSpeed's bf16 is on as well (bf16 weights, an fp32 master copy sharded in its
-optimizer). Under ZeRO 0 it is off: weights and gradients stay fp32, as in a one-GPU run.
-(With it on, DeepSpeed's BF16_Optimizer took another trajectory than one GPU, ZeRO 1/2
-and ZeRO 0 in fp32, on 2 H200s with expert parallelism: 5.389 against 5.296 at step 2.)
+optimizer). Under ZeRO 0 it is off: weights and gradients stay fp32, as in a one-GPU run
+(with it on, DeepSpeed's BF16_Optimizer leaves the trajectory of one GPU and of ZeRO 1/2).
 On CPU everything is fp32.
 
 Clipping: DeepSpeed clips with train.grad_clip under ZeRO 1/2. Under ZeRO 0 DeepSpeed
@@ -253,9 +252,8 @@ class DeepSpeedOptimization:
         if self.engine.checkpoint_engine is not None:  # DeepSpeed makes none under ZeRO 3 offload
             self.engine.checkpoint_engine = SafeLoading(self.engine.checkpoint_engine)
         # DeepSpeed's ZeRO 0 "all-reduce" on one process flattens every gradient into buckets,
-        # averages over a group of one and copies back: an identity that cost about 3 ms a step
-        # on an H200 (730M float32 gradients). Under ZeRO 1/2 the same hook fills the sharded
-        # optimizer's buffers, so it stays on there.
+        # averages over a group of one and copies back: an identity that costs a pass over every
+        # gradient. Under ZeRO 1/2 the same hook fills the sharded optimizer's buffers: on there.
         if not reduces_gradients(config, processes.world_size):
             self.engine.enable_backward_allreduce = False
         self.model = self.engine.module

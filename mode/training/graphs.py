@@ -58,8 +58,8 @@ class GraphedMicroStep:
     Captured on the first call, after warm-up passes on a side stream (cuBLAS and Triton set
     themselves up; their gradients are zeroed after), then replayed: the batch is copied into
     the graph's input tensors and one launch runs every kernel. Without torch.compile this
-    removes the host's cost per kernel, which routed blocks feel most: on an H100 an eager MoD
-    block at 12.5% capacity ran 0.8 ms of kernels in 3.6 ms of wall time (bench/block_profile.py).
+    removes the host's cost per kernel, which routed blocks feel most: their many small kernels
+    leave an eager block bound by the host's launches.
 
     The returned outputs live in the graph's memory, which the next replay overwrites: copy
     what must outlive it (the Trainer does). Gradients must stay allocated between steps

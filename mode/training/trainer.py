@@ -1,18 +1,15 @@
-"""The Trainer: one loop for every setting (one process or a DeepSpeed engine), its run folder,
-checkpoints, logging and evaluation."""
+"""The Trainer: one loop for every setting (one process or a DeepSpeed engine), its steps and
+checkpoints. Its run folder's rules live in mode.training.folder, its evaluation in
+mode.training.evaluation, its progress bar and records in mode.training.progress."""
 from __future__ import annotations
 
 import contextlib
-import json
-import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import Tensor, nn
-from tqdm import tqdm
 
 from mode.checkpoint import (
     build_model,
@@ -21,7 +18,7 @@ from mode.checkpoint import (
     may_change_on_resume,
     restore_rng,
 )
-from mode.config import Config, ConfigError, config_text, field_differences, save_config
+from mode.config import Config, ConfigError, field_differences, save_config
 from mode.data import (
     TokenSplits,
     batch_generator,
@@ -30,13 +27,14 @@ from mode.data import (
     sample_batch,
 )
 from mode.flops import model_flops, train_step_flops
-from mode.run_folder import (
-    CHECKPOINT,
-    CONFIG,
-    METRICS,
-    FolderInUse,
-    RunFolderLock,
-    run_files_in,
+from mode.run_folder import CHECKPOINT, CONFIG, METRICS
+from mode.training.evaluation import validation_metrics
+from mode.training.folder import (
+    CheckpointWriteError,
+    check_not_past_the_end,
+    check_run_folder,
+    lock_run_folder,
+    truncate_metrics,
 )
 from mode.training.graphs import GraphedMicroStep, eager_graphs
 from mode.training.optim import (
@@ -47,32 +45,22 @@ from mode.training.optim import (
     steps_within_budget,
 )
 from mode.training.plot import plot_losses
+from mode.training.progress import Progress, StepTimer, append_record
 from mode.training.router_stats import (
     HostCopy,
     Outputs,
     average_summaries,
-    chosen_positions,
     copy_outputs,
     output_tensors,
     outputs_to_host,
     parse_outputs,
-    pool_as_ranks,
     pool_summaries,
-    position_bins,
-    position_histogram,
-    position_share,
-    read_output,
-    routed_layers,
-    share_reaching,
     split_list,
 )
 from mode.utils import (
     atomic_torch_save,
-    atomic_write_text,
-    folder_problem,
     interrupts_deferred,
     pick_device,
-    read_metrics,
     remove_stale_temporaries,
 )
 
@@ -96,35 +84,7 @@ class LaunchedStep:
     lr: float
     outputs: Outputs  # output_tensors of each micro-batch
     copy: HostCopy  # of outputs, then the gradient norm
-    timer: "StepTimer"  # how long it computed, for tokens/s
-
-
-class StepTimer:
-    """How long one step computed: between two CUDA events the step's stream passes (the GPU's
-    view: the time it waited for the host's launches counts, evaluation and the host's pauses
-    between steps do not), or two host clock readings on CPU, which computes as it launches."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if device.type == "cuda" else None
-        self.start()
-
-    def start(self) -> None:
-        if self.events is None:
-            self.began = time.perf_counter()
-        else:
-            self.events[0].record()
-
-    def stop(self) -> None:
-        if self.events is None:
-            self.ended = time.perf_counter()
-        else:
-            self.events[1].record()
-
-    def seconds(self) -> float:
-        if self.events is None:
-            return self.ended - self.began
-        self.events[1].synchronize()  # just after the step's values: no wait to speak of
-        return self.events[0].elapsed_time(self.events[1]) / 1e3
+    timer: StepTimer  # how long it computed, for tokens/s
 
 
 def _token_dtype_hint(config: Config, data: TokenSplits) -> str:
@@ -133,18 +93,6 @@ def _token_dtype_hint(config: Config, data: TokenSplits) -> str:
     if d.source == "tokens" and d.token_dtype == "uint32" and data.vocab_size > 1 << 16:
         return "; if the file holds uint16 ids, set data.token_dtype=uint16"
     return ""
-
-
-class CheckpointWriteError(OSError):
-    """A checkpoint could not be written (a full disk, a lost mount); the message says which step the
-    run folder's checkpoint still holds, whole."""
-
-    def __init__(self, trainer: "Trainer", error: OSError) -> None:
-        path = trainer.out_dir / CHECKPOINT
-        kept = (f"{path} still holds step {trainer.saved_step}, whole: continue with --resume once there is room"
-                if trainer.saved_step is not None else "the run has no checkpoint yet")
-        super().__init__(f"cannot write the checkpoint of step {trainer.state.step} to {path} "
-                         f"({error.strerror or error}); {kept}")
 
 
 class Trainer:
@@ -207,18 +155,11 @@ class Trainer:
 
     # -- run folder and checkpoints
     def _prepare_run_folder(self, resume: bool) -> None:
-        problem = folder_problem(self.out_dir)
-        if problem:
-            raise ConfigError(f"train.out_dir: {self.out_dir} {problem}")
-        checkpoint = self.out_dir / CHECKPOINT
-        if resume and not checkpoint.is_file():
-            raise FileNotFoundError(f"--resume: no checkpoint at {checkpoint}")
-        if not resume:
-            self._refuse_written_folder()
-        self._lock_run_folder()
+        check_run_folder(self.out_dir, self.config, resume)
+        self.lock = lock_run_folder(self.out_dir, self.is_main, self.mean_over_ranks)
         try:
             if resume:
-                self._resume_from(checkpoint)
+                self._resume_from(self.out_dir / CHECKPOINT)
             if self.is_main:
                 save_config(self.config, self.out_dir / CONFIG)
         except BaseException:  # a refused resume leaves the folder free for the next attempt
@@ -227,70 +168,18 @@ class Trainer:
 
     def _resume_from(self, checkpoint: Path) -> None:
         self.load_checkpoint(checkpoint)
-        self._check_not_past_the_end()
-        self._truncate_metrics()
-        if self.is_main:  # a checkpoint write killed outright (SIGKILL, out of memory) left its temporary
+        check_not_past_the_end(self.state.step, self.config.train)
+        if self.is_main:
+            self.notes += truncate_metrics(self.out_dir / METRICS, self.state.step)
+            # a checkpoint write killed outright (SIGKILL, out of memory) left its temporary
             self.notes += [f"removed {stale.name}, a checkpoint write that never finished"
                            for stale in remove_stale_temporaries(checkpoint)]
-
-    def _refuse_written_folder(self) -> None:
-        """A new run writes no file over another run's (nor over a --config file kept there). A config.yaml
-        holding exactly what this run writes is its own, left by the same command stopped before training."""
-        written = [name for name in run_files_in(self.out_dir) if not (name == CONFIG and self._own_config())]
-        if CHECKPOINT in written:
-            raise FileExistsError(
-                f"{self.out_dir} already holds a run ({self.out_dir / CHECKPOINT}); pass --resume to continue it "
-                f"or choose another --train.out_dir"
-            )
-        if METRICS in written:  # a new run would append its curve to the old one's
-            raise FileExistsError(
-                f"{self.out_dir} holds {METRICS} of a run that stopped before its first checkpoint: remove "
-                f"it (or the folder) or choose another --train.out_dir"
-            )
-        if written:
-            raise FileExistsError(
-                f"{self.out_dir} holds {', '.join(written)}, which a new run would replace: choose another "
-                f"--train.out_dir (or move them away)"
-            )
-
-    def _own_config(self) -> bool:
-        path = self.out_dir / CONFIG
-        try:
-            return path.is_file() and path.read_text() == config_text(self.config)
-        except (OSError, UnicodeDecodeError):
-            return False
-
-    def _lock_run_folder(self) -> None:
-        """Rank 0 makes the folder and holds its lock for the run's lifetime; every rank learns whether
-        it could, so all stop together when another process holds it."""
-        self.lock = RunFolderLock(self.out_dir)
-        problem = None
-        if self.is_main:
-            try:
-                self.out_dir.mkdir(parents=True, exist_ok=True)
-                self.lock.acquire()
-            except FolderInUse as e:
-                problem = f"train.out_dir: {e}"
-            except OSError as e:  # no permission, a read-only disk: one line naming the field, not a traceback
-                problem = f"train.out_dir: cannot create {self.out_dir}: {e.strerror or e}"
-        failed = self.mean_over_ranks({"lock_failed": float(problem is not None)})["lock_failed"] > 0
-        if failed:
-            raise ConfigError(problem or f"train.out_dir: rank 0 could not take {self.out_dir} (it says why)")
 
     def close(self) -> None:
         """Release the run folder (the lock); the process ending does the same."""
         lock = getattr(self, "lock", None)
         if lock is not None:
             lock.release()
-
-    def _check_not_past_the_end(self) -> None:
-        """A resume whose max_steps (or budget) ends before the checkpoint's step would leave the run
-        folder's config.yaml contradicting its checkpoint and metrics."""
-        t = self.config.train
-        if self.state.step > t.max_steps:
-            source = f" (train.flops_budget={t.flops_budget:.4g})" if t.flops_budget is not None else ""
-            raise ConfigError(f"--resume: the run is at step {self.state.step}, past train.max_steps={t.max_steps}"
-                              f"{source}; resume with at least its steps")
 
     def checkpoint_payload(self) -> dict[str, Any]:
         """Every rank builds it (a distributed engine saves collectively); rank 0 writes it."""
@@ -319,7 +208,7 @@ class Trainer:
                 try:
                     atomic_torch_save(payload, self.out_dir / CHECKPOINT)
                 except OSError as e:  # a full disk: the rename never happened, the previous file is whole
-                    raise CheckpointWriteError(self, e) from None
+                    raise CheckpointWriteError(self.out_dir, self.state.step, self.saved_step, e) from None
             self.saved_step = self.state.step
 
     def load_checkpoint(self, path: Path) -> None:
@@ -346,17 +235,6 @@ class Trainer:
         self.saved_step = self.state.step
         restore_rng(payload, self.device)
 
-    def _truncate_metrics(self) -> None:
-        """Drop records a crashed run logged after its last checkpoint, so the curve continues; a last
-        line cut short by the crash goes with them (a bad line elsewhere is an error naming it)."""
-        path = self.out_dir / METRICS
-        if not (self.is_main and path.exists()):
-            return
-        records, notes = read_metrics(path)
-        self.notes += notes
-        kept = [record for record in records if record["step"] <= self.state.step]
-        atomic_write_text(path, "".join(json.dumps(record) + "\n" for record in kept))  # as log() wrote them
-
     def mean_over_ranks(self, values: dict[str, float]) -> dict[str, float]:
         """Losses averaged over data-parallel ranks (each rank saw its share of the batch)."""
         if isinstance(self.optimization, DistributedOptimization):
@@ -379,8 +257,7 @@ class Trainer:
 
     def log(self, record: dict[str, Any]) -> None:
         if self.is_main:
-            with open(self.out_dir / METRICS, "a") as f:
-                f.write(json.dumps(record) + "\n")
+            append_record(self.out_dir / METRICS, record)
 
     # -- one step
     def autocast(self) -> contextlib.AbstractContextManager:
@@ -417,7 +294,7 @@ class Trainer:
         self.model.train()
         for micro in range(t.grad_accum):
             x, y = self.micro_batch(self.data.train, step, micro)
-            self._new_step()
+            self.mark_step_begin()
             if self.graphed_step is not None:
                 out = self.graphed_step(x, y)  # forward and backward: one graph replayed
             else:
@@ -447,82 +324,15 @@ class Trainer:
         routing = average_summaries(summaries, sum_counts=True) if summaries[0] else {}
         return {**losses, "lr": launched.lr, "grad_norm": norm, "routing": routing}
 
-    def _new_step(self) -> None:
+    def mark_step_begin(self) -> None:
         """Before each compiled forward: the last one's outputs have been read (a CUDA-graphed
         model, compile_mode=reduce-overhead, reuses their memory on its next replay)."""
         if self.config.train.compile:
             torch.compiler.cudagraph_mark_step_begin()
 
     def evaluate(self) -> dict[str, Any]:
-        """Validation loss and router statistics; leaves the global RNG as it found it.
-
-        The random-routing ablation draws from the global RNG, which checkpoints save: were
-        evaluation to advance it, a run that evaluates at other steps (a resumed one, whose
-        first leg ended with an evaluation) would route differently from then on.
-        """
-        devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
-            return self._evaluate()
-
-    @torch.no_grad()
-    def _evaluate(self) -> dict[str, Any]:
-        t = self.config.train
-        self.model.eval()
-        total, summaries, histograms = 0.0, [], {}
-        seq_len = self.config.data.seq_len
-        bins = position_bins(seq_len)
-        for i in range(t.eval_batches):
-            shares = []
-            for x, y in self._validation_blocks(i):
-                self._new_step()
-                with self.autocast():
-                    out = self.forward(x, y)
-                micro_losses, summary = read_output(out, ("lm_loss",))
-                total += micro_losses["lm_loss"] / self.eval_splits
-                shares.append(summary)
-                for name, positions in chosen_positions(out, seq_len):
-                    histograms[name] = histograms.get(name, 0) + position_histogram(positions, seq_len, bins)
-            summaries.append(pool_as_ranks(shares))
-        routing = average_summaries(self.pool_over_ranks(summaries)) if summaries[0] else {}
-        for name, hist in histograms.items():
-            hist = torch.tensor(self.mean_of_lists([hist.tolist()])[0])  # every rank's positions
-            routing[name]["position_share"] = position_share(hist, seq_len)
-        losses = {"val_loss": total / t.eval_batches}
-        if self.config.routing.causal != "none":
-            losses["val_loss_causal"] = self._causal_val_loss(routing)
-        return {**self.mean_over_ranks(losses), "routing": routing}
-
-    def _validation_blocks(self, batch: int) -> Iterator[tuple[Tensor, Tensor]]:
-        """Validation batch `batch` (the same at every evaluation: seeded apart from training's), in
-        eval_splits row blocks of equal size."""
-        x, y = self.micro_batch(self.data.val, -1, batch)
-        return zip(x.chunk(self.eval_splits), y.chunk(self.eval_splits), strict=True)
-
-    def _causal_val_loss(self, routing: dict[str, dict[str, Any]]) -> float:
-        """The same validation batches routed by the causal decision (as sampling routes them).
-
-        Adds each routed layer's share of tokens actually processed under causal routing
-        ("causal_processed"), pooled over the batches: a Staged MoDE FFN's share is of the tokens
-        its depth router chose, whose number varies from batch to batch, so each batch weighs by
-        it. Runs the uncompiled model: causal routing has data-dependent shapes.
-        """
-        t = self.config.train
-        total, processed, weights = 0.0, {}, {}
-        for i in range(t.eval_batches):
-            for x, y in self._validation_blocks(i):
-                with self.autocast():
-                    out = self.model(x, y, routing_mode="causal")
-                total += float(out.lm_loss) / self.eval_splits
-                shares = {name: float(r.stats["processed"]) for name, r in routed_layers(out) if "processed" in r.stats}
-                for name, share in shares.items():
-                    weight = share_reaching(name, shares)
-                    processed[name] = processed.get(name, 0.0) + share * weight
-                    weights[name] = weights.get(name, 0.0) + weight
-        names = [name for name in processed if name in routing]
-        pooled = self.mean_of_lists([[processed[n] for n in names], [weights[n] for n in names]])
-        for name, value, weight in zip(names, *pooled):
-            routing[name]["causal_processed"] = round(value / weight, 5) if weight > 0 else 0.0
-        return total / t.eval_batches
+        """Validation loss and router statistics (mode.training.evaluation); leaves the RNG as it was."""
+        return validation_metrics(self)
 
     # -- the loop
     def run(self) -> list[dict[str, Any]]:
@@ -543,12 +353,7 @@ class Trainer:
         while the host waits for a read or prepares the next batch; before an evaluation, a
         checkpoint or the end, the step in flight is read first."""
         t = self.config.train
-        self.records: list[dict[str, Any]] = []
-        self.bar = tqdm(
-            total=t.max_steps, initial=self.state.step, disable=not (t.progress and self.is_main),
-            dynamic_ncols=True, file=sys.stdout,
-        )
-        self.window_seconds, self.window_tokens = 0.0, 0
+        self.progress = Progress(t, self.state.step, self.world_size, t.progress and self.is_main, self.log)
         in_flight: LaunchedStep | None = None
         while self.state.step < t.max_steps:
             try:
@@ -567,40 +372,21 @@ class Trainer:
             in_flight = None
             if step % t.eval_interval == 0 or step == t.max_steps:
                 evaluation = {"step": step, "tokens": self.state.tokens, "flops": self.state.flops, **self.evaluate()}
-                self.records.append(evaluation)
-                self.log(evaluation)
+                self.progress.keep(evaluation)
                 if self.is_main:
-                    self.bar.write(f"step {step}: val_loss {evaluation['val_loss']:.4f}")
+                    self.progress.bar.write(f"step {step}: val_loss {evaluation['val_loss']:.4f}")
             if step % t.checkpoint_interval == 0 or step == t.max_steps:
                 self.save_checkpoint()
-        self.bar.close()
+        self.progress.bar.close()
         if self.is_main:
             plot_losses(self.out_dir)
-        return self.records
+        return self.progress.records
 
     def _report(self, launched: LaunchedStep) -> None:
-        """Finish a launched step: progress bar, tokens/s, and its record at log intervals."""
-        t = self.config.train
+        """Finish a launched step: its record, with tokens/s, to the progress bar and, at log intervals, the log."""
         metrics = self.finish_step(launched)
-        self.window_tokens += self.tokens_per_step
-        self.window_seconds += launched.timer.seconds()
-        step = launched.state.step
-        record = {"step": step, "tokens": launched.state.tokens, "flops": launched.state.flops, **metrics}
-        record["tokens_per_s"] = self.window_tokens / max(self.window_seconds, 1e-9)
-        record["processes"] = self.world_size  # tokens and tokens_per_s count every process's
-        self.bar.update(1)
-        self.bar.set_postfix_str(self._progress_text(record))
-        if step % t.log_interval == 0 or step == t.max_steps:
-            self.records.append(record)
-            self.log(record)
-            self.window_seconds, self.window_tokens = 0.0, 0
-
-    def _progress_text(self, record: dict[str, Any]) -> str:
-        fractions = " ".join(
-            f"{name.removeprefix('layer')}:{stats['processed']:.2f}" for name, stats in record["routing"].items()
-        )
-        text = f"loss {record['loss']:.3f} | {record['tokens_per_s']:.0f} tok/s"
-        return f"{text} | routed {fractions}" if fractions else text
+        record = {"step": launched.state.step, "tokens": launched.state.tokens, "flops": launched.state.flops, **metrics}
+        self.progress.step(record, self.tokens_per_step, launched.timer.seconds())
 
 
 def to_device(batch: Tensor, device: torch.device) -> Tensor:
