@@ -12,9 +12,11 @@ import torch
 from torch import Tensor
 
 from mode.config import Config, ConfigError, config_from_dict, field_differences
+from mode.convert import converted_state, convertible
 from mode.layers.experts import check_backend
 from mode.model import LanguageModel
 from mode.run_folder import CHECKPOINT
+from mode.trainable import apply_trainable
 
 # How a run executes, not what it learns: how often it logs, evaluates and saves, where and how
 # it runs (and parallel.*: the same mathematics up to rounding).
@@ -29,28 +31,44 @@ RESUMABLE_FIELDS = (
 
 
 # ----------------------------------------------------------------------------- checkpoints & plots
-def build_model(config: Config, device: torch.device | str, resume: bool = False) -> LanguageModel:
+def build_model(
+    config: Config, device: torch.device | str, resume: bool = False, notes: list[str] | None = None,
+) -> LanguageModel:
     """The model a run trains: initialised from train.seed's RNG as it stands, or, for a new run
     with train.init_from, holding that checkpoint's weights (one-device layout: a one-process
-    run's, or a multi-process run's with every expert gathered). A resumed run loads its own."""
+    run's, or a multi-process run's with every expert gathered). A resumed run loads its own.
+    notes: gets what a conversion (mode/convert.py) computes at step 0, for the user."""
     model = LanguageModel(config).to(device)
     if config.train.init_from is not None and not resume:
-        load_init_weights(model, config)
+        said = load_init_weights(model, config)
+        if notes is not None:
+            notes.extend(said)
+    apply_trainable(model, config.train.trainable)
     return model
 
 
-def load_init_weights(model: LanguageModel, config: Config) -> None:
-    """train.init_from: copy a checkpoint's weights into model; its model section must be this run's."""
+def load_init_weights(model: LanguageModel, config: Config) -> list[str]:
+    """train.init_from: copy a checkpoint's weights into model; its model section must be this run's,
+    except for which layers are routed (model.block_pattern): then the checkpoint's dense / MoE
+    layers are converted (mode/convert.py). Returns the conversion's notes (none without one)."""
     path = config.train.init_from
     try:
         payload = load_checkpoint_file(Path(path))
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(f"train.init_from: {e}") from None
-    differ = field_differences(payload["config"], config, lambda name: name.startswith("model."))
+    state, notes = payload["model"], []
+    converting = convertible(payload["config"], config)
+    if converting:
+        source = config_from_dict(payload["config"], str(path))
+        try:
+            state, notes = converted_state(state, source, model.state_dict(), config)
+        except ConfigError as e:
+            raise ConfigError(f"train.init_from: converting {path}: {e}") from None
+    differ = field_differences(payload["config"], config, lambda name: name.startswith("model.") and not converting)
     if differ:
         raise ConfigError(f"train.init_from: {path} holds another model: {', '.join(differ)}")
     try:
-        model.load_state_dict(payload["model"])
+        model.load_state_dict(state)
     except RuntimeError as e:  # routing or moe fields that add, drop or reshape weights
         routed = field_differences(payload["config"], config, lambda name: name.startswith(("routing.", "moe.")))
         first = str(e).strip().splitlines()[-1].strip()
@@ -58,6 +76,7 @@ def load_init_weights(model: LanguageModel, config: Config) -> None:
             f"train.init_from: the weights in {path} do not fit this model ({first}); its routing / moe "
             f"fields that differ: {', '.join(routed) or 'none'}"
         ) from None
+    return notes
 
 
 def describes_execution(name: str) -> bool:

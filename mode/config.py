@@ -258,8 +258,20 @@ class TrainConfig(Section):
     )
     progress: bool = True
     init_from: str | None = Field(
-        None, min_length=1, description="a checkpoint (run folder or checkpoint.pt) whose weights start this new run; same model section"
+        None, min_length=1,
+        description="a checkpoint (run folder or checkpoint.pt) whose weights start this new run; same model section, "
+                    "except block_pattern: its dense / MoE layers are then converted (docs/huggingface.md)",
     )
+    trainable: list[str] = Field(
+        default_factory=lambda: ["all"], min_length=1,
+        description="the parameters training updates: all, routers (every router and causal predictor), or "
+                    "fnmatch patterns over parameter names (blocks.*.attn.*); the rest stay bit-identical",
+    )
+
+    @field_validator("trainable", mode="before")
+    @classmethod
+    def _trainable_list(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
 
     @field_validator("seed")
     @classmethod

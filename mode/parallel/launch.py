@@ -122,7 +122,8 @@ def build_trainer(config: Config, processes: Processes, resume: bool = False) ->
     torch.manual_seed(config.train.seed)
     # Whole and on the host (where LanguageModel initialises anyway), with train.init_from's
     # weights in the one-device layout; only this rank's experts then reach the device.
-    model = build_model(config, "cpu", resume)
+    notes: list[str] = []
+    model = build_model(config, "cpu", resume, notes)
     # routing.random: each process draws the global micro-batch's scores and keeps its rows (every
     # rank's generator is seeded alike), so the ablation routes as one process with the whole batch.
     set_random_score_rows(model, processes.rank, processes.world_size)
@@ -134,6 +135,7 @@ def build_trainer(config: Config, processes: Processes, resume: bool = False) ->
         config, resume=resume, optimization=optimization, model=optimization.model,
         rank=processes.rank, world_size=processes.world_size,
     )
+    trainer.notes[:0] = notes
     if not resume:
         torch.set_rng_state(rng)
     return trainer

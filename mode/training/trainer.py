@@ -124,10 +124,10 @@ class Trainer:
                 f"model.vocab_size ({config.model.vocab_size}) is smaller than the data's vocabulary "
                 f"({self.data.vocab_size} token ids in {describe_source(config.data)}){_token_dtype_hint(config, self.data)}"
             )
-        self.model = model if model is not None else build_model(config, self.device, resume)
+        self.notes: list[str] = []  # for the user, before training starts
+        self.model = model if model is not None else build_model(config, self.device, resume, self.notes)
         t = config.train
         self.forward = torch.compile(self.model, mode=t.compile_mode) if t.compile else self.model
-        self.notes: list[str] = []  # for the user, before training starts
         # The eager model as CUDA graphs (train.cuda_graphs); one process: a given optimization is an engine's.
         eager_graphed, note = eager_graphs(config, self.device, self.model, one_process=optimization is None)
         if note:
