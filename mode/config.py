@@ -193,9 +193,14 @@ class MoEConfig(Section):
 
 class DataConfig(Section):
     source: Literal["stdlib", "text", "tokens"] = Field(
-        "stdlib", description="stdlib: the running Python's standard library source; text: a file or folder; tokens: a .bin"
+        "stdlib",
+        description=(
+            "stdlib: the running Python's standard library source; text: a file or folder; tokens: a .bin, or a "
+            "folder python -m mode.data prepare wrote"
+        ),
     )
     path: str | None = Field(None, description="file or folder for source=text or source=tokens")
+    # A prepared folder's meta.json sets token_dtype and val_fraction (and model.vocab_size) when the config loads.
     token_dtype: Literal["uint16", "uint32"] = "uint16"
     val_fraction: float = Field(0.1, gt=0.0, lt=1.0)
     seq_len: int = Field(256, gt=1)
