@@ -328,3 +328,14 @@ def test_stdlib_bpe_then_a_mod_tiny_run_then_text_generation(tmp_path: Path, cap
     assert len(new) == 12 and printed == tokenizer.decode(ids + new)
     assert any(t >= 256 for t in new) or any(t >= 256 for t in ids)  # BPE ids, not bytes
     assert generate(model, [prompt], max_new_tokens=12, temperature=0) == [printed[len(prompt):]]  # text in, text out
+
+
+def test_a_long_line_is_read_in_pieces_that_never_split_a_character(tmp_path: Path) -> None:
+    """Memory stays bounded on a file of one long line: pieces of at most 2 x piece_bytes, each valid UTF-8."""
+    path = tmp_path / "line.txt"
+    text = "".join(f"{i}:é世𝄞," for i in range(3000)) + "\n"
+    path.write_text(text, encoding="utf-8")
+    reader = Reader(Corpus(tmp_path, [path], "text"), SplitPlan(set(), 0), piece_bytes=64)
+    pieces = list(reader.pieces())
+    assert len(pieces) > 100 and all(p.size <= 128 for p in pieces) and not reader.not_utf8
+    assert "".join(p.text for p in pieces) == text

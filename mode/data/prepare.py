@@ -21,6 +21,7 @@ import os
 import shutil
 import sys
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import IO, Iterator
 
@@ -45,7 +46,7 @@ class Corpus:
     source: str  # "stdlib" or "text"
     max_bytes: int | None = None  # read only the first max_bytes (whole lines)
 
-    @property
+    @cached_property
     def total_bytes(self) -> int:
         size = sum(f.stat().st_size for f in self.files)
         return size if self.max_bytes is None else min(size, self.max_bytes)
@@ -112,16 +113,13 @@ class Reader:
     def pieces(self) -> Iterator[Piece]:
         offset, limit = 0, self.corpus.max_bytes
         for path in _files_read(self.corpus):
-            blocks = _blocks(path, self.piece_bytes)
-            block = next(blocks, None)
-            while block is not None:
-                following = next(blocks, None)
-                if limit is not None and offset + len(block) > limit:  # the last piece read
-                    block, following = block[:_lines_within(block, limit - offset)], None
-                yield from self._split(path, block, offset, following is None)
+            for block, last in _blocks(path, self.piece_bytes):
+                over = limit is not None and offset + len(block) > limit
+                if over:  # the last piece read: its whole lines within the limit
+                    block = block[:_lines_within(block, limit - offset)]
+                yield from self._split(path, block, offset, last or over)
                 offset += len(block)
-                block = following
-                if limit is not None and offset >= limit:
+                if over or (limit is not None and offset >= limit):
                     return
 
     def _split(self, path: Path, block: bytes, offset: int, last: bool) -> Iterator[Piece]:
@@ -143,10 +141,38 @@ class Reader:
             return data.decode("utf-8", errors="replace")
 
 
-def _blocks(path: Path, size: int) -> Iterator[bytes]:
+def _blocks(path: Path, size: int) -> Iterator[tuple[bytes, bool]]:
+    """The file in blocks of `size` to 2 x `size` bytes, each with whether it is the file's last. A block ends at
+    a line's end, or, in a line longer than `size`, at a character's end: never inside a character."""
     with path.open("rb") as f:
-        while block := f.read(size):
-            yield block + f.readline()  # to the end of the line: a piece never splits a line, nor a character
+        block = _block(f, size)
+        while block:
+            following = _block(f, size)
+            yield block, not following
+            block = following
+
+
+def _block(f: IO[bytes], size: int) -> bytes:
+    block = f.read(size)
+    if not block:
+        return block
+    rest = f.readline(size)
+    block += rest
+    if len(rest) == size and not rest.endswith(b"\n"):  # a long line, cut: not inside a character
+        keep = _characters_end(block)
+        f.seek(keep - len(block), os.SEEK_CUR)
+        block = block[:keep]
+    return block
+
+
+def _characters_end(data: bytes) -> int:
+    """The length of data's whole UTF-8 characters: data less an incomplete character at its end."""
+    start = len(data) - 1
+    while start > len(data) - 4 and start > 0 and data[start] & 0xC0 == 0x80:  # continuation bytes
+        start -= 1
+    lead = data[start]
+    width = 1 if lead < 0x80 else 2 if lead >> 5 == 0b110 else 3 if lead >> 4 == 0b1110 else 4 if lead >> 3 == 0b11110 else 1
+    return start if start + width > len(data) and start > 0 else len(data)
 
 
 def _lines_within(block: bytes, size: int) -> int:
@@ -440,9 +466,9 @@ def parse_args(argv: list[str] | None) -> Request:
 
 
 def summary(meta: Metadata, out: Path) -> str:
-    shards = {split: len(meta.shards[split]) for split in SPLITS}
-    return (f"wrote {out}: {meta.tokens('train')} train tokens ({shards['train']} shards), {meta.tokens('val')} "
-            f"validation tokens ({shards['val']} shards), vocabulary {meta.vocab_size} ({meta.token_dtype}); "
+    shards = {split: f"{len(meta.shards[split])} shard" + "s" * (len(meta.shards[split]) > 1) for split in SPLITS}
+    return (f"wrote {out}: {meta.tokens('train')} train tokens ({shards['train']}), {meta.tokens('val')} "
+            f"validation tokens ({shards['val']}), vocabulary {meta.vocab_size} ({meta.token_dtype}); "
             f"train on it with --data.source=tokens --data.path={out}")
 
 
