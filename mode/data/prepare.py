@@ -392,8 +392,9 @@ def prepare(r: Request) -> Metadata:
         tokenizer = train_bpe(Reader(corpus, plan), r.vocab_size, total)
         vocab, eos = tokenizer.vocab_size, tokenizer.token_id(SEPARATOR)
     dtype = dtype_for(vocab) if r.token_dtype == "auto" else r.token_dtype
-    r.out.parent.mkdir(parents=True, exist_ok=True)
-    work = r.out.parent / f".{r.out.name}.partial-{os.getpid()}"
+    out = r.out.resolve()  # "." or "data/.." name their folder only once resolved
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = out.parent / f".{out.name}.partial-{os.getpid()}"
     work.mkdir()
     writers = {split: ShardWriter(work, split, dtype, r.shard_tokens) for split in SPLITS}
     try:
@@ -410,7 +411,7 @@ def prepare(r: Request) -> Metadata:
         else:
             tokenizer.tokenizer.save(str(work / TOKENIZER))
         (work / METADATA).write_text(meta.to_json(), encoding="utf-8")
-        os.rename(work, r.out)  # onto a missing or empty folder: the whole folder appears at once
+        os.rename(work, out)  # onto a missing or empty folder: the whole folder appears at once
     except BaseException:
         for writer in writers.values():
             writer.abort()
