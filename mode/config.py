@@ -193,9 +193,14 @@ class MoEConfig(Section):
 
 class DataConfig(Section):
     source: Literal["stdlib", "text", "tokens"] = Field(
-        "stdlib", description="stdlib: the running Python's standard library source; text: a file or folder; tokens: a .bin"
+        "stdlib",
+        description=(
+            "stdlib: the running Python's standard library source; text: a file or folder; tokens: a .bin, or a "
+            "folder python -m mode.data prepare wrote"
+        ),
     )
     path: str | None = Field(None, description="file or folder for source=text or source=tokens")
+    # A prepared folder's meta.json sets token_dtype and val_fraction (and model.vocab_size) when the config loads.
     token_dtype: Literal["uint16", "uint32"] = "uint16"
     val_fraction: float = Field(0.1, gt=0.0, lt=1.0)
     seq_len: int = Field(256, gt=1)
@@ -568,7 +573,8 @@ def read_yaml_file(path: Path) -> Any:
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
-    """Read a YAML config (or the defaults when path is None) and apply --a.b=value overrides."""
+    """Read a YAML config (or the defaults when path is None) and apply --a.b=value overrides; data.path at
+    a prepared token folder sets model.vocab_size, data.token_dtype and data.val_fraction (mode.data.meta)."""
     raw: dict[str, Any] = {}
     source = "<defaults>"
     if path is not None:
@@ -583,7 +589,11 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     # A section whose keys are all commented out reads as null: an empty section, all defaults.
     raw = {name: {} if value is None else value for name, value in raw.items()}
     raw = apply_overrides(raw, overrides or [], source)
-    return config_from_dict(raw, source, overrides or [])
+    config = config_from_dict(raw, source, overrides or [])
+    from mode.data.meta import apply_metadata  # here, not above: mode.data imports this module
+
+    apply_metadata(config)  # a prepared token folder's vocabulary, dtype and split
+    return config
 
 
 def flat_fields(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -4,18 +4,27 @@
         [--max-new-tokens N --temperature T --top-k K --top-p P --greedy --seed S]
     python -m mode.generate --checkpoint RUN_DIR --prompt-ids "12 7 99"   # token ids in, ids out
 
-Python API: `generate(model, prompts, ...)` for a batch of prompts (token lists or byte-level
-text), and `Decoder` (mode/inference/decoder.py) for prefill / decode steps with logits.
+Text prompts work for byte-level models (the text's UTF-8 bytes are the tokens) and for models
+trained on a folder `python -m mode.data prepare` wrote: its tokenizer.json encodes the prompt and
+decodes the output (--tokenizer names another one, e.g. where the data folder has moved).
+
+Python API: `generate(model, prompts, ...)` for a batch of prompts (token lists or text), and
+`Decoder` (mode/inference/decoder.py) for prefill / decode steps with logits.
 A routed layer decides per token, causally, whether the token goes through it, and caches only
 the tokens it processed; see mode/inference/decoder.py for how prefill and the two decode steps
 run every block through its one incremental method.
 """
 from __future__ import annotations
 
+from mode.cli import finish, quiet_start, started
+
+quiet_start(__name__)  # before torch: Ctrl-C while it imports ends with one line
+
 import argparse
 import math
 import re
 import sys
+from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -23,6 +32,8 @@ from torch import Tensor
 
 from mode.checkpoint import load_model
 from mode.config import seed_problem
+from mode.data.meta import prepared_folder
+from mode.data.tokenizer import TextTokenizer, load_tokenizer
 from mode.inference.decoder import DECODE_SDPA_BACKENDS, ROUTED_ROWS, Decoder, layer_step
 from mode.layers.kv_cache import LayerCache
 from mode.model import LanguageModel
@@ -91,6 +102,37 @@ def _token_model(model: LanguageModel) -> str:
             f"model.vocab_size {config.model.vocab_size}), not text")
 
 
+def run_tokenizer(model: LanguageModel) -> TextTokenizer | None:
+    """The tokenizer of the prepared folder the model was trained on (its data.path's tokenizer.json), or
+    None where its data was not a prepared folder or that folder is no longer there."""
+    folder = prepared_folder(model.config)
+    return None if folder is None else load_tokenizer(folder, "data.path")
+
+
+def text_tokenizer(model: LanguageModel, tokenizer: TextTokenizer | None) -> TextTokenizer | None:
+    """The tokenizer text prompts go through: None for a byte-level model (its tokens are UTF-8 bytes), else
+    `tokenizer` or the run's own (run_tokenizer); a ValueError where there is none or it does not fit."""
+    if is_byte_level(model):
+        if tokenizer is not None:
+            raise ValueError(f"tokenizer {tokenizer.path}: this model is byte-level (its tokens are UTF-8 bytes); "
+                             "give no tokenizer")
+        return None
+    tokenizer = tokenizer or run_tokenizer(model)
+    if tokenizer is None:
+        return None
+    vocab = model.config.model.vocab_size
+    if tokenizer.vocab_size > vocab:
+        raise ValueError(f"tokenizer {tokenizer.path}: its {tokenizer.vocab_size} tokens do not fit this model's "
+                         f"model.vocab_size ({vocab}): not the tokenizer it was trained with")
+    return tokenizer
+
+
+def continuation(tokenizer: TextTokenizer, prompt: Sequence[int], new: Sequence[int]) -> str:
+    """The text of `new` after `prompt`: decoded together (a character may span the two) less the prompt's text."""
+    head, whole = tokenizer.decode(prompt), tokenizer.decode([*prompt, *new])
+    return whole[len(head):] if whole.startswith(head) else tokenizer.decode(new)
+
+
 def generate(
     model: LanguageModel,
     prompts: Sequence[Sequence[int]] | Sequence[str],
@@ -101,10 +143,12 @@ def generate(
     stop_tokens: Sequence[int] = (),
     seed: int | None = None,
     compile: bool = False,
+    tokenizer: TextTokenizer | None = None,
 ) -> list[list[int]] | list[str]:
     """Sample continuations of a batch of prompts; returns the new tokens (or text for text prompts).
 
-    Prompts are token lists or strings (byte-level tokens). Temperature 0 is greedy. A row
+    Prompts are token lists or strings: UTF-8 bytes for a byte-level model, else encoded by `tokenizer`
+    (default: the tokenizer of the prepared folder the model trained on). Temperature 0 is greedy. A row
     stops at a stop token (not included in its output), after max_new_tokens, or when it
     reaches the context window (model.max_seq_len). compile: torch.compile the static decode
     step (Decoder(compile=True); worth its compile time for long generations).
@@ -113,11 +157,15 @@ def generate(
     if isinstance(prompts, str) or len(prompts) == 0:
         raise ValueError("prompts must be a non-empty list of prompts (token lists or strings)")
     as_text = all(isinstance(p, str) for p in prompts)
-    if any(isinstance(p, str) for p in prompts) and not is_byte_level(model):
-        # Byte-encoding the text would feed ids of the wrong tokenizer, and decode_bytes would
-        # drop every generated id >= 256: the caller would see the prompt and nothing else.
-        raise ValueError(f"text prompts need a byte-level model; {_token_model(model)}: give token lists")
-    token_prompts = [encode_text(p) if isinstance(p, str) else list(p) for p in prompts]
+    if any(isinstance(p, str) for p in prompts):
+        tokenizer = text_tokenizer(model, tokenizer)
+        if tokenizer is None and not is_byte_level(model):
+            # Byte-encoding the text would feed ids of the wrong tokenizer, and decode_bytes would
+            # drop every generated id >= 256: the caller would see the prompt and nothing else.
+            raise ValueError(f"text prompts need a byte-level model or a tokenizer; {_token_model(model)}: "
+                             "give token lists or the tokenizer it was trained with")
+    encode = tokenizer.encode if tokenizer is not None else encode_text
+    token_prompts = [encode(p) if isinstance(p, str) else list(p) for p in prompts]
     cfg = model.config.model
     for i, p in enumerate(token_prompts):
         if len(p) == 0:
@@ -162,7 +210,11 @@ def generate(
             logits = decoder.step(sampled, torch.tensor(active))
     finally:
         model.train(was_training)
-    return [decode_bytes(o) for o in outputs] if as_text else outputs
+    if not as_text:
+        return outputs
+    if tokenizer is None:
+        return [decode_bytes(o) for o in outputs]
+    return [continuation(tokenizer, p, o) for p, o in zip(token_prompts, outputs)]
 
 
 # ----------------------------------------------------------------------------- command line
@@ -173,11 +225,17 @@ SAMPLING_DEFAULTS = {"--temperature": 1.0, "--top-k": 0, "--top-p": 1.0}
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Sample text from a trained MoD / MoDE model (causal routing).")
     parser.add_argument("--checkpoint", required=True, help="run folder or checkpoint.pt")
-    parser.add_argument("--prompt", action="append", help="prompt text, byte-level models only (repeat for a batch)")
+    parser.add_argument("--prompt", action="append",
+                        help="prompt text (repeat for a batch): byte-level models, or tokenized ones with their tokenizer")
     parser.add_argument(
         "--prompt-ids", action="append",
         help='prompt as token ids, e.g. "12 7 99" or "12,7,99"; the output is ids too (repeat for a batch). '
         "Give --prompt or --prompt-ids, not both",
+    )
+    parser.add_argument(
+        "--tokenizer", type=Path, default=None,
+        help="for --prompt on a tokenized model: a tokenizer.json, a Hugging Face model folder or a prepared data "
+        "folder (default: the tokenizer of the prepared folder the run trained on)",
     )
     parser.add_argument("--max-new-tokens", type=int, default=200)
     parser.add_argument("--temperature", type=float, default=SAMPLING_DEFAULTS["--temperature"])
@@ -221,6 +279,8 @@ def _check_flags(args: argparse.Namespace) -> None:
     """Flag combinations that would otherwise be ignored silently."""
     if (args.prompt is None) == (args.prompt_ids is None):
         raise ValueError("give exactly one of --prompt (text) and --prompt-ids (token ids)")
+    if args.tokenizer is not None and args.prompt is None:
+        raise ValueError("--tokenizer encodes --prompt text; --prompt-ids are token ids already: drop --tokenizer")
     if args.greedy:
         given = {"--temperature": args.temperature, "--top-k": args.top_k, "--top-p": args.top_p}
         # --temperature 0 is greedy already, so it agrees with --greedy
@@ -252,20 +312,25 @@ def _label(flag: str, index: int, count: int) -> str:
     return flag if count == 1 else f"{flag} #{index + 1}"
 
 
-def _cli_prompts(args: argparse.Namespace, model: LanguageModel) -> tuple[str, list[list[int]]]:
-    """(the flag the prompts came from, the prompts as token lists)."""
+def _cli_prompts(args: argparse.Namespace, model: LanguageModel) -> tuple[str, list[list[int]], TextTokenizer | None]:
+    """(the flag the prompts came from, the prompts as token lists, the tokenizer of text prompts: None for bytes)."""
     if args.prompt is None:
-        return "--prompt-ids", [parse_prompt_ids(v, model.config.model.vocab_size) for v in args.prompt_ids]
-    if not is_byte_level(model):
+        return "--prompt-ids", [parse_prompt_ids(v, model.config.model.vocab_size) for v in args.prompt_ids], None
+    given = load_tokenizer(args.tokenizer) if args.tokenizer is not None else None
+    try:
+        tokenizer = text_tokenizer(model, given)
+    except ValueError as e:
+        raise ValueError(f"--{e}" if given is not None else str(e)) from None  # "--tokenizer PATH: ..."
+    if tokenizer is None and not is_byte_level(model):
         raise ValueError(f'--prompt: {_token_model(model)}; give the prompt as --prompt-ids "12 7 99"')
     prompts = []
     for i, text in enumerate(args.prompt):
         try:
-            prompts.append(encode_text(text))
+            prompts.append(tokenizer.encode(text) if tokenizer is not None else encode_text(text))
         except UnicodeEncodeError:  # bytes the shell passed that are not UTF-8 (kept as surrogates)
             raise ValueError(f"{_label('--prompt', i, len(args.prompt))} is not valid UTF-8 text: give its bytes "
                              'as --prompt-ids "104 105"') from None
-    return "--prompt", prompts
+    return "--prompt", prompts, tokenizer
 
 
 def _check_prompt(label: str, tokens: list[int], unit: str, max_seq_len: int, max_new_tokens: int) -> None:
@@ -288,14 +353,17 @@ def _cut_notice(name: str, prompt_len: int, new: int, max_new_tokens: int, max_s
             f"({prompt_len} tokens) and the output fill the context window model.max_seq_len ({max_seq_len})")
 
 
-def _print_samples(args: argparse.Namespace, prompts: list[list[int]], outputs: list[list[int]], max_seq_len: int) -> None:
+def _print_samples(args: argparse.Namespace, prompts: list[list[int]], outputs: list[list[int]], max_seq_len: int,
+                   tokenizer: TextTokenizer | None) -> None:
     """Each prompt and its continuation (text, or ids for --prompt-ids); a header line before each
     sample when there are several, since a text sample can span lines."""
     many = len(prompts) > 1
     for i, (prompt, new) in enumerate(zip(prompts, outputs)):
         if many:
             print(f"--- sample {i + 1} ---")
-        if args.prompt is not None:
+        if tokenizer is not None:
+            print(tokenizer.decode(prompt + new))  # the prompt as the tokenizer reads it back
+        elif args.prompt is not None:
             print(args.prompt[i] + decode_bytes(new))
         else:
             print(" ".join(str(t) for t in prompt + new))
@@ -305,14 +373,15 @@ def _print_samples(args: argparse.Namespace, prompts: list[list[int]], outputs: 
 
 
 def main(argv: list[str] | None = None) -> int:
+    started()
     args = _parser().parse_args(argv)
     try:
         _check_flags(args)
         device = pick_device(args.device, field="--device")
         model = load_model(args.checkpoint, device).to(sampling_dtype(args.dtype, device))
-        flag, prompts = _cli_prompts(args, model)
+        flag, prompts, tokenizer = _cli_prompts(args, model)
         max_seq_len = model.config.model.max_seq_len
-        unit = "UTF-8 bytes" if flag == "--prompt" else "tokens"
+        unit = "UTF-8 bytes" if flag == "--prompt" and tokenizer is None else "tokens"
         for i, p in enumerate(prompts):
             _check_prompt(_label(flag, i, len(prompts)), p, unit, max_seq_len, args.max_new_tokens)
         outputs = generate(
@@ -322,9 +391,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    _print_samples(args, prompts, outputs, max_seq_len)
+    _print_samples(args, prompts, outputs, max_seq_len, tokenizer)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    finish(main())

@@ -721,3 +721,65 @@ def test_a_seed_out_of_range_names_the_flag(byte_ckpt: Path, capsys, seed: str) 
         main(["--checkpoint", str(byte_ckpt), "--prompt", "x", "--seed", seed])
     assert info.value.code == 2
     assert f"argument --seed: {seed} is out of range: a seed must be between 0 and 2**63 - 1" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- tokenized models
+def small_tokenizer(path: Path, vocab_size: int) -> Path:
+    """A byte-level BPE of vocab_size tokens trained on a little Python, saved as a tokenizer.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tokenizer.train_from_iterator(["def hello(world):\n    return world + 1\n" * 20, "class Héllo:\n    pass\n" * 20], trainer)
+    tokenizer.save(str(path))
+    return path
+
+
+def word_tokenizer(path: Path, size: int) -> Path:
+    """A word-level tokenizer.json of exactly `size` tokens."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(size - 1)} | {"[UNK]": size - 1}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(path))
+    return path
+
+
+def test_cli_text_prompt_on_a_token_model_goes_through_its_tokenizer(token_ckpt: Path, tmp_path: Path, capsys) -> None:
+    from mode.data.tokenizer import load_tokenizer
+
+    path = small_tokenizer(tmp_path / "tokenizer.json", 300)
+    tokenizer = load_tokenizer(path)
+    base = ["--checkpoint", str(token_ckpt), "--greedy", "--max-new-tokens", "6", "--device", "cpu", "--tokenizer", str(path)]
+    assert main(base + ["--prompt", "def héllo"]) == 0
+    ids = tokenizer.encode("def héllo")
+    assert len(ids) < len("def héllo".encode())  # merged tokens, not bytes
+    new = greedy(token_ckpt, [ids], 6, "cpu")[0]
+    assert capsys.readouterr().out == tokenizer.decode(ids + new) + "\n"
+    model = load_model(token_ckpt)
+    text = generate(model, ["def héllo"], max_new_tokens=6, temperature=0, tokenizer=tokenizer)
+    assert text == [tokenizer.decode(ids + new)[len(tokenizer.decode(ids)):]]
+
+
+@pytest.mark.parametrize(
+    "which, extra, message",
+    [
+        ("token", ["--prompt", "hi"], "error: --tokenizer {path}: its 2000 tokens do not fit this model's model.vocab_size "
+                                      "(1000): not the tokenizer it was trained with"),
+        ("byte", ["--prompt", "hi"], "error: --tokenizer {path}: this model is byte-level (its tokens are UTF-8 bytes); "
+                                     "give no tokenizer"),
+        ("token", ["--prompt-ids", "1 2"], "error: --tokenizer encodes --prompt text; --prompt-ids are token ids already: "
+                                           "drop --tokenizer"),
+    ],
+    ids=["too-large", "byte-level-model", "with-prompt-ids"],
+)
+def test_cli_tokenizer_that_cannot_apply_is_refused(token_ckpt: Path, byte_ckpt: Path, tmp_path: Path, capsys,
+                                                    which: str, extra: list, message: str) -> None:
+    path = word_tokenizer(tmp_path / "tokenizer.json", 2000) if which == "token" else small_tokenizer(tmp_path / "t.json", 300)
+    ckpt = token_ckpt if which == "token" else byte_ckpt
+    assert main(["--checkpoint", str(ckpt), "--device", "cpu", "--tokenizer", str(path), *extra]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == message.format(path=path) + "\n" and captured.out == ""

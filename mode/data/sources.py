@@ -8,6 +8,8 @@ Sources:
 - `tokens`: a pre-tokenized uint16/uint32 file in nanoGPT's `.bin` layout (a flat array of
   token ids); the last val_fraction of it is validation. The file is memory-mapped, as nanoGPT
   does: a batch reads its windows, never the whole file (a corpus larger than memory trains).
+  Or a folder written by `python -m mode.data prepare` (mode.data.prepared): its shards, split
+  and vocabulary as its meta.json records them.
 
 Tokens are bytes (vocabulary 256) for the two text sources. Batches are drawn at random
 offsets by a generator seeded from (seed, step), so a resumed run sees the same data as an
@@ -26,19 +28,42 @@ import torch
 from torch import Tensor
 
 from mode.config import DataConfig
+from mode.data.meta import METADATA, DataError, is_prepared, read_metadata
 
 BYTE_VOCAB = 256
 DOC_SEPARATOR = b"\n\x00\n"  # marks file boundaries in the byte stream
 
 
-class DataError(ValueError):
-    """A data source problem; the message names the file or folder."""
+class ShardedTokens:
+    """Memory-mapped shards read as one stream of token ids: a window may span two shards. Has what
+    sample_batch and the split checks use of a Tensor: numel() and indexing by a tensor of positions."""
+
+    def __init__(self, shards: list[Tensor]) -> None:
+        self.shards = shards
+        sizes = torch.tensor([s.numel() for s in shards])
+        self.starts = torch.cat([torch.zeros(1, dtype=torch.long), sizes.cumsum(0)])  # (n_shards + 1,)
+
+    def numel(self) -> int:
+        return int(self.starts[-1])
+
+    def __getitem__(self, index: Tensor) -> Tensor:
+        """Token ids (int64) at global positions `index`, of any shape."""
+        flat = index.reshape(-1)
+        which = torch.searchsorted(self.starts, flat, right=True) - 1  # the shard of each position
+        out = torch.empty(flat.shape, dtype=torch.long)  # int64: torch indexes uint16/uint32 but cannot scatter them
+        for s in which.unique().tolist():
+            rows = which == s
+            out[rows] = self.shards[s][flat[rows] - self.starts[s]].long()
+        return out.view(index.shape)
+
+
+Tokens = Tensor | ShardedTokens
 
 
 @dataclass
 class TokenSplits:
-    train: Tensor  # (N_train,) token ids, stored compactly (uint8 bytes; uint16 / uint32 mapped from a token file)
-    val: Tensor  # (N_val,)
+    train: Tokens  # (N_train,) token ids, stored compactly (uint8 bytes; uint16 / uint32 mapped from token files)
+    val: Tokens  # (N_val,)
     vocab_size: int
 
 
@@ -70,34 +95,47 @@ def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def load_stdlib(val_fraction: float) -> TokenSplits:
+def stdlib_files(field: str = "data.source=stdlib") -> list[Path]:
+    """The standard library's .py files, sorted; `field` names the setting in the error when there are none."""
     root = stdlib_root()
     # The library itself, not installed third-party packages or the test suite's data files.
     files = sorted(
         p for p in root.rglob("*.py") if "site-packages" not in p.parts and "dist-packages" not in p.parts
     )
     if not files:
-        raise DataError(f"data.source=stdlib: no .py files found under {root}")
-    return _split_files(root, files, val_fraction, f"standard library at {root}")
+        raise DataError(f"{field}: no .py files found under {root}")
+    return files
 
 
-def load_text(path: Path, val_fraction: float) -> TokenSplits:
+def load_stdlib(val_fraction: float) -> TokenSplits:
+    root = stdlib_root()
+    return _split_files(root, stdlib_files(), val_fraction, f"standard library at {root}")
+
+
+def text_files(path: Path, field: str = "data.path") -> list[Path]:
+    """The text a path holds: the file itself, or a folder's non-empty files that are not hidden, sorted.
+    A missing path, an empty folder or a device / FIFO is a DataError naming `field`."""
     if not path.exists():
-        raise DataError(f"data.path: {path} does not exist")
+        raise DataError(f"{field}: {path} does not exist")
     if path.is_dir():
         # Hidden files and everything under hidden folders (.git, .venv, ...) are not text to learn.
         files = sorted(p for p in path.rglob("*") if p.is_file() and not _hidden(p.relative_to(path)))
         files = [p for p in files if p.stat().st_size > 0]
         if not files:
-            raise DataError(f"data.path: folder {path} holds no non-empty files")
-        if len(files) > 1:
-            return _split_files(path, files, val_fraction, f"data.path {path}")
-        path = files[0]
-    elif not path.is_file():  # /dev/zero or a FIFO would be read until memory runs out, or forever
-        raise DataError(f"data.path: {path} is not a regular file or a folder (a device, FIFO or socket); "
+            raise DataError(f"{field}: folder {path} holds no non-empty files")
+        return files
+    if not path.is_file():  # /dev/zero or a FIFO would be read until memory runs out, or forever
+        raise DataError(f"{field}: {path} is not a regular file or a folder (a device, FIFO or socket); "
                         "give a text file or a folder of them")
-    tokens = _bytes_to_tokens([path.read_bytes()])
-    return _split_tail(tokens, val_fraction, BYTE_VOCAB, path)
+    return [path]
+
+
+def load_text(path: Path, val_fraction: float) -> TokenSplits:
+    files = text_files(path)
+    if len(files) > 1:
+        return _split_files(path, files, val_fraction, f"data.path {path}")
+    tokens = _bytes_to_tokens([files[0].read_bytes()])
+    return _split_tail(tokens, val_fraction, BYTE_VOCAB, files[0])
 
 
 def _hidden(relative: Path) -> bool:
@@ -106,7 +144,8 @@ def _hidden(relative: Path) -> bool:
 
 def load_token_file(path: Path, dtype: str, val_fraction: float) -> TokenSplits:
     if path.is_dir():
-        raise DataError(f"data.path: {path} is a folder; data.source=tokens reads one .bin file of token ids")
+        raise DataError(f"data.path: {path} is a folder; data.source=tokens reads one .bin file of token ids, or a "
+                        f"folder python -m mode.data prepare wrote (with its {METADATA}, which this one lacks)")
     if not path.exists():
         raise DataError(f"data.path: token file {path} does not exist")
     if not path.is_file():
@@ -124,6 +163,30 @@ def load_token_file(path: Path, dtype: str, val_fraction: float) -> TokenSplits:
             "set data.token_dtype=uint32"
         )
     return _split_tail(torch.from_numpy(mapped), val_fraction, int(mapped.max()) + 1, path)
+
+
+def load_prepared(folder: Path, dtype: str) -> TokenSplits:
+    """A folder written by python -m mode.data prepare: each split's shards, memory-mapped, and the vocabulary
+    its meta.json records. `dtype` (data.token_dtype, which load_config sets from meta.json) must agree."""
+    meta = read_metadata(folder)
+    if dtype != meta.token_dtype:
+        raise DataError(f"data.token_dtype is {dtype}, but {folder / METADATA} says the tokens are {meta.token_dtype}: "
+                        f"set data.token_dtype={meta.token_dtype} (or leave it out)")
+    parts = {}
+    for split, shards in meta.shards.items():
+        mapped = [_map_shard(folder / shard.file, meta.token_dtype, shard.tokens) for shard in shards]
+        parts[split] = mapped[0] if len(mapped) == 1 else ShardedTokens(mapped)
+    return TokenSplits(parts["train"], parts["val"], meta.vocab_size)
+
+
+def _map_shard(path: Path, dtype: str, tokens: int) -> Tensor:
+    if not path.is_file():
+        raise DataError(f"data.path: shard {path} is missing; prepare the folder again")
+    size, itemsize = path.stat().st_size, np.dtype(dtype).itemsize
+    if size != tokens * itemsize:
+        raise DataError(f"data.path: shard {path} has {size} bytes, not the {tokens} {dtype} tokens its "
+                        f"{METADATA} records (cut short or replaced); prepare the folder again")
+    return torch.from_numpy(np.memmap(path, dtype=dtype, mode="c"))  # copy-on-write, as load_token_file maps
 
 
 def _looks_like_uint32(tokens: np.ndarray, sample: int = 1 << 20) -> bool:
@@ -144,6 +207,8 @@ def load_splits(cfg: DataConfig) -> TokenSplits:
         splits = load_stdlib(cfg.val_fraction)
     elif cfg.source == "text":
         splits = load_text(Path(cfg.path), cfg.val_fraction)
+    elif is_prepared(Path(cfg.path)):
+        splits = load_prepared(Path(cfg.path), cfg.token_dtype)
     else:
         splits = load_token_file(Path(cfg.path), cfg.token_dtype, cfg.val_fraction)
     for name, part in (("train", splits.train), ("validation", splits.val)):
@@ -161,8 +226,8 @@ def describe_source(cfg: DataConfig) -> str:
     return f"the standard library at {stdlib_root()}" if cfg.source == "stdlib" else f"data.path {cfg.path}"
 
 
-def sample_batch(tokens: Tensor, batch_size: int, seq_len: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
-    """Random windows: inputs (B, S) and next-token targets (B, S)."""
+def sample_batch(tokens: Tokens, batch_size: int, seq_len: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    """Random windows: inputs (B, S) and next-token targets (B, S). A window may span two shards."""
     starts = torch.randint(0, tokens.numel() - seq_len, (batch_size,), generator=generator)
     window = starts.unsqueeze(1) + torch.arange(seq_len + 1)  # (B, S+1)
     chunk = tokens[window].long()
