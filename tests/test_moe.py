@@ -771,3 +771,92 @@ def test_each_router_returns_its_own_routing_type() -> None:
     assert routing.capacity is not None and token(x, causal=True).capacity is None  # causal: no dropping
     for router in (depth, expert, token):
         assert not hasattr(router, "causal_mode")
+
+
+# ----------------------------------------------------------------------------- renormalised gates, shared expert
+@pytest.mark.parametrize("top_k, n_noop", [(1, 0), (2, 0), (2, N_NOOP), (3, 0)])
+def test_renormalized_gates_are_the_softmax_of_the_top_k_logits(top_k: int, n_noop: int) -> None:
+    """moe.renormalize (Mixtral): each token's k gates sum to 1 and equal the softmax of its k chosen
+    logits alone; the slots chosen and the losses are those of the plain router."""
+    moe = moe_cfg(scheme="token_choice", top_k=top_k, n_noop=n_noop, dropless=True)
+    plain = MoEFFN(16, 24, moe).double()
+    renorm = MoEFFN(16, 24, moe.model_copy(update={"renormalize": True})).double()
+    renorm.load_state_dict(plain.state_dict())
+    x = inputs()
+    (_, want), (_, got) = plain(x), renorm(x)
+    assert torch.equal(got.slots, want.slots) and torch.equal(got.aux_loss, want.aux_loss)
+    torch.testing.assert_close(got.gates.sum(-1), torch.ones(BATCH * SEQ, dtype=got.gates.dtype), rtol=0, atol=1e-6)
+    chosen_logits = got.logits[0].gather(-1, got.slots)  # (T, k)
+    torch.testing.assert_close(got.gates, chosen_logits.softmax(-1), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(got.gates, want.gates / want.gates.sum(-1, keepdim=True), rtol=0, atol=0)
+    if top_k > 1:
+        assert not torch.allclose(got.gates, want.gates)  # the default keeps the plain probabilities
+
+
+def _shared_reference(ffn: MoEFFN, x: torch.Tensor, gated: bool) -> torch.Tensor:
+    """shared(x) = down(silu(x W_gate) * (x W_up)), times sigmoid(x w_g) with a gate, written out."""
+    width = ffn.shared_expert.down.weight.shape[1]
+    w_gate, w_up = ffn.shared_expert.gate_up.weight[:width], ffn.shared_expert.gate_up.weight[width:]  # (F, D) each
+    out = (F.silu(x @ w_gate.t()) * (x @ w_up.t())) @ ffn.shared_expert.down.weight.t()
+    return torch.sigmoid(x @ ffn.shared_expert_gate.weight.t()) * out if gated else out
+
+
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_shared_expert_adds_its_mlp_to_every_token(scheme: str, gated: bool) -> None:
+    """moe.shared_expert_d: the output is the routed experts' plus the shared SwiGLU expert on every
+    token (times sigmoid(x W_g) with moe.shared_expert_gate), computed here by hand; the routed part
+    and the routing are those of the same layer without it."""
+    moe = moe_cfg(n_noop=N_NOOP, **SCHEMES[scheme])
+    plain = MoEFFN(16, 24, moe).double()
+    shared = MoEFFN(16, 24, moe.model_copy(update={"shared_expert_d": 20, "shared_expert_gate": gated})).double()
+    missing, unexpected = shared.load_state_dict(plain.state_dict(), strict=False)
+    want_keys = {"shared_expert.gate_up.weight", "shared_expert.down.weight"} | ({"shared_expert_gate.weight"} if gated else set())
+    assert set(missing) == want_keys and not unexpected
+    assert shared.shared_expert.gate_up.weight.shape == (40, 16) and shared.shared_expert.down.weight.shape == (16, 20)
+    if gated:
+        assert shared.shared_expert_gate.weight.shape == (1, 16) and shared.shared_expert_gate.bias is None
+    x = inputs()
+    (routed, want), (out, got) = plain(x), shared(x)
+    for a, b in zip(chosen(got), chosen(want), strict=True):
+        assert torch.equal(a, b)
+    close(out, routed + _shared_reference(shared, x, gated))
+    assert (out - routed).abs().min() > 0  # every token, the no-op ones included, gets the shared term
+
+
+def test_shared_expert_leaves_causal_padding_rows_at_zero() -> None:
+    """Under causal routing a Staged MoDE block's padding rows (valid False) get no update from the
+    shared expert either."""
+    ffn = MoEFFN(16, 24, moe_cfg(scheme="token_choice", top_k=2, shared_expert_d=20, shared_expert_gate=True)).double()
+    x = inputs()
+    valid = torch.rand(BATCH, SEQ) > 0.3
+    out, _ = ffn(x, valid, causal=True)
+    assert torch.equal(out[~valid], torch.zeros_like(out[~valid]))
+    assert (out[valid] != 0).all(-1).all()
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_defaults_leave_the_moe_layer_unchanged(scheme: str) -> None:
+    """renormalize false and no shared expert: the parameters of the MoE layer as before (router and
+    experts alone), and its output that of its routed experts, bit for bit, with the plain gates."""
+    torch.manual_seed(0)
+    ffn = MoEFFN(16, 24, moe_cfg(n_noop=N_NOOP, **SCHEMES[scheme])).double()
+    assert set(ffn.state_dict()) == {"router.router.proj.weight", "experts.w_in", "experts.w_out"}
+    assert ffn.shared_expert is None and ffn.shared_expert_gate is None
+    x = inputs()
+    out, routing = ffn(x)
+    routed, _ = ffn._routed(x, None, False)
+    assert torch.equal(out, routed)
+    if isinstance(routing, TokenChoiceRouting):
+        assert not ffn.router.renormalize
+        probs = routing.logits[0].softmax(-1)
+        assert torch.equal(routing.gates, probs.gather(-1, routing.slots))
+
+
+def test_renormalize_and_shared_expert_gate_are_checked() -> None:
+    with pytest.raises(ValueError, match="renormalize applies to scheme token_choice"):
+        MoEConfig(scheme="expert_choice", renormalize=True)
+    with pytest.raises(ValueError, match="shared_expert_gate needs a shared expert"):
+        MoEConfig(scheme="token_choice", shared_expert_gate=True)
+    with pytest.raises(ValueError):
+        MoEConfig(shared_expert_d=0)

@@ -1,8 +1,9 @@
 """Mixture-of-Experts FFN on the shared router primitives: expert choice or token choice.
 
-FFN(x)_t = sum over the real experts e that process token t of gate_{t,e} * expert_e(x_t).
-A token that only no-op experts took (or that no expert took, or that was dropped) gets an
-exact zero update: it rides the residual. No-op experts are never computed.
+FFN(x)_t = sum over the real experts e that process token t of gate_{t,e} * expert_e(x_t),
+plus, with a shared expert, shared(x_t) (times sigmoid(x_t W_g) with its gate) for every token.
+Without one, a token that only no-op experts took (or that no expert took, or that was dropped)
+gets an exact zero update: it rides the residual. No-op experts are never computed.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from torch import Tensor, nn
 
 from mode.config import MoEConfig, RoutingConfig
 from mode.layers.experts import Experts, check_backend, megablocks_token_choice
+from mode.layers.mlp import SwiGLU
 from mode.routing import (
     CausalExpertRouting,
     ExpertChoiceRouter,
@@ -46,14 +48,24 @@ class MoEFFN(nn.Module):
         else:
             self.router = TokenChoiceRouter(
                 d_model, moe.n_experts, moe.n_noop, moe.top_k, moe.capacity_factor, moe.dropless,
-                moe.lb_loss_weight, moe.z_loss_weight,
+                moe.lb_loss_weight, moe.z_loss_weight, moe.renormalize,
             )
         self.experts = Experts(moe.n_experts, d_model, moe.d_expert or d_ff, moe.activation, moe.backend)
+        # An always-on expert (Qwen2-MoE, DeepSeekMoE), optionally scaled by a sigmoid gate.
+        self.shared_expert = None if moe.shared_expert_d is None else SwiGLU(d_model, moe.shared_expert_d)
+        self.shared_expert_gate = nn.Linear(d_model, 1, bias=False) if moe.shared_expert_gate else None
 
     def forward(self, x: Tensor, valid: Tensor | None = None, causal: bool = False) -> tuple[Tensor, Routing]:
         """valid (B, S) bool: under causal routing, False rows are padding: no expert computes
         them (their output is 0) and the statistics leave them out. None: every row is a token.
         causal: route as sampling does (see the routers)."""
+        out, routing = self._routed(x, valid, causal)
+        if self.shared_expert is not None:
+            out = out + self._shared(x, valid)
+        return out, routing
+
+    def _routed(self, x: Tensor, valid: Tensor | None, causal: bool) -> tuple[Tensor, Routing]:
+        """The routed experts' part of forward: (their output (B, S, D), the routing)."""
         if isinstance(self.router, ExpertChoiceRouter) and not causal:
             routing, rows, xs = self.router.route(x)
             return self._expert_choice(routing, rows, xs).view_as(x), routing
@@ -63,6 +75,14 @@ class MoEFFN(nn.Module):
         else:
             out = self._token_choice(x.reshape(-1, x.shape[-1]), routing)
         return out.view_as(x), routing
+
+    def _shared(self, x: Tensor, valid: Tensor | None) -> Tensor:
+        """The shared expert on every token of x (B, S, D), times its sigmoid gate where it has one;
+        padding rows (valid False) get a zero update, as from the routed experts."""
+        out = self.shared_expert(x)
+        if self.shared_expert_gate is not None:
+            out = torch.sigmoid(self.shared_expert_gate(x)) * out  # (B, S, 1) * (B, S, D)
+        return out if valid is None else torch.where(valid.unsqueeze(-1), out, 0)
 
     def syncs_with_host(self, x: Tensor, causal: bool = False) -> bool:
         """Whether a pass on tokens like x reads routing results on the host (so no CUDA graph can

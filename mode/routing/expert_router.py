@@ -162,7 +162,8 @@ class TokenChoiceRouter(nn.Module):
     """Token choice over E real + N no-op slots: each token takes its top-k slots of a softmax.
 
     Capacity C = ceil(capacity_factor * T * k / (E+N)) rows per real expert with dropping
-    (first choices before second ones, earlier tokens first), or dropless. Aux loss:
+    (first choices before second ones, earlier tokens first), or dropless. renormalize: the
+    gates are the k probabilities divided by their sum (Mixtral), else the probabilities. Aux loss:
     lb_loss_weight * Switch load balancing over all slots + z_loss_weight * z-loss.
     Stats: tokens_per_expert (E,) computed rows; processed, the share of tokens some expert
     computed; noop_fraction, the share of the T*k assignments that chose a no-op slot;
@@ -179,11 +180,13 @@ class TokenChoiceRouter(nn.Module):
         dropless: bool,
         lb_loss_weight: float,
         z_loss_weight: float,
+        renormalize: bool = False,
     ) -> None:
         super().__init__()
         self.router = Router(d_model, n_experts + n_noop)
         self.n_experts = n_experts
         self.top_k = top_k
+        self.renormalize = renormalize
         self.capacity_factor = capacity_factor
         self.dropless = dropless
         self.lb_loss_weight = lb_loss_weight
@@ -210,8 +213,10 @@ class TokenChoiceRouter(nn.Module):
             processed = head.computed_fraction if self.top_k == 1 else (positions >= 0).any(-1).float().mean()
             stats = _expert_stats(head.tokens_per_expert, processed, head.noop_fraction, head.dropped_fraction,
                                   head.lb_loss, head.z_loss)
+        # The k probabilities over their sum: the softmax of the top-k logits alone.
+        gates = head.gates / head.gates.sum(-1, keepdim=True) if self.renormalize else head.gates
         return TokenChoiceRouting(
-            slots=head.slots, gates=head.gates, logits=logits, aux_loss=head.aux_loss, stats=stats,
+            slots=head.slots, gates=gates, logits=logits, aux_loss=head.aux_loss, stats=stats,
             positions=positions, capacity=capacity, layout=layout,
         )
 

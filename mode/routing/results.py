@@ -73,7 +73,7 @@ class TokenChoiceRouting(Routing):
     """Token choice over the T = B*S tokens of a batch (flattened, one group).
 
     slots:     (T, k) the slots each token chose; slots >= n_experts are no-op experts.
-    gates:     (T, k) softmax probabilities of those slots (not renormalised over the k).
+    gates:     (T, k) softmax probabilities of those slots; with moe.renormalize, divided by their sum.
     logits:    (1, T, n_slots).
     positions: (T, k) the assignment's row in its expert's buffer; -1 where nothing is
                computed (a no-op slot, or dropped over capacity). Dropless: 0 for every
