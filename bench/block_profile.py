@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
         return run
 
     with torch.no_grad(), autocast:
-        chosen_angles = angles.select(mod.router(x).indices)  # (B, k, 1, hd)
+        chosen_angles = angles.select(mod.router(x).positions)  # (B, k, 1, hd)
 
     def block_on_k_tokens() -> None:
         with autocast:
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
         with autocast:  # as MoDBlock.forward routes and adds back, in place where the block would
             routed = mod.router.route(x, owns_gradient=True)
             routing = routed.routing
-            out = add_gated_tokens(routed.residual, routing.indices, routing.gates, routed.chosen,
+            out = add_gated_tokens(routed.residual, routing.positions, routing.gates, routed.chosen,
                                    routed.residual_writable, routed.flat)
         out.backward(grad)
         fresh_gradients()

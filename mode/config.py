@@ -164,6 +164,15 @@ class MoEConfig(Section):
     backend: Literal["torch", "grouped_gemm", "megablocks"] = Field(
         "torch", description="expert compute: torch (CPU and GPU), grouped_gemm or megablocks (CUDA only)"
     )
+    renormalize: bool = Field(
+        False, description="token choice: divide the top_k gates by their sum (Mixtral; Qwen2-MoE's norm_topk_prob)"
+    )
+    shared_expert_d: int | None = Field(
+        None, gt=0, description="hidden width of one SwiGLU expert every token goes through; null = none"
+    )
+    shared_expert_gate: bool = Field(
+        False, description="scale the shared expert's output by sigmoid(x W_g), W_g (D, 1) (Qwen2-MoE)"
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> "MoEConfig":
@@ -183,6 +192,10 @@ class MoEConfig(Section):
                 f"capacity_factor ({self.capacity_factor}) has no effect with dropless=true (dropless token choice "
                 "has no capacity): leave capacity_factor at 1.0 or set dropless=false"
             )
+        if self.scheme == "expert_choice" and self.renormalize:
+            raise ValueError("renormalize applies to scheme token_choice only (expert choice's gates are per expert)")
+        if self.shared_expert_gate and self.shared_expert_d is None:
+            raise ValueError("shared_expert_gate needs a shared expert: set shared_expert_d")
         if self.scheme == "expert_choice" and self._set_away_from_default("lb_loss_weight"):
             raise ValueError(
                 f"lb_loss_weight ({self.lb_loss_weight}) applies to scheme token_choice only (expert choice "

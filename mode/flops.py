@@ -72,7 +72,8 @@ def moe_ffn_flops(config: Config, tokens_per_group: int, tokens_per_batch: int) 
     capacity factor above 1 costs more and one below 1 less (the grouped backends compute only
     the rows kept, at most this). Dropless: every token's
     top_k assignments, of which a fraction E / (E + N) land on real experts under a balanced
-    router (no-op slots cost nothing).
+    router (no-op slots cost nothing). A shared expert (a SwiGLU MLP of width moe.shared_expert_d)
+    runs on every token, with its gate (D -> 1) where it has one.
     """
     moe = config.moe
     slots = moe.n_experts + moe.n_noop
@@ -88,7 +89,15 @@ def moe_ffn_flops(config: Config, tokens_per_group: int, tokens_per_batch: int) 
     else:  # E * C / T, C rounded up as the router rounds it
         capacity = token_choice_capacity(tokens_per_batch, slots, moe.top_k, moe.capacity_factor)
         assignments_per_token = moe.n_experts * capacity / tokens_per_batch
-    return router_flops(config.model.d_model, slots) + predictor + assignments_per_token * expert
+    return router_flops(config.model.d_model, slots) + predictor + assignments_per_token * expert + shared_expert_flops(config)
+
+
+def shared_expert_flops(config: Config) -> float:
+    """Per token: the MoE's shared expert (moe.shared_expert_d) and its sigmoid gate; 0 without one."""
+    moe, d = config.moe, config.model.d_model
+    if moe.shared_expert_d is None:
+        return 0.0
+    return mlp_flops(d, moe.shared_expert_d) + (router_flops(d, 1) if moe.shared_expert_gate else 0.0)
 
 
 def expert_choice_capacity(config: Config, tokens_per_group: int) -> int:

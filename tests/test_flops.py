@@ -194,3 +194,38 @@ def test_causal_predictor_is_counted_and_aux_loss_is_free() -> None:
     d, h = 64, 16
     assert flops["predictor"][0] - flops["none"][0] == pytest.approx(2 * d * h + 2 * h * 1)
     assert flops["predictor"][1] - flops["none"][1] == pytest.approx(2 * d * h + 2 * h * 4)
+
+
+@pytest.mark.parametrize(
+    "pattern, moe",
+    [
+        (["dense", "moe"], {"scheme": "expert_choice", "n_experts": 4, "shared_expert_d": 40}),
+        (["moe"], {"scheme": "token_choice", "n_experts": 4, "top_k": 2, "shared_expert_d": 40,
+                   "shared_expert_gate": True, "renormalize": True}),
+        (["mode_staged"], {"scheme": "expert_choice", "n_experts": 2, "n_noop": 1, "shared_expert_d": 24,
+                           "shared_expert_gate": True}),  # the shared expert sees the k chosen tokens only
+    ],
+)
+def test_counter_matches_direct_count_with_a_shared_expert(monkeypatch, pattern, moe) -> None:
+    """A shared expert (and its gate) runs on every token the MoE sees: static shapes, an exact count."""
+    raw = _config(["dense"], seq_len=32, capacity=0.25).to_dict()
+    raw["model"]["block_pattern"] = pattern
+    raw["moe"].update(moe)
+    assert_counter_matches_direct_count(monkeypatch, config_from_dict(raw), 32)
+
+
+def test_shared_expert_hand_count() -> None:
+    """D=64, a shared SwiGLU expert of width 40: 6 * 64 * 40 = 15360 FLOPs a token, its gate 2 * 64 = 128
+    more; under Staged MoDE at capacity 0.25 only k / S = 1/4 of the tokens reach it."""
+    def per_block(pattern: list[str], **moe) -> list[float]:
+        raw = _config(["dense"], seq_len=32, capacity=0.25, n_layers=1).to_dict()
+        raw["model"]["block_pattern"] = pattern
+        raw["moe"].update(n_experts=4, n_noop=1, **moe)
+        return model_flops(config_from_dict(raw)).per_block
+
+    for kind, share in (("moe", 1.0), ("mode_integrated", 1.0), ("mode_staged", 0.25)):
+        plain = per_block([kind])[0]
+        assert per_block([kind], shared_expert_d=40)[0] - plain == pytest.approx(share * 15360, rel=1e-12)
+        gated = per_block([kind], shared_expert_d=40, shared_expert_gate=True)[0]
+        assert gated - plain == pytest.approx(share * (15360 + 128), rel=1e-12)
+    assert per_block(["moe"], scheme="token_choice", top_k=2, renormalize=True) == per_block(["moe"], scheme="token_choice", top_k=2)

@@ -76,7 +76,7 @@ def decisions(model: LanguageModel, tokens: torch.Tensor) -> list[torch.Tensor]:
     masks = []
     for r in out.routings:
         if r is not None:
-            mask = torch.zeros(tokens.shape, dtype=torch.bool).scatter_(1, r.indices, r.gates != 0)
+            mask = torch.zeros(tokens.shape, dtype=torch.bool).scatter_(1, r.positions, r.gates != 0)
             masks.append(mask)
     return masks
 
@@ -240,7 +240,7 @@ def test_aux_loss_method_adds_the_bce_on_router_logits() -> None:
     tokens = torch.randint(0, 256, (2, S))
     out = model(tokens, tokens)
     routing = out.routings[1]
-    member = token_mask(routing.indices, S).double()
+    member = token_mask(routing.positions, S).double()
     bce = F.binary_cross_entropy_with_logits(routing.logits, member.to(routing.logits.dtype))
     assert torch.allclose(out.aux_loss.double(), 0.3 * bce.double(), atol=1e-6)
     # its gradient reaches the router (method (a) trains the router itself)

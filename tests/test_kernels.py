@@ -675,7 +675,6 @@ def test_moe_layer_through_the_row_kernels_equals_pytorch(case: str, monkeypatch
     causal = "causal" in case
     routing = RoutingConfig(causal="aux_loss") if causal else None
     layer = MoEFFN(32, 48, MoEConfig(n_experts=4, n_noop=2, **MOE_ROW_CASES[case]), routing).to(DEVICE)
-    layer.router.causal_mode = causal  # expert e takes the tokens whose logit says so
     x = torch.randn(4, 24, 32, device=DEVICE)
     probe = torch.randn(4, 24, 32, device=DEVICE)
     runs = []
@@ -683,7 +682,7 @@ def test_moe_layer_through_the_row_kernels_equals_pytorch(case: str, monkeypatch
         kernels_on(kernel)
         layer.zero_grad(set_to_none=True)
         x_in = x.clone().requires_grad_()
-        out, _ = layer(x_in)
+        out, _ = layer(x_in, causal=causal)  # causal: expert e takes the tokens whose logit says so
         (out * probe).sum().backward()
         runs.append((out.detach(), x_in.grad, {n: p.grad for n, p in layer.named_parameters()}))
         # with the kernels the experts' activation applies the gates (every call); without, the combine
@@ -747,14 +746,14 @@ def test_expert_choice_dispatch_matches_pytorch(case: str, use: str, monkeypatch
     x = torch.randn(batch, seq, 32, device=DEVICE)
     got_routing, got_rows, got_xs, got_x_grad, got_w_grad = _expert_choice_run(layer, x, use, True, monkeypatch)
     routing, _, xs, x_grad, w_grad = _expert_choice_run(layer, x, use, False, monkeypatch)
-    assert torch.equal(got_routing.indices, routing.indices)
+    assert torch.equal(got_routing.positions, routing.positions)
     assert torch.equal(got_routing.gates, routing.gates)
     assert torch.equal(got_xs, xs)
     assert torch.equal(got_routing.logits, routing.logits.detach())
     with use_kernels(KernelPolicy(cpu=True)):  # the PyTorch path's layout, with its inverse map
         from mode.routing import expert_choice_rows, expert_major_ids
 
-        want_rows = expert_choice_rows(expert_major_ids(routing.indices, group_size * seq), x.view(-1, 32))
+        want_rows = expert_choice_rows(expert_major_ids(routing.positions, group_size * seq), x.view(-1, 32))
     assert torch.equal(got_rows.ids, want_rows.ids) and torch.equal(got_rows.inverse, want_rows.inverse)
     torch.testing.assert_close(got_routing.aux_loss, routing.aux_loss, rtol=1e-6, atol=0)
     assert got_routing.stats.keys() == routing.stats.keys()
@@ -787,7 +786,7 @@ def test_expert_choice_dispatch_with_a_bf16_router_matches_pytorch(monkeypatch: 
     x = torch.randn(4, 24, 32, device=DEVICE).bfloat16()
     got_routing, _, got_xs, got_x_grad, got_w_grad = _expert_choice_run(layer, x, "rows gates aux", True, monkeypatch)
     routing, _, xs, x_grad, w_grad = _expert_choice_run(layer, x, "rows gates aux", False, monkeypatch)
-    assert torch.equal(got_routing.indices, routing.indices) and torch.equal(got_routing.gates, routing.gates)
+    assert torch.equal(got_routing.positions, routing.positions) and torch.equal(got_routing.gates, routing.gates)
     assert torch.equal(got_xs, xs)
     assert got_x_grad.dtype == got_w_grad.dtype == torch.bfloat16
     torch.testing.assert_close(got_x_grad.float(), x_grad.float(), rtol=2**-7, atol=2e-2)
@@ -798,7 +797,7 @@ def test_expert_choice_dispatch_with_a_bf16_router_matches_pytorch(monkeypatch: 
 def test_expert_choice_dispatch_takes_the_kernel_only_where_it_applies(monkeypatch: pytest.MonkeyPatch) -> None:
     """The one-function dispatch runs eager on CUDA (here patched) for float32/bf16/fp16 tokens without a
     router bias, a group that fits one program's sort and no causal decision; otherwise the PyTorch ops."""
-    import mode.routing.router as router_module
+    import mode.routing.expert_router as router_module
     from mode.config import MoEConfig, RoutingConfig
     from mode.kernels.topk import MAX_TOKENS
     from mode.layers.moe import MoEFFN

@@ -157,7 +157,7 @@ def test_full_capacity_unit_gate_equals_dense(cfg: ModelConfig) -> None:
 
     out_dense, _ = dense(x_dense, angles)
     out_mod, info = mod(x_mod, angles)
-    assert torch.equal(info.routing.indices, torch.arange(S).expand(B, S))
+    assert torch.equal(info.routing.positions, torch.arange(S).expand(B, S))
     assert torch.equal(info.routing.gates, torch.ones(B, S))
     torch.testing.assert_close(out_mod, out_dense, rtol=F64_TOL, atol=F64_TOL)
 
@@ -180,7 +180,7 @@ def test_unchosen_identical_k_updated_router_gradient(cfg: ModelConfig, gate: st
     angles = rotary(cfg).prefix(S)
     x = torch.randn(B, S, D, dtype=torch.float64, requires_grad=True)
     out, info = mod(x, angles)
-    idx = info.routing.indices
+    idx = info.routing.positions
     k = capacity_to_k(S, capacity)
     assert idx.shape == (B, k)
     mask = token_mask(idx, S)
@@ -216,7 +216,7 @@ def test_matches_masked_full_attention_reference(cfg: ModelConfig, gate: str, ca
     rope = rotary(cfg)
     x = torch.randn(B, S, D, dtype=torch.float64)
     out, info = mod(x, rope.prefix(S))
-    idx, gates = info.routing.indices, info.routing.gates
+    idx, gates = info.routing.positions, info.routing.gates
     k = capacity_to_k(S, capacity)
 
     # Selection and gate from a float64 score, per sequence, the obvious way.
@@ -254,7 +254,7 @@ def test_changing_one_sequence_leaves_others_unchanged(cfg: ModelConfig, random:
     torch.manual_seed(7)
     out2, info2 = mod(x2, angles)
     others = [0, 2]
-    assert torch.equal(info2.routing.indices[others], info1.routing.indices[others])
+    assert torch.equal(info2.routing.positions[others], info1.routing.positions[others])
     assert torch.equal(info2.routing.gates[others], info1.routing.gates[others])
     assert torch.equal(out2[others], out1[others])
     assert not torch.equal(out2[1], out1[1])  # the change to sequence 1 did take effect
@@ -271,7 +271,7 @@ def test_zero_gate_output_equals_input(cfg: ModelConfig) -> None:
     out, info = mod(x, angles)
     assert torch.equal(out, x)
     # Meaningful only if the block's update is not itself zero.
-    idx = info.routing.indices
+    idx = info.routing.positions
     assert mod.block.update(gather_tokens(x, idx), angles.select(idx)).abs().min() > 0
 
 
@@ -282,7 +282,7 @@ def test_constant_gate_scales_only_the_update(cfg: ModelConfig) -> None:
     rope = rotary(cfg)
     x = torch.randn(B, S, D, dtype=torch.float64)
     out, info = mod(x, rope.prefix(S))
-    mask = token_mask(info.routing.indices, S)
+    mask = token_mask(info.routing.positions, S)
     f = reference_update(mod.block, x, mask, rope.cos[:S], rope.sin[:S], cfg.norm_eps)
     torch.testing.assert_close(out[mask], x[mask] + 0.5 * f[mask], rtol=F64_TOL, atol=F64_TOL)
     assert (out[mask] - 0.5 * (x[mask] + f[mask])).abs().max() > POSITION_EFFECT_FLOOR
@@ -293,7 +293,7 @@ def test_rotary_uses_original_positions(cfg: ModelConfig) -> None:
     rope = rotary(cfg)
     x = torch.randn(B, S, D, dtype=torch.float64)
     out, info = mod(x, rope.prefix(S))
-    idx, gates = info.routing.indices, info.routing.gates.double()
+    idx, gates = info.routing.positions, info.routing.gates.double()
     k = idx.shape[1]
     assert not torch.equal(idx, torch.arange(k).expand(B, k))  # chosen positions are not 0..k-1
     chosen = gather_tokens(x, idx)  # (B, k, D)

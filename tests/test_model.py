@@ -55,7 +55,7 @@ def test_compiled_model_matches_eager(pattern: list[str], routing: dict) -> None
     torch.testing.assert_close(compiled.loss, eager.loss, rtol=COMPILE_TOL, atol=COMPILE_TOL)
     for r_eager, r_compiled in zip(eager.routings, compiled.routings):
         if r_eager is not None:
-            assert torch.equal(r_eager.indices, r_compiled.indices)
+            assert torch.equal(r_eager.positions, r_compiled.positions)
     for name, grad in eager_grads.items():
         torch.testing.assert_close(dict(model.named_parameters())[name].grad, grad, rtol=COMPILE_TOL, atol=COMPILE_TOL)
 
@@ -72,7 +72,7 @@ def test_models_of_two_capacities_compile_in_one_process() -> None:
         eager = model(tokens[:, :-1], tokens[:, 1:])
         compiled = torch.compile(model, fullgraph=True)(tokens[:, :-1], tokens[:, 1:])
         compiled.loss.backward()
-        assert compiled.routings[1].indices.shape[1] == round(32 * capacity)
+        assert compiled.routings[1].positions.shape[1] == round(32 * capacity)
         torch.testing.assert_close(compiled.loss, eager.loss, rtol=COMPILE_TOL, atol=COMPILE_TOL)
 
 
@@ -147,7 +147,7 @@ def test_a_mod_block_on_its_own_leaves_its_input_alone() -> None:
     out, info = block(x, model.rotary.prefix(32))
     assert torch.equal(x.detach(), before)
     changed = (out.detach() != before).any(-1)  # (B, S): the chosen tokens
-    assert changed.sum(-1).tolist() == [info.routing.indices.shape[1]] * 2
+    assert changed.sum(-1).tolist() == [info.routing.positions.shape[1]] * 2
 
 
 @pytest.mark.parametrize("pattern", [["dense", "mod"], ["mode_staged", "dense"]], ids=["mod", "staged MoDE"])

@@ -21,6 +21,7 @@ from mode.layers.moe import MoEFFN
 from mode.layers.rotary import RotaryAngles, RotaryEmbedding
 from mode.model import LanguageModel
 from mode.routing import (
+    Routing,
     TokenChoiceRouting,
     capacity_to_k,
     rows_by_slot,
@@ -52,6 +53,13 @@ def model_cfg() -> ModelConfig:
 
 def moe_cfg(**kw) -> MoEConfig:
     return MoEConfig(**{"n_experts": E, **kw})
+
+
+def chosen(routing: Routing) -> tuple[torch.Tensor, ...]:
+    """What an MoE routing chose: expert choice's positions, token choice's slots and rows."""
+    if isinstance(routing, TokenChoiceRouting):
+        return routing.slots, routing.positions
+    return (routing.positions,)
 
 
 def angles(seq: int = SEQ) -> RotaryAngles:
@@ -124,7 +132,8 @@ def test_staged_mode_at_full_capacity_with_unit_gate_equals_moe_block(scheme):
         close(g1[f"block.{name}"], g)
     assert info1.routing is not None and info1.ffn_routing is not None  # both routings reported
     assert info2.routing is None and info2.ffn_routing is not None
-    torch.testing.assert_close(info1.ffn_routing.indices, info2.ffn_routing.indices, atol=0, rtol=0)
+    for a, b in zip(chosen(info1.ffn_routing), chosen(info2.ffn_routing), strict=True):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize(
@@ -157,13 +166,14 @@ def test_tokens_routed_to_noop_experts_get_exactly_zero_update(kw):
     out, info = block(x, angles())
     h = x + block.attn(block.attn_norm(x), angles())
     ffn_out, routing = block.ffn(block.ffn_norm(h))
-    torch.testing.assert_close(routing.indices, info.ffn_routing.indices, atol=0, rtol=0)
+    for a, b in zip(chosen(routing), chosen(info.ffn_routing), strict=True):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
     if isinstance(routing, TokenChoiceRouting):
         skipped = (routing.positions < 0).all(-1).view(BATCH, SEQ)  # dropless: only no-op slots
-        assert bool((routing.indices >= 2).view(BATCH, SEQ)[skipped].all())
+        assert bool((routing.slots >= 2).view(BATCH, SEQ)[skipped].all())
     else:
         taken = torch.zeros(BATCH * SEQ, dtype=torch.bool)
-        taken[routing.indices.reshape(BATCH, -1) + SEQ * torch.arange(BATCH).view(BATCH, 1)] = True
+        taken[routing.positions.reshape(BATCH, -1) + SEQ * torch.arange(BATCH).view(BATCH, 1)] = True
         skipped = ~taken.view(BATCH, SEQ)
     assert 0 < int(skipped.sum()) < BATCH * SEQ
     assert bool((ffn_out[skipped] == 0).all()), "a no-op token got a nonzero FFN update"
@@ -181,16 +191,16 @@ def test_expert_choice_gives_every_expert_exactly_c_tokens(group_size):
     groups, tokens = BATCH // group_size, group_size * SEQ
     capacity = capacity_to_k(tokens, 1.5 / (E + N_NOOP))
     assert capacity == max(1, round(1.5 * tokens / (E + N_NOOP)))
-    assert routing.indices.shape == (groups, E, capacity)
+    assert routing.positions.shape == (groups, E, capacity)
     assert routing.gates.shape == (groups, E, capacity)
-    for row in routing.indices.reshape(-1, capacity):
+    for row in routing.positions.reshape(-1, capacity):
         assert len(set(row.tolist())) == capacity  # C distinct tokens
         assert row.tolist() == sorted(row.tolist())  # in causal order
         assert 0 <= int(row.min()) and int(row.max()) < tokens
     assert routing.stats["tokens_per_expert"].tolist() == [groups * capacity] * E
     # the chosen tokens are that expert's top-C probabilities within the group
     probs = routing.logits.softmax(-1)[..., :E].transpose(1, 2)
-    torch.testing.assert_close(routing.indices, top_k_positions(probs, capacity), atol=0, rtol=0)
+    torch.testing.assert_close(routing.positions, top_k_positions(probs, capacity), atol=0, rtol=0)
 
 
 def test_expert_choice_group_size_must_divide_batch():
@@ -205,7 +215,7 @@ def test_expert_choice_groups_do_not_leak():
     y = x.clone()
     y[3] = torch.randn(SEQ, 16, dtype=torch.float64)  # change the second group only
     (a, ra), (b, rb) = moe(x), moe(y)
-    assert torch.equal(ra.indices[0], rb.indices[0])
+    assert torch.equal(ra.positions[0], rb.positions[0])
     close(a[:2], b[:2])
     assert not torch.equal(a[2:], b[2:])
 
@@ -221,7 +231,7 @@ def test_token_choice_with_dropping_never_exceeds_capacity(top_k):
     assert routing.capacity == capacity == math.ceil(0.5 * tokens * top_k / (E + N_NOOP))
     counts = routing.stats["tokens_per_expert"]
     assert int(counts.max()) <= capacity and float(routing.stats["dropped_fraction"]) > 0
-    slots, pos = routing.indices, routing.positions
+    slots, pos = routing.slots, routing.positions
     for e in range(E):
         rows = pos[(slots == e) & (pos >= 0)]
         assert sorted(rows.tolist()) == list(range(len(rows)))  # distinct rows 0..n-1 < C
@@ -374,7 +384,7 @@ def _check_by_ends_against_slow_reference(monkeypatch: pytest.MonkeyPatch, n_noo
     x = inputs().float().detach().requires_grad_(True)
     y1, gx1, g1, routing = run(moe, x)
     assert len(calls) == 2, "the by_ends path did not run"
-    noop_rows = int((routing.indices >= E).sum())
+    noop_rows = int((routing.slots >= E).sum())
     assert calls[0] == noop_rows and (n_noop == 0 or noop_rows > 0)  # the no-op rows: past the end
     x.grad = None
     moe.zero_grad()
@@ -397,12 +407,12 @@ def test_aux_losses_and_stats():
     moe = MoEFFN(16, 24, moe_cfg(scheme="token_choice", top_k=2, n_noop=N_NOOP, lb_loss_weight=0.5, z_loss_weight=0.1))
     _, routing = moe(inputs().float())
     probs = routing.logits[0].softmax(-1)
-    f = torch.bincount(routing.indices.flatten(), minlength=E + N_NOOP).float() / routing.indices.numel()
+    f = torch.bincount(routing.slots.flatten(), minlength=E + N_NOOP).float() / routing.slots.numel()
     lb = (E + N_NOOP) * (f * probs.mean(0)).sum()
     z = routing.logits.logsumexp(-1).square().mean()
     torch.testing.assert_close(routing.aux_loss, 0.5 * lb + 0.1 * z)
     assert routing.aux_loss.requires_grad
-    assert math.isclose(float(routing.stats["noop_fraction"]), float((routing.indices >= E).float().mean()))
+    assert math.isclose(float(routing.stats["noop_fraction"]), float((routing.slots >= E).float().mean()))
 
 
 @pytest.mark.parametrize("group_size", [1, 2])
@@ -442,12 +452,12 @@ def test_staged_mode_random_routing_switch():
     x = inputs(8, 16).detach()
     _, info = learned(x, angles(16))
     scores = info.routing.logits
-    assert torch.equal(info.routing.indices, top_k_positions(scores, 4))
+    assert torch.equal(info.routing.positions, top_k_positions(scores, 4))
     picks = [random(x, angles(16))[1].routing for _ in range(2)]
-    assert all(p.indices.shape == (8, 4) for p in picks)
-    assert not torch.equal(picks[0].indices, top_k_positions(scores, 4))
-    assert not torch.equal(picks[0].indices, picks[1].indices)
-    torch.testing.assert_close(picks[0].gates, torch.sigmoid(scores.gather(1, picks[0].indices)))
+    assert all(p.positions.shape == (8, 4) for p in picks)
+    assert not torch.equal(picks[0].positions, top_k_positions(scores, 4))
+    assert not torch.equal(picks[0].positions, picks[1].positions)
+    torch.testing.assert_close(picks[0].gates, torch.sigmoid(scores.gather(1, picks[0].positions)))
 
 
 def tiny_config(pattern, **moe):
@@ -538,7 +548,7 @@ def test_gpu_backend_equals_torch_backend(backend, case):
         (y.float() * weight).sum().backward()
         results.append((y, x.grad.clone(), grads(moe), routing))
     (y1, gx1, g1, r1), (y2, gx2, g2, r2) = results
-    assert torch.equal(r1.indices, r2.indices)
+    assert all(torch.equal(a, b) for a, b in zip(chosen(r1), chosen(r2), strict=True))
     assert _rel(y2, y1) < GPU_REL_TOL and _rel(gx2, gx1) < GPU_REL_TOL
     for name in g1:
         assert _rel(g2[name], g1[name]) < GPU_REL_TOL, name
@@ -626,11 +636,10 @@ def test_causal_expert_choice_with_no_token_chosen_gives_zero_update() -> None:
 
     ffn = MoEFFN(16, 32, MoEConfig(n_experts=2, n_noop=1), RoutingConfig(causal="aux_loss")).double()
     torch.nn.init.zeros_(ffn.router.router.proj.weight)  # every logit 0: the decision (logit > 0) is "no"
-    ffn.router.causal_mode = True
     x = torch.randn(2, 5, 16, dtype=torch.float64, requires_grad=True)
-    out, routing = ffn(x)
+    out, routing = ffn(x, causal=True)
     assert out.shape == x.shape and torch.equal(out, torch.zeros_like(out))
-    assert not routing.indices.any()
+    assert not routing.mask.any()
     out.sum().backward()  # the empty path still has a gradient graph
 
 
@@ -714,17 +723,14 @@ def test_staged_mode_causal_routing_keeps_padding_out_of_the_inner_moe(scheme: s
     equal the MoE's on those tokens alone, and the padding rows get an exact zero update."""
     torch.manual_seed(3)
     staged = StagedMoDEBlock(model_cfg(), RoutingConfig(causal="aux_loss"), moe_cfg(n_noop=N_NOOP, **SCHEMES[scheme])).double()
-    for module in staged.modules():
-        if hasattr(module, "causal_mode"):
-            module.causal_mode = True
     seen = {}
     hook = staged.block.ffn.register_forward_hook(lambda m, args, out: seen.update(x=args[0], valid=args[1], out=out[0]))
-    _, info = staged(inputs(batch=6), angles())
+    _, info = staged(inputs(batch=6), angles(), causal=True)
     hook.remove()
     valid = info.routing.valid  # (B, K)
     assert valid is seen["valid"] and not valid.all() and valid.any(-1).all()  # padding in some rows
     rows = seen["x"][valid].unsqueeze(0)  # (1, M, D): the chosen tokens alone
-    want_out, want = staged.block.ffn(rows)
+    want_out, want = staged.block.ffn(rows, causal=True)
     close(seen["out"][valid], want_out[0])
     assert torch.equal(seen["out"][~valid], torch.zeros_like(seen["out"][~valid]))
     got = info.ffn_routing.stats
@@ -732,3 +738,125 @@ def test_staged_mode_causal_routing_keeps_padding_out_of_the_inner_moe(scheme: s
         if name in want.stats:
             close(got[name], want.stats[name])
     assert got["tokens_per_expert"].sum() > 0  # the experts took some tokens
+
+
+def test_each_router_returns_its_own_routing_type() -> None:
+    """One meaning per field: a depth router gives positions (B, k), expert choice positions (G, E, C)
+    (or, routed causally, a bool mask (..., E)), token choice slots and rows (T, k); causal routing is
+    a forward argument, False unless passed."""
+    from mode.routing import (
+        CausalExpertRouting,
+        DepthRouter,
+        DepthRouting,
+        ExpertChoiceRouter,
+        ExpertChoiceRouting,
+        TokenChoiceRouter,
+    )
+
+    x = inputs().float()
+    depth = DepthRouter(16, 0.25, "sigmoid", False, causal="aux_loss")
+    routing = depth(x)
+    assert type(routing) is DepthRouting and routing.positions.shape == (BATCH, capacity_to_k(SEQ, 0.25))
+    assert type(depth(x, causal=True)) is DepthRouting and depth(x, causal=True).valid is not None
+    expert = ExpertChoiceRouter(16, E, N_NOOP, 1.0, 1, 0.0, causal="aux_loss")
+    routing = expert(x)
+    assert type(routing) is ExpertChoiceRouting and routing.positions.shape[:2] == (BATCH, E)
+    routing = expert(x, causal=True)
+    assert type(routing) is CausalExpertRouting and routing.mask.dtype == torch.bool
+    assert routing.mask.shape == (BATCH, SEQ, E)
+    token = TokenChoiceRouter(16, E, N_NOOP, 2, 1.0, False, 0.0, 0.0)
+    routing = token(x)
+    assert type(routing) is TokenChoiceRouting
+    assert routing.slots.shape == routing.positions.shape == routing.gates.shape == (BATCH * SEQ, 2)
+    assert routing.capacity is not None and token(x, causal=True).capacity is None  # causal: no dropping
+    for router in (depth, expert, token):
+        assert not hasattr(router, "causal_mode")
+
+
+# ----------------------------------------------------------------------------- renormalised gates, shared expert
+@pytest.mark.parametrize("top_k, n_noop", [(1, 0), (2, 0), (2, N_NOOP), (3, 0)])
+def test_renormalized_gates_are_the_softmax_of_the_top_k_logits(top_k: int, n_noop: int) -> None:
+    """moe.renormalize (Mixtral): each token's k gates sum to 1 and equal the softmax of its k chosen
+    logits alone; the slots chosen and the losses are those of the plain router."""
+    moe = moe_cfg(scheme="token_choice", top_k=top_k, n_noop=n_noop, dropless=True)
+    plain = MoEFFN(16, 24, moe).double()
+    renorm = MoEFFN(16, 24, moe.model_copy(update={"renormalize": True})).double()
+    renorm.load_state_dict(plain.state_dict())
+    x = inputs()
+    (_, want), (_, got) = plain(x), renorm(x)
+    assert torch.equal(got.slots, want.slots) and torch.equal(got.aux_loss, want.aux_loss)
+    torch.testing.assert_close(got.gates.sum(-1), torch.ones(BATCH * SEQ, dtype=got.gates.dtype), rtol=0, atol=1e-6)
+    chosen_logits = got.logits[0].gather(-1, got.slots)  # (T, k)
+    torch.testing.assert_close(got.gates, chosen_logits.softmax(-1), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(got.gates, want.gates / want.gates.sum(-1, keepdim=True), rtol=0, atol=0)
+    if top_k > 1:
+        assert not torch.allclose(got.gates, want.gates)  # the default keeps the plain probabilities
+
+
+def _shared_reference(ffn: MoEFFN, x: torch.Tensor, gated: bool) -> torch.Tensor:
+    """shared(x) = down(silu(x W_gate) * (x W_up)), times sigmoid(x w_g) with a gate, written out."""
+    width = ffn.shared_expert.down.weight.shape[1]
+    w_gate, w_up = ffn.shared_expert.gate_up.weight[:width], ffn.shared_expert.gate_up.weight[width:]  # (F, D) each
+    out = (F.silu(x @ w_gate.t()) * (x @ w_up.t())) @ ffn.shared_expert.down.weight.t()
+    return torch.sigmoid(x @ ffn.shared_expert_gate.weight.t()) * out if gated else out
+
+
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_shared_expert_adds_its_mlp_to_every_token(scheme: str, gated: bool) -> None:
+    """moe.shared_expert_d: the output is the routed experts' plus the shared SwiGLU expert on every
+    token (times sigmoid(x W_g) with moe.shared_expert_gate), computed here by hand; the routed part
+    and the routing are those of the same layer without it."""
+    moe = moe_cfg(n_noop=N_NOOP, **SCHEMES[scheme])
+    plain = MoEFFN(16, 24, moe).double()
+    shared = MoEFFN(16, 24, moe.model_copy(update={"shared_expert_d": 20, "shared_expert_gate": gated})).double()
+    missing, unexpected = shared.load_state_dict(plain.state_dict(), strict=False)
+    want_keys = {"shared_expert.gate_up.weight", "shared_expert.down.weight"} | ({"shared_expert_gate.weight"} if gated else set())
+    assert set(missing) == want_keys and not unexpected
+    assert shared.shared_expert.gate_up.weight.shape == (40, 16) and shared.shared_expert.down.weight.shape == (16, 20)
+    if gated:
+        assert shared.shared_expert_gate.weight.shape == (1, 16) and shared.shared_expert_gate.bias is None
+    x = inputs()
+    (routed, want), (out, got) = plain(x), shared(x)
+    for a, b in zip(chosen(got), chosen(want), strict=True):
+        assert torch.equal(a, b)
+    close(out, routed + _shared_reference(shared, x, gated))
+    assert (out - routed).abs().min() > 0  # every token, the no-op ones included, gets the shared term
+
+
+def test_shared_expert_leaves_causal_padding_rows_at_zero() -> None:
+    """Under causal routing a Staged MoDE block's padding rows (valid False) get no update from the
+    shared expert either."""
+    ffn = MoEFFN(16, 24, moe_cfg(scheme="token_choice", top_k=2, shared_expert_d=20, shared_expert_gate=True)).double()
+    x = inputs()
+    valid = torch.rand(BATCH, SEQ) > 0.3
+    out, _ = ffn(x, valid, causal=True)
+    assert torch.equal(out[~valid], torch.zeros_like(out[~valid]))
+    assert (out[valid] != 0).all(-1).all()
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_defaults_leave_the_moe_layer_unchanged(scheme: str) -> None:
+    """renormalize false and no shared expert: the parameters of the MoE layer as before (router and
+    experts alone), and its output that of its routed experts, bit for bit, with the plain gates."""
+    torch.manual_seed(0)
+    ffn = MoEFFN(16, 24, moe_cfg(n_noop=N_NOOP, **SCHEMES[scheme])).double()
+    assert set(ffn.state_dict()) == {"router.router.proj.weight", "experts.w_in", "experts.w_out"}
+    assert ffn.shared_expert is None and ffn.shared_expert_gate is None
+    x = inputs()
+    out, routing = ffn(x)
+    routed, _ = ffn._routed(x, None, False)
+    assert torch.equal(out, routed)
+    if isinstance(routing, TokenChoiceRouting):
+        assert not ffn.router.renormalize
+        probs = routing.logits[0].softmax(-1)
+        assert torch.equal(routing.gates, probs.gather(-1, routing.slots))
+
+
+def test_renormalize_and_shared_expert_gate_are_checked() -> None:
+    with pytest.raises(ValueError, match="renormalize applies to scheme token_choice"):
+        MoEConfig(scheme="expert_choice", renormalize=True)
+    with pytest.raises(ValueError, match="shared_expert_gate needs a shared expert"):
+        MoEConfig(scheme="token_choice", shared_expert_gate=True)
+    with pytest.raises(ValueError):
+        MoEConfig(shared_expert_d=0)

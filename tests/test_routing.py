@@ -260,14 +260,14 @@ def test_depth_router_scores_gates_and_k(gate: str) -> None:
     x = torch.randn(3, S, D)
     routing = router(x)
     k = capacity_to_k(S, capacity)
-    _check_exact_k_sorted(routing.indices, 3, k)
+    _check_exact_k_sorted(routing.positions, 3, k)
     ref_scores = (x.double() @ router.router.proj.weight.double().T).squeeze(-1)  # (B, S)
     assert routing.logits.dtype == torch.float32
     torch.testing.assert_close(routing.logits.double(), ref_scores, rtol=ROUTER_F32_TOL, atol=ROUTER_F32_TOL)
     for b in range(3):
-        assert routing.indices[b].tolist() == _python_top_k(routing.logits[b].tolist(), k)
+        assert routing.positions[b].tolist() == _python_top_k(routing.logits[b].tolist(), k)
     torch.testing.assert_close(
-        routing.gates, apply_gate(routing.logits.gather(1, routing.indices), gate), rtol=0, atol=0
+        routing.gates, apply_gate(routing.logits.gather(1, routing.positions), gate), rtol=0, atol=0
     )
     assert float(routing.aux_loss) == 0.0
 
@@ -285,19 +285,19 @@ def test_random_routing_switch(gate: str) -> None:
 
     torch.manual_seed(123)
     routing = router(x)
-    _check_exact_k_sorted(routing.indices, 3, k)
+    _check_exact_k_sorted(routing.positions, 3, k)
     learned = top_k_positions(routing.logits.detach(), k)
-    assert not torch.equal(routing.indices, learned)  # chooses differently from the scores
+    assert not torch.equal(routing.positions, learned)  # chooses differently from the scores
 
     torch.manual_seed(123)
     again = router(x)
-    assert torch.equal(again.indices, routing.indices)  # reproducible under a fixed seed
+    assert torch.equal(again.positions, routing.positions)  # reproducible under a fixed seed
     torch.manual_seed(124)
-    assert not torch.equal(router(x).indices, routing.indices)  # but actually random
+    assert not torch.equal(router(x).positions, routing.positions)  # but actually random
 
     # The gate comes from the learned score at the randomly chosen positions...
     torch.testing.assert_close(
-        routing.gates, apply_gate(routing.logits.gather(1, routing.indices), gate), rtol=0, atol=0
+        routing.gates, apply_gate(routing.logits.gather(1, routing.positions), gate), rtol=0, atol=0
     )
     # ... so the router still learns through it.
     (routing.gates * torch.randn_like(routing.gates)).sum().backward()
@@ -320,7 +320,7 @@ def test_route_equals_forward_then_gather(causal: str, random: bool) -> None:
 
     torch.manual_seed(5)
     ref = router(x)
-    ref_chosen = gather_tokens(x, ref.indices)
+    ref_chosen = gather_tokens(x, ref.positions)
     ref_grads = torch.autograd.grad(loss_of(ref, ref_chosen), [x, *router.parameters()])
     torch.manual_seed(5)
     got, got_chosen, residual, writable, _ = router.route(x)
@@ -329,7 +329,7 @@ def test_route_equals_forward_then_gather(causal: str, random: bool) -> None:
     ref_grads = (ref_grads[0] + update.sum(), *ref_grads[1:])  # the residual's gradient reaches x unchanged
     assert torch.equal(residual, x)
 
-    assert torch.equal(got.indices, ref.indices) and torch.equal(got_chosen, ref_chosen)
+    assert torch.equal(got.positions, ref.positions) and torch.equal(got_chosen, ref_chosen)
     assert torch.equal(got.logits, ref.logits.detach())
     # The recomputed gate scores are the same float32 dot products over fewer rows.
     torch.testing.assert_close(got.gates, ref.gates, rtol=ROUTER_F32_TOL, atol=ROUTER_F32_TOL)
@@ -485,10 +485,10 @@ def test_two_autograd_nodes_equal_the_separate_ops(gate: str, bias: bool, random
         route = route_tokens(x, params["weight"], params.get("bias"), k, gate, random, grad_in_place=in_place,
                              fused=fused)
         update = torch.tanh(route.chosen @ params["block"])  # (G, k, D)
-        out = add_gated_tokens(route.residual, route.indices, route.gates, update, in_place, route.flat, fused=fused)
+        out = add_gated_tokens(route.residual, route.positions, route.gates, update, in_place, route.flat, fused=fused)
         assert (out.data_ptr() == x.data_ptr()) == in_place
         (out * probe).sum().backward()
-        runs.append((route.indices, out.detach(), leaf.grad, {n: p.grad for n, p in params.items()}))
+        runs.append((route.positions, out.detach(), leaf.grad, {n: p.grad for n, p in params.items()}))
     (idx, out, x_grad, grads), (want_idx, want_out, want_x_grad, want_grads) = runs
     assert torch.equal(idx, want_idx)
     tolerance = dict(rtol=ROUTER_F32_TOL, atol=ROUTER_F32_TOL)
@@ -511,12 +511,12 @@ def test_random_rows_of_two_processes_are_one_process_halves(fused: bool) -> Non
     x = torch.randn(4, S, D)
     weight = torch.randn(1, D)
     torch.manual_seed(3)
-    whole = route_tokens(x, weight, None, 3, "sigmoid", random=True, fused=fused).indices
+    whole = route_tokens(x, weight, None, 3, "sigmoid", random=True, fused=fused).positions
     halves = []
     for rank in (0, 1):
         torch.manual_seed(3)
         halves.append(route_tokens(x[2 * rank : 2 * rank + 2], weight, None, 3, "sigmoid", random=True,
-                                   random_rows=(rank, 2), fused=fused).indices)
+                                   random_rows=(rank, 2), fused=fused).positions)
     assert torch.equal(torch.cat(halves), whole)
     torch.manual_seed(3)
     kept = random_scores(torch.zeros(2, S), (1, 2))

@@ -1104,14 +1104,14 @@ def test_chosen_positions_are_positions_in_the_sequence(tmp_path: Path, corpus: 
     got = dict(chosen_positions(out, seq))
     depth, ffn = out.routings[0], out.ffn_routings[0]
     want = []
-    for g in range(ffn.indices.shape[0]):
-        for index in ffn.indices[g].reshape(-1).tolist():
+    for g in range(ffn.positions.shape[0]):
+        for index in ffn.positions[g].reshape(-1).tolist():
             if depth is None:  # group g is sequences 2g, 2g+1 end to end
                 want.append(index % seq)
             else:  # group g is the chosen tokens of sequences 2g, 2g+1 (k each), end to end
-                k = depth.indices.shape[1]
+                k = depth.positions.shape[1]
                 sequence, rank = 2 * g + index // k, index % k
-                want.append(int(depth.indices[sequence, rank]))
+                want.append(int(depth.positions[sequence, rank]))
     assert got["layer0.ffn"].tolist() == want
     assert int(got["layer0.ffn"].max()) < seq
 

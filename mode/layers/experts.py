@@ -185,11 +185,11 @@ def megablocks_token_choice(experts: Experts, x: Tensor, routing: TokenChoiceRou
     """
     import megablocks.ops as mops
 
-    n_experts, top_k = experts.n_experts, routing.indices.shape[1]
+    n_experts, top_k = experts.n_experts, routing.slots.shape[1]
     if routing.capacity is None:  # dropless: every real assignment is computed, the no-op slots go to bin E
-        bin_of = routing.indices.clamp(max=n_experts).reshape(-1).int()  # (T*k,)
+        bin_of = routing.slots.clamp(max=n_experts).reshape(-1).int()  # (T*k,)
     else:
-        bin_of = torch.where(routing.positions >= 0, routing.indices, n_experts).reshape(-1).int()
+        bin_of = torch.where(routing.positions >= 0, routing.slots, n_experts).reshape(-1).int()
     bin_ids, order = mops.sort(bin_of, max(1, n_experts.bit_length()))
     per_bin = mops.histogram(bin_of, n_experts + 1)  # (E+1,)
     bins = mops.inclusive_cumsum(per_bin, 0)

@@ -1,8 +1,9 @@
 """Mixture-of-Experts FFN on the shared router primitives: expert choice or token choice.
 
-FFN(x)_t = sum over the real experts e that process token t of gate_{t,e} * expert_e(x_t).
-A token that only no-op experts took (or that no expert took, or that was dropped) gets an
-exact zero update: it rides the residual. No-op experts are never computed.
+FFN(x)_t = sum over the real experts e that process token t of gate_{t,e} * expert_e(x_t),
+plus, with a shared expert, shared(x_t) (times sigmoid(x_t W_g) with its gate) for every token.
+Without one, a token that only no-op experts took (or that no expert took, or that was dropped)
+gets an exact zero update: it rides the residual. No-op experts are never computed.
 """
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ from torch import Tensor, nn
 
 from mode.config import MoEConfig, RoutingConfig
 from mode.layers.experts import Experts, check_backend, megablocks_token_choice
+from mode.layers.mlp import SwiGLU
 from mode.routing import (
     CausalExpertRouting,
     ExpertChoiceRouter,
+    ExpertChoiceRouting,
     ExpertRows,
     Routing,
     TokenChoiceRouter,
@@ -45,15 +48,24 @@ class MoEFFN(nn.Module):
         else:
             self.router = TokenChoiceRouter(
                 d_model, moe.n_experts, moe.n_noop, moe.top_k, moe.capacity_factor, moe.dropless,
-                moe.lb_loss_weight, moe.z_loss_weight,
+                moe.lb_loss_weight, moe.z_loss_weight, moe.renormalize,
             )
         self.experts = Experts(moe.n_experts, d_model, moe.d_expert or d_ff, moe.activation, moe.backend)
+        # An always-on expert (Qwen2-MoE, DeepSeekMoE), optionally scaled by a sigmoid gate.
+        self.shared_expert = None if moe.shared_expert_d is None else SwiGLU(d_model, moe.shared_expert_d)
+        self.shared_expert_gate = nn.Linear(d_model, 1, bias=False) if moe.shared_expert_gate else None
 
-    def forward(self, x: Tensor, valid: Tensor | None = None, causal: bool | None = None) -> tuple[Tensor, Routing]:
+    def forward(self, x: Tensor, valid: Tensor | None = None, causal: bool = False) -> tuple[Tensor, Routing]:
         """valid (B, S) bool: under causal routing, False rows are padding: no expert computes
         them (their output is 0) and the statistics leave them out. None: every row is a token.
-        causal: route as sampling does (see the routers); None takes the router's `causal_mode`."""
-        causal = self.router.causal_mode if causal is None else causal
+        causal: route as sampling does (see the routers)."""
+        out, routing = self._routed(x, valid, causal)
+        if self.shared_expert is not None:
+            out = out + self._shared(x, valid)
+        return out, routing
+
+    def _routed(self, x: Tensor, valid: Tensor | None, causal: bool) -> tuple[Tensor, Routing]:
+        """The routed experts' part of forward: (their output (B, S, D), the routing)."""
         if isinstance(self.router, ExpertChoiceRouter) and not causal:
             routing, rows, xs = self.router.route(x)
             return self._expert_choice(routing, rows, xs).view_as(x), routing
@@ -64,11 +76,18 @@ class MoEFFN(nn.Module):
             out = self._token_choice(x.reshape(-1, x.shape[-1]), routing)
         return out.view_as(x), routing
 
-    def syncs_with_host(self, x: Tensor, causal: bool | None = None) -> bool:
+    def _shared(self, x: Tensor, valid: Tensor | None) -> Tensor:
+        """The shared expert on every token of x (B, S, D), times its sigmoid gate where it has one;
+        padding rows (valid False) get a zero update, as from the routed experts."""
+        out = self.shared_expert(x)
+        if self.shared_expert_gate is not None:
+            out = torch.sigmoid(self.shared_expert_gate(x)) * out  # (B, S, 1) * (B, S, D)
+        return out if valid is None else torch.where(valid.unsqueeze(-1), out, 0)
+
+    def syncs_with_host(self, x: Tensor, causal: bool = False) -> bool:
         """Whether a pass on tokens like x reads routing results on the host (so no CUDA graph can
         capture it): token choice sorted by expert with host counts, that is dropless (or under
         causal routing) except by ends on the torch backend, or on a grouped backend."""
-        causal = self.router.causal_mode if causal is None else causal
         if isinstance(self.router, ExpertChoiceRouter):
             return causal  # causal decisions: variable counts
         if self.experts.backend != "torch":
@@ -94,16 +113,16 @@ class MoEFFN(nn.Module):
         # Combined in the experts' compute dtype (bf16 under autocast), like a dense FFN's output.
         return combine_rows(ys.reshape(-1, ys.shape[-1]), gates if to_experts is None else None, rows)
 
-    def _expert_choice(self, routing: Routing, rows: ExpertRows, xs: Tensor) -> Tensor:
+    def _expert_choice(self, routing: ExpertChoiceRouting, rows: ExpertRows, xs: Tensor) -> Tensor:
         """Every expert takes exactly C tokens of each group: one static (E, G*C, D) batched matmul.
         xs (E*G*C, D): the chosen tokens, gathered expert-major by the router (ExpertChoiceRouter.route)."""
-        n_experts, width = routing.indices.shape[1], xs.shape[1]
+        n_experts, width = routing.positions.shape[1], xs.shape[1]
         gates = routing.gates.transpose(0, 1).reshape(-1)  # (E*G*C,), the order of rows.ids
         return self._experts_combined(xs.view(n_experts, -1, width), gates, rows)  # (B*S, D)
 
     def _causal_experts(self, x: Tensor, routing: CausalExpertRouting) -> Tensor:
         """x (T, D); expert e computes exactly the tokens its causal decision chose (variable counts)."""
-        chosen = routing.indices.reshape(-1, self.experts.n_experts)  # (T, E) bool
+        chosen = routing.mask.reshape(-1, self.experts.n_experts)  # (T, E) bool
         experts, tokens = chosen.t().nonzero(as_tuple=True)  # expert-major, token order within an expert
         counts = count_ids(experts, self.experts.n_experts)
         # No early return when nothing is chosen: under expert parallelism every rank must
@@ -118,21 +137,21 @@ class MoEFFN(nn.Module):
         sync); elsewhere the computed rows only, their counts read on the host."""
         if self.experts.backend == "megablocks":
             return megablocks_token_choice(self.experts, x, routing)
-        top_k = routing.indices.shape[1]
+        top_k = routing.slots.shape[1]
         # (T*k + 1,): a 0 gate for empty rows (F.pad showed a host-device copy each way in an eager trace)
         gates = torch.cat([routing.gates.reshape(-1), routing.gates.new_zeros(1)])
         if routing.capacity is not None and self.experts.backend == "torch":
             if routing.layout is not None:  # built by the router's counting sort with the positions
                 table, rows = routing.layout
             else:
-                table = slot_table(routing.indices, routing.positions, self.experts.n_experts, routing.capacity)  # (E, C)
-                rows = token_choice_rows(table, routing.indices, routing.positions, x)
+                table = slot_table(routing.slots, routing.positions, self.experts.n_experts, routing.capacity)  # (E, C)
+                rows = token_choice_rows(table, routing.slots, routing.positions, x)
             xs = gather_rows(x, rows).view(*table.shape, x.shape[1])  # (E, C, D)
             # index_select: its backward is one index_add (indexing's is a sort-based index_put)
             return self._experts_combined(xs, gates.index_select(0, table.reshape(-1)), rows)  # (T, D)
         if routing.capacity is None and self.experts.by_ends_applies(x):
             return self._dropless_by_ends(x, routing, gates)
-        table, counts = sort_by_expert(routing.indices, routing.positions, self.experts.n_experts)  # (M,), (E,)
+        table, counts = sort_by_expert(routing.slots, routing.positions, self.experts.n_experts)  # (M,), (E,)
         rows = rows_by_slot(table // top_k, table % top_k, top_k, x)  # a token's j-th choice: its slot j
         return self._experts_combined(gather_rows(x, rows), gates.index_select(0, table), rows, counts)  # (T, D)
 
@@ -141,6 +160,6 @@ class MoEFFN(nn.Module):
         the no-op ones last, where the grouped GEMMs stop (ends[-1]); the inverse map leaves those
         rows out (or, without one, the experts zero them) and their gate is the padded 0, so nothing
         past the end is ever read."""
-        rows, gate_index, ends, computed = dropless_rows(routing.indices, routing.positions, self.experts.n_experts, x)
+        rows, gate_index, ends, computed = dropless_rows(routing.slots, routing.positions, self.experts.n_experts, x)
         row_gates = gates.index_select(0, gate_index)
         return self._experts_combined(gather_rows(x, rows), row_gates, rows, ends=ends, computed=computed)  # (T, D)

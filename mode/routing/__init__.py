@@ -1,6 +1,10 @@
 """Routing shared by every routed block (MoD, MoE, Staged and Integrated MoDE): the primitives
 (mode/routing/{selection,scores,moves,expert_rows,depth,expert_choice,token_choice}.py, all
-importable from mode.routing.primitives too) and the routers (mode/routing/router.py)."""
+importable from mode.routing.primitives too), the routers (router.py: the score and the depth
+router; expert_router.py: expert and token choice; causal.py: the causal decision) and what
+they return (results.py)."""
+from mode.routing.causal import CausalDecision, CausalPredictor
+from mode.routing.expert_router import ExpertChoiceRouter, TokenChoiceRouter
 from mode.routing.primitives import (
     CapacityRows,
     ExpertRows,
@@ -36,26 +40,24 @@ from mode.routing.primitives import (
     top_k_positions,
     top_k_slots,
 )
-from mode.routing.router import (
-    CausalDecision,
+from mode.routing.results import (
     CausalExpertRouting,
-    CausalPredictor,
-    DepthRouter,
-    ExpertChoiceRouter,
+    DepthRouting,
+    ExpertChoiceRouting,
     RoutedTokens,
-    Router,
     Routing,
-    TokenChoiceRouter,
     TokenChoiceRouting,
-    set_random_score_rows,
 )
+from mode.routing.router import DepthRouter, Router, set_random_score_rows
 
 __all__ = [
     "CausalDecision",
     "CausalExpertRouting",
     "CausalPredictor",
     "DepthRouter",
+    "DepthRouting",
     "ExpertChoiceRouter",
+    "ExpertChoiceRouting",
     "ExpertRows",
     "Router",
     "RoutedTokens",

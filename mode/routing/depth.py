@@ -70,7 +70,7 @@ class _RouteTokens(torch.autograd.Function):
 class DepthRoute(NamedTuple):
     """route_tokens' result for x (G, T, D) and k tokens a group."""
 
-    indices: Tensor  # (G, k) chosen positions, sorted
+    positions: Tensor  # (G, k) chosen positions, sorted
     gates: Tensor  # (G, k) g(score), float32
     chosen: Tensor  # (G, k, D) the chosen tokens
     residual: Tensor  # (G, T, D) x itself, for add_gated_tokens
@@ -89,15 +89,15 @@ def route_tokens(x: Tensor, weight: Tensor, bias: Tensor | None, k: int, gate: s
     grad_in_place as split_tokens'; random_rows = (rank, world) as random_scores'.
     """
     if fused and not torch.compiler.is_compiling():
-        chosen, residual, gates, indices, flat, scores = _RouteTokens.apply(
+        chosen, residual, gates, positions, flat, scores = _RouteTokens.apply(
             x, weight, bias, k, gate, random_rows if random else None, grad_in_place)
-        return DepthRoute(indices, gates, chosen, residual, scores, flat)
+        return DepthRoute(positions, gates, chosen, residual, scores, flat)
     with torch.no_grad():
         scores = router_scores(x, weight, bias).squeeze(-1)  # (G, T)
-    indices = top_k_positions(random_scores(scores, random_rows) if random else scores, k)
-    chosen, residual = split_tokens(x, indices, grad_in_place=grad_in_place)  # (G, k, D), (G, T, D)
+    positions = top_k_positions(random_scores(scores, random_rows) if random else scores, k)
+    chosen, residual = split_tokens(x, positions, grad_in_place=grad_in_place)  # (G, k, D), (G, T, D)
     gates = apply_gate(router_scores(chosen, weight, bias).squeeze(-1), gate)  # (G, k), the gradient's path
-    return DepthRoute(indices, gates, chosen, residual, scores, None)
+    return DepthRoute(positions, gates, chosen, residual, scores, None)
 
 
 class _AddGatedRows(torch.autograd.Function):

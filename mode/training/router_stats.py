@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from mode.model import ModelOutput
-from mode.routing import Routing, TokenChoiceRouting, token_mask
+from mode.routing import DepthRouting, ExpertChoiceRouting, Routing, token_mask
 
 POSITION_BINS = 16
 
@@ -128,10 +128,10 @@ def _unpooled(summaries: list[dict[str, dict[str, Any]]], pooled_values: list[fl
     return out
 
 
-def processed_fraction(routing: Routing) -> Tensor:
-    """Share of tokens an expert-choice routing sent through (indices are positions in a group); 0-d."""
+def processed_fraction(routing: DepthRouting | ExpertChoiceRouting) -> Tensor:
+    """Share of tokens a routing by positions in a group sent through (depth or expert choice); 0-d."""
     groups, tokens_per_group = routing.logits.shape[:2]
-    return token_mask(routing.indices.reshape(groups, -1), tokens_per_group).float().mean()
+    return token_mask(routing.positions.reshape(groups, -1), tokens_per_group).float().mean()
 
 
 def output_tensors(out: ModelOutput, loss_keys: Sequence[str]) -> tuple[list[Tensor], dict[str, dict[str, Tensor]]]:
@@ -200,20 +200,20 @@ def share_reaching(name: str, processed: dict[str, float]) -> float:
 
 def chosen_positions(output: ModelOutput, seq_len: int) -> Iterator[tuple[str, Tensor]]:
     """(name, the sequence positions (N,) in [0, seq_len) its routing chose) for every router whose
-    indices are tokens: depth routers, and expert choice (token choice's indices are slots: left out).
+    positions are tokens: depth routers, and expert choice's top-C (token choice chooses slots: left out).
 
-    An expert-choice index is a token's place in its group of group_size sequences laid end to end;
+    An expert-choice position is a token's place in its group of group_size sequences laid end to end;
     inside a Staged MoDE block the group is of the depth router's chosen tokens, whose index in the
-    flattened (B, k) chosen set maps back to a position through the depth router's own indices."""
+    flattened (B, k) chosen set maps back to a position through the depth router's own positions."""
     for i, (depth, ffn) in enumerate(zip(output.routings, output.ffn_routings)):
         if depth is not None:
-            yield f"layer{i}", depth.indices.reshape(-1) % seq_len  # (B, k) positions in their sequences
-        if ffn is None or isinstance(ffn, TokenChoiceRouting):
+            yield f"layer{i}", depth.positions.reshape(-1) % seq_len  # (B, k) positions in their sequences
+        if not isinstance(ffn, ExpertChoiceRouting):
             continue
         groups, group_tokens = ffn.logits.shape[:2]
-        offsets = torch.arange(groups, device=ffn.indices.device).unsqueeze(1) * group_tokens  # (G, 1)
-        flat = (ffn.indices.reshape(groups, -1) + offsets).reshape(-1)  # index among all B * T_inner tokens
-        yield f"layer{i}{EXPERT_ROUTER}", (flat % seq_len if depth is None else depth.indices.reshape(-1)[flat])
+        offsets = torch.arange(groups, device=ffn.positions.device).unsqueeze(1) * group_tokens  # (G, 1)
+        flat = (ffn.positions.reshape(groups, -1) + offsets).reshape(-1)  # index among all B * T_inner tokens
+        yield f"layer{i}{EXPERT_ROUTER}", (flat % seq_len if depth is None else depth.positions.reshape(-1)[flat])
 
 
 def position_bins(seq_len: int) -> int:
