@@ -114,6 +114,22 @@ class ModelConfig(Section):
         return any(kind in DEPTH_ROUTED_KINDS for kind in self.block_kinds())
 
 
+class CapacitySchedule(Section):
+    """routing.capacity annealed from `start` to the target over `steps` optimizer steps, in
+    `stages` equal stretches of constant capacity (each new capacity changes the routed k: a
+    CUDA graph is captured again, a compiled model recompiles)."""
+
+    start: float = Field(gt=0.0, le=1.0, description="the depth routers' capacity at step 0")
+    steps: int = Field(gt=0, description="the step from which the capacity is routing.capacity")
+    stages: int = Field(8, gt=0, description="how many capacities before the target; at most steps")
+
+    @model_validator(mode="after")
+    def _stages_fit(self) -> "CapacitySchedule":
+        if self.stages > self.steps:
+            raise ValueError(f"stages ({self.stages}) must not exceed steps ({self.steps})")
+        return self
+
+
 class RoutingConfig(Section):
     """Mixture-of-Depths routing (also the depth router of Staged MoDE)."""
 
@@ -141,6 +157,17 @@ class RoutingConfig(Section):
         0.01, ge=0.0, description="weight of the causal BCE term added to the aux loss (both methods)"
     )
     predictor_hidden: int = Field(128, gt=0, description="causal=predictor: hidden width of the MLP D -> hidden -> 1")
+    capacity_schedule: CapacitySchedule | None = Field(
+        None, description="anneal the depth routers' capacity from a start value to routing.capacity (conversion)"
+    )
+
+    def capacity_at(self, step: int) -> float:
+        """The depth routers' capacity for optimizer step `step` (0-based)."""
+        plan = self.capacity_schedule
+        if plan is None or step >= plan.steps:
+            return self.capacity
+        stage = step * plan.stages // plan.steps
+        return plan.start + (self.capacity - plan.start) * stage / plan.stages
 
 
 class MoEConfig(Section):
@@ -354,6 +381,19 @@ class Config(Section):
                 "(its FFN routes some tokens to no-op experts)"
             )
         return self
+
+    @model_validator(mode="after")
+    def _schedule_reaches_a_router(self) -> "Config":
+        if self.routing.capacity_schedule is not None and not self.model.has_depth_router():
+            raise ValueError(
+                f"routing.capacity_schedule anneals depth routers' capacity (mod and mode_staged blocks), and "
+                f"model.block_pattern {self.model.block_pattern} has none"
+            )
+        return self
+
+    def at_capacity(self, capacity: float) -> "Config":
+        """This config with routing.capacity set to capacity (a scheduled step's FLOPs)."""
+        return self.model_copy(update={"routing": self.routing.model_copy(update={"capacity": capacity})})
 
     @model_validator(mode="after")
     def _random_routing_reaches_a_router(self) -> "Config":

@@ -135,8 +135,7 @@ def conversion_notes(sources: list[str], targets: list[str], target: Config) -> 
 
 def _upcycling_note(target: Config, integrated: bool) -> str:
     moe = target.moe
-    renormalized = getattr(moe, "renormalize", False)
-    if moe.scheme == "token_choice" and renormalized and moe.dropless:
+    if moe.scheme == "token_choice" and moe.renormalize and moe.dropless:
         exact = "each token's gates sum to 1 and none is dropped: the upcycled FFN computes the dense MLP"
     elif moe.scheme == "token_choice":
         exact = ("the upcycled FFN computes the dense MLP only with renormalised top-k gates (moe.renormalize) and "

@@ -152,8 +152,11 @@ def model_flops(config: Config, seq_len: int | None = None, causal: bool = True)
     return FlopReport(per_block, lm_head=2 * config.model.d_model * config.model.vocab_size)
 
 
-def train_step_flops(config: Config, world_size: int = 1) -> float:
-    """FLOPs of one optimizer step: 3 x forward over every token of every micro-batch."""
+def train_step_flops(config: Config, world_size: int = 1, step: int | None = None) -> float:
+    """FLOPs of one optimizer step: 3 x forward over every token of every micro-batch; at step's
+    scheduled capacity (routing.capacity_schedule) when step is given, else at routing.capacity."""
     t = config.train
     tokens = t.batch_size * t.grad_accum * config.data.seq_len * world_size
+    if step is not None:
+        config = config.at_capacity(config.routing.capacity_at(step))
     return model_flops(config).train_per_token * tokens

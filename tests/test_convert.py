@@ -110,6 +110,20 @@ def test_upcycled_token_choice_output_is_the_gate_sum_times_the_mlp(tmp_path: Pa
         torch.testing.assert_close(out, gate_sum * mlp(x), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("kind", ["moe", "mode_staged"])
+def test_upcycled_renormalised_dropless_token_choice_is_the_pretrained_model(tmp_path: Path, corpus: Path,
+                                                                             dense_run: Path, kind: str) -> None:
+    """Renormalised top-2 gates sum to 1 and dropless drops nothing: the upcycled model (Staged MoDE:
+    with unit depth routers at capacity 1.0) computes the dense model's logits."""
+    moe = {"n_experts": 4, "d_expert": 64, "scheme": "token_choice", "top_k": 2, "dropless": True,
+           "renormalize": True}
+    converted = Trainer(make_config(tmp_path / kind, corpus, model={"block_pattern": [kind]}, routing=UNIT_ROUTERS,
+                                    moe=moe, train={"init_from": str(dense_run)}))
+    assert any("the upcycled FFN computes the dense MLP" in note for note in converted.notes), converted.notes
+    torch.testing.assert_close(_logits(converted.model.eval()), _logits(_dense_model(dense_run)),
+                               atol=CONVERSION_ATOL, rtol=0)
+
+
 def test_conversion_errors_name_the_field(tmp_path: Path, corpus: Path, dense_run: Path) -> None:
     mod_run = tmp_path / "modrun"
     Trainer(make_config(mod_run, corpus)).run()

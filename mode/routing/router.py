@@ -63,6 +63,12 @@ class DepthRouter(nn.Module):
         """Share of each sequence's tokens through the block."""
         return float(self._capacity)
 
+    def set_capacity(self, capacity: float) -> None:
+        """Route another share from the next forward on (routing.capacity_schedule)."""
+        if not 0.0 < capacity <= 1.0:
+            raise ValueError(f"capacity {capacity} is outside (0, 1]")
+        self._capacity = repr(float(capacity))
+
     def set_random_rows(self, rank: int, world: int) -> None:
         """The data-parallel split the random-routing ablation draws for: this process's rank of
         `world` (random_scores); (0, 1) for one process."""

@@ -72,6 +72,10 @@ class GraphedMicroStep:
         self.model, self.backward, self.loss_divisor = model, backward, loss_divisor
         self.graph: torch.cuda.CUDAGraph | None = None
 
+    def forget(self) -> None:
+        """Capture again at the next call: the model's shapes changed (a new routed capacity)."""
+        self.graph = None
+
     def __call__(self, x: Tensor, y: Tensor) -> ModelOutput:
         if self.graph is None:
             self._capture(x, y)

@@ -57,12 +57,32 @@ def steps_within_budget(config: Config, world_size: int = 1) -> int:
     """train.flops_budget -> the whole optimizer steps whose training FLOPs (3 x forward, the tokens of
     every process's micro-batches) fit in it; a budget under one step is a ConfigError."""
     t = config.train
-    per_step = train_step_flops(config, world_size)
-    steps = math.floor(round(t.flops_budget / per_step, 9))  # 300 steps' FLOPs give 300, not 299.99999
+    budget, scheduled = t.flops_budget, scheduled_steps_flops(config, world_size)
+    steps = 0
+    for flops in scheduled:  # the annealed steps, one by one (their capacity changes)
+        if budget <= 0 or round(flops / budget, 9) > 1:
+            break
+        budget, steps = budget - flops, steps + 1
+    else:
+        per_step = train_step_flops(config, world_size)
+        steps += math.floor(round(budget / per_step, 9))  # 300 steps' FLOPs give 300, not 299.99999
     if steps < 1:
+        first = scheduled[0] if scheduled else train_step_flops(config, world_size)
         raise ConfigError(f"train.flops_budget ({t.flops_budget:.4g}) is less than one step's training FLOPs "
-                          f"({per_step:.4g} with {world_size} process(es))")
+                          f"({first:.4g} with {world_size} process(es))")
     return steps
+
+
+def scheduled_steps_flops(config: Config, world_size: int = 1) -> list[float]:
+    """Each annealed step's training FLOPs (routing.capacity_schedule); none without a schedule."""
+    plan = config.routing.capacity_schedule
+    if plan is None:
+        return []
+    at = {}  # one FLOP count per stage
+    for step in range(plan.steps):
+        at.setdefault(config.routing.capacity_at(step), step)
+    flops = {capacity: train_step_flops(config, world_size, step) for capacity, step in at.items()}
+    return [flops[config.routing.capacity_at(step)] for step in range(plan.steps)]
 
 
 def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:

@@ -27,6 +27,7 @@ from mode.data import (
     sample_batch,
 )
 from mode.flops import model_flops, train_step_flops
+from mode.routing import DepthRouter
 from mode.run_folder import CHECKPOINT, CONFIG, METRICS
 from mode.training.evaluation import validation_metrics
 from mode.training.folder import (
@@ -138,6 +139,7 @@ class Trainer:
         self.graphed_step: GraphedMicroStep | None = None
         if eager_graphed:
             self.graphed_step = GraphedMicroStep(self.model, self.optimization.backward, t.grad_accum)
+        self.capacity = config.routing.capacity  # the depth routers' as built; launch_step follows the schedule
         self.flops_per_token = model_flops(config).train_per_token
         if t.flops_budget is not None:  # before the run folder's config is written: it records the steps
             given, t.max_steps = t.max_steps, steps_within_budget(config, world_size)
@@ -289,6 +291,7 @@ class Trainer:
         its outputs' copy to the host, without waiting for the device; advances self.state."""
         t = self.config.train
         step = self.state.step
+        self.follow_capacity_schedule(step)
         outputs = []
         timer = StepTimer(self.device)
         self.model.train()
@@ -313,6 +316,19 @@ class Trainer:
         copy = outputs_to_host(outputs, [grad_norm])
         timer.stop()
         return LaunchedStep(self.state, lr, outputs, copy, timer)
+
+    def follow_capacity_schedule(self, step: int) -> None:
+        """Set the depth routers to step's capacity (routing.capacity_schedule) and count its FLOPs."""
+        capacity = self.config.routing.capacity_at(step)
+        if capacity == self.capacity:
+            return
+        for module in self.model.modules():
+            if isinstance(module, DepthRouter):
+                module.set_capacity(capacity)
+        self.capacity = capacity
+        self.flops_per_token = model_flops(self.config.at_capacity(capacity)).train_per_token
+        if self.graphed_step is not None:
+            self.graphed_step.forget()
 
     def finish_step(self, launched: LaunchedStep) -> dict[str, Any]:
         """A launched step's metrics: waits for its values alone (not for steps queued after it);
@@ -386,6 +402,8 @@ class Trainer:
         """Finish a launched step: its record, with tokens/s, to the progress bar and, at log intervals, the log."""
         metrics = self.finish_step(launched)
         record = {"step": launched.state.step, "tokens": launched.state.tokens, "flops": launched.state.flops, **metrics}
+        if self.config.routing.capacity_schedule is not None:  # the capacity the step routed at
+            record["capacity"] = self.config.routing.capacity_at(launched.state.step - 1)
         self.progress.step(record, self.tokens_per_step, launched.timer.seconds())
 
 
