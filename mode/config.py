@@ -62,10 +62,35 @@ class Section(BaseModel):
         return name in self.model_fields_set and getattr(self, name) != default
 
 
+class RopeScaling(Section):
+    """Llama-3 rotary scaling: wavelengths longer than original_max_seq_len / low_freq_factor are
+    stretched by factor, those shorter than original_max_seq_len / high_freq_factor kept, and the
+    band between blended linearly (in original_max_seq_len / wavelength). Defaults: Llama 3.1's."""
+
+    factor: float = Field(8.0, gt=0, description="how much the long wavelengths are stretched")
+    low_freq_factor: float = Field(1.0, gt=0)
+    high_freq_factor: float = Field(4.0, gt=0)
+    original_max_seq_len: int = Field(8192, gt=0, description="the context length the model was pretrained at")
+
+    @model_validator(mode="after")
+    def _band(self) -> "RopeScaling":
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(
+                f"high_freq_factor ({self.high_freq_factor}) must exceed low_freq_factor ({self.low_freq_factor}): "
+                "they bound the band of wavelengths that is blended"
+            )
+        return self
+
+
 class ModelConfig(Section):
     vocab_size: int = Field(256, gt=0, description="256 for the byte-level tokenizer")
     d_model: int = Field(128, gt=0)
     n_heads: int = Field(4, gt=0)
+    n_kv_heads: int | None = Field(
+        None, gt=0, description="key/value heads (grouped-query attention); must divide n_heads; default n_heads"
+    )
+    head_dim: int | None = Field(None, gt=0, description="width of one attention head; default d_model / n_heads")
+    qkv_bias: bool = Field(False, description="biases on the query, key and value projections (Qwen2)")
     n_layers: int = Field(4, gt=0)
     d_ff: int = Field(384, gt=0, description="hidden width of the SwiGLU MLP")
     max_seq_len: int = Field(256, gt=0, description="longest sequence; sizes the rotary table")
@@ -75,6 +100,7 @@ class ModelConfig(Section):
         description="kinds of consecutive blocks, repeated until n_layers blocks exist",
     )
     rope_base: float = Field(10000.0, gt=0)
+    rope_scaling: RopeScaling | None = Field(None, description="Llama-3 rotary scaling; none: plain rotary")
     norm_eps: float = Field(1e-6, gt=0)
     tie_embeddings: bool = False
     init_std: float = Field(0.02, gt=0)
@@ -93,13 +119,31 @@ class ModelConfig(Section):
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> "ModelConfig":
-        if self.d_model % self.n_heads != 0:
+        if self.head_dim is None:
+            if self.d_model % self.n_heads != 0:
+                raise ValueError(
+                    f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})"
+                )
+            if (self.d_model // self.n_heads) % 2 != 0:
+                raise ValueError("head width d_model / n_heads must be even for rotary embeddings")
+        elif self.head_dim % 2 != 0:
+            raise ValueError(f"head_dim ({self.head_dim}) must be even for rotary embeddings")
+        if self.n_kv_heads is not None and self.n_heads % self.n_kv_heads != 0:
             raise ValueError(
-                f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})"
+                f"n_kv_heads ({self.n_kv_heads}) must divide n_heads ({self.n_heads}): each key/value head "
+                "serves a group of query heads"
             )
-        if (self.d_model // self.n_heads) % 2 != 0:
-            raise ValueError("head width d_model / n_heads must be even for rotary embeddings")
         return self
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: n_kv_heads, or n_heads where it is not set."""
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def head_width(self) -> int:
+        """Width of one attention head: head_dim, or d_model / n_heads where it is not set."""
+        return self.d_model // self.n_heads if self.head_dim is None else self.head_dim
 
     def block_kinds(self) -> list[str]:
         """The kind of every layer, the pattern repeated to n_layers."""

@@ -24,10 +24,12 @@ def attention_pairs_per_token(seq_len: int, causal: bool) -> float:
 
 
 def attention_flops(cfg: ModelConfig, seq_len: int, causal: bool) -> float:
-    """Per token: q, k, v and output projections plus scores and weighted values."""
-    d = cfg.d_model
-    projections = 2 * d * 3 * d + 2 * d * d
-    scores_and_values = 2 * (2 * d) * attention_pairs_per_token(seq_len, causal)
+    """Per token: q, k, v and output projections plus scores and weighted values. Grouped-query
+    attention projects to n_kv_heads key and value heads; every query head scores and weighs."""
+    d, hd = cfg.d_model, cfg.head_width
+    query_width, kv_width = cfg.n_heads * hd, cfg.kv_heads * hd
+    projections = 2 * d * (query_width + 2 * kv_width) + 2 * query_width * d
+    scores_and_values = 2 * (2 * query_width) * attention_pairs_per_token(seq_len, causal)
     return projections + scores_and_values
 
 

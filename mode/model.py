@@ -52,7 +52,7 @@ class LanguageModel(nn.Module):
         cfg = config.model
         self.config = config
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.rotary = RotaryEmbedding(cfg.d_model // cfg.n_heads, cfg.max_seq_len, cfg.rope_base)
+        self.rotary = RotaryEmbedding(cfg.head_width, cfg.max_seq_len, cfg.rope_base, cfg.rope_scaling)
         self.blocks = nn.ModuleList(build_block(kind, config) for kind in cfg.block_kinds())
         # The residual stream is this model's own: routed blocks add their updates into it in place
         # (see MoDBlock.forward's residual_owned). False: every block copies (the reference path).

@@ -125,8 +125,9 @@ class Decoder:
         model.check_causal()
         self.model = model
         param = model.embed.weight
-        head_dim = cfg.d_model // cfg.n_heads
-        self.caches = [LayerCache.empty(batch, max_len, cfg.n_heads, head_dim, param.dtype, param.device)
+        head_dim = cfg.head_width
+        # A cache holds the key/value heads (n_kv_heads): grouped query heads share them.
+        self.caches = [LayerCache.empty(batch, max_len, cfg.kv_heads, head_dim, param.dtype, param.device)
                        for _ in model.blocks]
         for block, cache in zip(model.blocks, self.caches):
             if isinstance(block, MoDBlock):

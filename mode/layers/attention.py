@@ -1,48 +1,68 @@
-"""Causal multi-head self-attention with rotary embeddings."""
+"""Causal multi-head self-attention with rotary embeddings, optionally grouped-query.
+
+The fused projection qkv holds H query heads, then Hkv key heads, then Hkv value heads, each
+head_dim wide: (H + 2 * Hkv) * head_dim outputs. With Hkv = H this is the [q | k | v] layout of
+plain multi-head attention, viewable as (3, H, head_dim).
+"""
 from __future__ import annotations
 
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mode.kernels import use_triton
-from mode.layers.rotary import RotaryAngles, apply_rotary, rotate_qk_
+from mode.layers.rotary import RotaryAngles, apply_rotary, rotate_
+
+
+def expand_kv(t: Tensor, groups: int, dim: int = 1) -> Tensor:
+    """Key or value heads repeated for the query heads they serve (head j for queries j * groups
+    .. (j + 1) * groups - 1); t itself without grouping. A copy, so that every SDPA backend,
+    masked ones included, takes them."""
+    return t if groups == 1 else t.repeat_interleave(groups, dim=dim)
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, d_model: int, n_heads: int) -> None:
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int | None = None, head_dim: int | None = None,
+                 qkv_bias: bool = False) -> None:
         super().__init__()
         self.n_heads = n_heads
-        self.head_dim = d_model // n_heads
-        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
-        self.out = nn.Linear(d_model, d_model, bias=False)
+        self.n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+        self.head_dim = d_model // n_heads if head_dim is None else head_dim
+        self.groups = n_heads // self.n_kv_heads
+        self.qkv = nn.Linear(d_model, (n_heads + 2 * self.n_kv_heads) * self.head_dim, bias=qkv_bias)
+        self.out = nn.Linear(n_heads * self.head_dim, d_model, bias=False)
 
     def forward(self, x: Tensor, angles: RotaryAngles) -> Tensor:
         """x (B, S, D) in causal order; angles hold each token's (original) position."""
-        batch, seq, width = x.shape
-        qkv = self.qkv(x).view(batch, seq, 3, self.n_heads, self.head_dim)  # (B, S, 3, H, hd)
-        q, k, v = self._rotate(qkv, angles)  # 3 x (B, S, H, hd)
+        batch, seq, _ = x.shape
+        qkv = self.qkv(x).view(batch, seq, -1, self.head_dim)  # (B, S, H + 2Hkv, hd)
+        q, k, v = self._rotate(qkv, angles)  # (B, S, H, hd), (B, S, Hkv, hd) x 2
         y = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+            q.transpose(1, 2), expand_kv(k.transpose(1, 2), self.groups), expand_kv(v.transpose(1, 2), self.groups),
+            is_causal=True,
         )  # (B, H, S, hd)
-        return self.out(y.transpose(1, 2).reshape(batch, seq, width))  # (B, S, D)
+        return self.out(y.transpose(1, 2).reshape(batch, seq, -1))  # (B, S, D)
 
     def forward_cached(self, x: Tensor, rows) -> Tensor:
         """x (n, K, D): the tokens a layer computes in a chunk (mode/layers/chunks.py), normed ->
         attention output (n, K, D) over the layer's cache and themselves. rows (a row plan) holds
         their angles, writes their keys and values into the cache and attends."""
-        n, tokens, width = x.shape
-        qkv = self.qkv(x).view(n, tokens, 3, self.n_heads, self.head_dim)  # (n, K, 3, H, hd)
-        rotate_qk_(qkv, rows.angles)
-        y = rows.attend(qkv)  # (n, K, H, hd)
-        return self.out(y.reshape(n, tokens, width))
+        n, tokens, _ = x.shape
+        heads = self.n_heads
+        qkv = self.qkv(x).view(n, tokens, -1, self.head_dim)  # (n, K, H + 2Hkv, hd)
+        rotate_(qkv[:, :, : heads + self.n_kv_heads], rows.angles)
+        kv = qkv[:, :, heads:].unflatten(2, (2, self.n_kv_heads))  # (n, K, 2, Hkv, hd) view
+        y = rows.attend(qkv[:, :, :heads], kv)  # (n, K, H, hd)
+        return self.out(y.reshape(n, tokens, -1))
 
-    @staticmethod
-    def _rotate(qkv: Tensor, angles: RotaryAngles) -> tuple[Tensor, Tensor, Tensor]:
-        """qkv (B, S, 3, H, hd) -> q, k rotated (together) and v. Eager on CUDA: one Triton kernel
-        each way (mode/kernels/rotary.py); otherwise PyTorch ops, which torch.compile fuses."""
-        if use_triton(qkv):
+    def _rotate(self, qkv: Tensor, angles: RotaryAngles) -> tuple[Tensor, Tensor, Tensor]:
+        """qkv (B, S, H + 2Hkv, hd) -> q, k rotated (together) and v. Eager on CUDA without
+        grouping: one Triton kernel each way (mode/kernels/rotary.py); otherwise PyTorch ops,
+        which torch.compile fuses."""
+        heads, kv_heads = self.n_heads, self.n_kv_heads
+        if kv_heads == heads and use_triton(qkv):
             from mode.kernels.rotary import rotary_qkv
 
-            return rotary_qkv(qkv, angles.cos_full, angles.sin_signed)
-        q, k = apply_rotary(qkv[:, :, :2], angles).unbind(2)  # 2 x (B, S, H, hd)
-        return q, k, qkv[:, :, 2]
+            batch, seq = qkv.shape[:2]
+            return rotary_qkv(qkv.view(batch, seq, 3, heads, self.head_dim), angles.cos_full, angles.sin_signed)
+        q, k = apply_rotary(qkv[:, :, : heads + kv_heads], angles).split((heads, kv_heads), dim=2)
+        return q, k, qkv[:, :, heads + kv_heads:]

@@ -32,7 +32,7 @@ class TransformerBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, ffn: nn.Module | None = None) -> None:
         super().__init__()
         self.attn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.attn = CausalSelfAttention(cfg.d_model, cfg.n_heads)
+        self.attn = CausalSelfAttention(cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_width, cfg.qkv_bias)
         self.ffn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.ffn = ffn if ffn is not None else SwiGLU(cfg.d_model, cfg.d_ff)
 

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mode.layers.attention import expand_kv
 from mode.layers.kv_cache import LayerCache, PackedRows, attend_used, to_device
 from mode.layers.rotary import RotaryAngles
 
@@ -91,12 +92,13 @@ class ChunkRows:
         t = self._rows(t)
         return t if self.idx is None else t.gather(1, self.idx)
 
-    def attend(self, qkv: Tensor) -> Tensor:
-        """qkv (m, K, 3, H, hd), q and k rotated -> attention output (m, K, H, hd); the chosen
-        tokens' keys and values join the cache. Query j sees the cached tokens and tokens 0..j."""
-        cache, device = self.cache, qkv.device
-        q, k, v = qkv.unbind(2)  # (m, K, H, hd) each
+    def attend(self, q: Tensor, kv: Tensor) -> Tensor:
+        """q (m, K, H, hd) and kv (m, K, 2, Hkv, hd), q and k rotated -> attention output (m, K, H, hd);
+        the chosen tokens' keys and values join the cache. Query j sees the cached tokens and tokens 0..j."""
+        cache, device = self.cache, q.device
+        k, v = kv.unbind(2)  # (m, K, Hkv, hd) each
         k, v = k.to(cache.k.dtype), v.to(cache.v.dtype)
+        groups = q.shape[2] // k.shape[2]
         q = q.transpose(1, 2)  # (m, H, K, hd)
         width = self.width
         if self.full and max(self.old_list) == 0:  # a fresh cache and a whole chunk: plain causal attention
@@ -107,7 +109,9 @@ class ChunkRows:
             else:
                 cache.k[self.rows, :, :width] = kt
                 cache.v[self.rows, :, :width] = vt
-            y = F.scaled_dot_product_attention(q, kt.to(q.dtype), vt.to(q.dtype), is_causal=True)  # (m, H, K, hd)
+            y = F.scaled_dot_product_attention(
+                q, expand_kv(kt.to(q.dtype), groups), expand_kv(vt.to(q.dtype), groups), is_causal=True,
+            )  # (m, H, K, hd)
         else:
             old = to_device(self.old_cpu, device)
             slots = old.unsqueeze(1) + torch.arange(width, device=device)  # (m, K)
@@ -121,7 +125,10 @@ class ChunkRows:
             if not self.every_row:
                 keys, values = keys.index_select(0, self.rows), values.index_select(0, self.rows)  # (m, H, L, hd)
             visible = torch.arange(window, device=device) <= slots.unsqueeze(-1)  # (m, K, L)
-            y = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=visible.unsqueeze(1))
+            y = F.scaled_dot_product_attention(
+                q, expand_kv(keys.to(q.dtype), groups), expand_kv(values.to(q.dtype), groups),
+                attn_mask=visible.unsqueeze(1),
+            )
         if self.every_row:
             cache.lengths_cpu += self.count
         else:
@@ -216,11 +223,13 @@ class GatherRows:
         """A per-token value (B, 1) -> the computed rows' (n, 1)."""
         return t if self.rows is None else t.index_select(0, self.rows)
 
-    def attend(self, qkv: Tensor) -> Tensor:
-        """qkv (n, 1, 3, H, hd), q and k rotated -> (n, 1, H, hd): each row's key and value written
-        at its length (a slice where the rows line up, else one indexed write and a length mask)."""
-        cache, rows, n = self.cache, self.rows, qkv.shape[0]
-        q, kv = qkv[:, :, 0], qkv[:, 0, 1:].transpose(0, 1).to(cache.kv.dtype)  # (n, 1, H, hd), (2, n, H, hd)
+    def attend(self, q: Tensor, kv: Tensor) -> Tensor:
+        """q (n, 1, H, hd) and kv (n, 1, 2, Hkv, hd), q and k rotated -> (n, 1, H, hd): each row's
+        key and value written at its length (a slice where the rows line up, else one indexed
+        write and a length mask)."""
+        cache, rows, n = self.cache, self.rows, q.shape[0]
+        groups = q.shape[2] // kv.shape[3]
+        kv = kv[:, 0].transpose(0, 1).to(cache.kv.dtype)  # (2, n, Hkv, hd)
         mask = None
         if self.aligned:
             slot = self.shortest
@@ -237,8 +246,10 @@ class GatherRows:
             if rows is not None:
                 window_kv = window_kv.index_select(1, rows)
             mask = self.step.slot_ids[:window] <= self.slots.view(n, 1, 1, 1)  # (n, 1, 1, L): its cache and itself
-        keys, values = window_kv.to(q.dtype).transpose(2, 3).unbind(0)  # (n, H, L, hd) each
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask)  # (n, H, 1, hd)
+        keys, values = window_kv.to(q.dtype).transpose(2, 3).unbind(0)  # (n, Hkv, L, hd) each
+        y = F.scaled_dot_product_attention(
+            q.transpose(1, 2), expand_kv(keys, groups), expand_kv(values, groups), attn_mask=mask,
+        )  # (n, H, 1, hd)
         if self.rows_cpu is None:
             cache.lengths_cpu += 1
         else:
@@ -286,16 +297,16 @@ class MaskedRows:
         return t
 
     @torch.compiler.disable
-    def attend(self, qkv: Tensor) -> Tensor:
-        """qkv (B, 1, 3, H, hd), q and k rotated -> (B, 1, H, hd). A chosen row writes its key and
-        value at its length and attends over its cache and itself; every other row writes to its
-        scratch slot (max_len), so the cache holds exactly the chosen tokens, and its output is
-        discarded. Eager under torch.compile: the cache is written in place."""
+    def attend(self, q: Tensor, kv: Tensor) -> Tensor:
+        """q (B, 1, H, hd) and kv (B, 1, 2, Hkv, hd), q and k rotated -> (B, 1, H, hd). A chosen row
+        writes its key and value at its length and attends over its cache and itself; every other
+        row writes to its scratch slot (max_len), so the cache holds exactly the chosen tokens, and
+        its output is discarded. Eager under torch.compile: the cache is written in place."""
         cache, chosen = self.cache, self.chosen
-        q, kv = qkv[:, 0, 0], qkv[:, 0, 1:].transpose(0, 1)  # (B, H, hd), (2, B, H, hd)
+        q, kv = q[:, 0], kv[:, 0].transpose(0, 1)  # (B, H, hd), (2, B, Hkv, hd)
         lengths = cache.lengths_dev  # (B,) exact
         slot = torch.where(chosen, lengths, cache.max_len)
-        packed = cache.kv.view(2, -1, *kv.shape[2:])  # (2, B * (max_len + 1), H, hd)
+        packed = cache.kv.view(2, -1, *kv.shape[2:])  # (2, B * (max_len + 1), Hkv, hd)
         packed.index_copy_(1, self.step.row_base + slot, kv.to(cache.kv.dtype))
         # An unchosen row's output is discarded; reading at least one (finite) slot keeps it finite.
         used = torch.where(chosen, lengths + 1, lengths.clamp(min=1))

@@ -7,14 +7,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from mode.layers.attention import expand_kv
+
 
 @dataclass
 class LayerCache:
-    """Keys and values of the tokens one layer processed, kv (2, B, max_len + 1, H, hd), and lengths (B,).
+    """Keys and values of the tokens one layer processed, kv (2, B, max_len + 1, Hkv, hd), and lengths (B,).
 
     kv[0] / kv[1] hold keys / values token-major: viewed as (B * (max_len + 1), H, hd) they are
     the packed layout of flash attention's variable-length kernel (the static decode step);
-    k and v are their (B, H, max_len + 1, hd) views, the layout SDPA reads, so a layer attends
+    k and v are their (B, Hkv, max_len + 1, hd) views, the layout SDPA reads, so a layer attends
     over views of its cache with no copy, and keys and values are written (and gathered)
     together in one operation. Row b holds its first lengths[b] slots.
     The extra last slot is scratch: a prefill chunk's padding (tokens a row did not choose,
@@ -34,18 +36,19 @@ class LayerCache:
 
     @classmethod
     def empty(cls, batch: int, max_len: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> "LayerCache":
+        """heads: the layer's key/value heads (n_kv_heads under grouped-query attention)."""
         # zeros, not empty: masked slots are read (weight 0) and must hold finite values.
         kv = torch.zeros(2, batch, max_len + 1, heads, head_dim, dtype=dtype, device=device)
         return cls(kv, torch.zeros(batch, dtype=torch.long))
 
     @property
     def k(self) -> Tensor:
-        """(B, H, max_len + 1, hd) view"""
+        """(B, Hkv, max_len + 1, hd) view"""
         return self.kv[0].transpose(1, 2)
 
     @property
     def v(self) -> Tensor:
-        """(B, H, max_len + 1, hd) view"""
+        """(B, Hkv, max_len + 1, hd) view"""
         return self.kv[1].transpose(1, 2)
 
     @property
@@ -106,16 +109,20 @@ def attend_used(q: Tensor, cache: LayerCache, used: Tensor, packed: PackedRows) 
     """Single-query attention of row b over its first used[b] cache slots: q (B, H, hd) -> (B, H, hd).
 
     With flash attention (CUDA, fp16 / bf16): its variable-length kernel on the packed cache,
-    which reads only the used slots (seqused_k) and takes no host value. Elsewhere: SDPA over
-    the whole cache with a length mask (the same result at full-length cost).
+    which reads only the used slots (seqused_k), takes no host value and groups query heads
+    itself (a cache of Hkv < H heads). Elsewhere: SDPA over the whole cache with a length mask
+    (the same result at full-length cost).
     """
     batch, heads, head_dim = q.shape
+    kv_heads = cache.kv.shape[3]
     if packed.flash:
         slots = cache.kv.shape[2]
-        keys, values = cache.kv.view(2, -1, heads, head_dim).to(q.dtype).unbind(0)  # (B * slots, H, hd)
+        keys, values = cache.kv.view(2, -1, kv_heads, head_dim).to(q.dtype).unbind(0)  # (B * slots, Hkv, hd)
         return torch.ops.aten._flash_attention_forward(
             q.contiguous(), keys, values, packed.cu_q, packed.cu_k, 1, slots, 0.0, False, False, seqused_k=used.int(),
         )[0]
     mask = packed.slot_ids < used.view(batch, 1, 1, 1)  # (B, 1, 1, max_len + 1)
-    y = F.scaled_dot_product_attention(q.unsqueeze(2), cache.k.to(q.dtype), cache.v.to(q.dtype), attn_mask=mask)
+    groups = heads // kv_heads
+    keys, values = expand_kv(cache.k.to(q.dtype), groups), expand_kv(cache.v.to(q.dtype), groups)  # (B, H, L, hd)
+    y = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask)
     return y.squeeze(2)

@@ -1,10 +1,13 @@
 """Rotary position embeddings, looked up at arbitrary (original) positions."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+
+from mode.config import RopeScaling
 
 
 @dataclass
@@ -38,10 +41,27 @@ class RotaryAngles:
         return RotaryAngles(cos, sin)
 
 
+def inverse_frequencies(head_dim: int, base: float, scaling: RopeScaling | None = None) -> Tensor:
+    """The rotation speed of each pair of a head (head_dim/2,), float64: base^(-2i/head_dim),
+    with Llama-3 scaling (RopeScaling) where given."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling is None:
+        return inv_freq
+    original, low, high = scaling.original_max_seq_len, scaling.low_freq_factor, scaling.high_freq_factor
+    wavelength = 2 * math.pi / inv_freq
+    # Wavelengths beyond original / low never completed a turn within the pretraining context:
+    # stretched by the factor. Those below original / high kept. Between, a linear blend of the
+    # two in original / wavelength, from 0 at the long end to 1 at the short end.
+    blend = (original / wavelength - low) / (high - low)
+    blended = (1 - blend) * inv_freq / scaling.factor + blend * inv_freq
+    stretched = torch.where(wavelength > original / low, inv_freq / scaling.factor, blended)
+    return torch.where(wavelength < original / high, inv_freq, stretched)
+
+
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_seq_len: int, base: float) -> None:
+    def __init__(self, head_dim: int, max_seq_len: int, base: float, scaling: RopeScaling | None = None) -> None:
         super().__init__()
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        inv_freq = inverse_frequencies(head_dim, base, scaling)
         angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)  # (S_max, half)
         cos, sin = angles.cos().float(), angles.sin().float()
         self.register_buffer("cos", cos, persistent=False)
@@ -88,11 +108,11 @@ def apply_rotary(x: Tensor, angles: RotaryAngles) -> Tensor:
     return (x * cos + rotate_half * sin).to(x.dtype)
 
 
-def rotate_qk_(qkv: Tensor, angles: RotaryAngles) -> None:
-    """qkv (N, S, 3, H, hd): rotate q and k in place with apply_rotary's arithmetic (x * cos +
-    rotate_half(x) * sin, in float32 or wider), cast once into qkv's dtype as it is written."""
-    x = qkv[:, :, :2]
+def rotate_(x: Tensor, angles: RotaryAngles) -> None:
+    """x (N, S, heads, hd), the query and key heads of a fused projection: rotated in place with
+    apply_rotary's arithmetic (x * cos + rotate_half(x) * sin, in float32 or wider), cast once
+    into x's dtype as it is written."""
     half = x.shape[-1] // 2
-    shape = (angles.cos_full.shape[0], x.shape[1], 1, 1, x.shape[-1])
+    shape = (angles.cos_full.shape[0], x.shape[1], 1, x.shape[-1])
     rotate_half = torch.cat((x[..., half:], x[..., :half]), dim=-1)  # (x2, x1)
     torch.add(x * angles.cos_full.view(shape), rotate_half * angles.sin_signed.view(shape), out=x)
