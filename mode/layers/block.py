@@ -37,7 +37,7 @@ class TransformerBlock(nn.Module):
         self.ffn = ffn if ffn is not None else SwiGLU(cfg.d_model, cfg.d_ff)
 
     def forward(
-        self, x: Tensor, angles: RotaryAngles, causal: bool | None = None, residual_owned: bool = False,
+        self, x: Tensor, angles: RotaryAngles, causal: bool = False, residual_owned: bool = False,
     ) -> tuple[Tensor, BlockInfo]:
         """x (B, S, D) -> (out (B, S, D), BlockInfo); x is never written (residual_owned is for the
         routed blocks' signature). causal: an MoE FFN routes as sampling does (see MoEFFN)."""
@@ -50,7 +50,7 @@ class TransformerBlock(nn.Module):
         return self.routed_update(x, angles)[0]
 
     def routed_update(
-        self, x: Tensor, angles: RotaryAngles, valid: Tensor | None = None, causal: bool | None = None,
+        self, x: Tensor, angles: RotaryAngles, valid: Tensor | None = None, causal: bool = False,
     ) -> tuple[Tensor, Routing | None]:
         """f(x) and the FFN's Routing (None for a dense FFN). valid (B, k): the rows that are
         chosen tokens, where causal routing padded them (an MoE FFN then skips the padding)."""
@@ -77,7 +77,7 @@ class TransformerBlock(nn.Module):
         out, _ = self._ffn(self.ffn_norm(h), rows.valid, causal=True)
         return a, h, out
 
-    def _ffn(self, x: Tensor, valid: Tensor | None = None, causal: bool | None = None) -> tuple[Tensor, Routing | None]:
+    def _ffn(self, x: Tensor, valid: Tensor | None = None, causal: bool = False) -> tuple[Tensor, Routing | None]:
         """A routed FFN (MoEFFN) returns (output, Routing); a dense one its output alone."""
         out = self.ffn(x, valid, causal) if isinstance(self.ffn, MoEFFN) else self.ffn(x)
         return out if isinstance(out, tuple) else (out, None)
