@@ -12,7 +12,9 @@ statistics pooled as over processes. Prints the
 result as JSON; --out also writes it there (whole: temporary file, then rename). Nothing in the
 run folder is read but its checkpoint, nor written but a new --out file: --out never names
 one of the run's files, nor any checkpoint. --data-path points a text or token-file
-run at its data where it has moved (the split is by file, relative to the path: the same one).
+run at its data where it has moved (the split is by file, relative to the path: the same one),
+or any run at a folder written by `python -m mode.data prepare` with the model's vocabulary (its
+validation split: an imported model evaluated on text tokenized with its tokenizer).
 """
 from __future__ import annotations
 
@@ -31,8 +33,9 @@ from typing import Any
 import torch
 
 from mode.checkpoint import load_checkpoint_file, model_from_payload, restore_rng
-from mode.config import ConfigError
+from mode.config import Config, ConfigError
 from mode.data import DataError
+from mode.data.meta import apply_metadata, is_prepared
 from mode.run_folder import LOCK, RUN_FILES
 from mode.training.trainer import Trainer
 from mode.utils import atomic_write_text, folder_problem, pick_device
@@ -47,11 +50,7 @@ def evaluate_checkpoint(path: Path, batches: int, device: str = "auto", data_pat
     model = model_from_payload(payload, str(path), pick_device(device, "--device"))
     config = model.config  # changed below in train and data fields only, which the model does not read
     if data_path is not None:
-        if not data_path:
-            raise ValueError("--data-path: empty; give the path of the run's text or token file")
-        if config.data.source == "stdlib":
-            raise ValueError("--data-path: this run read the standard library's sources (data.source: stdlib), no path")
-        config.data.path = data_path
+        _point_at(config, data_path)
     processes = _processes(payload)
     t = config.train
     t.batch_size *= processes  # every process's rows of the global batch, in order
@@ -72,6 +71,24 @@ def evaluate_checkpoint(path: Path, batches: int, device: str = "auto", data_pat
             "tokens": batches * t.batch_size * config.data.seq_len, **result}
 
 
+def _point_at(config: Config, data_path: str) -> None:
+    """--data-path: the run's own data where it has moved, or any prepared token folder (its
+    validation split; e.g. an imported model's tokenizer's data), whose vocabulary must be the model's."""
+    if not data_path:
+        raise ValueError("--data-path: empty; give the path of the run's text or token file")
+    if is_prepared(Path(data_path)):
+        config.data.source, config.data.path = "tokens", data_path
+        try:
+            apply_metadata(config)
+        except ConfigError as e:
+            raise ValueError(f"--data-path: {e}") from None
+        return
+    if config.data.source == "stdlib":
+        raise ValueError("--data-path: this run read the standard library's sources (data.source: stdlib), no path; "
+                         "give a folder written by python -m mode.data prepare to evaluate on its tokens")
+    config.data.path = data_path
+
+
 def _processes(payload: dict[str, Any]) -> int:
     """How many processes trained the checkpoint (launch/train.py records its layout; mode.train's: 1)."""
     optimizer = payload.get("optimizer")
@@ -86,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=int, default=64, help="validation batches (of train.batch_size sequences)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
-    parser.add_argument("--data-path", default=None, help="the run's data.path, where its text or token file now is")
+    parser.add_argument("--data-path", default=None, help="the run's data.path, where its text or token file now is; "
+                             "or a folder written by python -m mode.data prepare (the model's vocabulary)")
     args = parser.parse_args(argv)
     if args.out is not None and args.out.is_dir():
         parser.error(f"--out {args.out}: is a folder; give a file name")

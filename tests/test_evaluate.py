@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from mode.config import config_from_dict
-from mode.evaluate import evaluate_checkpoint, main
+from mode.data.meta import apply_metadata
+from mode.evaluate import _point_at, evaluate_checkpoint, main
 from mode.run_folder import METRICS
 from mode.training.trainer import Trainer
 
@@ -207,3 +208,37 @@ def test_out_never_names_a_file_of_the_run_or_any_checkpoint(tmp_path: Path, cor
     assert _folder(run) == before and _folder(other) == other_before
     assert main([str(run), "--batches", "1", "--device", "cpu", "--out", str(run / "eval.json")]) == 0
     assert json.loads((run / "eval.json").read_text())["batches"] == 1
+
+
+def test_data_path_may_name_a_prepared_folder_of_the_models_vocabulary(tmp_path: Path, corpus: Path, capsys) -> None:
+    """A run evaluated on another prepared folder of its vocabulary: that folder's validation
+    tokens; a folder of another vocabulary is refused naming both sizes; a byte-level run's
+    --data-path that is neither says what it may be."""
+    from mode.data.prepare import main as data_main
+
+    folders = {}
+    for name, start, vocab in (("own", 0, "300"), ("other_text", 60000, "300"), ("other_vocab", 0, "320")):
+        text = tmp_path / f"text_{name}"
+        text.mkdir()
+        for i in range(4):
+            (text / f"part{i}.py").write_bytes(corpus.read_bytes()[start + i * 15000:start + (i + 1) * 15000])
+        folders[name] = tmp_path / name
+        assert data_main(["prepare", "--out", str(folders[name]), "--path", str(text), "--train-bpe",
+                          "--vocab-size", vocab, "--val-fraction", "0.5"]) == 0
+    run = tmp_path / "run"
+    raw = {"model": {"d_model": 32, "n_heads": 2, "n_layers": 2, "d_ff": 64, "max_seq_len": 32},
+           "data": {"source": "tokens", "path": str(folders["own"]), "seq_len": 32},
+           "train": {"batch_size": 2, "max_steps": 2, "warmup_steps": 1, "eval_interval": 2, "eval_batches": 2,
+                     "out_dir": str(run), "progress": False, "device": "cpu"}}
+    config = config_from_dict(raw)
+    apply_metadata(config)
+    Trainer(config).run()
+    own = evaluate_checkpoint(run, 2, "cpu")
+    other = evaluate_checkpoint(run, 2, "cpu", str(folders["other_text"]))
+    assert other["val_loss"] > 0 and other["val_loss"] != own["val_loss"]
+    capsys.readouterr()
+    assert main([str(run), "--batches", "2", "--data-path", str(folders["other_vocab"])]) == 2
+    err = capsys.readouterr().err
+    assert "--data-path: model.vocab_size is 300" in err and "vocab_size 320" in err, err
+    with pytest.raises(ValueError, match="give a folder written by python -m mode.data prepare"):
+        _point_at(config_from_dict({}), str(tmp_path / "nowhere"))  # a stdlib run
