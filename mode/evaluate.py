@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from mode.checkpoint import load_checkpoint_file, model_from_payload, restore_rng
-from mode.config import Config, ConfigError
+from mode.config import Config, ConfigError, DataConfig
 from mode.data import DataError
 from mode.data.meta import apply_metadata, is_prepared
 from mode.run_folder import LOCK, RUN_FILES
@@ -77,8 +77,8 @@ def _point_at(config: Config, data_path: str) -> None:
     if not data_path:
         raise ValueError("--data-path: empty; give the path of the run's text or token file")
     if is_prepared(Path(data_path)):
-        config.data.source, config.data.path = "tokens", data_path
         try:
+            config.data = DataConfig(source="tokens", path=data_path, seq_len=config.data.seq_len)
             apply_metadata(config)
         except ConfigError as e:
             raise ValueError(f"--data-path: {e}") from None

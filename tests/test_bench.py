@@ -84,7 +84,7 @@ def test_gpu_only_scripts_need_cuda(name: str, capsys: pytest.CaptureFixture[str
     assert "needs a CUDA GPU" in refusal(name, [], capsys)
 
 
-@pytest.mark.parametrize("name", ["mod_step", "block_kinds", "block_profile", "decode", "prefill"])
+@pytest.mark.parametrize("name", ["mod_step", "block_kinds", "block_profile", "decode", "prefill", "conversion"])
 def test_full_shape_needs_cuda_or_tiny(name: str, capsys: pytest.CaptureFixture[str]) -> None:
     """Without CUDA the GPU-sized default shape is refused (minutes on CPU); --tiny is named instead."""
     if CUDA:
@@ -158,6 +158,15 @@ def test_prefill_tiny() -> None:
     assert [(r[1], r[2]) for r in rows] == [("1", "dense"), ("1", "MoD"), ("4", "dense"), ("4", "MoD")]
     assert all(number(r[3]) > 0 and number(r[4]) > 0 and number(r[4]) <= number(r[3]) for r in rows)
     assert all(number(r[8]) == 1.0 for r in rows if r[2] == "dense")
+
+
+def test_conversion_tiny() -> None:
+    """prepare -> a random Llama saved -> mode.hf import -> three runs from it -> evaluate: every row."""
+    rows = table_rows(run("-m", "bench.conversion", "--tiny"))
+    assert [(r[0], r[1]) for r in rows] == [("dense (unconverted)", "all"), ("MoD, all weights", "all"),
+                                           ("MoD, routers only", "routers")]
+    assert all(number(r[2]) > 0 and number(r[3]) > 0 and number(r[5]) > 0 and number(r[6]) > 0 for r in rows)
+    assert len({r[5] for r in rows}) == 1  # one loss before: the imported model's
 
 
 def test_scaling_tiny_on_two_gloo_processes() -> None:

@@ -242,3 +242,6 @@ def test_data_path_may_name_a_prepared_folder_of_the_models_vocabulary(tmp_path:
     assert "--data-path: model.vocab_size is 300" in err and "vocab_size 320" in err, err
     with pytest.raises(ValueError, match="give a folder written by python -m mode.data prepare"):
         _point_at(config_from_dict({}), str(tmp_path / "nowhere"))  # a stdlib run
+    stdlib = config_from_dict({"model": {"vocab_size": 300}, "data": {"seq_len": 16}})
+    _point_at(stdlib, str(folders["other_text"]))  # a byte-level (stdlib) run's config onto a prepared folder
+    assert (stdlib.data.source, stdlib.data.path, stdlib.data.val_fraction) == ("tokens", str(folders["other_text"]), 0.5)
