@@ -208,7 +208,7 @@ def edited(source: Path, target: Path, **changes) -> Path:
 
 
 @pytest.mark.parametrize("changes, message", [
-    ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported; supported: llama, mistral, qwen2"),
+    ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported; supported: llama, mistral, qwen2, mixtral, qwen2_moe"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
     ({"mlp_bias": True}, "mlp_bias true is not supported"),
     ({"attention_bias": True}, "attention_bias true is not supported"),
@@ -280,6 +280,6 @@ def test_export_refuses_what_no_family_holds(tmp_path: Path) -> None:
         save_hf(make_model(["dense", "mod"]).float(), None, tmp_path / "mod")
     with pytest.raises(HFError, match="model.qkv_bias true: family llama has no q/k/v biases; export as family qwen2"):
         save_hf(make_model(qkv_bias=True).float(), None, tmp_path / "bias", family="llama")
-    with pytest.raises(HFError, match="family 'gpt2' is not supported; supported: llama, mistral, qwen2"):
+    with pytest.raises(HFError, match="family 'gpt2' is not supported; supported: llama, mistral, qwen2, mixtral, qwen2_moe, mode$"):
         save_hf(make_model().float(), None, tmp_path / "gpt2", family="gpt2")
     assert list(tmp_path.iterdir()) == []

@@ -20,10 +20,12 @@ def _parser() -> argparse.ArgumentParser:
     into.add_argument("run_folder", type=Path, help="a new (or empty) folder")
     into.add_argument("--max-seq-len", type=int, default=None,
                       help="the context to build (default: the model's max_position_embeddings)")
-    out = commands.add_parser("export", help="a mode run folder (dense) -> a Hugging Face folder")
+    out = commands.add_parser("export", help="a mode run folder -> a Hugging Face folder")
     out.add_argument("run_folder", type=Path, help="run folder or checkpoint.pt")
     out.add_argument("hf_folder", type=Path, help="a new (or empty) folder")
-    out.add_argument("--family", default="llama", choices=FAMILIES)
+    out.add_argument("--family", default="llama", choices=FAMILIES,
+                     help="llama, mistral, qwen2: dense models; mixtral, qwen2_moe: token-choice MoE models; "
+                          "mode: any model (MoD, MoDE), loaded by from_pretrained after `import mode.hf`")
     return parser
 
 

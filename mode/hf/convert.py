@@ -1,10 +1,12 @@
 """Hugging Face folders (config.json + safetensors) to mode models and back, for the dense
-families Llama, Mistral and Qwen2.
+families Llama, Mistral and Qwen2 and the Mixture-of-Experts families Mixtral and Qwen2-MoE
+(mode/hf/moe.py); any mode model also exports as the registered `mode` type (mode/hf/auto.py).
 
 The families share one layout: pre-norm blocks of RMSNorm, rotary attention (rotate_half on
-the two halves of a head, as mode's tables), grouped-query heads, a SwiGLU MLP. Their weights
-map one to one onto mode's, the separate q/k/v and gate/up projections fused. Every config
-feature mode cannot compute exactly is an error naming it; nothing is dropped silently.
+the two halves of a head, as mode's tables), grouped-query heads, a SwiGLU MLP (or token-choice
+experts of SwiGLU MLPs). Their weights map one to one onto mode's, the separate q/k/v and
+gate/up projections fused. Every config feature mode cannot compute exactly is an error naming
+it; nothing is dropped silently.
 """
 from __future__ import annotations
 
@@ -19,12 +21,25 @@ from typing import Any, Iterator
 import torch
 from torch import Tensor
 
-from mode.config import Config, ConfigError, ModelConfig, RopeScaling, config_from_dict, save_config
+from mode.config import Config, ConfigError, RopeScaling, config_from_dict, save_config
+from mode.hf.moe import (
+    MOE_FAMILIES,
+    MoEError,
+    check_exportable,
+    export_moe_ffn,
+    import_moe_ffn,
+    moe_config_kwargs,
+    moe_sections,
+)
 from mode.model import LanguageModel
 from mode.run_folder import CHECKPOINT, CONFIG, run_files_in
 
-FAMILIES = ("llama", "mistral", "qwen2")
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+DENSE_FAMILIES = ("llama", "mistral", "qwen2")
+IMPORTS = (*DENSE_FAMILIES, *MOE_FAMILIES)  # the model_types load_hf reads
+FAMILIES = (*IMPORTS, "mode")  # what save_hf writes: mode, the registered type, holds any mode model
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+QKV_BIAS_FAMILIES = ("qwen2", "qwen2_moe")
 HF_CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
@@ -51,8 +66,8 @@ def read_hf_config(folder: str | Path) -> dict[str, Any]:
         raise HFError(f"{path}: not a JSON config ({e})") from None
     if not isinstance(raw, dict) or "model_type" not in raw:
         raise HFError(f"{path}: holds no model_type; not a Hugging Face model config")
-    if raw["model_type"] not in FAMILIES:
-        raise HFError(f"{path}: model_type {raw['model_type']!r} is not supported; supported: {', '.join(FAMILIES)}")
+    if raw["model_type"] not in IMPORTS:
+        raise HFError(f"{path}: model_type {raw['model_type']!r} is not supported; supported: {', '.join(IMPORTS)}")
     return raw
 
 
@@ -111,7 +126,7 @@ def _sliding_window_in_use(hf: dict[str, Any]) -> int | None:
     window = hf.get("sliding_window")
     if window is None:
         return None
-    if hf["model_type"] == "qwen2":
+    if hf["model_type"] in QKV_BIAS_FAMILIES:
         layer_types = hf.get("layer_types")
         if layer_types is not None:
             return window if "sliding_attention" in layer_types else None
@@ -148,18 +163,21 @@ def model_section(hf: dict[str, Any], source: str, max_seq_len: int | None = Non
         rope_base, scaling = _rope(hf, source)
         head_dim = hf.get("head_dim") or width // heads
         kv_heads = hf.get("num_key_value_heads") or heads
+        pattern = moe_sections(hf)[0] if hf["model_type"] in MOE_FAMILIES else ["dense"]
         return {
             "vocab_size": hf["vocab_size"], "d_model": width, "n_heads": heads, "n_layers": hf["num_hidden_layers"],
-            "d_ff": hf["intermediate_size"], "max_seq_len": context, "block_pattern": ["dense"],
+            "d_ff": hf["intermediate_size"], "max_seq_len": context, "block_pattern": pattern,
             "n_kv_heads": None if kv_heads == heads else kv_heads,
             "head_dim": None if head_dim * heads == width else head_dim,
-            "qkv_bias": hf["model_type"] == "qwen2",
+            "qkv_bias": hf["model_type"] == "qwen2" or (hf["model_type"] == "qwen2_moe" and hf.get("qkv_bias", True)),
             "rope_base": rope_base, "rope_scaling": None if scaling is None else scaling.model_dump(),
             "norm_eps": hf.get("rms_norm_eps", 1e-6), "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
             "init_std": hf.get("initializer_range", 0.02),
         }
     except KeyError as e:
         raise HFError(f"{source}: lacks {e.args[0]}, which every {hf['model_type']} config has") from None
+    except MoEError as e:
+        raise HFError(f"{source}: {e}") from None
     except ValueError as e:  # a RopeScaling check
         if isinstance(e, HFError):
             raise
@@ -167,12 +185,15 @@ def model_section(hf: dict[str, Any], source: str, max_seq_len: int | None = Non
 
 
 def config_from_hf(hf: dict[str, Any], source: str, max_seq_len: int | None = None) -> Config:
-    """A whole mode Config around model_section: dense blocks; the data section's sequences fit the
-    context, and token ids of a large vocabulary take 32 bits."""
+    """A whole mode Config around model_section (and the moe section of an MoE family); the data
+    section's sequences fit the context, and token ids of a large vocabulary take 32 bits."""
     model = model_section(hf, source, max_seq_len)
     data = {"seq_len": min(256, model["max_seq_len"]), "token_dtype": "uint16" if model["vocab_size"] <= 2**16 else "uint32"}
+    sections = {"model": model, "data": data}
+    if hf["model_type"] in MOE_FAMILIES:
+        sections["moe"] = moe_sections(hf)[1]
     try:
-        return config_from_dict({"model": model, "data": data}, source)
+        return config_from_dict(sections, source)
     except ConfigError as e:
         raise HFError(" ".join(str(e).split())) from None
 
@@ -196,11 +217,12 @@ class _Weights:
             raise HFError(f"{self.source}: holds weights mode has no place for: {', '.join(left[:3])}{more}")
 
 
-def mode_state(tensors: dict[str, Tensor], cfg: ModelConfig, source: str) -> dict[str, Tensor]:
-    """The HF tensors as a LanguageModel state dict (q/k/v and gate/up fused)."""
+def mode_state(tensors: dict[str, Tensor], config: Config, family: str, source: str) -> dict[str, Tensor]:
+    """The HF tensors as a LanguageModel state dict (q/k/v and gate/up fused; experts stacked)."""
+    cfg = config.model
     w = _Weights(tensors, source)
     state = {"embed.weight": w.take("model.embed_tokens.weight"), "norm.weight": w.take("model.norm.weight")}
-    for i in range(cfg.n_layers):
+    for i, kind in enumerate(cfg.block_kinds()):
         hf, ours = f"model.layers.{i}.", f"blocks.{i}."
         attn = hf + "self_attn."
         state[ours + "attn_norm.weight"] = w.take(hf + "input_layernorm.weight")
@@ -209,6 +231,9 @@ def mode_state(tensors: dict[str, Tensor], cfg: ModelConfig, source: str) -> dic
             state[ours + "attn.qkv.bias"] = torch.cat([w.take(f"{attn}{p}_proj.bias") for p in "qkv"])
         state[ours + "attn.out.weight"] = w.take(attn + "o_proj.weight")
         state[ours + "ffn_norm.weight"] = w.take(hf + "post_attention_layernorm.weight")
+        if kind == "moe":
+            state.update(import_moe_ffn(w.take, w.tensors.__contains__, family, hf, ours + "ffn.", config.moe.n_experts))
+            continue
         state[ours + "ffn.gate_up.weight"] = torch.cat([w.take(hf + "mlp.gate_proj.weight"), w.take(hf + "mlp.up_proj.weight")])
         state[ours + "ffn.down.weight"] = w.take(hf + "mlp.down_proj.weight")
     if cfg.tie_embeddings:
@@ -220,15 +245,16 @@ def mode_state(tensors: dict[str, Tensor], cfg: ModelConfig, source: str) -> dic
     return state
 
 
-def hf_state(model: LanguageModel) -> dict[str, Tensor]:
-    """A dense LanguageModel's weights under the Llama / Mistral / Qwen2 names (q/k/v and gate/up
-    split); q/k/v biases where the model has them. Tied: the embedding alone, as save_pretrained."""
+def hf_state(model: LanguageModel, family: str = "llama") -> dict[str, Tensor]:
+    """A dense or MoE LanguageModel's weights under the family's names (q/k/v and gate/up split,
+    experts one by one); q/k/v biases where the model has them. Tied: the embedding alone, as
+    save_pretrained."""
     cfg = model.config.model
     ours = {name: t.detach() for name, t in model.state_dict().items()}
     hd = cfg.head_width
     split = (cfg.n_heads * hd, cfg.kv_heads * hd, cfg.kv_heads * hd)
     state = {"model.embed_tokens.weight": ours["embed.weight"], "model.norm.weight": ours["norm.weight"]}
-    for i in range(cfg.n_layers):
+    for i, kind in enumerate(cfg.block_kinds()):
         hf, b = f"model.layers.{i}.", f"blocks.{i}."
         attn = hf + "self_attn."
         state[hf + "input_layernorm.weight"] = ours[b + "attn_norm.weight"]
@@ -239,6 +265,9 @@ def hf_state(model: LanguageModel) -> dict[str, Tensor]:
                 state[f"{attn}{p}_proj.bias"] = t
         state[attn + "o_proj.weight"] = ours[b + "attn.out.weight"]
         state[hf + "post_attention_layernorm.weight"] = ours[b + "ffn_norm.weight"]
+        if kind == "moe":
+            state.update(export_moe_ffn(ours, family, hf, b + "ffn.", model.config))
+            continue
         gate, up = ours[b + "ffn.gate_up.weight"].chunk(2)
         state[hf + "mlp.gate_proj.weight"], state[hf + "mlp.up_proj.weight"] = gate, up
         state[hf + "mlp.down_proj.weight"] = ours[b + "ffn.down.weight"]
@@ -250,14 +279,14 @@ def hf_state(model: LanguageModel) -> dict[str, Tensor]:
 # ----------------------------------------------------------------------------- load / save
 def load_hf(folder: str | Path, max_seq_len: int | None = None) -> tuple[Config, LanguageModel]:
     """(Config, LanguageModel in eval mode, float32) of a save_pretrained folder of LlamaForCausalLM,
-    MistralForCausalLM or Qwen2ForCausalLM. max_seq_len: the context to build (default the
+    MistralForCausalLM, Qwen2ForCausalLM, MixtralForCausalLM or Qwen2MoeForCausalLM. max_seq_len: the context to build (default the
     source's max_position_embeddings; a smaller one makes smaller rotary tables)."""
     folder = Path(folder)
     hf = read_hf_config(folder)
     source = str(folder / HF_CONFIG)
     config = config_from_hf(hf, source, max_seq_len)
     tensors = read_hf_weights(folder)
-    state = mode_state(tensors, config.model, str(folder))
+    state = mode_state(tensors, config, hf["model_type"], str(folder))
     model = LanguageModel(config)
     try:
         model.load_state_dict(state)
@@ -268,18 +297,23 @@ def load_hf(folder: str | Path, max_seq_len: int | None = None) -> tuple[Config,
 
 
 def hf_config(model: LanguageModel, family: str):
-    """The transformers config (LlamaConfig, MistralConfig or Qwen2Config) of a dense mode model."""
+    """The transformers config (LlamaConfig, MistralConfig, Qwen2Config, MixtralConfig or
+    Qwen2MoeConfig) of a dense or MoE mode model."""
     import transformers
 
     config = model.config
     cfg = config.model
-    if family not in FAMILIES:
+    if family not in IMPORTS:
         raise HFError(f"family {family!r} is not supported; supported: {', '.join(FAMILIES)}")
-    kinds = sorted(set(cfg.block_kinds()))
-    if kinds != ["dense"]:
-        raise HFError(f"model.block_pattern {cfg.block_pattern}: only dense models export to a Hugging Face family "
-                      "(no Hugging Face architecture holds MoD, MoE or MoDE blocks)")
-    if cfg.qkv_bias and family != "qwen2":
+    if family in MOE_FAMILIES:
+        try:
+            check_exportable(config, family)
+        except MoEError as e:
+            raise HFError(str(e)) from None
+    elif sorted(set(cfg.block_kinds())) != ["dense"]:
+        raise HFError(f"model.block_pattern {cfg.block_pattern}: only dense models export to family {family} "
+                      "(MoE models: mixtral, qwen2_moe; MoD and MoDE models: the registered type, family mode)")
+    if cfg.qkv_bias and family not in QKV_BIAS_FAMILIES:
         raise HFError(f"model.qkv_bias true: family {family} has no q/k/v biases; export as family qwen2")
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_base}
     if cfg.rope_scaling is not None:
@@ -297,20 +331,31 @@ def hf_config(model: LanguageModel, family: str):
         kwargs["sliding_window"] = None
     if family == "qwen2":
         kwargs.update(use_sliding_window=False, sliding_window=None)
-    classes = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig, "qwen2": transformers.Qwen2Config}
+    if family in MOE_FAMILIES:
+        kwargs.update(moe_config_kwargs(config, family))
+    classes = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig, "qwen2": transformers.Qwen2Config,
+               "mixtral": transformers.MixtralConfig, "qwen2_moe": transformers.Qwen2MoeConfig}
     return classes[family](**kwargs)
 
 
 def save_hf(model: LanguageModel, cfg: Config | None, folder: str | Path, family: str = "llama") -> None:
-    """Write a dense mode model as a Hugging Face folder (config.json + model.safetensors) that
-    transformers.AutoModelForCausalLM.from_pretrained loads as `family`. cfg: the model's Config
-    (None: model.config). The folder is new or empty; it appears whole (written beside, then renamed)."""
+    """Write a mode model as a Hugging Face folder (config.json + model.safetensors) that
+    transformers.AutoModelForCausalLM.from_pretrained loads as `family`: a dense one as llama,
+    mistral or qwen2, an MoE one as mixtral or qwen2_moe, any one as mode (the type `import mode.hf`
+    registers). cfg: the model's Config (None: model.config). The folder is new or empty; it
+    appears whole (written beside, then renamed)."""
     from safetensors.torch import save_file
 
     if cfg is not None and cfg.model != model.config.model:
         raise HFError("save_hf: cfg's model section is not the model's (give model.config, or None)")
+    if family == "mode":
+        from mode.hf.auto import save_mode
+
+        with staged_folder(Path(folder)) as tmp:
+            save_mode(model, tmp)
+        return
     config = hf_config(model, family)
-    state = hf_state(model)
+    state = hf_state(model, family)
     if family == "qwen2" and not model.config.model.qkv_bias:  # qwen2 always has q/k/v biases: zero ones compute the same
         for name in [n for n in state if n.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight"))]:
             state[name.removesuffix("weight") + "bias"] = state[name].new_zeros(state[name].shape[0])
