@@ -31,6 +31,7 @@ from torch import Tensor
 from mode.config import EXPERT_KINDS, Config, ConfigError, config_from_dict, field_differences
 
 DEPTH_KINDS = ("mod", "mode_staged")  # blocks that wrap a TransformerBlock behind a depth router
+ROUTER_PROJECTION = "router.proj."  # DepthRouter's scoring projection (a Router), under the block's router
 
 
 def conversion_differences(source: dict[str, Any], config: Config) -> list[str]:
@@ -86,7 +87,7 @@ def _layer_state(
     elif was == "dense":
         entries.update({dst + k: v for k, v in mine.items() if k.startswith("ffn.")})
     if becomes in DEPTH_KINDS:
-        entries.update(_unit_depth_router(f"blocks.{i}.router.router.proj.", target_state))
+        entries.update(_unit_depth_router(f"blocks.{i}.router.", target_state))
     return entries
 
 
@@ -108,10 +109,12 @@ def _upcycled(mine: dict[str, Tensor], prefix: str, target: Config, target_state
 
 
 def _unit_depth_router(prefix: str, target_state: dict[str, Tensor]) -> dict[str, Tensor]:
-    """A new depth router scoring every token 1 (zero weights, bias 1 where it has a bias)."""
-    entries = {prefix + "weight": torch.zeros_like(target_state[prefix + "weight"])}
-    if prefix + "bias" in target_state:
-        entries[prefix + "bias"] = torch.ones_like(target_state[prefix + "bias"])
+    """A new depth router (the projection under `prefix`, not its causal predictor) scoring every
+    token 1: zero weights, bias 1 where it has a bias."""
+    projection = prefix + ROUTER_PROJECTION
+    entries = {projection + "weight": torch.zeros_like(target_state[projection + "weight"])}
+    if projection + "bias" in target_state:
+        entries[projection + "bias"] = torch.ones_like(target_state[projection + "bias"])
     return entries
 
 

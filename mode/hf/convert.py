@@ -26,8 +26,8 @@ from mode.hf.moe import (
     MOE_FAMILIES,
     MoEError,
     check_exportable,
-    export_moe_ffn,
-    import_moe_ffn,
+    export_moe_layer,
+    import_moe_layer,
     moe_config_kwargs,
     moe_sections,
 )
@@ -232,7 +232,7 @@ def mode_state(tensors: dict[str, Tensor], config: Config, family: str, source: 
         state[ours + "attn.out.weight"] = w.take(attn + "o_proj.weight")
         state[ours + "ffn_norm.weight"] = w.take(hf + "post_attention_layernorm.weight")
         if kind == "moe":
-            state.update(import_moe_ffn(w.take, w.tensors.__contains__, family, hf, ours + "ffn.", config.moe.n_experts))
+            state.update(import_moe_layer(w.take, w.tensors.__contains__, family, hf, ours + "ffn.", config.moe.n_experts))
             continue
         state[ours + "ffn.gate_up.weight"] = torch.cat([w.take(hf + "mlp.gate_proj.weight"), w.take(hf + "mlp.up_proj.weight")])
         state[ours + "ffn.down.weight"] = w.take(hf + "mlp.down_proj.weight")
@@ -266,7 +266,7 @@ def hf_state(model: LanguageModel, family: str = "llama") -> dict[str, Tensor]:
         state[attn + "o_proj.weight"] = ours[b + "attn.out.weight"]
         state[hf + "post_attention_layernorm.weight"] = ours[b + "ffn_norm.weight"]
         if kind == "moe":
-            state.update(export_moe_ffn(ours, family, hf, b + "ffn.", model.config))
+            state.update(export_moe_layer(ours, family, hf, b + "ffn.", model.config))
             continue
         gate, up = ours[b + "ffn.gate_up.weight"].chunk(2)
         state[hf + "mlp.gate_proj.weight"], state[hf + "mlp.up_proj.weight"] = gate, up

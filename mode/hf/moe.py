@@ -65,7 +65,7 @@ def moe_sections(hf: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
     return pattern, moe
 
 
-def import_moe_ffn(take: Callable[[str], Tensor], has: Callable[[str], bool], family: str, layer: str,
+def import_moe_layer(take: Callable[[str], Tensor], has: Callable[[str], bool], family: str, layer: str,
                    ours: str, n_experts: int) -> dict[str, Tensor]:
     """mode's tensors of one MoE layer's FFN (prefix ours, e.g. "blocks.0.ffn.") from the HF layer
     `layer` (e.g. "model.layers.0."): per-expert Linear weights as save_pretrained writes them,
@@ -139,7 +139,7 @@ def moe_config_kwargs(config: Config, family: str) -> dict[str, Any]:
     }
 
 
-def export_moe_ffn(ours: dict[str, Tensor], family: str, layer: str, block: str, config: Config) -> dict[str, Tensor]:
+def export_moe_layer(ours: dict[str, Tensor], family: str, layer: str, block: str, config: Config) -> dict[str, Tensor]:
     """The HF tensors (per-expert Linear weights, as save_pretrained writes them) of one MoE layer's
     FFN from mode's state `ours` (prefix block, e.g. "blocks.0.ffn.")."""
     hf = f"{layer}{EXPERTS[family]}."
