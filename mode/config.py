@@ -346,6 +346,13 @@ class TrainConfig(Section):
         ),
     )
     progress: bool = True
+    tensorboard: bool = Field(
+        False,
+        description=(
+            "also write every metric of metrics.jsonl as TensorBoard event files in <out_dir>/tensorboard/ "
+            "(needs the tensorboard package: pip install -e .[track])"
+        ),
+    )
     init_from: str | None = Field(
         None, min_length=1,
         description="a checkpoint (run folder or checkpoint.pt) whose weights start this new run; same model section, "

@@ -58,6 +58,7 @@ def evaluate_checkpoint(path: Path, batches: int, device: str = "auto", data_pat
     # Evaluation runs eager, from these weights: no compiling, no graphs, no other run's weights.
     # compile_mode first: each assignment is validated, and reduce-overhead without compile is refused.
     t.compile_mode, t.compile, t.cuda_graphs, t.init_from = "default", False, False, None
+    t.tensorboard = False  # its scratch folder's records are thrown away
     with tempfile.TemporaryDirectory(prefix="mode-evaluate-") as scratch:
         t.out_dir = scratch  # the Trainer's run folder: a throwaway one, never the run's own
         trainer = Trainer(config, model=model)

@@ -1,7 +1,8 @@
 """A run folder: the files a training run writes there, and the lock that makes it one run's.
 
 A run folder holds what `python -m mode.train` (or launch/train.py) wrote: config.yaml,
-metrics.jsonl, checkpoint.pt, loss_vs_flops.png and, for a multi-process run, deepspeed/.
+metrics.jsonl, checkpoint.pt, loss_vs_flops.png, with train.tensorboard tensorboard/ and, for a
+multi-process run, deepspeed/.
 A new run refuses a folder that holds any of them; only the run's own --resume continues it.
 
 While a run trains it holds an exclusive OS lock (flock) on `<folder>/.lock`, which holds its
@@ -20,9 +21,10 @@ METRICS = "metrics.jsonl"
 CONFIG = "config.yaml"
 PLOT = "loss_vs_flops.png"
 DEEPSPEED_DIR = "deepspeed"
+TENSORBOARD_DIR = "tensorboard"  # train.tensorboard's event files
 LOCK = ".lock"
 # Everything a run writes into its folder (a sweep's train.log is the sweep's).
-RUN_FILES = (CHECKPOINT, METRICS, CONFIG, PLOT, DEEPSPEED_DIR)
+RUN_FILES = (CHECKPOINT, METRICS, CONFIG, PLOT, DEEPSPEED_DIR, TENSORBOARD_DIR)
 
 
 class FolderInUse(RuntimeError):

@@ -62,6 +62,7 @@ from mode.config import (
 from mode.report import ReportError, report
 from mode.run_folder import CHECKPOINT, CONFIG, METRICS, PLOT, holder
 from mode.training.optim import steps_within_budget
+from mode.training.tracking import remove_event_files
 
 
 class SweepError(ValueError):
@@ -320,6 +321,7 @@ def run_point(args: argparse.Namespace, point: Point, overrides: list[str], max_
     if step is None:  # this point's run, stopped before its first checkpoint (plan's check_existing_run saw
         for name in (METRICS, CONFIG, PLOT):  # its config.yaml): it starts again, on no file of the old one
             (run_dir / name).unlink(missing_ok=True)
+        remove_event_files(run_dir)  # train.tensorboard's
     command = train_command(args.config, overrides, run_dir, resume=step is not None, parallel=slots.parallel)
     what = "training" if step is None else f"resuming from step {step}"
     gpu = slots.gpus.get() if slots.gpus is not None else None  # held until the run ends

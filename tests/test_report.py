@@ -1,16 +1,24 @@
 """mode.report: comparing run folders. Two real tiny runs end to end, then the pieces on written
-folders: the isoFLOP interpolation, the differing fields, cut-short and malformed metrics, errors."""
+folders: the isoFLOP interpolation, the differing fields, cut-short and malformed metrics, errors.
+Then the plots (isoFLOP curves, loss vs time, causal accuracy, position shares) and the routing map
+on tiny dense and MoD runs, each plot's numbers asserted, and their errors."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
+from mode.checkpoint import load_model
 from mode.config import config_from_dict, load_config, save_config
+from mode.evaluate import evaluate_checkpoint
+from mode.flops import train_step_flops
 from mode.model import LanguageModel
 from mode.report import (
     ReportError,
+    Run,
     differing_fields,
     load_run,
     main,
@@ -18,6 +26,16 @@ from mode.report import (
     routing_means,
     val_loss_at,
 )
+from mode.report.plots import (
+    causal_series,
+    final_loss,
+    isoflop_curves,
+    isoflop_points,
+    position_shares,
+    time_series,
+)
+from mode.report.routing_map import CAUSAL, TOPK, encode, make_map
+from mode.routing.selection import capacity_to_k
 from mode.run_folder import METRICS
 from mode.training.trainer import Trainer
 
@@ -233,3 +251,207 @@ def test_out_under_a_file_is_one_error_line(tmp_path: Path, capsys) -> None:
     err = capsys.readouterr().err
     assert err.startswith(f"error: --out {blocker / 'report'}: cannot write there") and len(err.splitlines()) == 1
     assert blocker.read_text() == "x"
+
+
+# ----------------------------------------------------------------------------- the plots
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _tiny(config_file: str, out_dir: Path, corpus: Path, d_model: int, budget: float | None, seed: int = 0) -> Path:
+    """configs/<config_file> shrunk to seconds on CPU: 2 layers of width d_model, sequences of 32 bytes
+    of the corpus, trained to `budget` training FLOPs (evaluated every 2 steps and at the end)."""
+    overrides = [f"--model.d_model={d_model}", f"--model.d_ff={2 * d_model}", "--model.n_layers=2",
+                 "--model.n_heads=2", "--model.max_seq_len=32", "--data.source=text", f"--data.path={corpus}",
+                 "--data.seq_len=32", "--train.batch_size=2", "--train.warmup_steps=1", "--train.log_interval=1",
+                 "--train.eval_interval=2", "--train.eval_batches=1", "--train.checkpoint_interval=100",
+                 "--train.progress=false", "--train.device=cpu", f"--train.seed={seed}", f"--train.out_dir={out_dir}"]
+    if budget is not None:
+        overrides.append(f"--train.flops_budget={budget}")
+    Trainer(load_config(Path(__file__).parents[1] / "configs" / config_file, overrides)).run()
+    return out_dir
+
+
+@pytest.fixture(scope="module")
+def isoflop_runs(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> dict[str, Path]:
+    """dense and MoD (configs/dense_tiny.yaml, mod_tiny.yaml) at two widths, all to one FLOP budget:
+    five steps of the smaller dense model."""
+    root = tmp_path_factory.mktemp("isoflop")
+    small = load_config(Path(__file__).parents[1] / "configs" / "dense_tiny.yaml",
+                        ["--model.d_model=32", "--model.d_ff=64", "--model.n_layers=2", "--data.seq_len=32",
+                         "--train.batch_size=2"])
+    budget = 5 * train_step_flops(small)
+    return {f"{kind}{width}": _tiny(f"{kind}_tiny.yaml", root / f"{kind}{width}", corpus, width, budget)
+            for kind in ("dense", "mod") for width in (32, 48)}
+
+
+def test_isoflop_points_are_each_runs_final_loss_and_size(isoflop_runs: dict[str, Path]) -> None:
+    runs = [load_run(p) for p in isoflop_runs.values()]
+    points, notes = isoflop_points(runs)
+    assert notes == []
+    by_run = {p["run"]: p for p in points}
+    assert set(by_run) == set(isoflop_runs)
+    for name, path in isoflop_runs.items():
+        run = load_run(path)
+        assert by_run[name]["loss"] == run.evals[-1]["val_loss"]  # no mode.evaluate result: the last evaluation
+        assert by_run[name]["parameters"] == LanguageModel(run.config).num_parameters()
+        assert by_run[name]["budget"] == run.config.train.flops_budget
+    # routing fields name MoD's curve, not the dense model's, which no router reads
+    assert {p["curve"] for p in points} == {"dense", "mod causal=aux_loss"}
+    curves = isoflop_curves(points)
+    assert [(c["curve"], [q["runs"] for q in c["points"]]) for c in curves] == [
+        ("dense", [["dense32"], ["dense48"]]), ("mod causal=aux_loss", [["mod32"], ["mod48"]])]
+    for c in curves:
+        assert c["optimum"] == min(c["points"], key=lambda q: q["loss"])["parameters"]
+
+
+def test_report_out_writes_every_plot_with_its_numbers(isoflop_runs: dict[str, Path], tmp_path: Path) -> None:
+    out = tmp_path / "report"
+    assert main([*map(str, isoflop_runs.values()), "--out", str(out)]) == 0
+    for name in ("val_loss_vs_flops.png", "isoflop.png", "loss_vs_time.png", "causal_accuracy.png",
+                 "position_share.png"):
+        assert (out / name).read_bytes()[:8] == PNG, name
+    tables = json.loads((out / "report.json").read_text())["plots"]
+    assert len(tables["isoflop"]["points"]) == 4
+    assert set(tables["causal"]) == {"mod32", "mod48"}  # dense runs have no causal decision
+    assert set(tables["loss_vs_time"]) == set(isoflop_runs)
+    assert set(tables["position_share"]) == {"mod32", "mod48"}
+    assert not list(out.glob("*.tmp")) and not list(out.glob(".*.tmp"))
+
+
+def test_the_evaluate_result_in_a_run_folder_is_its_final_loss(isoflop_runs: dict[str, Path], tmp_path: Path) -> None:
+    """mode.evaluate's --out file in the run folder, for the run's last step, is preferred to its last
+    evaluation; one for another step, or any other JSON, is not."""
+    run = tmp_path / "mod32"
+    shutil.copytree(isoflop_runs["mod32"], run)
+    loaded = load_run(run)
+    last = loaded.evals[-1]["step"]
+    (run / "notes.json").write_text(json.dumps({"val_loss": 0.1}))
+    (run / "old.json").write_text(json.dumps({"checkpoint": str(run), "step": last - 1, "batches": 500, "val_loss": 0.2}))
+    assert final_loss(loaded) == (loaded.evals[-1]["val_loss"], f"last evaluation (step {last})")
+    result = evaluate_checkpoint(run, batches=3, device="cpu")
+    (run / "eval.json").write_text(json.dumps(result))
+    (run / "eval-few.json").write_text(json.dumps({**result, "batches": 1, "val_loss": 9.0}))
+    assert final_loss(loaded) == (result["val_loss"], "eval.json (3 batches)")
+    assert isoflop_points([loaded])[0][0]["loss"] == result["val_loss"]
+
+
+def test_isoflop_curves_average_seeds_and_split_budgets(tmp_path: Path) -> None:
+    def point(run: str, budget: float, curve: str, parameters: int, loss: float) -> dict:
+        return {"run": run, "budget": budget, "curve": curve, "parameters": parameters, "loss": loss}
+
+    points = [point("a0", 2e9, "dense", 10, 3.0), point("a1", 2e9, "dense", 10, 3.4), point("b", 2e9, "dense", 20, 2.5),
+              point("c", 1e9, "dense", 10, 3.5), point("d", 1e9, "mod", 10, 3.3)]
+    curves = isoflop_curves(points)
+    assert [(c["budget"], c["curve"]) for c in curves] == [(1e9, "dense"), (1e9, "mod"), (2e9, "dense")]
+    seeds = curves[2]["points"][0]
+    assert seeds["runs"] == ["a0", "a1"] and seeds["loss"] == pytest.approx(3.2)
+    assert seeds["std"] == pytest.approx(0.4 / 2**0.5)
+    assert curves[2]["optimum"] == 20 and curves[0]["points"][0]["std"] is None
+    # runs without a budget are left out with a note; the table still reports them
+    plain = _run_folder(tmp_path / "plain", [_eval(2, 2.0, 3.0)])
+    assert isoflop_points([load_run(plain)]) == ([], ["plain: no train.flops_budget, left out of the isoFLOP curves"])
+
+
+def test_series_over_training_are_the_metrics(isoflop_runs: dict[str, Path]) -> None:
+    run = load_run(isoflop_runs["mod32"])
+    times = time_series(run)
+    assert [loss for _, loss in times["train"]] == [r["loss"] for r in run.train]
+    assert [t for t, _ in times["val"]] == [r["elapsed_s"] for r in run.evals]
+    assert all(a <= b for (a, _), (b, _) in zip(times["train"], times["train"][1:]))
+    causal = causal_series(run)
+    assert [s for s, _ in causal["train"]] == [r["step"] for r in run.train]
+    assert causal["layers"]["layer1"] == [(r["step"], r["routing"]["layer1"]["causal_accuracy"]) for r in run.train]
+    assert causal["train"] == causal["layers"]["layer1"]  # one router: its mean is its own
+    assert causal["gap"] == [(r["step"], r["val_loss_causal"] - r["val_loss"]) for r in run.evals]
+    assert all(0.0 <= acc <= 1.0 for _, acc in causal["val"])
+    shares = position_shares(run)
+    stats = run.evals[-1]["routing"]["layer1"]
+    assert list(shares) == ["layer1"] and len(shares["layer1"]) == len(stats["position_share"])
+    # bucket shares average to the layer's processed share (equal buckets)
+    assert sum(shares["layer1"]) / len(shares["layer1"]) == pytest.approx(stats["processed"], rel=1e-3)
+    assert causal["always_no"] == pytest.approx(1 - run.evals[-1]["routing"]["layer1"]["processed"])
+    assert causal_series(load_run(isoflop_runs["dense32"])) == {"train": [], "val": [], "layers": {}, "gap": [],
+                                                                "always_no": None}
+    assert position_shares(load_run(isoflop_runs["dense32"])) == {}
+
+
+def test_position_shares_of_a_staged_ffn_are_of_all_tokens() -> None:
+    record = {"step": 2, "flops": 2.0, "val_loss": 3.0,
+              "routing": {"layer1": {"processed": 0.25, "position_share": [0.5, 0.5]},
+                          "layer1.ffn": {"processed": 0.5, "position_share": [0.75, 0.25]}}}
+    run = Run("r", Path("r"), load_config(None), [], [record])
+    assert position_shares(run) == {"layer1": pytest.approx([0.25, 0.25]),
+                                    "layer1.ffn": pytest.approx([0.1875, 0.0625])}
+
+
+# ----------------------------------------------------------------------------- the routing map
+def test_routing_map_marks_the_tokens_each_layer_processed(isoflop_runs: dict[str, Path], tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture) -> None:
+    run = isoflop_runs["mod32"]
+    text = "def f(x):\n    return x + 1  # é"
+    data, labels, notes = make_map(run, text, causal=True)
+    ids = list(text.encode())
+    assert notes == [] and len(labels) == len(ids) and labels[:4] == ["d", "e", "f", "␣"] and labels[-1] == ""
+    assert "⏎" in labels and "é" in labels
+    assert data["layers"] == ["layer1"]  # [dense, mod]: the second block routes
+    model = load_model(run)
+    with torch.no_grad():
+        topk = model(torch.tensor([ids])).routings[1]
+        causal = model(torch.tensor([ids]), routing_mode="causal").routings[1]
+    row = data["cells"][0]
+    assert {i for i, v in enumerate(row) if v & TOPK} == set(topk.indices[0].tolist())
+    assert sum(1 for v in row if v & TOPK) == capacity_to_k(len(ids), 0.125)
+    chosen = causal.indices[0][causal.valid[0]] if causal.valid is not None else causal.indices[0]
+    assert {i for i, v in enumerate(row) if v & CAUSAL} == set(chosen.tolist())
+
+    out = tmp_path / "maps" / "map.png"
+    assert main(["routing-map", str(run), "--text", text, "--causal", "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == PNG
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].startswith("layer1 ") and len(printed[0].split(" ", 1)[1]) == len(ids)
+    # cut to --max-tokens, with a note
+    data, labels, notes = make_map(run, text, causal=False, max_tokens=8)
+    assert len(data["cells"][0]) == 8 and labels == ["d", "e", "f", "␣", "f", "(", "x", ")"]
+    assert notes == [f"the text is {len(ids)} tokens: the map shows its first 8"]
+
+
+def test_routing_map_errors_are_one_line(isoflop_runs: dict[str, Path], tmp_path: Path,
+                                         capsys: pytest.CaptureFixture) -> None:
+    def error(*args: str) -> str:
+        assert main(["routing-map", *args]) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and err.startswith("error: "), err
+        return err
+
+    assert "not found" in error(str(tmp_path / "missing"), "--text", "x", "--out", str(tmp_path / "m.png"))
+    no_checkpoint = _run_folder(tmp_path / "fresh", [_eval(1, 1.0, 3.0)])
+    assert "no checkpoint.pt" in error(str(no_checkpoint), "--text", "x", "--out", str(tmp_path / "m.png"))
+    assert "no router whose choices are tokens" in error(str(isoflop_runs["dense32"]), "--text", "x",
+                                                         "--out", str(tmp_path / "m.png"))
+    assert "--text: empty" in error(str(isoflop_runs["mod32"]), "--text", "", "--out", str(tmp_path / "m.png"))
+    assert "is a folder" in error(str(isoflop_runs["mod32"]), "--text", "x", "--out", str(tmp_path))
+    assert not (tmp_path / "m.png").exists()
+
+
+def test_report_of_a_folder_without_metrics_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    run = _run_folder(tmp_path / "r", [])
+    (run / METRICS).unlink()
+    assert main([str(run), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "metrics.jsonl: not found" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_tokens_of_a_run_on_token_ids_come_from_its_tokenizer(tmp_path: Path) -> None:
+    """The hook for tokenized runs: a tokenizer.json beside data.path (or in the run folder) encodes the
+    text, each token printed as the text it covers; without one, one error line saying where to put it."""
+    data = tmp_path / "data" / "train.bin"
+    data.parent.mkdir()
+    config = load_config(None, ["--data.source=tokens", f"--data.path={data}"])
+    with pytest.raises(ReportError, match="no tokenizer.json"):
+        encode(config, tmp_path, "hello world")
+    tokenizers = pytest.importorskip("tokenizers")
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel({"hello": 0, "world": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tokenizer.save(str(data.parent / "tokenizer.json"))
+    assert encode(config, tmp_path, "hello world there") == ([0, 1, 2], ["hello", "world", "there"])

@@ -1,5 +1,6 @@
-"""What the training loop reports: metrics.jsonl (written by rank 0), the progress bar, and tokens/s
-over each log window, timed as the device computed the window's steps."""
+"""What the training loop reports: metrics.jsonl (written by rank 0, with TensorBoard event files
+beside it under train.tensorboard), the progress bar, and tokens/s over each log window, timed as
+the device computed the window's steps."""
 from __future__ import annotations
 
 import json
@@ -12,6 +13,9 @@ import torch
 from tqdm import tqdm
 
 from mode.config import TrainConfig
+from mode.run_folder import METRICS
+from mode.training.tracking import TensorBoardLog
+from mode.utils import read_metrics
 
 
 class StepTimer:
@@ -46,6 +50,31 @@ def append_record(path: Path, record: dict[str, Any]) -> None:
     """One line of metrics.jsonl."""
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
+
+
+class RunLog:
+    """Rank 0's writer of a run's records: each stamped with elapsed_s, the wall-clock seconds the run
+    has trained (from when its Trainer was ready: evaluations, checkpoints and compiling count; a
+    resumed run continues from the last record it kept), appended to metrics.jsonl and, given a
+    SummaryWriter class (train.tensorboard), written as TensorBoard scalars too."""
+
+    def __init__(self, run_dir: Path, writer_class: type | None, resume_step: int | None) -> None:
+        self.path = run_dir / METRICS
+        earlier = read_metrics(self.path)[0] if resume_step is not None and self.path.exists() else []
+        self.elapsed_before = max((r["elapsed_s"] for r in earlier if "elapsed_s" in r), default=0.0)
+        self.began = time.perf_counter()
+        self.tensorboard = None if writer_class is None else TensorBoardLog(writer_class, run_dir, resume_step, earlier)
+
+    def write(self, record: dict[str, Any]) -> None:
+        record["elapsed_s"] = round(self.elapsed_before + time.perf_counter() - self.began, 3)
+        append_record(self.path, record)
+        if self.tensorboard is not None:
+            self.tensorboard.write(record)
+
+    def close(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+            self.tensorboard = None
 
 
 class Progress:

@@ -46,7 +46,7 @@ from mode.training.optim import (
     steps_within_budget,
 )
 from mode.training.plot import plot_losses
-from mode.training.progress import Progress, StepTimer, append_record
+from mode.training.progress import Progress, RunLog, StepTimer
 from mode.training.router_stats import (
     HostCopy,
     Outputs,
@@ -58,6 +58,7 @@ from mode.training.router_stats import (
     pool_summaries,
     split_list,
 )
+from mode.training.tracking import summary_writer_class
 from mode.utils import (
     atomic_torch_save,
     interrupts_deferred,
@@ -157,6 +158,7 @@ class Trainer:
 
     # -- run folder and checkpoints
     def _prepare_run_folder(self, resume: bool) -> None:
+        writer_class = summary_writer_class(self.config.train)  # on every rank: a missing package stops all alike
         check_run_folder(self.out_dir, self.config, resume)
         self.lock = lock_run_folder(self.out_dir, self.is_main, self.mean_over_ranks)
         try:
@@ -164,6 +166,7 @@ class Trainer:
                 self._resume_from(self.out_dir / CHECKPOINT)
             if self.is_main:
                 save_config(self.config, self.out_dir / CONFIG)
+                self.run_log = RunLog(self.out_dir, writer_class, self.state.step if resume else None)
         except BaseException:  # a refused resume leaves the folder free for the next attempt
             self.close()
             raise
@@ -179,6 +182,9 @@ class Trainer:
 
     def close(self) -> None:
         """Release the run folder (the lock); the process ending does the same."""
+        run_log = getattr(self, "run_log", None)
+        if run_log is not None:
+            run_log.close()
         lock = getattr(self, "lock", None)
         if lock is not None:
             lock.release()
@@ -259,7 +265,7 @@ class Trainer:
 
     def log(self, record: dict[str, Any]) -> None:
         if self.is_main:
-            append_record(self.out_dir / METRICS, record)
+            self.run_log.write(record)
 
     # -- one step
     def autocast(self) -> contextlib.AbstractContextManager:

@@ -1,6 +1,4 @@
-"""Compare run folders side by side: the table and the plot of an ablation.
-
-    python -m mode.report runs/mod-c0.125 runs/mod-c0.25 runs/dense [--out reports/capacity]
+"""The comparison table of run folders (`python -m mode.report RUN...`; see mode.report).
 
 For each run: the config fields in which the runs differ (the ablation's variables), its
 parameters and forward FLOPs per token, tokens per optimizer step (over every process, so runs
@@ -15,22 +13,14 @@ Runs that differ in `train.seed` and agree in every other differing field and in
 count (which sets the global batch) are one setting trained from several seeds: a second table gives each setting's mean and sample standard
 deviation over its seeds (the last, best and isoFLOP validation losses, the last train loss).
 
-Prints the table (Markdown). With --out it also writes report.md, report.json and
-val_loss_vs_flops.png there, each written whole (temporary file, then rename). A run still in
-progress can be read: a last metrics line cut short by a crash or a concurrent write is left
-out with a note; a bad line anywhere else is an error naming the file and line.
+A run still in progress can be read: a last metrics line cut short by a crash or a concurrent
+write is left out with a note; a bad line anywhere else is an error naming the file and line.
 """
 from __future__ import annotations
 
-from mode.cli import finish, quiet_start, started
-
-quiet_start(__name__)  # before torch: Ctrl-C while it imports ends with one line
-
-import argparse
 import io
 import json
 import statistics
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,11 +34,11 @@ from mode.flops import model_flops
 from mode.model import LanguageModel
 from mode.run_folder import METRICS
 from mode.training.router_stats import is_expert_router, share_reaching
-from mode.utils import MetricsError, atomic_write_bytes, atomic_write_text, read_metrics
+from mode.utils import MetricsError, read_metrics
 
 CONFIG_FILE = "config.yaml"
 # Fields that name or decorate a run rather than define the experiment.
-IGNORED_FIELDS = ("train.out_dir", "train.progress")
+IGNORED_FIELDS = ("train.out_dir", "train.progress", "train.tensorboard")
 SEED_FIELD = "train.seed"
 # The columns averaged over seeds: a run row's key, and its header.
 SEED_COLUMNS = (("val_loss", "val loss"), ("best_val_loss", "best val"), ("val_loss_at_budget", "val @ budget"),
@@ -307,66 +297,3 @@ def plot_png(runs: list[Run], budget: float | None) -> bytes:
     fig.savefig(buffer, format="png", dpi=100)
     plt.close(fig)
     return buffer.getvalue()
-
-
-def write_report(out: Path, table: str, rows: list[dict[str, Any]], fields: list[str], budget: float | None,
-                 groups: list[dict[str, Any]], png: bytes) -> None:
-    if out.exists() and not out.is_dir():
-        raise ReportError(f"--out {out}: exists and is not a folder")
-    summary = {"differing_fields": fields, "common_flops_budget": budget, "runs": rows, "seed_groups": groups}
-    try:
-        atomic_write_text(out / "report.md", table + "\n")
-        atomic_write_text(out / "report.json", json.dumps(summary, indent=2) + "\n")
-        atomic_write_bytes(out / "val_loss_vs_flops.png", png)
-    except OSError as e:  # a folder under a file, or one not writable
-        raise ReportError(f"--out {out}: cannot write there: {e.strerror or e}") from e
-
-
-def report(paths: list[Path], out: Path | None = None) -> str:
-    """Read the runs, return the table; with out, write report.md, report.json and the plot there."""
-    runs = [load_run(p) for p in paths]
-    names = [r.name for r in runs]
-    for run in runs:  # two folders of one name (runs/a/x, runs/b/x): name them by path
-        if names.count(run.name) > 1:
-            run.name = str(run.path)
-    fields = differing_fields([r.config for r in runs])
-    budget = common_budget(runs)
-    rows = [summarize(r, budget) for r in runs]
-    table = markdown_table(runs, rows, fields, budget)
-    groups = seed_groups(runs, rows, fields)
-    if groups:
-        table += "\n\nOver seeds (mean ± sample standard deviation):\n\n" + seed_table(groups, fields)
-        repeats = [name for group in groups for name in group["repeats"]]
-        if repeats:
-            table += (f"\n\nnote: left out of the seed table, each a seed its setting already has (a run that "
-                      f"differs only in how it executed): {', '.join(repeats)}")
-    elif SEED_FIELD in fields:
-        table += (f"\n\nnote: no seed table: {SEED_FIELD} differs, but no two runs agree in every other field "
-                  f"that defines a setting ({', '.join(_setting_fields(fields))})")
-    notes = [n for r in runs for n in r.notes]
-    if notes:
-        table += "\n\n" + "\n".join(f"note: {n}" for n in notes)
-    if out is not None:
-        write_report(out, table, rows, fields, budget, groups, plot_png(runs, budget))
-    return table
-
-
-def main(argv: list[str] | None = None) -> int:
-    started()
-    parser = argparse.ArgumentParser(description="Compare run folders: a table and a loss-vs-FLOPs plot.")
-    parser.add_argument("runs", nargs="+", type=Path, help="run folders (each holds config.yaml and metrics.jsonl)")
-    parser.add_argument("--out", type=Path, default=None, help="also write report.md, report.json and a PNG here")
-    args = parser.parse_args(argv)
-    try:
-        print(report(args.runs, args.out))
-    except ReportError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-
-    if args.out is not None:
-        print(f"written: {args.out}/report.md, report.json, val_loss_vs_flops.png")
-    return 0
-
-
-if __name__ == "__main__":
-    finish(main())
