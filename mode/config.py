@@ -238,6 +238,21 @@ class MoEConfig(Section):
     renormalize: bool = Field(
         False, description="token choice: divide the top_k gates by their sum (Mixtral; Qwen2-MoE's norm_topk_prob)"
     )
+    score: Literal["softmax", "sigmoid"] = Field(
+        "softmax",
+        description="token choice: the router's probabilities over the slots, a softmax or each slot's sigmoid (DeepSeek-V3)",
+    )
+    bias_update_rate: float = Field(
+        0.0, ge=0.0,
+        description=(
+            "token choice: auxiliary-loss-free balancing (DeepSeek-V3); after each optimizer step every expert's "
+            "selection bias moves by this rate towards the mean load; 0: no bias"
+        ),
+    )
+    jitter: float = Field(
+        0.0, ge=0.0, lt=1.0,
+        description="token choice: in training, the router's input times uniform noise in [1 - jitter, 1 + jitter]",
+    )
     shared_expert_d: int | None = Field(
         None, gt=0, description="hidden width of one SwiGLU expert every token goes through; null = none"
     )
@@ -263,6 +278,18 @@ class MoEConfig(Section):
                 f"capacity_factor ({self.capacity_factor}) has no effect with dropless=true (dropless token choice "
                 "has no capacity): leave capacity_factor at 1.0 or set dropless=false"
             )
+        if self.scheme == "expert_choice" and self.bias_update_rate > 0:
+            raise ValueError(
+                f"bias_update_rate ({self.bias_update_rate}) applies to scheme token_choice only (expert choice "
+                "balances by construction); leave it at 0 for expert_choice"
+            )
+        if self.scheme == "expert_choice" and self.jitter > 0:
+            raise ValueError(
+                f"jitter ({self.jitter}) applies to scheme token_choice only (expert choice takes each expert's "
+                "top-C tokens of a group, which noise on the router's input would reshuffle); leave it at 0"
+            )
+        if self.scheme == "expert_choice" and self.score != "softmax":
+            raise ValueError(f"score={self.score} applies to scheme token_choice only (expert choice scores by softmax)")
         if self.scheme == "expert_choice" and self.renormalize:
             raise ValueError("renormalize applies to scheme token_choice only (expert choice's gates are per expert)")
         if self.shared_expert_gate and self.shared_expert_d is None:

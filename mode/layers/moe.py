@@ -48,7 +48,7 @@ class MoEFFN(nn.Module):
         else:
             self.router = TokenChoiceRouter(
                 d_model, moe.n_experts, moe.n_noop, moe.top_k, moe.capacity_factor, moe.dropless,
-                moe.lb_loss_weight, moe.z_loss_weight, moe.renormalize,
+                moe.lb_loss_weight, moe.z_loss_weight, moe.renormalize, moe.score, moe.bias_update_rate, moe.jitter,
             )
         self.experts = Experts(moe.n_experts, d_model, moe.d_expert or d_ff, moe.activation, moe.backend)
         # An always-on expert (Qwen2-MoE, DeepSeekMoE), optionally scaled by a sigmoid gate.

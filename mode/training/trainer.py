@@ -27,7 +27,7 @@ from mode.data import (
     sample_batch,
 )
 from mode.flops import model_flops, train_step_flops
-from mode.routing import DepthRouter
+from mode.routing import DepthRouter, bias_balanced_routers
 from mode.run_folder import CHECKPOINT, CONFIG, METRICS
 from mode.training.evaluation import validation_metrics
 from mode.training.folder import (
@@ -52,6 +52,7 @@ from mode.training.router_stats import (
     Outputs,
     average_summaries,
     copy_outputs,
+    expert_loads,
     output_tensors,
     outputs_to_host,
     parse_outputs,
@@ -310,12 +311,26 @@ class Trainer:
             outputs.append(copy_outputs(tensors) if self.graphed else tensors)
         lr = learning_rate(step, t)
         grad_norm = self.optimization.step(lr)
+        self.balance_experts(outputs)
         tokens = self.tokens_per_step
         self.state = RunState(step + 1, self.state.tokens + tokens, self.state.flops + tokens * self.flops_per_token)
         # One device-to-host transfer per step: losses, statistics, norm.
         copy = outputs_to_host(outputs, [grad_norm])
         timer.stop()
         return LaunchedStep(self.state, lr, outputs, copy, timer)
+
+    def balance_experts(self, outputs: Outputs) -> None:
+        """After the optimizer step: bias-balanced expert routers (moe.bias_update_rate) move their
+        selection bias by the step's loads, summed over micro-batches and processes (on the device)."""
+        routers = bias_balanced_routers(self.model)
+        if routers:
+            loads = self.sum_over_ranks(torch.stack(expert_loads(outputs)))  # (layers, E)
+            for router, load in zip(routers, loads, strict=True):
+                router.update_bias(load)
+
+    def sum_over_ranks(self, values: Tensor) -> Tensor:
+        """values summed over the data-parallel processes (one process: values)."""
+        return values
 
     def follow_capacity_schedule(self, step: int) -> None:
         """Set the depth routers to step's capacity (routing.capacity_schedule) and count its FLOPs."""

@@ -1,0 +1,172 @@
+"""Routing options: auxiliary-loss-free balancing (moe.bias_update_rate, moe.score), router jitter
+(moe.jitter), null experts of several kinds (moe.noop_kind) and per-layer capacity
+(routing.capacity as a list). Each off by default, where the models are today's."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from mode.checkpoint import load_checkpoint_file
+from mode.config import ConfigError, MoEConfig, config_from_dict
+from mode.layers.moe import MoEFFN
+from mode.model import LanguageModel
+from mode.routing import TokenChoiceRouter, bias_balanced_routers, token_choice_head
+from mode.training.router_stats import expert_loads
+
+D, E = 16, 4
+
+
+def skewed_router(rate: float, score: str = "softmax", **kw) -> tuple[TokenChoiceRouter, torch.Tensor]:
+    """A top-1 dropless token-choice router whose logits favour expert 0 for every token of x."""
+    router = TokenChoiceRouter(D, E, 0, 1, 1.0, True, 0.0, 0.0, score=score, bias_update_rate=rate, **kw)
+    x = torch.randn(4, 32, D) * 0.3
+    x[..., 0] += 1.0
+    with torch.no_grad():
+        router.router.proj.weight.normal_(std=0.1)
+        router.router.proj.weight[0, 0] = 2.0  # expert 0's logit grows with the shared direction
+    return router, x
+
+
+# ----------------------------------------------------------------------------- bias balancing
+def test_bias_is_off_by_default_and_adds_no_state() -> None:
+    router = TokenChoiceRouter(D, E, 0, 1, 1.0, True, 0.0, 0.0)
+    assert router.expert_bias is None
+    assert set(router.state_dict()) == {"router.proj.weight"}
+    assert "expert_load" not in router(torch.randn(2, 8, D)).stats
+
+
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+def test_bias_moves_against_the_load_and_the_spread_shrinks(score: str) -> None:
+    router, x = skewed_router(0.005, score)
+    loads = router(x).stats["expert_load"]
+    assert loads[0] > loads.mean()  # the skew: expert 0 takes most tokens
+    spread = loads.std()
+    router.update_bias(loads)
+    bias = router.expert_bias
+    assert bias[0] == pytest.approx(-0.005)
+    assert torch.equal(torch.sign(bias), torch.sign(loads.mean() - loads))
+    spreads = []
+    for _ in range(200):
+        loads = router(x).stats["expert_load"]
+        spreads.append(loads.std())
+        router.update_bias(loads)
+    # a fixed rate oscillates around balance: the spread of the last steps, on average
+    assert torch.stack(spreads[-50:]).mean() < 0.25 * spread
+    assert "expert_bias" in router.state_dict()  # a buffer: saved in checkpoints
+
+
+def test_bias_chooses_but_never_scales_the_gates() -> None:
+    router, x = skewed_router(0.1, "sigmoid")
+    with torch.no_grad():
+        router.expert_bias.copy_(torch.tensor([-5.0, 0.0, 0.0, 5.0]))  # forces expert 3
+    routing = router(x)
+    assert torch.all(routing.slots == 3)
+    logits = routing.logits.view(-1, E)
+    assert torch.allclose(routing.gates.squeeze(-1), torch.sigmoid(logits[:, 3]))
+    routing.gates.sum().backward()
+    assert router.expert_bias.grad is None
+
+
+def test_sigmoid_scores_without_a_bias_choose_the_largest_logits() -> None:
+    logits = torch.randn(20, 6)
+    head = token_choice_head(logits, 2, 6, None, 0.0, 0.0, score="sigmoid")
+    assert torch.equal(head.slots, logits.topk(2, -1).indices)
+    assert torch.allclose(head.gates, torch.sigmoid(logits.topk(2, -1).values))
+
+
+def test_expert_loads_sum_the_micro_batches() -> None:
+    a = {"layer1.ffn": {"expert_load": torch.tensor([1.0, 2.0]), "processed": torch.tensor(1.0)},
+         "layer0": {"processed": torch.tensor(0.5)}}
+    b = {"layer1.ffn": {"expert_load": torch.tensor([3.0, 0.0]), "processed": torch.tensor(1.0)},
+         "layer0": {"processed": torch.tensor(0.5)}}
+    (loads,) = expert_loads([([], a), ([], b)])
+    assert loads.tolist() == [4.0, 2.0]
+
+
+def test_bias_options_need_token_choice() -> None:
+    with pytest.raises(ValueError, match="bias_update_rate"):
+        MoEConfig(scheme="expert_choice", bias_update_rate=0.01)
+    with pytest.raises(ValueError, match="score=sigmoid"):
+        MoEConfig(scheme="expert_choice", score="sigmoid")
+
+
+def tiny_raw(tmp_path: Path, **moe) -> dict:
+    return {
+        "model": {"d_model": 32, "n_heads": 2, "n_layers": 2, "d_ff": 64, "max_seq_len": 32,
+                  "block_pattern": ["dense", "moe"]},
+        "moe": {"n_experts": 4, "scheme": "token_choice", "top_k": 2, "dropless": True, **moe},
+        "data": {"source": "stdlib", "seq_len": 32},
+        "train": {"batch_size": 4, "max_steps": 4, "eval_interval": 100, "eval_batches": 1, "warmup_steps": 1,
+                  "checkpoint_interval": 4, "out_dir": str(tmp_path / "run"), "progress": False, "device": "cpu"},
+    }
+
+
+def test_the_trainer_updates_the_bias_after_each_step(tmp_path: Path) -> None:
+    """Through the Trainer: the bias moves every step by a multiple of the rate, and is checkpointed."""
+    from mode.training.trainer import Trainer
+
+    raw = tiny_raw(tmp_path, bias_update_rate=0.01, score="sigmoid", renormalize=True, lb_loss_weight=0.0)
+    raw["train"]["grad_accum"] = 2
+    trainer = Trainer(config_from_dict(raw))
+    (router,) = bias_balanced_routers(trainer.model)
+    trainer.train_step()
+    # one update of +-rate per expert (0 where the load is exactly the mean)
+    assert torch.all(router.expert_bias.abs() <= 0.01 + 1e-7)
+    assert router.expert_bias.abs().sum() > 0
+    trainer.run()
+    state = load_checkpoint_file(tmp_path / "run" / "checkpoint.pt", "cpu")["model"]
+    assert torch.equal(state["blocks.1.ffn.router.expert_bias"], router.expert_bias)
+    steps = (router.expert_bias / 0.01).round()
+    assert torch.allclose(router.expert_bias, steps * 0.01, atol=1e-6)
+
+
+def test_moe_defaults_are_bit_identical_to_an_explicit_off(tmp_path: Path) -> None:
+    """A token-choice model with the new options at their defaults equals one without them: same
+    state dict keys, same logits (seeded alike)."""
+    raw = tiny_raw(tmp_path)
+    torch.manual_seed(0)
+    plain = LanguageModel(config_from_dict(raw))
+    explicit = tiny_raw(tmp_path, bias_update_rate=0.0, score="softmax", jitter=0.0)
+    torch.manual_seed(0)
+    off = LanguageModel(config_from_dict(explicit))
+    assert list(plain.state_dict()) == list(off.state_dict())
+    tokens = torch.randint(0, 256, (2, 32))
+    plain.train()
+    off.train()
+    torch.manual_seed(1)
+    a = plain(tokens).logits
+    torch.manual_seed(1)
+    assert torch.equal(a, off(tokens).logits)
+
+
+def test_bias_config_errors_name_the_field() -> None:
+    with pytest.raises(ConfigError, match="moe.bias_update_rate"):
+        config_from_dict({"moe": {"bias_update_rate": -1.0}})
+
+
+def test_moe_ffn_passes_the_options_to_its_router() -> None:
+    ffn = MoEFFN(D, 32, MoEConfig(n_experts=E, scheme="token_choice", bias_update_rate=0.5, score="sigmoid", jitter=0.1))
+    assert ffn.router.bias_update_rate == 0.5 and ffn.router.score == "sigmoid" and ffn.router.jitter == 0.1
+
+
+def test_bias_balancing_on_two_processes_equals_one_process(corpus, tmp_path: Path) -> None:
+    """2 gloo processes, experts sharded (expert_parallel=2): each process counts its own tokens' loads,
+    LaunchTrainer sums them before every router updates its bias, so both processes keep one bias and
+    train as one process with the doubled batch."""
+    from test_parallel import assert_same_curves, launch, raw_config, records, single_process, write_config
+
+    raw = raw_config(corpus, tmp_path / "dist",
+                     moe={"n_experts": 4, "scheme": "token_choice", "top_k": 2, "dropless": True, "lb_loss_weight": 0.0,
+                          "bias_update_rate": 0.01, "score": "sigmoid", "renormalize": True},
+                     parallel={"zero_stage": 1, "expert_parallel": 2})
+    launch(write_config(raw, tmp_path / "config.yaml"))
+    reference = single_process(raw, tmp_path / "single")
+    steps = max(records(reference)[0])
+    assert_same_curves(reference, tmp_path / "dist", range(1, steps + 1))
+    key = "blocks.1.ffn.router.expert_bias"
+    one = load_checkpoint_file(reference / "checkpoint.pt", "cpu")["model"][key]
+    two = load_checkpoint_file(tmp_path / "dist" / "checkpoint.pt", "cpu")["model"][key]
+    assert one.abs().sum() > 0
+    assert torch.equal(one, two)
