@@ -170,3 +170,43 @@ def test_bias_balancing_on_two_processes_equals_one_process(corpus, tmp_path: Pa
     two = load_checkpoint_file(tmp_path / "dist" / "checkpoint.pt", "cpu")["model"][key]
     assert one.abs().sum() > 0
     assert torch.equal(one, two)
+
+
+# ----------------------------------------------------------------------------- jitter
+def jitter_model(tmp_path: Path, jitter: float) -> LanguageModel:
+    torch.manual_seed(0)
+    return LanguageModel(config_from_dict(tiny_raw(tmp_path, jitter=jitter)))
+
+
+def logits_seeded(model: LanguageModel, tokens: torch.Tensor, train: bool, seed: int = 1) -> torch.Tensor:
+    model.train(train)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+def test_jitter_changes_training_only_and_follows_the_seed(tmp_path: Path) -> None:
+    tokens = torch.randint(0, 256, (2, 32))
+    off, on = jitter_model(tmp_path, 0.0), jitter_model(tmp_path, 0.3)
+    assert torch.equal(logits_seeded(off, tokens, True), logits_seeded(jitter_model(tmp_path, 0.0), tokens, True))
+    assert not torch.equal(logits_seeded(on, tokens, True), logits_seeded(off, tokens, True))
+    assert torch.equal(logits_seeded(on, tokens, False), logits_seeded(off, tokens, False))
+    assert torch.equal(logits_seeded(on, tokens, True), logits_seeded(on, tokens, True))
+    assert not torch.equal(logits_seeded(on, tokens, True), logits_seeded(on, tokens, True, seed=2))
+
+
+def test_jitter_scales_only_the_router_input() -> None:
+    router, x = skewed_router(0.0, jitter=0.2)
+    router.train()
+    torch.manual_seed(3)
+    noise = torch.empty_like(x).uniform_(0.8, 1.2)
+    torch.manual_seed(3)
+    routing = router(x)
+    assert torch.allclose(routing.logits.view(-1, E), (x * noise).reshape(-1, D) @ router.router.proj.weight.t(), atol=1e-6)
+
+
+def test_jitter_needs_token_choice() -> None:
+    with pytest.raises(ValueError, match="jitter"):
+        MoEConfig(scheme="expert_choice", jitter=0.1)
+    with pytest.raises(ValueError):
+        MoEConfig(scheme="token_choice", jitter=1.0)
