@@ -214,11 +214,22 @@ class RoutingConfig(Section):
         return plan.start + (self.capacity - plan.start) * stage / plan.stages
 
 
+NoopKind = Literal["zero", "copy", "constant"]
+NOOP_KINDS = get_args(NoopKind)
+
+
 class MoEConfig(Section):
     """Mixture-of-Experts FFN (blocks moe, mode_staged, mode_integrated)."""
 
     n_experts: int = Field(8, gt=0, description="E real experts")
     n_noop: int = Field(0, ge=0, description="N no-op router slots: zero FFN update, no compute")
+    noop_kind: NoopKind | list[NoopKind] = Field(
+        "zero",
+        description=(
+            "what a no-op slot outputs, times its gate (MoE++): zero, copy (the token's FFN input) or constant "
+            "(a learned vector); one kind for every slot or a list of n_noop kinds"
+        ),
+    )
     scheme: Literal["expert_choice", "token_choice"] = Field(
         "expert_choice", description="expert_choice: each expert takes its top-C tokens; token_choice: top_k slots per token"
     )
@@ -266,6 +277,13 @@ class MoEConfig(Section):
             raise ValueError(
                 f"top_k ({self.top_k}) exceeds the router's slots n_experts + n_noop ({self.n_experts + self.n_noop})"
             )
+        if isinstance(self.noop_kind, list) and len(self.noop_kind) != self.n_noop:
+            raise ValueError(
+                f"noop_kind lists {len(self.noop_kind)} kinds {self.noop_kind} and n_noop is {self.n_noop}: give one "
+                "kind per no-op slot, or one kind for all"
+            )
+        if self.n_noop == 0 and self._set_away_from_default("noop_kind") and self.noop_kind != []:
+            raise ValueError(f"noop_kind ({self.noop_kind}) needs no-op slots: set n_noop")
         if self.scheme == "expert_choice" and self.dropless:
             raise ValueError("dropless applies to scheme token_choice only (expert choice never drops)")
         if self.scheme == "expert_choice" and self.top_k != 1:
@@ -300,6 +318,10 @@ class MoEConfig(Section):
                 "balances by construction and adds no load-balancing loss); leave it at 0.01 for expert_choice"
             )
         return self
+
+    def noop_kinds(self) -> list[str]:
+        """The kind of each of the n_noop no-op slots."""
+        return list(self.noop_kind) if isinstance(self.noop_kind, list) else [self.noop_kind] * self.n_noop
 
 
 class DataConfig(Section):

@@ -210,3 +210,127 @@ def test_jitter_needs_token_choice() -> None:
         MoEConfig(scheme="expert_choice", jitter=0.1)
     with pytest.raises(ValueError):
         MoEConfig(scheme="token_choice", jitter=1.0)
+
+
+# ----------------------------------------------------------------------------- null experts
+N_NULL = 3
+
+
+def null_pair(scheme: str, kinds: list[str], **moe) -> tuple[MoEFFN, MoEFFN]:
+    """(an FFN whose no-op slots are `kinds`, the same FFN with zero slots), sharing every weight."""
+    base = dict(n_experts=E, n_noop=N_NULL, scheme=scheme, **moe)
+    torch.manual_seed(0)
+    ffn = MoEFFN(D, 32, MoEConfig(noop_kind=kinds, **base)).double()
+    if ffn.null_experts.constants is not None:
+        with torch.no_grad():
+            ffn.null_experts.constants.normal_()
+    zero = MoEFFN(D, 32, MoEConfig(**base)).double()
+    missing = zero.load_state_dict(ffn.state_dict(), strict=False)
+    assert missing.missing_keys == [] and set(missing.unexpected_keys) <= {"null_experts.constants"}
+    return ffn, zero
+
+
+def null_reference(ffn: MoEFFN, x: torch.Tensor, kinds: list[str], slot_gates: torch.Tensor) -> torch.Tensor:
+    """sum_j gate_tj * (x_t for copy, v_j for constant, 0 for zero), one token and slot at a time."""
+    flat = x.reshape(-1, D)
+    out = torch.zeros_like(flat)
+    constants = iter(ffn.null_experts.constants) if ffn.null_experts.constants is not None else iter(())
+    vectors = {j: next(constants) for j, kind in enumerate(kinds) if kind == "constant"}
+    for t in range(flat.shape[0]):
+        for j, kind in enumerate(kinds):
+            g = slot_gates[t, j].double()
+            if kind == "copy":
+                out[t] += g * flat[t]
+            elif kind == "constant":
+                out[t] += g * vectors[j].double()
+    return out.view_as(x)
+
+
+KIND_CASES = [["copy"] * N_NULL, ["constant"] * N_NULL, ["zero", "copy", "constant"]]
+
+
+@pytest.mark.parametrize("kinds", KIND_CASES)
+@pytest.mark.parametrize("scheme", ["expert_choice", "token_choice"])
+def test_null_experts_equal_the_hand_written_reference(scheme: str, kinds: list[str]) -> None:
+    moe = {"top_k": 2, "renormalize": True} if scheme == "token_choice" else {}
+    ffn, zero = null_pair(scheme, kinds, **moe)
+    x = torch.randn(2, 16, D, dtype=torch.float64)
+    out, routing = ffn(x)
+    if scheme == "token_choice":
+        slot_gates = torch.zeros(x.shape[0] * x.shape[1], N_NULL, dtype=torch.float64)
+        for t in range(slot_gates.shape[0]):
+            for j in range(2):
+                slot = int(routing.slots[t, j])
+                if slot >= E:
+                    slot_gates[t, slot - E] += routing.gates[t, j]
+        assert slot_gates.sum() > 0  # some token chose a no-op slot
+    else:
+        slot_gates = routing.logits.reshape(-1, E + N_NULL).softmax(-1)[:, E:]
+    expected = zero(x)[0] + null_reference(ffn, x, kinds, slot_gates)
+    # the gates are float32 (the router computes in float32): summed over the slots in float32 here
+    assert torch.allclose(out, expected, atol=1e-6, rtol=1e-6)
+    for kind in ("copy", "constant"):
+        assert (f"{kind}_gate" in routing.stats) == (kind in kinds)
+
+
+def test_null_expert_constants_learn_and_copy_gates_get_gradient() -> None:
+    ffn, _ = null_pair("token_choice", ["copy", "constant", "constant"], top_k=2)
+    x = torch.randn(2, 16, D, dtype=torch.float64)
+    ffn(x)[0].square().sum().backward()
+    assert ffn.null_experts.constants.grad.abs().sum() > 0
+    assert ffn.router.router.proj.weight.grad.abs().sum() > 0
+
+
+def test_zero_null_experts_add_no_state() -> None:
+    ffn = MoEFFN(D, 32, MoEConfig(n_experts=E, n_noop=2))
+    assert ffn.null_experts is None
+    assert not any("null" in key for key in ffn.state_dict())
+
+
+def test_null_kind_list_must_match_n_noop() -> None:
+    with pytest.raises(ConfigError, match=r"moe: .*noop_kind lists 2 kinds .* n_noop is 3"):
+        config_from_dict({"moe": {"n_noop": 3, "noop_kind": ["copy", "zero"]}})
+    with pytest.raises(ConfigError, match="noop_kind"):
+        config_from_dict({"moe": {"n_noop": 0, "noop_kind": "copy"}})
+    with pytest.raises(ConfigError, match="noop_kind"):
+        config_from_dict({"moe": {"n_noop": 1, "noop_kind": "identity"}})
+
+
+def test_null_experts_cost_no_flops() -> None:
+    from mode.flops import model_flops
+
+    raw = {"model": {"block_pattern": ["dense", "mode_integrated"]}, "moe": {"n_noop": 3}}
+    zero = model_flops(config_from_dict(raw)).per_block
+    for kinds in KIND_CASES:
+        raw["moe"]["noop_kind"] = kinds
+        assert model_flops(config_from_dict(raw)).per_block == zero
+
+
+@pytest.mark.parametrize("scheme", ["expert_choice", "token_choice"])
+def test_integrated_mode_with_copy_and_constant_experts_trains(tmp_path: Path, scheme: str) -> None:
+    from mode.training.trainer import Trainer
+
+    raw = tiny_raw(tmp_path, scheme=scheme, n_noop=2, noop_kind=["copy", "constant"])
+    raw["model"]["block_pattern"] = ["dense", "mode_integrated"]
+    if scheme == "expert_choice":
+        for key in ("top_k", "dropless"):
+            raw["moe"].pop(key)
+    trainer = Trainer(config_from_dict(raw))
+    records = trainer.run()
+    routing = records[-1]["routing"]["layer1.ffn"]
+    assert 0 < routing["copy_gate"] < 1 and 0 < routing["constant_gate"] < 1
+    assert trainer.model.blocks[1].ffn.null_experts.constants.abs().sum() > 0
+
+
+def test_null_experts_under_expert_parallelism_equal_one_process(corpus, tmp_path: Path) -> None:
+    """Integrated MoDE with copy and constant slots, experts sharded over 2 gloo processes: the null
+    outputs are computed where the tokens are (only the real experts' rows are exchanged), and the
+    run trains as one process holding every expert with the doubled batch."""
+    from test_parallel import assert_same_curves, launch, raw_config, records, single_process, write_config
+
+    raw = raw_config(corpus, tmp_path / "dist", model={"block_pattern": ["dense", "mode_integrated"]},
+                     moe={"n_experts": 4, "n_noop": 2, "noop_kind": ["copy", "constant"]},
+                     parallel={"zero_stage": 1, "expert_parallel": 2})
+    launch(write_config(raw, tmp_path / "config.yaml"))
+    reference = single_process(raw, tmp_path / "single")
+    assert_same_curves(reference, tmp_path / "dist", range(1, max(records(reference)[0]) + 1))

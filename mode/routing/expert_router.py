@@ -64,10 +64,13 @@ class ExpertChoiceRouter(nn.Module):
         causal: str = "none",
         causal_loss_weight: float = 0.01,
         predictor_hidden: int = 128,
+        null_gates: bool = False,
     ) -> None:
         super().__init__()
         self.router = Router(d_model, n_experts + n_noop)
         self.n_experts = n_experts
+        # Whether the routing carries every token's no-op slot probabilities (copy / constant null experts).
+        self.null_gates = null_gates
         self.capacity_factor = capacity_factor
         self.group_size = group_size
         self.z_loss_weight = z_loss_weight
@@ -94,7 +97,8 @@ class ExpertChoiceRouter(nn.Module):
             return self._causal_forward(x, valid)
         groups, tokens, capacity = self._groups_and_capacity(x)
         logits = self.router(x).reshape(groups, tokens, -1)  # (G, T, E+N), float32
-        probs = logits.softmax(-1)[..., : self.n_experts].transpose(1, 2)  # (G, E, T)
+        every = logits.softmax(-1)
+        probs = every[..., : self.n_experts].transpose(1, 2)  # (G, E, T)
         positions = top_k_positions(probs.detach(), capacity)  # (G, E, C)
         gates = probs.gather(2, positions)  # (G, E, C)
         z = router_z_loss(logits)
@@ -112,7 +116,9 @@ class ExpertChoiceRouter(nn.Module):
             stats.update({name: value.detach() for name, value in causal_stats.items()})
             # Per token: the share of tokens the causal decision sends to at least one expert.
             stats["causal_fraction"] = (causal_logits.detach() > 0).any(-1).float().mean()
-        return ExpertChoiceRouting(positions=positions, gates=gates, logits=logits, aux_loss=aux, stats=stats)
+        null = every[..., self.n_experts :] if self.null_gates else None  # (G, T, N)
+        return ExpertChoiceRouting(positions=positions, gates=gates, logits=logits, aux_loss=aux, stats=stats,
+                                   null_gates=null)
 
     def route(self, x: Tensor) -> tuple[ExpertChoiceRouting, ExpertRows, Tensor]:
         """forward() (top-C, not causal) and the tokens it chose, gathered expert-major: (routing, their
@@ -126,7 +132,7 @@ class ExpertChoiceRouter(nn.Module):
         flat = x.reshape(-1, x.shape[-1])  # (B*S, D): group g is the g-th run of T tokens
         groups, tokens, capacity = self._groups_and_capacity(x)
         weight = self.router.proj.weight
-        if self.causal is None and expert_choice_kernel_applies(flat, weight, self.router.proj.bias, groups):
+        if self.causal is None and not self.null_gates and expert_choice_kernel_applies(flat, weight, self.router.proj.bias, groups):
             d = expert_choice_dispatch(flat, weight, groups, self.n_experts, capacity, self.z_loss_weight)
             stats = _expert_stats(d.tokens_per_expert, d.processed, d.noop_fraction, d.zero, d.zero, d.z_loss)
             routing = ExpertChoiceRouting(positions=d.indices, gates=d.gates, logits=d.logits.view(groups, tokens, -1),
@@ -154,8 +160,10 @@ class ExpertChoiceRouter(nn.Module):
             chosen.reshape(-1, self.n_experts).sum(0), processed, 1 - processed,
             processed.new_zeros(()), processed.new_zeros(()), processed.new_zeros(()),
         )
+        logits = self.router(x)
+        null = logits.softmax(-1)[..., self.n_experts :] if self.null_gates else None  # (B, S, N)
         return CausalExpertRouting(
-            mask=chosen, gates=probs, logits=self.router(x), aux_loss=probs.new_zeros(()), stats=stats
+            mask=chosen, gates=probs, logits=logits, aux_loss=probs.new_zeros(()), stats=stats, null_gates=null,
         )
 
 
