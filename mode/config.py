@@ -177,7 +177,13 @@ class CapacitySchedule(Section):
 class RoutingConfig(Section):
     """Mixture-of-Depths routing (also the depth router of Staged MoDE)."""
 
-    capacity: float = Field(0.125, gt=0.0, le=1.0, description="fraction of each sequence a routed block processes")
+    capacity: float | list[float] = Field(
+        0.125,
+        description=(
+            "fraction of each sequence a depth-routed block processes, in (0, 1]: one value for every such block "
+            "or a list of one per depth-routed block (mod, mode_staged), in layer order"
+        ),
+    )
     gate: Literal["identity", "sigmoid"] = Field(
         "sigmoid", description="g(r) multiplying the block update: the paper's raw score, or sigmoid"
     )
@@ -205,13 +211,41 @@ class RoutingConfig(Section):
         None, description="anneal the depth routers' capacity from a start value to routing.capacity (conversion)"
     )
 
-    def capacity_at(self, step: int) -> float:
-        """The depth routers' capacity for optimizer step `step` (0-based)."""
+    @field_validator("capacity")
+    @classmethod
+    def _capacities_in_range(cls, value: float | list[float]) -> float | list[float]:
+        values = value if isinstance(value, list) else [value]
+        if not values:
+            raise ValueError("an empty list: give one capacity per depth-routed block, or one number")
+        for v in values:
+            if not 0.0 < v <= 1.0:
+                raise ValueError(f"capacity {v} is outside (0, 1]")
+        return value
+
+    def capacity_at(self, step: int) -> float | tuple[float, ...]:
+        """The depth routers' capacity for optimizer step `step` (0-based): a number, or with a list of
+        capacities a tuple, each layer annealed from the schedule's start to its own target."""
+        if isinstance(self.capacity, (list, tuple)):
+            return tuple(self._scheduled(target, step) for target in self.capacity)
+        return self._scheduled(self.capacity, step)
+
+    def _scheduled(self, target: float, step: int) -> float:
         plan = self.capacity_schedule
         if plan is None or step >= plan.steps:
-            return self.capacity
+            return target
         stage = step * plan.stages // plan.steps
-        return plan.start + (self.capacity - plan.start) * stage / plan.stages
+        return plan.start + (target - plan.start) * stage / plan.stages
+
+    def layer_capacities(self, kinds: Sequence[str], capacity: float | Sequence[float] | None = None) -> list[float]:
+        """One capacity per layer of `kinds` (capacity, or routing.capacity where None): a list's values
+        in order over the depth-routed layers (DEPTH_ROUTED_KINDS); the first value for the others."""
+        capacity = self.capacity if capacity is None else capacity
+        if not isinstance(capacity, (list, tuple)):
+            return [capacity] * len(kinds)
+        values, out = iter(capacity), []
+        for kind in kinds:
+            out.append(next(values) if kind in DEPTH_ROUTED_KINDS else capacity[0])
+        return out
 
 
 NoopKind = Literal["zero", "copy", "constant"]
@@ -476,6 +510,17 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
+    def _a_capacity_per_routed_layer(self) -> "Config":
+        capacity, kinds = self.routing.capacity, self.model.block_kinds()
+        routed = sum(kind in DEPTH_ROUTED_KINDS for kind in kinds)
+        if isinstance(capacity, list) and len(capacity) != routed:
+            raise ValueError(
+                f"routing.capacity lists {len(capacity)} capacities and model.block_pattern builds {routed} "
+                f"depth-routed blocks (mod, mode_staged) of {kinds}: give one per depth-routed block, or one number"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _schedule_reaches_a_router(self) -> "Config":
         if self.routing.capacity_schedule is not None and not self.model.has_depth_router():
             raise ValueError(
@@ -484,8 +529,8 @@ class Config(Section):
             )
         return self
 
-    def at_capacity(self, capacity: float) -> "Config":
-        """This config with routing.capacity set to capacity (a scheduled step's FLOPs)."""
+    def at_capacity(self, capacity: float | Sequence[float]) -> "Config":
+        """This config with routing.capacity set to capacity (a scheduled step's FLOPs; a block's own)."""
         return self.model_copy(update={"routing": self.routing.model_copy(update={"capacity": capacity})})
 
     @model_validator(mode="after")

@@ -3,6 +3,7 @@
 (routing.capacity as a list). Each off by default, where the models are today's."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -334,3 +335,77 @@ def test_null_experts_under_expert_parallelism_equal_one_process(corpus, tmp_pat
     launch(write_config(raw, tmp_path / "config.yaml"))
     reference = single_process(raw, tmp_path / "single")
     assert_same_curves(reference, tmp_path / "dist", range(1, max(records(reference)[0]) + 1))
+
+
+# ----------------------------------------------------------------------------- per-layer capacity
+def per_layer_raw(capacity, **routing) -> dict:
+    return {"model": {"d_model": 32, "n_heads": 2, "n_layers": 4, "d_ff": 64, "max_seq_len": 32,
+                      "block_pattern": ["dense", "mod", "mode_staged", "mod"]},
+            "moe": {"n_experts": 4},
+            "routing": {"capacity": capacity, **routing}, "data": {"seq_len": 32}, "train": {"batch_size": 2}}
+
+
+def test_two_mod_layers_at_their_own_capacities_route_their_own_k() -> None:
+    torch.manual_seed(0)
+    model = LanguageModel(config_from_dict(per_layer_raw([0.25, 0.5, 0.75])))
+    out = model(torch.randint(0, 256, (2, 32)))
+    ks = [routing.positions.shape[1] for routing in out.routings if routing is not None]
+    assert ks == [8, 16, 24]
+
+
+def test_per_layer_flops_equal_a_hand_count() -> None:
+    from mode.flops import block_flops, dense_block_flops, model_flops, router_flops
+
+    config = config_from_dict(per_layer_raw([0.25, 0.5, 0.75]))
+    report = model_flops(config)
+    model = config.model
+    mod_at = [router_flops(32, 1) + (k / 32) * dense_block_flops(model, k) for k in (8, 24)]
+    assert report.per_block[0] == dense_block_flops(model, 32)
+    assert report.per_block[1] == pytest.approx(mod_at[0])
+    assert report.per_block[3] == pytest.approx(mod_at[1])
+    assert report.per_block[2] == block_flops("mode_staged", config.at_capacity(0.5), 32)
+    one = model_flops(config_from_dict(per_layer_raw(0.5)))
+    assert one.per_block[2] == report.per_block[2] and one.per_block[1] != report.per_block[1]
+
+
+def test_a_capacity_list_of_the_wrong_length_names_both_lengths() -> None:
+    with pytest.raises(ConfigError, match="routing.capacity lists 2 capacities .* builds 3 depth-routed blocks"):
+        config_from_dict(per_layer_raw([0.25, 0.5]))
+    with pytest.raises(ConfigError, match=r"routing.capacity: .*capacity 1.5 is outside \(0, 1\]"):
+        config_from_dict(per_layer_raw([0.25, 1.5, 0.5]))
+    with pytest.raises(ConfigError, match="routing.capacity"):
+        config_from_dict(per_layer_raw(0.0))
+
+
+def test_the_schedule_anneals_each_layer_to_its_own_target() -> None:
+    config = config_from_dict(per_layer_raw([0.25, 0.5, 1.0], capacity_schedule={"start": 1.0, "steps": 4, "stages": 2}))
+    routing = config.routing
+    assert routing.capacity_at(0) == (1.0, 1.0, 1.0)
+    assert routing.capacity_at(2) == (0.625, 0.75, 1.0)
+    assert routing.capacity_at(4) == (0.25, 0.5, 1.0)
+    assert config_from_dict(per_layer_raw(0.25, capacity_schedule={"start": 1.0, "steps": 4, "stages": 2})
+                            ).routing.capacity_at(2) == 0.625
+
+
+def test_the_trainer_sets_each_router_its_own_scheduled_capacity(tmp_path: Path) -> None:
+    from mode.routing import DepthRouter
+    from mode.training.trainer import Trainer
+
+    raw = per_layer_raw([0.25, 0.5, 1.0], capacity_schedule={"start": 1.0, "steps": 4, "stages": 2})
+    raw["data"] = {"source": "stdlib", "seq_len": 32}
+    raw["train"].update(max_steps=4, eval_interval=100, eval_batches=1, warmup_steps=1, checkpoint_interval=4,
+                        out_dir=str(tmp_path / "run"), progress=False, device="cpu")
+    trainer = Trainer(config_from_dict(raw))
+    routers = [m for m in trainer.model.modules() if isinstance(m, DepthRouter)]
+    trainer.follow_capacity_schedule(2)
+    assert [r.capacity for r in routers] == [0.625, 0.75, 1.0]
+    trainer.run()
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["capacity"] for r in logged if "capacity" in r][-1] == [0.625, 0.75, 1.0]  # step 4 routed at step 3's
+    assert [r.capacity for r in routers] == [0.625, 0.75, 1.0]
+
+
+def test_sweep_varies_a_capacity_list() -> None:
+    from mode.sweep import parse_vary
+
+    assert parse_vary("routing.capacity=[0.25,0.5],0.125") == ("routing.capacity", ["[0.25,0.5]", "0.125"])

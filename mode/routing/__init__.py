@@ -48,7 +48,7 @@ from mode.routing.results import (
     Routing,
     TokenChoiceRouting,
 )
-from mode.routing.router import DepthRouter, Router, set_random_score_rows
+from mode.routing.router import DepthRouter, Router, set_depth_capacities, set_random_score_rows
 
 __all__ = [
     "CausalDecision",
@@ -97,5 +97,6 @@ __all__ = [
     "token_mask",
     "top_k_positions",
     "top_k_slots",
+    "set_depth_capacities",
     "set_random_score_rows",
 ]

@@ -27,7 +27,7 @@ from mode.data import (
     sample_batch,
 )
 from mode.flops import model_flops, train_step_flops
-from mode.routing import DepthRouter, bias_balanced_routers
+from mode.routing import bias_balanced_routers, set_depth_capacities
 from mode.run_folder import CHECKPOINT, CONFIG, METRICS
 from mode.training.evaluation import validation_metrics
 from mode.training.folder import (
@@ -140,7 +140,9 @@ class Trainer:
         self.graphed_step: GraphedMicroStep | None = None
         if eager_graphed:
             self.graphed_step = GraphedMicroStep(self.model, self.optimization.backward, t.grad_accum)
-        self.capacity = config.routing.capacity  # the depth routers' as built; launch_step follows the schedule
+        # the depth routers' as built (capacity_at's form: a list as a tuple); launch_step follows the schedule
+        capacity = config.routing.capacity
+        self.capacity = tuple(capacity) if isinstance(capacity, list) else capacity
         self.flops_per_token = model_flops(config).train_per_token
         if t.flops_budget is not None:  # before the run folder's config is written: it records the steps
             given, t.max_steps = t.max_steps, steps_within_budget(config, world_size)
@@ -337,9 +339,7 @@ class Trainer:
         capacity = self.config.routing.capacity_at(step)
         if capacity == self.capacity:
             return
-        for module in self.model.modules():
-            if isinstance(module, DepthRouter):
-                module.set_capacity(capacity)
+        set_depth_capacities(self.model, self.config.routing.layer_capacities(self.config.model.block_kinds(), capacity))
         self.capacity = capacity
         self.flops_per_token = model_flops(self.config.at_capacity(capacity)).train_per_token
         if self.graphed_step is not None:
