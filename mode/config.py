@@ -177,7 +177,13 @@ class CapacitySchedule(Section):
 class RoutingConfig(Section):
     """Mixture-of-Depths routing (also the depth router of Staged MoDE)."""
 
-    capacity: float = Field(0.125, gt=0.0, le=1.0, description="fraction of each sequence a routed block processes")
+    capacity: float | list[float] = Field(
+        0.125,
+        description=(
+            "fraction of each sequence a depth-routed block processes, in (0, 1]: one value for every such block "
+            "or a list of one per depth-routed block (mod, mode_staged), in layer order"
+        ),
+    )
     gate: Literal["identity", "sigmoid"] = Field(
         "sigmoid", description="g(r) multiplying the block update: the paper's raw score, or sigmoid"
     )
@@ -205,13 +211,45 @@ class RoutingConfig(Section):
         None, description="anneal the depth routers' capacity from a start value to routing.capacity (conversion)"
     )
 
-    def capacity_at(self, step: int) -> float:
-        """The depth routers' capacity for optimizer step `step` (0-based)."""
+    @field_validator("capacity")
+    @classmethod
+    def _capacities_in_range(cls, value: float | list[float]) -> float | list[float]:
+        values = value if isinstance(value, list) else [value]
+        if not values:
+            raise ValueError("an empty list: give one capacity per depth-routed block, or one number")
+        for v in values:
+            if not 0.0 < v <= 1.0:
+                raise ValueError(f"capacity {v} is outside (0, 1]")
+        return value
+
+    def capacity_at(self, step: int) -> float | tuple[float, ...]:
+        """The depth routers' capacity for optimizer step `step` (0-based): a number, or with a list of
+        capacities a tuple, each layer annealed from the schedule's start to its own target."""
+        if isinstance(self.capacity, (list, tuple)):
+            return tuple(self._scheduled(target, step) for target in self.capacity)
+        return self._scheduled(self.capacity, step)
+
+    def _scheduled(self, target: float, step: int) -> float:
         plan = self.capacity_schedule
         if plan is None or step >= plan.steps:
-            return self.capacity
+            return target
         stage = step * plan.stages // plan.steps
-        return plan.start + (self.capacity - plan.start) * stage / plan.stages
+        return plan.start + (target - plan.start) * stage / plan.stages
+
+    def layer_capacities(self, kinds: Sequence[str], capacity: float | Sequence[float] | None = None) -> list[float]:
+        """One capacity per layer of `kinds` (capacity, or routing.capacity where None): a list's values
+        in order over the depth-routed layers (DEPTH_ROUTED_KINDS); the first value for the others."""
+        capacity = self.capacity if capacity is None else capacity
+        if not isinstance(capacity, (list, tuple)):
+            return [capacity] * len(kinds)
+        values, out = iter(capacity), []
+        for kind in kinds:
+            out.append(next(values) if kind in DEPTH_ROUTED_KINDS else capacity[0])
+        return out
+
+
+NoopKind = Literal["zero", "copy", "constant"]
+NOOP_KINDS = get_args(NoopKind)
 
 
 class MoEConfig(Section):
@@ -219,6 +257,13 @@ class MoEConfig(Section):
 
     n_experts: int = Field(8, gt=0, description="E real experts")
     n_noop: int = Field(0, ge=0, description="N no-op router slots: zero FFN update, no compute")
+    noop_kind: NoopKind | list[NoopKind] = Field(
+        "zero",
+        description=(
+            "what a no-op slot outputs, times its gate (MoE++): zero, copy (the token's FFN input) or constant "
+            "(a learned vector); one kind for every slot or a list of n_noop kinds"
+        ),
+    )
     scheme: Literal["expert_choice", "token_choice"] = Field(
         "expert_choice", description="expert_choice: each expert takes its top-C tokens; token_choice: top_k slots per token"
     )
@@ -238,6 +283,21 @@ class MoEConfig(Section):
     renormalize: bool = Field(
         False, description="token choice: divide the top_k gates by their sum (Mixtral; Qwen2-MoE's norm_topk_prob)"
     )
+    score: Literal["softmax", "sigmoid"] = Field(
+        "softmax",
+        description="token choice: the router's probabilities over the slots, a softmax or each slot's sigmoid (DeepSeek-V3)",
+    )
+    bias_update_rate: float = Field(
+        0.0, ge=0.0,
+        description=(
+            "token choice: auxiliary-loss-free balancing (DeepSeek-V3); after each optimizer step every expert's "
+            "selection bias moves by this rate towards the mean load; 0: no bias"
+        ),
+    )
+    jitter: float = Field(
+        0.0, ge=0.0, lt=1.0,
+        description="token choice: in training, the router's input times uniform noise in [1 - jitter, 1 + jitter]",
+    )
     shared_expert_d: int | None = Field(
         None, gt=0, description="hidden width of one SwiGLU expert every token goes through; null = none"
     )
@@ -251,6 +311,13 @@ class MoEConfig(Section):
             raise ValueError(
                 f"top_k ({self.top_k}) exceeds the router's slots n_experts + n_noop ({self.n_experts + self.n_noop})"
             )
+        if isinstance(self.noop_kind, list) and len(self.noop_kind) != self.n_noop:
+            raise ValueError(
+                f"noop_kind lists {len(self.noop_kind)} kinds {self.noop_kind} and n_noop is {self.n_noop}: give one "
+                "kind per no-op slot, or one kind for all"
+            )
+        if self.n_noop == 0 and self._set_away_from_default("noop_kind") and self.noop_kind != []:
+            raise ValueError(f"noop_kind ({self.noop_kind}) needs no-op slots: set n_noop")
         if self.scheme == "expert_choice" and self.dropless:
             raise ValueError("dropless applies to scheme token_choice only (expert choice never drops)")
         if self.scheme == "expert_choice" and self.top_k != 1:
@@ -263,6 +330,18 @@ class MoEConfig(Section):
                 f"capacity_factor ({self.capacity_factor}) has no effect with dropless=true (dropless token choice "
                 "has no capacity): leave capacity_factor at 1.0 or set dropless=false"
             )
+        if self.scheme == "expert_choice" and self.bias_update_rate > 0:
+            raise ValueError(
+                f"bias_update_rate ({self.bias_update_rate}) applies to scheme token_choice only (expert choice "
+                "balances by construction); leave it at 0 for expert_choice"
+            )
+        if self.scheme == "expert_choice" and self.jitter > 0:
+            raise ValueError(
+                f"jitter ({self.jitter}) applies to scheme token_choice only (expert choice takes each expert's "
+                "top-C tokens of a group, which noise on the router's input would reshuffle); leave it at 0"
+            )
+        if self.scheme == "expert_choice" and self.score != "softmax":
+            raise ValueError(f"score={self.score} applies to scheme token_choice only (expert choice scores by softmax)")
         if self.scheme == "expert_choice" and self.renormalize:
             raise ValueError("renormalize applies to scheme token_choice only (expert choice's gates are per expert)")
         if self.shared_expert_gate and self.shared_expert_d is None:
@@ -273,6 +352,10 @@ class MoEConfig(Section):
                 "balances by construction and adds no load-balancing loss); leave it at 0.01 for expert_choice"
             )
         return self
+
+    def noop_kinds(self) -> list[str]:
+        """The kind of each of the n_noop no-op slots."""
+        return list(self.noop_kind) if isinstance(self.noop_kind, list) else [self.noop_kind] * self.n_noop
 
 
 class DataConfig(Section):
@@ -434,6 +517,17 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
+    def _a_capacity_per_routed_layer(self) -> "Config":
+        capacity, kinds = self.routing.capacity, self.model.block_kinds()
+        routed = sum(kind in DEPTH_ROUTED_KINDS for kind in kinds)
+        if isinstance(capacity, list) and len(capacity) != routed:
+            raise ValueError(
+                f"routing.capacity lists {len(capacity)} capacities and model.block_pattern builds {routed} "
+                f"depth-routed blocks (mod, mode_staged) of {kinds}: give one per depth-routed block, or one number"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _schedule_reaches_a_router(self) -> "Config":
         if self.routing.capacity_schedule is not None and not self.model.has_depth_router():
             raise ValueError(
@@ -442,8 +536,8 @@ class Config(Section):
             )
         return self
 
-    def at_capacity(self, capacity: float) -> "Config":
-        """This config with routing.capacity set to capacity (a scheduled step's FLOPs)."""
+    def at_capacity(self, capacity: float | Sequence[float]) -> "Config":
+        """This config with routing.capacity set to capacity (a scheduled step's FLOPs; a block's own)."""
         return self.model_copy(update={"routing": self.routing.model_copy(update={"capacity": capacity})})
 
     @model_validator(mode="after")

@@ -150,7 +150,8 @@ class FlopReport:
 def model_flops(config: Config, seq_len: int | None = None, causal: bool = True) -> FlopReport:
     seq = seq_len or config.data.seq_len
     kinds = config.model.block_kinds()
-    per_block = [block_flops(kind, config, seq, causal) for kind in kinds]
+    capacities = config.routing.layer_capacities(kinds)  # each depth-routed block at its own capacity
+    per_block = [block_flops(kind, config.at_capacity(c), seq, causal) for kind, c in zip(kinds, capacities)]
     return FlopReport(per_block, lm_head=2 * config.model.d_model * config.model.vocab_size)
 
 

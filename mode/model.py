@@ -53,7 +53,9 @@ class LanguageModel(nn.Module):
         self.config = config
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.rotary = RotaryEmbedding(cfg.head_width, cfg.max_seq_len, cfg.rope_base, cfg.rope_scaling)
-        self.blocks = nn.ModuleList(build_block(kind, config) for kind in cfg.block_kinds())
+        kinds = cfg.block_kinds()  # each block built with its own routing.capacity (a list: one per routed block)
+        self.blocks = nn.ModuleList(build_block(kind, config.at_capacity(capacity))
+                                    for kind, capacity in zip(kinds, config.routing.layer_capacities(kinds)))
         # The residual stream is this model's own: routed blocks add their updates into it in place
         # (see MoDBlock.forward's residual_owned). False: every block copies (the reference path).
         self.residual_in_place = True

@@ -3,7 +3,8 @@
 FFN(x)_t = sum over the real experts e that process token t of gate_{t,e} * expert_e(x_t),
 plus, with a shared expert, shared(x_t) (times sigmoid(x_t W_g) with its gate) for every token.
 Without one, a token that only no-op experts took (or that no expert took, or that was dropped)
-gets an exact zero update: it rides the residual. No-op experts are never computed.
+gets an exact zero update: it rides the residual. No-op experts are never computed; those of
+kind copy or constant (moe.noop_kind) add their gate times x_t or a learned vector.
 """
 from __future__ import annotations
 
@@ -30,6 +31,48 @@ from mode.routing import (
     sort_by_expert,
     token_choice_rows,
 )
+from mode.routing.expert_router import masked_mean
+
+
+class NullExperts(nn.Module):
+    """The no-op slots that output something (MoE++): a copy slot outputs the token's FFN input, a
+    constant slot its learned vector v_j (zeros at first), a zero slot nothing; each times its gate.
+    out_t = sum_j g_tj * (x_t | v_j | 0): no work per token but the gate's product, computed where
+    the token is (expert parallelism exchanges the real experts' rows only)."""
+
+    def __init__(self, kinds: list[str], d_model: int) -> None:
+        super().__init__()
+        self.kinds = kinds
+        self.register_buffer("copy", torch.tensor([k == "copy" for k in kinds], dtype=torch.float32), persistent=False)
+        slots = [j for j, kind in enumerate(kinds) if kind == "constant"]
+        self.register_buffer("constant_slots", torch.tensor(slots, dtype=torch.long), persistent=False)
+        self.register_buffer("constant", torch.tensor([k == "constant" for k in kinds], dtype=torch.float32),
+                             persistent=False)
+        self.constants = nn.Parameter(torch.zeros(len(slots), d_model)) if slots else None
+
+    def forward(self, x: Tensor, gates: Tensor) -> Tensor:
+        """x (T, D), gates (T, N) each token's gate of each no-op slot (0 where not chosen) -> (T, D)."""
+        out = (gates @ self.copy.to(gates.dtype)).unsqueeze(-1) * x  # (T, 1) * (T, D)
+        if self.constants is not None:
+            out = out + gates.index_select(1, self.constant_slots) @ self.constants.to(gates.dtype)  # (T, C) @ (C, D)
+        return out
+
+    def stats(self, gates: Tensor, valid: Tensor | None) -> dict[str, Tensor]:
+        """Per kind that outputs something: the mean over tokens of its slots' summed gates (copy_gate,
+        constant_gate), padding rows (valid (T, 1) False) left out."""
+        out = {}
+        for kind in ("copy", "constant"):
+            if kind in self.kinds:
+                mass = gates @ getattr(self, kind).to(gates.dtype)  # (T,)
+                out[f"{kind}_gate"] = masked_mean(mass.unsqueeze(-1), valid).detach()
+        return out
+
+
+def token_choice_null_gates(slots: Tensor, gates: Tensor, n_experts: int, n_null: int) -> Tensor:
+    """Token choice: slots, gates (T, k) -> (T, N) each token's gate of each no-op slot (0 where not chosen)."""
+    null_slots = torch.arange(n_experts, n_experts + n_null, device=slots.device)
+    chosen = slots.unsqueeze(-1) == null_slots  # (T, k, N)
+    return (chosen * gates.unsqueeze(-1)).sum(1)
 
 
 class MoEFFN(nn.Module):
@@ -38,17 +81,20 @@ class MoEFFN(nn.Module):
     def __init__(self, d_model: int, d_ff: int, moe: MoEConfig, routing: RoutingConfig | None = None) -> None:
         super().__init__()
         check_backend(moe.backend)
+        kinds = moe.noop_kinds()
+        # Only where some no-op slot outputs something: zero slots need no module (today's models).
+        self.null_experts = NullExperts(kinds, d_model) if any(kind != "zero" for kind in kinds) else None
         if moe.scheme == "expert_choice":
             # routing.causal gives expert choice (not causal: top-C over a group) a causal decision.
             causal = routing or RoutingConfig()
             self.router = ExpertChoiceRouter(
                 d_model, moe.n_experts, moe.n_noop, moe.capacity_factor, moe.group_size, moe.z_loss_weight,
-                causal.causal, causal.causal_loss_weight, causal.predictor_hidden,
+                causal.causal, causal.causal_loss_weight, causal.predictor_hidden, self.null_experts is not None,
             )
         else:
             self.router = TokenChoiceRouter(
                 d_model, moe.n_experts, moe.n_noop, moe.top_k, moe.capacity_factor, moe.dropless,
-                moe.lb_loss_weight, moe.z_loss_weight, moe.renormalize,
+                moe.lb_loss_weight, moe.z_loss_weight, moe.renormalize, moe.score, moe.bias_update_rate, moe.jitter,
             )
         self.experts = Experts(moe.n_experts, d_model, moe.d_expert or d_ff, moe.activation, moe.backend)
         # An always-on expert (Qwen2-MoE, DeepSeekMoE), optionally scaled by a sigmoid gate.
@@ -60,6 +106,8 @@ class MoEFFN(nn.Module):
         them (their output is 0) and the statistics leave them out. None: every row is a token.
         causal: route as sampling does (see the routers)."""
         out, routing = self._routed(x, valid, causal)
+        if self.null_experts is not None:
+            out = out + self._null(x, routing, valid).to(out.dtype)
         if self.shared_expert is not None:
             out = out + self._shared(x, valid)
         return out, routing
@@ -75,6 +123,22 @@ class MoEFFN(nn.Module):
         else:
             out = self._token_choice(x.reshape(-1, x.shape[-1]), routing)
         return out.view_as(x), routing
+
+    def _null(self, x: Tensor, routing: Routing, valid: Tensor | None) -> Tensor:
+        """The no-op slots' outputs (B, S, D) (NullExperts) and their statistics, added to routing.stats.
+        Expert choice: every token at its softmax probability of each slot (no-op slots have no
+        capacity); token choice: the slots a token chose, at their gates."""
+        flat = x.reshape(-1, x.shape[-1])  # (T, D)
+        n_null = len(self.null_experts.kinds)
+        if isinstance(routing, TokenChoiceRouting):
+            gates = token_choice_null_gates(routing.slots, routing.gates, self.experts.n_experts, n_null)
+        else:
+            gates = routing.null_gates.reshape(-1, n_null)  # (T, N)
+        rows = None if valid is None else valid.reshape(-1, 1)
+        if rows is not None:
+            gates = torch.where(rows, gates, 0)  # padding: a zero update
+        routing.stats.update(self.null_experts.stats(gates, rows))
+        return self.null_experts(flat, gates).view_as(x)
 
     def _shared(self, x: Tensor, valid: Tensor | None) -> Tensor:
         """The shared expert on every token of x (B, S, D), times its sigmoid gate where it has one;

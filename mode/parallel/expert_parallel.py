@@ -14,8 +14,9 @@ n_experts / ep slice of the weights and answers the same two calls the FFN makes
   assignment a row, stays for one process.)
 
 Both all-to-alls are autograd functions: the backward of one is the all-to-all the other
-way. No-op experts (MoDE) never reach this module: the FFN never computes them, so they are
-never communicated. Experts are placed contiguously: ep rank j holds experts
+way. No-op experts (MoDE) never reach this module: the FFN never computes them, and those that
+output something (moe.noop_kind copy or constant: x or a learned vector, times the gate) are
+added by the FFN on the token's own process, so they are never communicated. Experts are placed contiguously: ep rank j holds experts
 [j * E/ep, (j+1) * E/ep), DeepSpeed's own placement (global id = ep rank * local + local id).
 
 DeepSpeed conventions, so its engine and ZeRO optimizer treat these as expert weights:

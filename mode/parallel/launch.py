@@ -97,6 +97,11 @@ class LaunchTrainer(Trainer):
         self.stop_everywhere = self.stop_everywhere or pooled.pop(STOP_KEY) > 0
         return pooled
 
+    def sum_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
+        values = values.clone()
+        dist.all_reduce(values)  # every process then updates the routers' biases alike
+        return values
+
     def launch_step(self) -> LaunchedStep:
         if self.stop_everywhere:
             raise StopSignal(self.stop_requested or signal.SIGINT)  # a rank that got none stops as Ctrl-C's

@@ -4,7 +4,7 @@ importable from mode.routing.primitives too), the routers (router.py: the score 
 router; expert_router.py: expert and token choice; causal.py: the causal decision) and what
 they return (results.py)."""
 from mode.routing.causal import CausalDecision, CausalPredictor
-from mode.routing.expert_router import ExpertChoiceRouter, TokenChoiceRouter
+from mode.routing.expert_router import ExpertChoiceRouter, TokenChoiceRouter, bias_balanced_routers
 from mode.routing.primitives import (
     CapacityRows,
     ExpertRows,
@@ -48,7 +48,7 @@ from mode.routing.results import (
     Routing,
     TokenChoiceRouting,
 )
-from mode.routing.router import DepthRouter, Router, set_random_score_rows
+from mode.routing.router import DepthRouter, Router, set_depth_capacities, set_random_score_rows
 
 __all__ = [
     "CausalDecision",
@@ -67,6 +67,7 @@ __all__ = [
     "TokenChoiceRouting",
     "add_gated_tokens",
     "apply_gate",
+    "bias_balanced_routers",
     "CapacityRows",
     "capacity_positions",
     "capacity_to_k",
@@ -96,5 +97,6 @@ __all__ = [
     "token_mask",
     "top_k_positions",
     "top_k_slots",
+    "set_depth_capacities",
     "set_random_score_rows",
 ]

@@ -13,6 +13,7 @@ from mode.routing.router import Router
 from mode.routing.selection import capacity_to_k, count_ids, token_mask, top_k_positions
 from mode.routing.token_choice import (
     TokenChoiceHead,
+    balanced_bias_step,
     capacity_positions,
     router_z_loss,
     token_choice_capacity,
@@ -63,10 +64,13 @@ class ExpertChoiceRouter(nn.Module):
         causal: str = "none",
         causal_loss_weight: float = 0.01,
         predictor_hidden: int = 128,
+        null_gates: bool = False,
     ) -> None:
         super().__init__()
         self.router = Router(d_model, n_experts + n_noop)
         self.n_experts = n_experts
+        # Whether the routing carries every token's no-op slot probabilities (copy / constant null experts).
+        self.null_gates = null_gates
         self.capacity_factor = capacity_factor
         self.group_size = group_size
         self.z_loss_weight = z_loss_weight
@@ -93,7 +97,8 @@ class ExpertChoiceRouter(nn.Module):
             return self._causal_forward(x, valid)
         groups, tokens, capacity = self._groups_and_capacity(x)
         logits = self.router(x).reshape(groups, tokens, -1)  # (G, T, E+N), float32
-        probs = logits.softmax(-1)[..., : self.n_experts].transpose(1, 2)  # (G, E, T)
+        every = logits.softmax(-1)
+        probs = every[..., : self.n_experts].transpose(1, 2)  # (G, E, T)
         positions = top_k_positions(probs.detach(), capacity)  # (G, E, C)
         gates = probs.gather(2, positions)  # (G, E, C)
         z = router_z_loss(logits)
@@ -111,7 +116,9 @@ class ExpertChoiceRouter(nn.Module):
             stats.update({name: value.detach() for name, value in causal_stats.items()})
             # Per token: the share of tokens the causal decision sends to at least one expert.
             stats["causal_fraction"] = (causal_logits.detach() > 0).any(-1).float().mean()
-        return ExpertChoiceRouting(positions=positions, gates=gates, logits=logits, aux_loss=aux, stats=stats)
+        null = every[..., self.n_experts :] if self.null_gates else None  # (G, T, N)
+        return ExpertChoiceRouting(positions=positions, gates=gates, logits=logits, aux_loss=aux, stats=stats,
+                                   null_gates=null)
 
     def route(self, x: Tensor) -> tuple[ExpertChoiceRouting, ExpertRows, Tensor]:
         """forward() (top-C, not causal) and the tokens it chose, gathered expert-major: (routing, their
@@ -125,7 +132,7 @@ class ExpertChoiceRouter(nn.Module):
         flat = x.reshape(-1, x.shape[-1])  # (B*S, D): group g is the g-th run of T tokens
         groups, tokens, capacity = self._groups_and_capacity(x)
         weight = self.router.proj.weight
-        if self.causal is None and expert_choice_kernel_applies(flat, weight, self.router.proj.bias, groups):
+        if self.causal is None and not self.null_gates and expert_choice_kernel_applies(flat, weight, self.router.proj.bias, groups):
             d = expert_choice_dispatch(flat, weight, groups, self.n_experts, capacity, self.z_loss_weight)
             stats = _expert_stats(d.tokens_per_expert, d.processed, d.noop_fraction, d.zero, d.zero, d.z_loss)
             routing = ExpertChoiceRouting(positions=d.indices, gates=d.gates, logits=d.logits.view(groups, tokens, -1),
@@ -153,8 +160,10 @@ class ExpertChoiceRouter(nn.Module):
             chosen.reshape(-1, self.n_experts).sum(0), processed, 1 - processed,
             processed.new_zeros(()), processed.new_zeros(()), processed.new_zeros(()),
         )
+        logits = self.router(x)
+        null = logits.softmax(-1)[..., self.n_experts :] if self.null_gates else None  # (B, S, N)
         return CausalExpertRouting(
-            mask=chosen, gates=probs, logits=self.router(x), aux_loss=probs.new_zeros(()), stats=stats
+            mask=chosen, gates=probs, logits=logits, aux_loss=probs.new_zeros(()), stats=stats, null_gates=null,
         )
 
 
@@ -163,7 +172,11 @@ class TokenChoiceRouter(nn.Module):
 
     Capacity C = ceil(capacity_factor * T * k / (E+N)) rows per real expert with dropping
     (first choices before second ones, earlier tokens first), or dropless. renormalize: the
-    gates are the k probabilities divided by their sum (Mixtral), else the probabilities. Aux loss:
+    gates are the k probabilities divided by their sum (Mixtral), else the probabilities. score:
+    the probabilities are a softmax over the slots or each slot's sigmoid (DeepSeek-V3).
+    bias_update_rate > 0: a per-expert bias buffer (E,) is added to the probabilities for choosing
+    only (update_bias moves it after each step), and stats gain expert_load (E,). jitter: training
+    multiplies the router's input by uniform noise in [1 - jitter, 1 + jitter]. Aux loss:
     lb_loss_weight * Switch load balancing over all slots + z_loss_weight * z-loss.
     Stats: tokens_per_expert (E,) computed rows; processed, the share of tokens some expert
     computed; noop_fraction, the share of the T*k assignments that chose a no-op slot;
@@ -181,12 +194,23 @@ class TokenChoiceRouter(nn.Module):
         lb_loss_weight: float,
         z_loss_weight: float,
         renormalize: bool = False,
+        score: str = "softmax",
+        bias_update_rate: float = 0.0,
+        jitter: float = 0.0,
     ) -> None:
         super().__init__()
         self.router = Router(d_model, n_experts + n_noop)
         self.n_experts = n_experts
         self.top_k = top_k
         self.renormalize = renormalize
+        self.score = score
+        self.jitter = jitter
+        self.bias_update_rate = bias_update_rate
+        if bias_update_rate > 0:
+            # Persistent: a resumed run chooses as the uninterrupted one; no gradient ever reaches it.
+            self.register_buffer("expert_bias", torch.zeros(n_experts))
+        else:
+            self.expert_bias = None
         self.capacity_factor = capacity_factor
         self.dropless = dropless
         self.lb_loss_weight = lb_loss_weight
@@ -197,13 +221,14 @@ class TokenChoiceRouter(nn.Module):
         computed by no expert and left out of the shares and counts in the statistics (Staged
         MoDE under causal routing); the auxiliary losses still see every row. causal: sampling's
         routing (no capacity): token choice is causal already, causal routing only drops the capacity."""
-        logits = self.router(x).reshape(1, -1, self.router.n_slots)  # (1, T, E+N), float32
+        logits = self.router(self._jittered(x)).reshape(1, -1, self.router.n_slots)  # (1, T, E+N), float32
         tokens, n_slots = logits.shape[1:]
         # Under causal routing (sampling) capacity dropping, which depends on the other tokens of
         # the batch, is switched off: every token gets its top-k slots.
         capacity = None if (self.dropless or causal) else token_choice_capacity(tokens, n_slots, self.top_k, self.capacity_factor)
         head = token_choice_head(logits.view(tokens, n_slots), self.top_k, self.n_experts, capacity,
-                                 self.lb_loss_weight, self.z_loss_weight)  # gates, slots (T, k) each
+                                 self.lb_loss_weight, self.z_loss_weight, self.score,
+                                 self.expert_bias)  # gates, slots (T, k) each
         positions, layout = capacity_positions(head.slots, self.n_experts, capacity, x)  # (T, k), eager CUDA: (E, C)
         if valid is not None and causal:
             positions = torch.where(valid.reshape(-1, 1), positions, -1)  # padding: no expert computes it
@@ -213,12 +238,33 @@ class TokenChoiceRouter(nn.Module):
             processed = head.computed_fraction if self.top_k == 1 else (positions >= 0).any(-1).float().mean()
             stats = _expert_stats(head.tokens_per_expert, processed, head.noop_fraction, head.dropped_fraction,
                                   head.lb_loss, head.z_loss)
+        if self.expert_bias is not None:
+            # What the bias update needs: the assignments each real expert was chosen for (before any
+            # capacity), padding rows left out; the trainer sums them over micro-batches and processes.
+            chosen = head.slots if valid is None or not causal else torch.where(valid.reshape(-1, 1), head.slots, n_slots)
+            stats["expert_load"] = count_ids(chosen, n_slots + 1)[: self.n_experts].float()
         # The k probabilities over their sum: the softmax of the top-k logits alone.
         gates = head.gates / head.gates.sum(-1, keepdim=True) if self.renormalize else head.gates
         return TokenChoiceRouting(
             slots=head.slots, gates=gates, logits=logits, aux_loss=head.aux_loss, stats=stats,
             positions=positions, capacity=capacity, layout=layout,
         )
+
+    def _jittered(self, x: Tensor) -> Tensor:
+        """The router's input: in training with moe.jitter = eps, x times uniform noise in [1 - eps, 1 + eps]
+        (drawn from the run's generator), else x itself. The experts always see x unjittered."""
+        if not (self.training and self.jitter > 0):
+            return x
+        return x * torch.empty_like(x).uniform_(1.0 - self.jitter, 1.0 + self.jitter)
+
+    @torch.no_grad()
+    def update_bias(self, loads: Tensor) -> None:
+        """After an optimizer step: move the selection bias towards balance, given loads (E,), the
+        "expert_load" statistics of the step summed over its micro-batches and every process (so that
+        every process updates alike)."""
+        if self.expert_bias is None:
+            raise RuntimeError("update_bias: this router has no selection bias (moe.bias_update_rate = 0)")
+        balanced_bias_step(self.expert_bias, loads.to(self.expert_bias.device), self.bias_update_rate)
 
     def _stats_of_rows(self, head: TokenChoiceHead, positions: Tensor, rows: Tensor) -> dict[str, Tensor]:
         """Statistics over the rows `rows` (T, 1) marks (causal routing's padding left out), counted
@@ -230,3 +276,9 @@ class TokenChoiceRouter(nn.Module):
             counts[: self.n_experts], masked_mean(computed.any(-1, keepdim=True), rows), masked_mean(~real, rows),
             masked_mean(real & ~computed, rows), head.lb_loss, head.z_loss,
         )
+
+
+def bias_balanced_routers(model: nn.Module) -> list[TokenChoiceRouter]:
+    """The token-choice routers of model that balance by a selection bias (moe.bias_update_rate > 0),
+    in module order, which is layer order."""
+    return [m for m in model.modules() if isinstance(m, TokenChoiceRouter) and m.expert_bias is not None]

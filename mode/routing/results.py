@@ -55,6 +55,7 @@ class ExpertChoiceRouting(Routing):
     sorted within each expert; gates (G, E, C) their softmax probabilities; logits (G, T, E+N)."""
 
     positions: Tensor
+    null_gates: Tensor | None = None  # (G, T, N): every token's no-op slot probabilities, where null experts output
 
 
 @dataclass(kw_only=True)
@@ -66,6 +67,7 @@ class CausalExpertRouting(Routing):
     """
 
     mask: Tensor
+    null_gates: Tensor | None = None  # (..., N): as ExpertChoiceRouting's
 
 
 @dataclass(kw_only=True)

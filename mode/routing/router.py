@@ -1,6 +1,9 @@
 """The learned router score (Router) and the Mixture-of-Depths router built on it (DepthRouter)."""
 from __future__ import annotations
 
+import re
+from typing import Sequence
+
 import torch
 from torch import Tensor, nn
 
@@ -158,3 +161,21 @@ def set_random_score_rows(model: nn.Module, rank: int, world: int) -> int:
     for router in routers:
         router.set_random_rows(rank, world)
     return len(routers)
+
+
+_BLOCK = re.compile(r"(?:^|\.)blocks\.(\d+)\.")
+
+
+def set_depth_capacities(model: nn.Module, capacities: Sequence[float]) -> int:
+    """Set every depth router of `model` to its block's capacity, capacities[i] for the routers
+    under blocks.i (routing.capacity_schedule; RoutingConfig.layer_capacities gives one per layer);
+    returns how many it set."""
+    count = 0
+    for name, module in model.named_modules():
+        if isinstance(module, DepthRouter):
+            match = _BLOCK.search(name)
+            if match is None:
+                raise ValueError(f"depth router {name!r} is not under a model's blocks.<i>")
+            module.set_capacity(capacities[int(match.group(1))])
+            count += 1
+    return count

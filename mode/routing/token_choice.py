@@ -37,16 +37,20 @@ def softmax_topk_kernel_applies(logits: Tensor, k: int) -> bool:
 
 
 def token_choice_head(logits: Tensor, k: int, n_experts: int, capacity: int | None, lb_weight: float,
-                      z_weight: float) -> TokenChoiceHead:
+                      z_weight: float, score: str = "softmax", bias: Tensor | None = None) -> TokenChoiceHead:
     """Token choice: logits (T, S) float32 -> each token's top-k slots of the softmax, the
     weighted auxiliary loss, and the per-slot statistics (an expert computes its first
     `capacity` choices; None: all of them).
 
+    score "sigmoid": each slot's probability is sigmoid(logit) instead (DeepSeek-V3). bias (E,):
+    added to the real experts' probabilities for choosing the slots only; the gates stay the
+    unbiased probabilities (auxiliary-loss-free balancing).
+
     The same values either way: PyTorch's softmax, top_k_slots, count_ids,
-    load_balancing_loss and router_z_loss (about 40 launches a pass), or (eager, CUDA) two Triton
-    launches forward and one backward for all of them.
+    load_balancing_loss and router_z_loss (about 40 launches a pass), or (eager, CUDA, softmax
+    without a bias) two Triton launches forward and one backward for all of them.
     """
-    if softmax_topk_kernel_applies(logits, k):
+    if score == "softmax" and bias is None and softmax_topk_kernel_applies(logits, k):
         from mode.kernels import softmax_topk as kernel
 
         gates, slots, aux, summary = kernel.token_choice_head(logits, k, n_experts, capacity, lb_weight, z_weight)
@@ -55,8 +59,12 @@ def token_choice_head(logits: Tensor, k: int, n_experts: int, capacity: int | No
             gates, slots, aux, scalars[kernel.LB], scalars[kernel.Z], scalars[kernel.SCALARS :], scalars[kernel.NOOP],
             scalars[kernel.DROPPED], scalars[kernel.PROCESSED_TOP1],
         )
-    probs = logits.softmax(-1)  # (T, S)
-    gates, slots = top_k_slots(probs, k)
+    probs = slot_probabilities(logits, score)  # (T, S)
+    if bias is None:
+        gates, slots = top_k_slots(probs, k)
+    else:
+        _, slots = top_k_slots(probs.detach() + bias_over_slots(bias, logits.shape[1]), k)
+        gates = probs.gather(1, slots)  # (T, k): the bias chooses, it never scales
     assignments = slots.numel()
     choices = count_ids(slots, logits.shape[1]).float()  # (S,)
     lb, z = load_balancing_loss(probs.mean(0), choices, assignments), router_z_loss(logits)
@@ -66,6 +74,26 @@ def token_choice_head(logits: Tensor, k: int, n_experts: int, capacity: int | No
         gates, slots, lb_weight * lb + z_weight * z, lb.detach(), z.detach(), computed,
         choices[n_experts:].sum() / assignments, (chosen - computed).sum() / assignments, computed.sum() / assignments,
     )
+
+
+def slot_probabilities(logits: Tensor, score: str) -> Tensor:
+    """logits (T, S) -> the router's probabilities (T, S): a softmax over the slots, or each slot's sigmoid."""
+    if score == "softmax":
+        return logits.softmax(-1)
+    if score == "sigmoid":
+        return torch.sigmoid(logits)
+    raise ValueError(f"moe.score: unknown score {score!r} (expected 'softmax' or 'sigmoid')")
+
+
+def bias_over_slots(bias: Tensor, n_slots: int) -> Tensor:
+    """The real experts' selection bias (E,) padded with zeros for the no-op slots -> (S,)."""
+    return torch.cat([bias.float(), bias.new_zeros(n_slots - bias.shape[0], dtype=torch.float32)])
+
+
+def balanced_bias_step(bias: Tensor, loads: Tensor, rate: float) -> None:
+    """Auxiliary-loss-free balancing (DeepSeek-V3), in place: bias (E,) += rate * sign(mean load - load).
+    loads (E,): the assignments each real expert was chosen for, summed over every process."""
+    bias.add_(torch.sign(loads.float().mean() - loads.float()), alpha=rate)
 
 
 def token_choice_capacity(num_tokens: int, n_slots: int, top_k: int, capacity_factor: float) -> int:

@@ -75,7 +75,7 @@ def summaries_from(tensors: dict[str, dict[str, Tensor]], values: list[list[floa
 
 
 # Statistics that count tokens (summed over ranks); every other one is a mean over tokens.
-COUNT_STATS = ("tokens_per_expert",)
+COUNT_STATS = ("tokens_per_expert", "expert_load")
 
 
 def pool_summaries(summaries: list[dict[str, dict[str, Any]]], mean_over_ranks: Callable[[list[float]], list[float]],
@@ -147,6 +147,13 @@ def copy_outputs(tensors: tuple[list[Tensor], dict[str, dict[str, Tensor]]]) -> 
 
 
 Outputs = list[tuple[list[Tensor], dict[str, dict[str, Tensor]]]]  # output_tensors of each micro-batch
+
+
+def expert_loads(outputs: Outputs) -> list[Tensor]:
+    """Every bias-balanced expert router's load (E,) of a step, its micro-batches summed, on the device,
+    in layer order (the order of the model's routers): what TokenChoiceRouter.update_bias takes."""
+    layers = [layer for layer, stats in outputs[0][1].items() if "expert_load" in stats]
+    return [sum(stats[layer]["expert_load"] for _, stats in outputs) for layer in layers]
 
 
 def outputs_to_host(outputs: Outputs, extra: Sequence[Tensor] = ()) -> HostCopy:

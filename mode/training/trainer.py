@@ -27,7 +27,7 @@ from mode.data import (
     sample_batch,
 )
 from mode.flops import model_flops, train_step_flops
-from mode.routing import DepthRouter
+from mode.routing import bias_balanced_routers, set_depth_capacities
 from mode.run_folder import CHECKPOINT, CONFIG, METRICS
 from mode.training.evaluation import validation_metrics
 from mode.training.folder import (
@@ -52,6 +52,7 @@ from mode.training.router_stats import (
     Outputs,
     average_summaries,
     copy_outputs,
+    expert_loads,
     output_tensors,
     outputs_to_host,
     parse_outputs,
@@ -140,7 +141,9 @@ class Trainer:
         self.graphed_step: GraphedMicroStep | None = None
         if eager_graphed:
             self.graphed_step = GraphedMicroStep(self.model, self.optimization.backward, t.grad_accum)
-        self.capacity = config.routing.capacity  # the depth routers' as built; launch_step follows the schedule
+        # the depth routers' as built (capacity_at's form: a list as a tuple); launch_step follows the schedule
+        capacity = config.routing.capacity
+        self.capacity = tuple(capacity) if isinstance(capacity, list) else capacity
         self.flops_per_token = model_flops(config).train_per_token
         if t.flops_budget is not None:  # before the run folder's config is written: it records the steps
             given, t.max_steps = t.max_steps, steps_within_budget(config, world_size)
@@ -316,6 +319,7 @@ class Trainer:
             outputs.append(copy_outputs(tensors) if self.graphed else tensors)
         lr = learning_rate(step, t)
         grad_norm = self.optimization.step(lr)
+        self.balance_experts(outputs)
         tokens = self.tokens_per_step
         self.state = RunState(step + 1, self.state.tokens + tokens, self.state.flops + tokens * self.flops_per_token)
         # One device-to-host transfer per step: losses, statistics, norm.
@@ -323,14 +327,25 @@ class Trainer:
         timer.stop()
         return LaunchedStep(self.state, lr, outputs, copy, timer)
 
+    def balance_experts(self, outputs: Outputs) -> None:
+        """After the optimizer step: bias-balanced expert routers (moe.bias_update_rate) move their
+        selection bias by the step's loads, summed over micro-batches and processes (on the device)."""
+        routers = bias_balanced_routers(self.model)
+        if routers:
+            loads = self.sum_over_ranks(torch.stack(expert_loads(outputs)))  # (layers, E)
+            for router, load in zip(routers, loads, strict=True):
+                router.update_bias(load)
+
+    def sum_over_ranks(self, values: Tensor) -> Tensor:
+        """values summed over the data-parallel processes (one process: values)."""
+        return values
+
     def follow_capacity_schedule(self, step: int) -> None:
         """Set the depth routers to step's capacity (routing.capacity_schedule) and count its FLOPs."""
         capacity = self.config.routing.capacity_at(step)
         if capacity == self.capacity:
             return
-        for module in self.model.modules():
-            if isinstance(module, DepthRouter):
-                module.set_capacity(capacity)
+        set_depth_capacities(self.model, self.config.routing.layer_capacities(self.config.model.block_kinds(), capacity))
         self.capacity = capacity
         self.flops_per_token = model_flops(self.config.at_capacity(capacity)).train_per_token
         if self.graphed_step is not None:
