@@ -135,26 +135,41 @@ def block_capacities(block: MoRBlock) -> list[float]:
     return [router.capacity for router in block.routers]
 
 
-@torch.no_grad()
-def test_each_recursion_is_a_gated_update_at_the_original_positions() -> None:
-    """A slow reference: recursion r's router scores the state entering it, top-k over the tokens
-    still active, and those tokens get x + g * f(x) with f attending among them alone, at their
-    own rotary positions."""
-    model = make_model("none")
-    block = mor_block(model)
-    x, rotary = states(), model.rotary
-    state, active = x.clone(), torch.ones(B, S, dtype=torch.bool)
+def reference_recursions(block: MoRBlock, x: torch.Tensor, rotary) -> torch.Tensor:
+    """A slow reference in plain ops: recursion r's router scores the state entering it, top-k over
+    the tokens still active, and those tokens get x + g * f(x) with f attending among them alone,
+    at their own rotary positions."""
+    state, active = x, torch.ones(B, S, dtype=torch.bool)
     for router in block.routers:
-        scores = router.router(state).squeeze(-1).masked_fill(~active, float("-inf"))  # (B, S)
+        scores = router.router(state).squeeze(-1)  # (B, S) float32
         k = math.floor(router.capacity * int(active[0].sum()) + 0.5)
-        positions = scores.topk(k, dim=1).indices.sort(dim=1).values  # (B, k)
+        positions = scores.detach().masked_fill(~active, float("-inf")).topk(k, dim=1).indices.sort(dim=1).values
         new = state.clone()
         for b in range(B):
             rows = state[b, positions[b]].unsqueeze(0)  # (1, k, D)
             update = block.block.update(rows, rotary.angles(positions[b].unsqueeze(0)))[0]
             new[b, positions[b]] += apply_gate(scores[b, positions[b]], router.gate).double().unsqueeze(-1) * update
         state, active = new, token_mask(positions, S)
-    assert (block(x, rotary.prefix(S))[0] - state).abs().max() <= F64_TOL
+    return state
+
+
+@pytest.mark.parametrize("residual_owned", [False, True])
+def test_each_recursion_is_a_gated_update_at_the_original_positions(residual_owned: bool) -> None:
+    """The block's output and its gradients (input, shared block, every router) against the reference."""
+    model = make_model("none")
+    block, rotary = mor_block(model), model.rotary
+    params = [p for p in block.parameters()]
+    grad = states(5)
+    results = []
+    for run in ("block", "reference"):
+        x = states().requires_grad_()
+        if run == "block":  # the block may add into its input's memory: give it a copy it owns
+            out = block(x * 1.0 if residual_owned else x, rotary.prefix(S), residual_owned=residual_owned)[0]
+        else:
+            out = reference_recursions(block, x, rotary)
+        results.append((out.detach(), *torch.autograd.grad(out, [x, *params], grad)))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=F64_TOL)
 
 
 @torch.no_grad()
