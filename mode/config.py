@@ -22,8 +22,8 @@ from pydantic import (
     model_validator,
 )
 
-BLOCK_KINDS = ("dense", "mod", "moe", "mode_staged", "mode_integrated")
-BlockKind = Literal["dense", "mod", "moe", "mode_staged", "mode_integrated"]
+BLOCK_KINDS = ("dense", "mod", "moe", "mode_staged", "mode_integrated", "mor")
+BlockKind = Literal["dense", "mod", "moe", "mode_staged", "mode_integrated", "mor"]
 DEFAULT_BLOCK_PATTERN = ("dense", "mod")
 EXPERT_KINDS = ("moe", "mode_staged", "mode_integrated")  # blocks with an MoE FFN
 DEPTH_ROUTED_KINDS = ("mod", "mode_staged")  # blocks with a depth router (routing.capacity, gate, random)
@@ -250,6 +250,48 @@ class RoutingConfig(Section):
 
 NoopKind = Literal["zero", "copy", "constant"]
 NOOP_KINDS = get_args(NoopKind)
+
+
+class MoRConfig(Section):
+    """Mixture-of-Recursions (block kind mor): one weight-tied block applied up to `recursions`
+    times, an expert-choice depth router before each (routing.gate, random, router_bias and
+    causal apply to them as to a mod block's router)."""
+
+    recursions: int = Field(3, ge=1, description="R: how many times the shared block may be applied")
+    capacities: list[float] | None = Field(
+        None,
+        description=(
+            "share of each sequence that recursion r processes, one per recursion, non-increasing in (0, 1] "
+            "(recursion r chooses among the tokens recursion r-1 chose); null: (R - r) / R"
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _capacities_nest(self) -> "MoRConfig":
+        caps = self.capacities
+        if caps is None:
+            return self
+        if len(caps) != self.recursions:
+            raise ValueError(f"capacities has {len(caps)} values but recursions is {self.recursions}: give one per recursion")
+        if not all(0.0 < c <= 1.0 for c in caps):
+            raise ValueError(f"capacities {caps}: every value must be in (0, 1]")
+        if any(later > earlier for earlier, later in zip(caps, caps[1:])):
+            raise ValueError(
+                f"capacities {caps} must not increase: recursion r chooses among the tokens recursion r-1 chose"
+            )
+        return self
+
+    def capacity_list(self) -> list[float]:
+        """Each recursion's share of the sequence: capacities, or (R - r) / R."""
+        if self.capacities is not None:
+            return list(self.capacities)
+        return [(self.recursions - r) / self.recursions for r in range(self.recursions)]
+
+    def router_capacities(self) -> list[float]:
+        """Each recursion's router capacity: its share of the tokens still active (those recursion
+        r-1 chose; recursion 0: the whole sequence), capacities[r] / capacities[r-1]."""
+        caps = self.capacity_list()
+        return [caps[0]] + [later / earlier for earlier, later in zip(caps, caps[1:])]
 
 
 class MoEConfig(Section):
@@ -502,6 +544,7 @@ class Config(Section):
     data: DataConfig = Field(default_factory=DataConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    mor: MoRConfig = Field(default_factory=MoRConfig)
 
     @model_validator(mode="after")
     def _sequence_fits(self) -> "Config":
@@ -533,6 +576,17 @@ class Config(Section):
             raise ValueError(
                 f"routing.capacity_schedule anneals depth routers' capacity (mod and mode_staged blocks), and "
                 f"model.block_pattern {self.model.block_pattern} has none"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _schedule_skips_recursions(self) -> "Config":
+        """A capacity schedule sets the depth routers of mod and mode_staged blocks; a mor block's
+        routers each have their own capacity (mor.capacities)."""
+        if self.routing.capacity_schedule is not None and "mor" in self.model.block_kinds():
+            raise ValueError(
+                "routing.capacity_schedule does not apply to mor blocks (their routers take mor.capacities): "
+                "remove it or the mor blocks"
             )
         return self
 

@@ -124,7 +124,32 @@ def block_flops(kind: str, config: Config, seq_len: int, causal: bool = True) ->
         k = capacity_to_k(seq_len, config.routing.capacity)
         inner = attention_flops(model, k, causal) + _moe_ffn_flops_at(config, k)  # the MoE sees k tokens a sequence
         return router_flops(model.d_model, 1) + causal_predictor_flops(config, 1) + (k / seq_len) * inner
+    if kind == "mor":
+        return mor_block_flops(config, seq_len, causal)
     raise ValueError(f"no FLOP formula for block kind {kind!r}")
+
+
+def recursion_tokens(seq_len: int, router_capacities: list[float]) -> list[int]:
+    """Tokens each recursion of a mor block processes per sequence under top-k routing:
+    k_r = capacity_to_k(k_{r-1}, router_capacities[r]), k_{-1} = seq_len (MoRConfig.router_capacities)."""
+    ks, active = [], seq_len
+    for capacity in router_capacities:
+        active = capacity_to_k(active, capacity)
+        ks.append(active)
+    return ks
+
+
+def mor_block_flops(config: Config, seq_len: int, causal: bool = True) -> float:
+    """Per token of a Mixture-of-Recursions block: each recursion r's router (and causal predictor)
+    on the k_{r-1} tokens still active, and the shared block on its k_r chosen tokens (attention
+    among those k_r): sum_r (k_{r-1} * router + k_r * block(k_r)) / S."""
+    d = config.model.d_model
+    router = router_flops(d, 1) + causal_predictor_flops(config, 1)
+    total, active = 0.0, seq_len
+    for k in recursion_tokens(seq_len, config.mor.router_capacities()):
+        total += active * router + k * dense_block_flops(config.model, k, causal)
+        active = k
+    return total / seq_len
 
 
 def _moe_ffn_flops_at(config: Config, tokens_per_sequence: int) -> float:

@@ -16,6 +16,7 @@ from mode.layers.loss import linear_cross_entropy
 from mode.layers.mod import MoDBlock
 from mode.layers.mode import IntegratedMoDEBlock, StagedMoDEBlock
 from mode.layers.moe import MoEFFN
+from mode.layers.mor import MoRBlock
 from mode.layers.rotary import RotaryEmbedding
 from mode.routing import DepthRouter, ExpertChoiceRouter, Routing
 
@@ -43,6 +44,8 @@ def build_block(kind: str, config: Config) -> nn.Module:
         return StagedMoDEBlock(config.model, config.routing, config.moe)
     if kind == "mode_integrated":
         return IntegratedMoDEBlock(config.model, config.moe, config.routing)
+    if kind == "mor":
+        return MoRBlock(config.model, config.routing, config.mor)
     raise ValueError(f"model.block_pattern: block kind {kind!r} is not available in this build")
 
 

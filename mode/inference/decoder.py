@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -37,6 +37,7 @@ from mode.layers.chunks import GatherStep, Prefill, StaticStep
 from mode.layers.kv_cache import LayerCache, PackedRows, attend_used, to_device
 from mode.layers.mlp import SwiGLU
 from mode.layers.mod import MoDBlock
+from mode.layers.mor import MoRBlock
 from mode.model import LanguageModel
 
 # The SDPA backends the decoder allows by default: the ones with no per-shape state. Decode
@@ -74,7 +75,21 @@ def layer_step(
 
 
 def _inner_block(block: nn.Module) -> nn.Module:
-    return block.block if isinstance(block, MoDBlock) else block
+    return block.block if isinstance(block, (MoDBlock, MoRBlock)) else block
+
+
+def _block_caches(block: nn.Module, new: Callable[[], LayerCache]) -> LayerCache | list[LayerCache]:
+    """A block's KV caches from new(): one, or for a Mixture-of-Recursions block the list of one per
+    recursion its forward_cached takes; a routed layer's cache holds its router's float32 weights."""
+    if isinstance(block, MoRBlock):
+        caches = [new() for _ in range(block.recursions)]
+        for cache, weights in zip(caches, block.router_weights()):
+            cache.router_weights = weights
+        return caches
+    cache = new()
+    if isinstance(block, MoDBlock):
+        cache.router_weights = block.router_weights()
+    return cache
 
 
 def _run_layer(block: nn.Module, x: Tensor, cache: LayerCache, chunk: StaticStep) -> Tensor:
@@ -127,11 +142,11 @@ class Decoder:
         param = model.embed.weight
         head_dim = cfg.head_width
         # A cache holds the key/value heads (n_kv_heads): grouped query heads share them.
-        self.caches = [LayerCache.empty(batch, max_len, cfg.kv_heads, head_dim, param.dtype, param.device)
-                       for _ in model.blocks]
-        for block, cache in zip(model.blocks, self.caches):
-            if isinstance(block, MoDBlock):
-                cache.router_weights = block.router_weights()
+        new = lambda: LayerCache.empty(batch, max_len, cfg.kv_heads, head_dim, param.dtype, param.device)  # noqa: E731
+        # What each block's forward_cached takes: its cache, or a Mixture-of-Recursions block's list of them.
+        self.block_caches = [_block_caches(block, new) for block in model.blocks]
+        # Every cache, in layer order (one per block but R per mor block): lengths move to and from the device.
+        self.caches = [c for caches in self.block_caches for c in (caches if isinstance(caches, list) else [caches])]
         self.positions = torch.zeros(batch, dtype=torch.long)  # next absolute position per row (host)
         self.batch = batch
         self.max_len = max_len
@@ -189,7 +204,7 @@ class Decoder:
         chunk = Prefill(model.rotary, to_device(positions, self.device), to_device(valid_cpu, self.device), counts)
         x = model.embed(to_device(tokens, self.device))
         with self._inference():
-            for block, cache in zip(model.blocks, self.caches):
+            for block, cache in zip(model.blocks, self.block_caches):
                 x = block.forward_cached(x, cache, chunk)
         self.positions += counts
         return x
@@ -208,7 +223,7 @@ class Decoder:
         step = GatherStep.at(model.rotary, self.positions, active, model.config.model.max_seq_len, self.device,
                              self._packed.slot_ids, self._all_rows)
         with self._inference():
-            for block, cache in zip(model.blocks, self.caches):
+            for block, cache in zip(model.blocks, self.block_caches):
                 x = self._decode_layer(block, cache, x, step)
         self.positions += active.long()
         return x
@@ -302,7 +317,7 @@ class Decoder:
         step = StaticStep(model.rotary, positions, active, model.config.model.max_seq_len, self._row_base, self._packed)
         layer = _static_layer(self.compile)
         with self._inference():
-            for block, cache in zip(model.blocks, self.caches):
+            for block, cache in zip(model.blocks, self.block_caches):
                 x = layer(block, x, cache, step)
         positions.add_(active)  # in place: the graph's own buffer
         return x
