@@ -76,6 +76,9 @@ def _layer_state(
     if was in DEPTH_KINDS or was == "mode_integrated":
         raise ConfigError(f"model.block_pattern: layer {i} is {was} in the checkpoint; only dense and moe layers "
                           f"convert (to {becomes})")
+    if becomes == "mor":
+        raise ConfigError(f"model.block_pattern: layer {i} cannot become mor (one block applied several times "
+                          "with routers per recursion); conversion makes dense, mod, moe and MoDE layers")
     if becomes in DEPTH_KINDS:
         dst += "block."
     if was == "moe" and becomes not in EXPERT_KINDS:

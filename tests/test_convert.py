@@ -129,6 +129,8 @@ def test_conversion_errors_name_the_field(tmp_path: Path, corpus: Path, dense_ru
     Trainer(make_config(mod_run, corpus)).run()
     with pytest.raises(ConfigError, match=r"train\.init_from: converting .*layer 1 is mod in the checkpoint"):
         Trainer(make_config(tmp_path / "a", corpus, model=DENSE, train={"init_from": str(mod_run)}))
+    with pytest.raises(ConfigError, match=r"layer 0 cannot become mor"):
+        Trainer(make_config(tmp_path / "m", corpus, model={"block_pattern": ["mor"]}, train={"init_from": str(dense_run)}))
     with pytest.raises(ConfigError, match=r"holds another model: model\.d_ff"):
         Trainer(make_config(tmp_path / "b", corpus, model={"d_ff": 96}, train={"init_from": str(dense_run)}))
     with pytest.raises(ConfigError, match=r"moe\.activation: upcycling"):
