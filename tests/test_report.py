@@ -399,9 +399,9 @@ def test_routing_map_marks_the_tokens_each_layer_processed(isoflop_runs: dict[st
         topk = model(torch.tensor([ids])).routings[1]
         causal = model(torch.tensor([ids]), routing_mode="causal").routings[1]
     row = data["cells"][0]
-    assert {i for i, v in enumerate(row) if v & TOPK} == set(topk.indices[0].tolist())
+    assert {i for i, v in enumerate(row) if v & TOPK} == set(topk.positions[0].tolist())
     assert sum(1 for v in row if v & TOPK) == capacity_to_k(len(ids), 0.125)
-    chosen = causal.indices[0][causal.valid[0]] if causal.valid is not None else causal.indices[0]
+    chosen = causal.positions[0][causal.valid[0]] if causal.valid is not None else causal.positions[0]
     assert {i for i, v in enumerate(row) if v & CAUSAL} == set(chosen.tolist())
 
     out = tmp_path / "maps" / "map.png"

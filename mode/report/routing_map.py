@@ -87,7 +87,7 @@ def routing_map(model: LanguageModel, ids: list[int], causal: bool = False) -> d
         depth = {f"layer{i}": r for i, r in enumerate(out.routings) if r is not None}
         rows = {name: row for name, row in rows.items() if name in depth}
         for name, routing in depth.items():
-            positions = routing.indices[0] if routing.valid is None else routing.indices[0][routing.valid[0]]
+            positions = routing.positions[0] if routing.valid is None else routing.positions[0][routing.valid[0]]
             for p in positions.tolist():
                 rows[name][p] |= CAUSAL
     return {"layers": list(rows), "cells": list(rows.values()), "causal": causal}
