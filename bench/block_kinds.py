@@ -6,6 +6,10 @@
 Every model alternates dense blocks with blocks of one kind; the MoE FFNs have 8 experts of
 the dense FFN's width with expert choice at capacity factor 1 (so an MoE FFN costs what the
 dense FFN costs), Integrated MoDE adds no-op experts, MoD and Staged MoDE route 12.5%.
+After one row per block kind come the variants: Integrated MoDE whose null experts copy the
+token's input or add a learned vector (moe.noop_kind), and top-1 token choice without and with
+auxiliary-loss-free bias balancing (moe.bias_update_rate; the step's bias update itself, one
+sign and add over the experts in the Trainer, is not part of the timed step).
 """
 from __future__ import annotations
 
@@ -60,11 +64,11 @@ def main(argv: list[str] | None = None) -> None:
         print("| block kind | fwd+bwd ms | step ms | peak GiB | forward MFLOPs/token | step ms / dense |")
         print("| --- | --- | --- | --- | --- | --- |")
         dense_ms = None
-        for kind in BLOCK_KINDS:
-            runner = Runner(kind_config(kind, args), mode, args, device)  # one round of --iters after --warmup
+        for name, kind, moe in rows():
+            runner = Runner(kind_config(kind, args, moe), mode, args, device)  # one round of --iters after --warmup
             fwd_bwd_ms, step_ms = statistics.median(runner.fwd_bwd_ms), statistics.median(runner.step_ms)
             dense_ms = dense_ms or step_ms
-            print(f"| {kind} | {fwd_bwd_ms:.2f} | {step_ms:.2f} | {gib(runner.peak_gib)} | "
+            print(f"| {name} | {fwd_bwd_ms:.2f} | {step_ms:.2f} | {gib(runner.peak_gib)} | "
                   f"{model_flops(runner.model.config).forward_per_token / 1e6:.1f} | {step_ms / dense_ms:.3f} |",
                   flush=True)
             del runner
@@ -72,9 +76,22 @@ def main(argv: list[str] | None = None) -> None:
                 torch.cuda.empty_cache()
 
 
-def kind_config(kind: str, args: argparse.Namespace) -> Config:
-    """The model of pattern [dense, kind] at the script's shape."""
-    return config_from_dict({
+# (row name, block kind, moe fields over the kind's own)
+VARIANTS: tuple[tuple[str, str, dict], ...] = (
+    ("mode_integrated, copy null experts", "mode_integrated", {"noop_kind": "copy"}),
+    ("mode_integrated, constant null experts", "mode_integrated", {"noop_kind": "constant"}),
+    ("moe token choice top-1", "moe", {"scheme": "token_choice", "top_k": 1}),
+    ("moe token choice top-1, bias balancing", "moe", {"scheme": "token_choice", "top_k": 1, "bias_update_rate": 1e-3}),
+)
+
+
+def rows() -> list[tuple[str, str, dict]]:
+    return [(kind, kind, {}) for kind in BLOCK_KINDS] + list(VARIANTS)
+
+
+def kind_config(kind: str, args: argparse.Namespace, moe: dict | None = None) -> Config:
+    """The model of pattern [dense, kind] at the script's shape; moe: fields over the kind's own."""
+    config = {
         "model": {"vocab_size": args.vocab, "d_model": args.width, "n_heads": args.heads, "n_layers": args.layers,
                   "d_ff": args.ffn, "max_seq_len": args.seq, "block_pattern": ["dense", kind]},
         "routing": {"capacity": 0.125},
@@ -82,7 +99,12 @@ def kind_config(kind: str, args: argparse.Namespace) -> Config:
                 "scheme": "expert_choice", "capacity_factor": 1.0 if kind != "mode_integrated"
                 else (args.experts + args.noop) / args.experts * 0.5},
         "data": {"seq_len": args.seq},
-    }, "bench/block_kinds.py")
+    }
+    if moe and "scheme" in moe:  # token choice: the capacity factor means tokens per slot
+        config["moe"] = {"n_experts": args.experts, "n_noop": 0, "capacity_factor": 1.0}
+    config["moe"].update(moe or {})
+    return config_from_dict(config, "bench/block_kinds.py")
+
 
 if __name__ == "__main__":
     main()

@@ -139,7 +139,9 @@ def test_mod_step_tiny() -> None:
 def test_block_kinds_tiny() -> None:
     out = run("-m", "bench.block_kinds", "--tiny")
     rows = table_rows(out)
-    assert [r[0] for r in rows] == ["dense", "mod", "moe", "mode_staged", "mode_integrated", "mor"]
+    assert [r[0] for r in rows] == ["dense", "mod", "moe", "mode_staged", "mode_integrated", "mor",
+                                    "mode_integrated, copy null experts", "mode_integrated, constant null experts",
+                                    "moe token choice top-1", "moe token choice top-1, bias balancing"]
     assert all(number(r[1]) > 0 and number(r[2]) > 0 for r in rows)
     check_cpu_header(out)
     assert all((number(r[3]) >= 0) if CUDA else r[3] == "-" for r in rows)  # peak GiB (0.00 for tiny models on a GPU)

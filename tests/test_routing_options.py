@@ -409,3 +409,27 @@ def test_sweep_varies_a_capacity_list() -> None:
     from mode.sweep import parse_vary
 
     assert parse_vary("routing.capacity=[0.25,0.5],0.125") == ("routing.capacity", ["[0.25,0.5]", "0.125"])
+
+
+def test_the_null_expert_tiny_config_trains(tmp_path: Path, corpus: Path) -> None:
+    """configs/mode_integrated_null_tiny.yaml (copy and constant null experts), shrunk: 30 steps
+    lower the loss, and the constant vectors and copy gates take part (statistics logged)."""
+    import math
+
+    from mode.config import load_config
+    from mode.training.trainer import Trainer
+
+    config = load_config(Path(__file__).resolve().parent.parent / "configs" / "mode_integrated_null_tiny.yaml", [
+        "--model.d_model=64", "--model.d_ff=128", "--model.n_layers=2", "--model.max_seq_len=32",
+        "--data.source=text", f"--data.path={corpus}", "--data.seq_len=32", "--train.batch_size=8",
+        "--train.max_steps=30", "--train.warmup_steps=5", "--train.eval_interval=100", "--train.log_interval=1",
+        "--train.device=cpu", "--train.progress=false", f"--train.out_dir={tmp_path / 'run'}",
+    ])
+    assert config.moe.noop_kind == ["copy", "copy", "constant", "constant"]
+    trainer = Trainer(config)
+    records = [r for r in trainer.run() if "loss" in r]
+    losses = [r["loss"] for r in records]
+    assert len(losses) == 30 and all(math.isfinite(v) for v in losses)
+    assert sum(losses[-5:]) / 5 < losses[0] - 0.3
+    constants = [p for name, p in trainer.model.named_parameters() if "constant" in name]
+    assert constants and any(bool(p.abs().sum() > 0) for p in constants)  # they start at zero and learned
