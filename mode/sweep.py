@@ -34,6 +34,7 @@ quiet_start(__name__)  # before torch: Ctrl-C while it imports ends with one lin
 import argparse
 import itertools
 import json
+import math
 import os
 import queue
 import re
@@ -113,8 +114,13 @@ def parse_vary(text: str, flag: str = "--vary") -> tuple[str, list[str]]:
 
 
 def _name_value(value: str) -> str:
-    """A value as it reads in a folder name: YAML's compact form, brackets and spaces dropped."""
-    compact = yaml.safe_dump(load_yaml(value), default_flow_style=True, width=1 << 16).strip()
+    """A value as it reads in a folder name: YAML's compact form, brackets and spaces dropped; a
+    float in its shortest form with the exponent's sign only when negative (1e16, not 1.0e-16)."""
+    loaded = load_yaml(value)
+    if isinstance(loaded, float) and math.isfinite(loaded):
+        text = format(loaded, "g").replace("e+", "e")
+        return text if any(c in text for c in ".e") else text + ".0"  # 10.0 stays apart from the int 10
+    compact = yaml.safe_dump(loaded, default_flow_style=True, width=1 << 16).strip()
     compact = compact.removesuffix("...").strip()
     return re.sub(r"[^A-Za-z0-9._-]+", "-", compact).strip("-") or "empty"
 

@@ -480,3 +480,11 @@ def test_a_sweep_stopped_by_sigterm_leaves_no_training_running(tmp_path: Path, c
         step = load_checkpoint_file(out / f"seed={i}")["state"]["step"]
         assert f"seed={i} (100000 steps, resumes from step {step})" in dry.stdout, dry.stdout
         assert max(_steps(out / f"seed={i}")) >= step
+
+
+def test_point_names_write_floats_without_a_misleading_exponent_sign() -> None:
+    """1e16 names a folder flops_budget=1e16 (YAML's 1.0e+16, with + a separator, read 1.0e-16)."""
+    from mode.sweep import _name_value
+
+    assert [_name_value(v) for v in ("1e16", "3e15", "1.0e-4", "0.125", "10.0", "[dense,mod]", "true")] == [
+        "1e16", "3e15", "0.0001", "0.125", "10.0", "dense-mod", "true"]
