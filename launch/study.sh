@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The evidence study on a 4-GPU machine, one part at a time (each part is a resumable sweep of
+# single-GPU runs, four at once): bash launch/study.sh PART [--dry-run]
+#   data       tokenize the standard library's sources with a byte-level BPE of 8192 tokens
+#   isoflop    dense vs MoD (12.5%, every other block) x 3 sizes x 3 FLOP budgets x 2 seeds
+#   routing    learned vs random routing; capacity 12.5 / 25 / 50%; every block vs every other
+#   experts    MoE vs Staged MoDE vs Integrated MoDE vs MoE at lowered capacity
+#   causal     causal method (a) auxiliary loss vs (b) predictor
+#   evaluate   mode.evaluate every finished run on 64 validation batches (eval.json beside it)
+#   report     mode.report of every part into reports/study/PART
+# Every run is a point of configs/study_gpu.yaml; docs/reports.md walks the results.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python}
+GPUS=${GPUS:-0,1,2,3}
+part=${1:?usage: bash launch/study.sh data|isoflop|routing|experts|causal|evaluate|report [--dry-run]}
+shift
+sweep() { "$PY" -m mode.sweep --config configs/study_gpu.yaml --gpus "$GPUS" "$@"; }
+seeds=(--vary train.seed=0,1)
+case "$part" in
+  data)
+    [ -f data/study_bpe8k/meta.json ] || "$PY" -m mode.data prepare --out data/study_bpe8k --train-bpe --vocab-size 8192 ;;
+  isoflop)
+    sweep --out runs/study/isoflop "${seeds[@]}" \
+      --vary "model.block_pattern=[dense],[dense,mod]" --vary train.flops_budget=3e15,1e16,3e16 \
+      --zip model.d_model=384,512,768 --zip model.n_heads=6,8,12 --zip model.n_layers=8,10,12 \
+      --zip model.d_ff=1024,1408,2048 "$@" ;;
+  routing)
+    sweep --out runs/study/random "${seeds[@]}" --vary routing.random=false,true --routing.causal=none "$@"
+    sweep --out runs/study/capacity "${seeds[@]}" --vary routing.capacity=0.125,0.25,0.5 \
+      --vary "model.block_pattern=[dense,mod],[mod]" "$@" ;;
+  experts)
+    sweep --out runs/study/experts "${seeds[@]}" --routing.causal=none --moe.n_experts=8 \
+      --zip "model.block_pattern=[dense,moe],[dense,mode_staged],[dense,mode_integrated],[dense,moe]" \
+      --zip moe.n_noop=0,0,8,0 --zip moe.capacity_factor=1.0,1.0,1.0,0.5 "$@" ;;
+  causal)
+    sweep --out runs/study/causal "${seeds[@]}" --vary routing.causal=aux_loss,predictor "$@" ;;
+  evaluate)
+    for run in runs/study/*/*/; do
+      [ -f "$run/checkpoint.pt" ] && [ ! -f "$run/eval.json" ] || continue
+      "$PY" -m mode.evaluate "$run" --batches 64 --out "$run/eval.json" > /dev/null
+    done ;;
+  report)
+    for sweep_dir in runs/study/*/; do
+      name=$(basename "$sweep_dir")
+      "$PY" -m mode.report "$sweep_dir"*/ --out "reports/study/$name"
+    done ;;
+  *) echo "unknown part: $part" >&2; exit 2 ;;
+esac
