@@ -8,42 +8,50 @@
 #   causal     causal method (a) auxiliary loss vs (b) predictor
 #   evaluate   mode.evaluate every finished run on 64 validation batches (eval.json beside it)
 #   report     mode.report of every part into reports/study/PART
-# Every run is a point of configs/study_gpu.yaml; docs/reports.md walks the results.
+# Every run is a point of configs/study_gpu.yaml; docs/reports.md walks the results. Extra
+# arguments go to the part's command (e.g. overrides for every run). Environment: PYTHON, GPUS
+# (default 0,1,2,3; empty: one run at a time on the config's device), STUDY_DATA, STUDY_RUNS and
+# STUDY_REPORTS (default data/study_bpe8k, runs/study, reports/study).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
-GPUS=${GPUS:-0,1,2,3}
+GPUS=${GPUS-0,1,2,3}
+DATA=${STUDY_DATA:-data/study_bpe8k}
+RUNS=${STUDY_RUNS:-runs/study}
+REPORTS=${STUDY_REPORTS:-reports/study}
 part=${1:?usage: bash launch/study.sh data|isoflop|routing|experts|causal|evaluate|report [--dry-run]}
 shift
-sweep() { "$PY" -m mode.sweep --config configs/study_gpu.yaml --gpus "$GPUS" "$@"; }
+sweep() {
+  "$PY" -m mode.sweep --config configs/study_gpu.yaml ${GPUS:+--gpus "$GPUS"} --data.path="$DATA" "$@"
+}
 seeds=(--vary train.seed=0,1)
 case "$part" in
   data)
-    [ -f data/study_bpe8k/meta.json ] || "$PY" -m mode.data prepare --out data/study_bpe8k --train-bpe --vocab-size 8192 ;;
+    [ -f "$DATA/meta.json" ] || "$PY" -m mode.data prepare --out "$DATA" --train-bpe --vocab-size 8192 "$@" ;;
   isoflop)
-    sweep --out runs/study/isoflop "${seeds[@]}" \
+    sweep --out "$RUNS"/isoflop "${seeds[@]}" \
       --vary "model.block_pattern=[dense],[dense,mod]" --vary train.flops_budget=3e15,1e16,3e16 \
       --zip model.d_model=384,512,768 --zip model.n_heads=6,8,12 --zip model.n_layers=8,10,12 \
       --zip model.d_ff=1024,1408,2048 "$@" ;;
   routing)
-    sweep --out runs/study/random "${seeds[@]}" --vary routing.random=false,true --routing.causal=none "$@"
-    sweep --out runs/study/capacity "${seeds[@]}" --vary routing.capacity=0.125,0.25,0.5 \
+    sweep --out "$RUNS"/random "${seeds[@]}" --vary routing.random=false,true --routing.causal=none "$@"
+    sweep --out "$RUNS"/capacity "${seeds[@]}" --vary routing.capacity=0.125,0.25,0.5 \
       --vary "model.block_pattern=[dense,mod],[mod]" "$@" ;;
   experts)
-    sweep --out runs/study/experts "${seeds[@]}" --routing.causal=none --moe.n_experts=8 \
+    sweep --out "$RUNS"/experts "${seeds[@]}" --routing.causal=none --moe.n_experts=8 \
       --zip "model.block_pattern=[dense,moe],[dense,mode_staged],[dense,mode_integrated],[dense,moe]" \
       --zip moe.n_noop=0,0,8,0 --zip moe.capacity_factor=1.0,1.0,1.0,0.5 "$@" ;;
   causal)
-    sweep --out runs/study/causal "${seeds[@]}" --vary routing.causal=aux_loss,predictor "$@" ;;
+    sweep --out "$RUNS"/causal "${seeds[@]}" --vary routing.causal=aux_loss,predictor "$@" ;;
   evaluate)
-    for run in runs/study/*/*/; do
+    for run in "$RUNS"/*/*/; do
       [ -f "$run/checkpoint.pt" ] && [ ! -f "$run/eval.json" ] || continue
-      "$PY" -m mode.evaluate "$run" --batches 64 --out "$run/eval.json" > /dev/null
+      "$PY" -m mode.evaluate "$run" --batches 64 --out "$run/eval.json" "$@" > /dev/null
     done ;;
   report)
-    for sweep_dir in runs/study/*/; do
+    for sweep_dir in "$RUNS"/*/; do
       name=$(basename "$sweep_dir")
-      "$PY" -m mode.report "$sweep_dir"*/ --out "reports/study/$name"
+      "$PY" -m mode.report "$sweep_dir"*/ --out "$REPORTS/$name"
     done ;;
   *) echo "unknown part: $part" >&2; exit 2 ;;
 esac
