@@ -22,10 +22,10 @@ from mode.flops import attention_flops
 from mode.generate import Decoder, generate
 from mode.layers.rotary import RotaryEmbedding, inverse_frequencies
 from mode.model import LanguageModel
+from tests.test_generate import F64_TOL, decoded_logits, spread_weights_
 
 DATA = Path(__file__).parent / "data"
 S = 16
-F64_TOL = 1e-6  # as tests/test_generate.py: float64 models, float32 routers
 
 
 def test_a_checkpoint_of_today_loads_and_computes_what_it_computed() -> None:
@@ -54,16 +54,7 @@ def make_config(block_pattern: list[str] | None = None, **model):
 def make_model(block_pattern: list[str] | None = None, seed: int = 0, **model) -> LanguageModel:
     """float64, weights of size ~1/sqrt(fan_in) (so every layer moves the output), biases nonzero."""
     torch.manual_seed(seed)
-    lm = LanguageModel(make_config(block_pattern, **model)).double().eval()
-    with torch.no_grad():
-        for name, p in lm.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif p.dim() >= 2:
-                p.copy_(torch.randn_like(p) / math.sqrt(p.shape[1]))
-            else:
-                p.copy_(0.3 * torch.randn_like(p))
-    return lm
+    return spread_weights_(LanguageModel(make_config(block_pattern, **model)).double().eval())
 
 
 VARIANTS = {
@@ -121,11 +112,7 @@ def test_cached_decode_matches_the_causal_forward(variant: str, pattern: list[st
     with torch.no_grad():
         full = model(tokens, routing_mode="causal").logits.float()  # (B, S, V)
     prompt = 5
-    decoder = Decoder(model, 2, S, routed_rows=routed_rows)
-    logits = [decoder.prefill(tokens[:, :prompt].tolist())]
-    for t in range(prompt, S):
-        logits.append(decoder.step(tokens[:, t]))
-    got = torch.stack(logits, 1)  # positions prompt-1 .. S-1
+    got = decoded_logits(model, tokens, prompt, routed_rows)  # positions prompt-1 .. S-1
     assert (got - full[:, prompt - 1:]).abs().max() <= F64_TOL
 
 

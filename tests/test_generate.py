@@ -58,16 +58,32 @@ def make_model(pattern: str, causal: str = "aux_loss", n_layers: int = 2, **rout
     """float64, weights of size ~1/sqrt(fan_in) so every layer moves the output visibly;
     routers and predictors scaled so their causal decisions split the tokens."""
     torch.manual_seed(0)
-    model = LanguageModel(make_config(pattern, causal, n_layers, **routing)).double().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif p.dim() >= 2:
-                p.copy_(torch.randn_like(p) / math.sqrt(p.shape[-2] if p.dim() == 3 else p.shape[1]))
-            else:
-                p.copy_(0.3 * torch.randn_like(p))
+    return spread_weights_(LanguageModel(make_config(pattern, causal, n_layers, **routing)).double().eval())
+
+
+@torch.no_grad()
+def spread_weights_(model: LanguageModel) -> LanguageModel:
+    """Every weight drawn anew from the global generator: norm gains near 1, matrices of size
+    ~1/sqrt(fan_in) (an expert's (E, fan_in, out) too), other vectors (biases) of size 0.3."""
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.copy_(1.0 + 0.2 * torch.randn_like(p))
+        elif p.dim() >= 2:
+            p.copy_(torch.randn_like(p) / math.sqrt(p.shape[-2] if p.dim() == 3 else p.shape[1]))
+        else:
+            p.copy_(0.3 * torch.randn_like(p))
     return model
+
+
+@torch.no_grad()
+def decoded_logits(model: LanguageModel, tokens: torch.Tensor, prompt: int, routed_rows: str) -> torch.Tensor:
+    """The decoder's logits for positions prompt-1 .. S-1 of tokens (B, S): a prefill of the first
+    `prompt` tokens, then one step per token."""
+    decoder = Decoder(model, tokens.shape[0], tokens.shape[1], routed_rows=routed_rows)
+    logits = [decoder.prefill(tokens[:, :prompt].tolist())]
+    for t in range(prompt, tokens.shape[1]):
+        logits.append(decoder.step(tokens[:, t]))
+    return torch.stack(logits, 1)  # (B, S - prompt + 1, V)
 
 
 def decisions(model: LanguageModel, tokens: torch.Tensor) -> list[torch.Tensor]:
@@ -123,11 +139,7 @@ def test_cached_decode_matches_full_causal_forward(pattern: str, causal: str, ro
     tokens = torch.randint(0, 256, (2, S))
     full = model(tokens, routing_mode="causal").logits.float()  # (B, S, V)
     prompt = 5
-    decoder = Decoder(model, 2, S, routed_rows=routed_rows)
-    logits = [decoder.prefill(tokens[:, :prompt].tolist())]
-    for t in range(prompt, S):
-        logits.append(decoder.step(tokens[:, t]))
-    got = torch.stack(logits, 1)  # positions prompt-1 .. S-1
+    got = decoded_logits(model, tokens, prompt, routed_rows)  # positions prompt-1 .. S-1
     assert (got - full[:, prompt - 1:]).abs().max() <= F64_TOL
 
 

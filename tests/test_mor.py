@@ -27,7 +27,7 @@ from mode.model import LanguageModel
 from mode.routing import apply_gate, token_mask
 from mode.training.trainer import Trainer
 from tests.test_flops import REL_TOL, SDPA_ATOL, explicit_sdpa
-from tests.test_generate import EFFECT_FLOOR, F64_TOL
+from tests.test_generate import EFFECT_FLOOR, F64_TOL, spread_weights_
 
 S, B = 16, 3
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -50,16 +50,7 @@ def make_model(causal: str = "aux_loss", **kwargs) -> LanguageModel:
     """float64, weights of size ~1/sqrt(fan_in) so every recursion moves the output visibly and the
     causal decisions split the tokens (as test_generate.make_model)."""
     torch.manual_seed(0)
-    model = LanguageModel(make_config(causal, **kwargs)).double().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif p.dim() >= 2:
-                p.copy_(torch.randn_like(p) / math.sqrt(p.shape[1]))
-            else:
-                p.copy_(0.3 * torch.randn_like(p))
-    return model
+    return spread_weights_(LanguageModel(make_config(causal, **kwargs)).double().eval())
 
 
 def mor_block(model: LanguageModel) -> MoRBlock:
