@@ -47,8 +47,14 @@ FAMILY = {"llama": "llama", "llama_rope_llama3": "llama", "llama_tied": "llama",
 def hf_model(case: str, seed: int = 0, **overrides):
     """A random model of the case, every weight drawn (biases and norms too, which init leaves at 0 / 1)."""
     arch, config_class, extra = CASES[case]
+    return random_hf_model(arch, config_class, {**BASE, **extra, **overrides}, seed)
+
+
+def random_hf_model(arch: str, config_class, fields: dict, seed: int = 0):
+    """transformers' `arch` of config_class(**fields), every weight drawn from the seed: norms
+    around 1, everything else around 0 (biases too)."""
     torch.manual_seed(seed)
-    model = getattr(transformers, arch)(config_class(**{**BASE, **extra, **overrides})).eval()
+    model = getattr(transformers, arch)(config_class(**fields)).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))

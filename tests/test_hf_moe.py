@@ -20,7 +20,16 @@ from mode.hf import HFError, load_hf, save_hf  # noqa: E402
 from mode.hf.__main__ import main as hf_main  # noqa: E402
 from mode.model import LanguageModel  # noqa: E402
 from tests.test_attention_variants import make_model  # noqa: E402
-from tests.test_hf import BASE, edited, hf_greedy, hf_logits, mode_logits, saved, tokens  # noqa: E402
+from tests.test_hf import (  # noqa: E402
+    BASE,
+    edited,
+    hf_greedy,
+    hf_logits,
+    mode_logits,
+    random_hf_model,
+    saved,
+    tokens,
+)
 
 TOL = 1e-5
 QWEN_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
@@ -44,14 +53,7 @@ def family(case: str) -> str:
 def hf_model(case: str, seed: int = 0, **overrides):
     """A random model of the case, every weight drawn (norms around 1)."""
     arch, config_class, extra = CASES[case]
-    torch.manual_seed(seed)
-    model = getattr(transformers, arch)(config_class(**{**BASE, **extra, **overrides})).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return model
+    return random_hf_model(arch, config_class, {**BASE, **extra, **overrides}, seed)
 
 
 # ----------------------------------------------------------------------------- import
