@@ -66,7 +66,7 @@ class MoRBlock(nn.Module):
             else:
                 active = gather_tokens(x, positions)  # (B, k_{r-1}, D) their states now
                 if causal:
-                    local = nested_causal_routing(router, active, valid)
+                    local = router.causal_routing(active, valid)  # padding rows are never chosen
                     chosen = gather_tokens(active, local.positions)  # (B, k_r, D)
                 else:
                     routed = router.route(active)
@@ -122,25 +122,6 @@ class MoRBlock(nn.Module):
     def router_weights(self) -> list[tuple[Tensor, Tensor | None] | None]:
         """Each recursion's float32 router snapshot for decode steps (MoDBlock.router_weights)."""
         return [router_snapshot(router) for router in self.routers]
-
-
-def nested_causal_routing(router: DepthRouter, active: Tensor, valid: Tensor | None) -> DepthRouting:
-    """DepthRouter.causal_routing over the active tokens (B, K, D) of a recursion after the first,
-    where valid (B, K) marks the rows recursion r-1 really chose (None: all): a padding row is
-    never chosen. positions (B, K_r) index the active rows: the chosen in order, then padding
-    (the first unchosen rows, gate 0), K_r the most any sequence chose (>= 1)."""
-    chosen, scores = router.decide(active)  # (B, K) each
-    if valid is not None:
-        chosen = chosen & valid
-    rows = active.shape[1]
-    order = torch.arange(rows, device=active.device)
-    order = torch.where(chosen, order, order + rows).argsort(dim=1)  # chosen first, in order
-    width = max(1, int(chosen.sum(1).max()))  # data-dependent: one host sync
-    positions = order[:, :width]  # (B, K_r)
-    taken = chosen.gather(1, positions)
-    gates = torch.where(taken, apply_gate(scores.gather(1, positions), router.gate), 0.0)
-    return DepthRouting(positions=positions, gates=gates, logits=scores, aux_loss=scores.new_zeros(()),
-                        stats={"processed": chosen.float().mean()}, valid=taken)
 
 
 def decide(router: DepthRouter, x: Tensor, weights: tuple[Tensor, Tensor | None] | None) -> tuple[Tensor, Tensor]:

@@ -134,14 +134,18 @@ class DepthRouter(nn.Module):
         member = token_mask(positions, x.shape[1])  # (B, S): the top-k targets
         return self.causal.loss_and_stats(self.causal.logits(x, scores.unsqueeze(-1)).squeeze(-1), member)
 
-    def causal_routing(self, x: Tensor) -> DepthRouting:
+    def causal_routing(self, x: Tensor, eligible: Tensor | None = None) -> DepthRouting:
         """Route by the causal decision: positions (B, K), K = the most tokens any sequence chose (>= 1).
 
         Each row holds its chosen positions in order, then padding: the row's first unchosen
         positions, with gate 0. Padding sits after every chosen token, so under causal
         attention no chosen token sees it, and its zero-gated update leaves it unchanged.
+        eligible (B, S) bool: the tokens that may be chosen (a nested router's: those the previous
+        one really chose); None: all.
         """
         chosen, scores = self.decide(x)  # (B, S) each
+        if eligible is not None:
+            chosen = chosen & eligible
         seq = x.shape[1]
         positions = torch.arange(seq, device=x.device)
         order = torch.where(chosen, positions, positions + seq).argsort(dim=1)  # chosen first, in order
