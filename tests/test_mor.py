@@ -13,9 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
-import mode.layers.attention as attention_module
 from mode.config import ConfigError, config_from_dict, load_config
 from mode.flops import model_flops, recursion_tokens
 from mode.generate import Decoder
@@ -26,7 +24,7 @@ from mode.layers.mor import MoRBlock
 from mode.model import LanguageModel
 from mode.routing import apply_gate, token_mask
 from mode.training.trainer import Trainer
-from tests.test_flops import REL_TOL, SDPA_ATOL, explicit_sdpa
+from tests.test_flops import assert_counter_matches_direct_count
 from tests.test_generate import EFFECT_FLOOR, F64_TOL, spread_weights_
 
 S, B = 16, 3
@@ -276,24 +274,8 @@ def test_flop_counter_matches_direct_count(monkeypatch, causal: str, capacities:
         "data": {"seq_len": 32},
         "train": {"batch_size": 4},
     })
-    model = LanguageModel(config).float().eval()
-    tokens = torch.randint(0, 256, (4, 32))
-    with torch.no_grad():
-        reference = model(tokens).logits
-    calls = []
-
-    def counting_sdpa(*args, **kwargs):
-        calls.append(1)
-        return explicit_sdpa(*args, **kwargs)
-
-    monkeypatch.setattr(attention_module.F, "scaled_dot_product_attention", counting_sdpa)
-    counter = FlopCounterMode(display=False)
-    with torch.no_grad(), counter:
-        logits = model(tokens).logits
-    assert len(calls) == 1 + len(capacities)  # the dense block, then each recursion: all explicit
-    torch.testing.assert_close(logits, reference, atol=SDPA_ATOL, rtol=0)
-    expected = model_flops(config, causal=False).forward_per_token * tokens.numel()
-    assert counter.get_total_flops() == pytest.approx(expected, rel=REL_TOL)
+    # the dense block's attention, then one a recursion: every one explicit
+    assert_counter_matches_direct_count(monkeypatch, config, 32, attention_calls=1 + len(capacities))
 
 
 # ----------------------------------------------------------------------------- config and training
