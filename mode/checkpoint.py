@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from mode.config import Config, ConfigError, config_from_dict, field_differences
-from mode.convert import converted_state, convertible
+from mode.convert import conversion_source, converted_state
 from mode.layers.experts import check_backend
 from mode.model import LanguageModel
 from mode.run_folder import CHECKPOINT
@@ -57,9 +57,9 @@ def load_init_weights(model: LanguageModel, config: Config) -> list[str]:
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(f"train.init_from: {e}") from None
     state, notes = payload["model"], []
-    converting = convertible(payload["config"], config)
+    source = conversion_source(payload["config"], config, str(path))
+    converting = source is not None
     if converting:
-        source = config_from_dict(payload["config"], str(path))
         try:
             state, notes = converted_state(state, source, model.state_dict(), config)
         except ConfigError as e:

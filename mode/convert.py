@@ -39,10 +39,14 @@ def conversion_differences(source: dict[str, Any], config: Config) -> list[str]:
     return field_differences(source, config, lambda name: name.startswith("model.") and name != "model.block_pattern")
 
 
-def convertible(source: dict[str, Any], config: Config) -> bool:
-    """Whether a checkpoint's model differs from config's only in which layers are routed."""
-    source_kinds = config_from_dict(source, "the checkpoint's config").model.block_kinds()
-    return not conversion_differences(source, config) and source_kinds != config.model.block_kinds()
+def conversion_source(source: dict[str, Any], config: Config, name: str) -> Config | None:
+    """A checkpoint's saved config (read as `name`) when its model differs from config's only in
+    which layers are routed; None otherwise (the same model, or another one). The saved config is
+    parsed only then: an identical model needs nothing from it but its fields."""
+    if conversion_differences(source, config):
+        return None
+    parsed = config_from_dict(source, name)
+    return parsed if parsed.model.block_kinds() != config.model.block_kinds() else None
 
 
 def converted_state(
