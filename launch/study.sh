@@ -6,8 +6,12 @@
 #   routing    learned vs random routing; capacity 12.5 / 25 / 50%; every block vs every other
 #   experts    MoE vs Staged MoDE vs Integrated MoDE vs MoE at lowered capacity
 #   causal     causal method (a) auxiliary loss vs (b) predictor
-#   evaluate   mode.evaluate every finished run on 64 validation batches (eval.json beside it)
-#   report     mode.report of every part into reports/study/PART
+#   evaluate   mode.evaluate every finished run on 64 validation batches (eval.json beside it),
+#              one a GPU at once
+#   report     mode.report of every part into reports/study/PART, and the routing map of a held-out
+#              file (secrets.py) by the middle-size MoD model of the largest budget
+#   all        every part: isoflop (a run a GPU), then routing beside experts and causal (two
+#              runs a GPU), then evaluate and report
 # Every run is a point of configs/study_gpu.yaml; docs/reports.md walks the results. Extra
 # arguments go to the part's command (e.g. overrides for every run). Environment: PYTHON, GPUS
 # (default 0,1,2,3; empty: one run at a time on the config's device), STUDY_DATA, STUDY_RUNS and
@@ -19,7 +23,7 @@ GPUS=${GPUS-0,1,2,3}
 DATA=${STUDY_DATA:-data/study_bpe8k}
 RUNS=${STUDY_RUNS:-runs/study}
 REPORTS=${STUDY_REPORTS:-reports/study}
-part=${1:?usage: bash launch/study.sh data|isoflop|routing|experts|causal|evaluate|report [--dry-run]}
+part=${1:?usage: bash launch/study.sh data|isoflop|routing|experts|causal|evaluate|report|all [--dry-run]}
 shift
 sweep() {
   "$PY" -m mode.sweep --config configs/study_gpu.yaml ${GPUS:+--gpus "$GPUS"} --data.path="$DATA" "$@"
@@ -30,7 +34,7 @@ case "$part" in
     [ -f "$DATA/meta.json" ] || "$PY" -m mode.data prepare --out "$DATA" --train-bpe --vocab-size 8192 "$@" ;;
   isoflop)
     sweep --out "$RUNS"/isoflop "${seeds[@]}" \
-      --vary "model.block_pattern=[dense],[dense,mod]" --vary train.flops_budget=3e15,1e16,3e16 \
+      --vary "model.block_pattern=[dense],[dense,mod]" --vary train.flops_budget=5e14,1.5e15,5e15 \
       --zip model.d_model=384,512,768 --zip model.n_heads=6,8,12 --zip model.n_layers=8,10,12 \
       --zip model.d_ff=1024,1408,2048 "$@" ;;
   routing)
@@ -44,14 +48,44 @@ case "$part" in
   causal)
     sweep --out "$RUNS"/causal "${seeds[@]}" --vary routing.causal=aux_loss,predictor "$@" ;;
   evaluate)
+    gpus=(${GPUS//,/ })
+    pending=()
     for run in "$RUNS"/*/*/; do
-      [ -f "$run/checkpoint.pt" ] && [ ! -f "$run/eval.json" ] || continue
-      "$PY" -m mode.evaluate "$run" --batches 64 --out "$run/eval.json" "$@" > /dev/null
-    done ;;
+      [ -f "$run/checkpoint.pt" ] && [ ! -f "$run/eval.json" ] && pending+=("$run")
+    done
+    evaluate_every() {  # evaluate_every FIRST STEP: pending runs FIRST, FIRST + STEP, ...
+      for ((j = $1; j < ${#pending[@]}; j += $2)); do
+        "$PY" -m mode.evaluate "${pending[j]}" --batches 64 --out "${pending[j]}eval.json" "${extra[@]}" > /dev/null
+      done
+    }
+    extra=("$@")
+    if [ ${#gpus[@]} -eq 0 ]; then
+      evaluate_every 0 1
+    else  # one worker a GPU, each taking every n-th run
+      workers=()
+      for i in "${!gpus[@]}"; do
+        (export CUDA_VISIBLE_DEVICES=${gpus[i]}; evaluate_every "$i" ${#gpus[@]}) &
+        workers+=($!)
+      done
+      for pid in "${workers[@]}"; do wait "$pid"; done
+    fi ;;
   report)
+    shopt -s nullglob
     for sweep_dir in "$RUNS"/*/; do
       name=$(basename "$sweep_dir")
       "$PY" -m mode.report "$sweep_dir"*/ --out "$REPORTS/$name"
+    done
+    for run in "$RUNS"/isoflop/*n_layers=10*seed=0*block_pattern=dense-mod+flops_budget=5e15/; do
+      [ -f "$run/checkpoint.pt" ] || continue
+      "$PY" -m mode.report routing-map "$run" --causal --max-tokens 96 --out "$REPORTS/routing_map.png" \
+        --text-file "$("$PY" -c 'import secrets; print(secrets.__file__)')"
     done ;;
+  all)
+    bash "$0" isoflop "$@"  # alone: its wall-clock times compare dense and MoD on a GPU each
+    bash "$0" routing "$@" &
+    routing=$!
+    for other in experts causal; do bash "$0" "$other" "$@"; done
+    wait "$routing"
+    [[ " $* " == *" --dry-run "* ]] || { bash "$0" evaluate; bash "$0" report; } ;;
   *) echo "unknown part: $part" >&2; exit 2 ;;
 esac

@@ -11,7 +11,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("part, points", [("isoflop", 36), ("routing", 4 + 12), ("experts", 8), ("causal", 4)])
+@pytest.mark.parametrize("part, points", [("isoflop", 36), ("routing", 4 + 12), ("experts", 8), ("causal", 4),
+                                          ("all", 36 + 16 + 8 + 4)])
 def test_each_part_plans_its_points(part: str, points: int) -> None:
     env = {**os.environ, "PYTHON": sys.executable,
            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
@@ -31,7 +32,8 @@ def test_an_unknown_part_is_refused() -> None:
 
 def test_a_tiny_study_runs_end_to_end(tmp_path: Path) -> None:
     """data -> the causal part (4 tiny CPU points) -> evaluate -> report, through the script itself:
-    every run folder holds an eval.json and the part's report writes its plots."""
+    every run folder holds an eval.json and the part's report writes its plots. The evaluation
+    runs as it does on a 4-GPU machine, one worker a listed GPU (here two, each on the CPU)."""
     env = {**os.environ, "PYTHON": sys.executable, "GPUS": "", "STUDY_DATA": str(tmp_path / "data"),
            "STUDY_RUNS": str(tmp_path / "runs"), "STUDY_REPORTS": str(tmp_path / "reports"),
            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
@@ -41,8 +43,8 @@ def test_a_tiny_study_runs_end_to_end(tmp_path: Path) -> None:
     steps = [["data", "--max-bytes", "1500000", "--val-fraction", "0.2"], ["causal", *tiny],
              ["evaluate", "--batches", "2", "--device", "cpu"], ["report"]]
     for step in steps:
-        out = subprocess.run(["bash", "launch/study.sh", *step], cwd=ROOT, env=env, capture_output=True, text=True,
-                             timeout=600)
+        out = subprocess.run(["bash", "launch/study.sh", *step], cwd=ROOT, capture_output=True, text=True,
+                             env={**env, "GPUS": "0,1"} if step[0] == "evaluate" else env, timeout=600)
         assert out.returncode == 0, (step[0], out.stdout[-2000:], out.stderr[-2000:])
     runs = sorted(p for p in (tmp_path / "runs" / "causal").iterdir() if p.is_dir())
     assert len(runs) == 4 and all((run / "eval.json").is_file() for run in runs)
