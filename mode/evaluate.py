@@ -3,8 +3,8 @@
     python -m mode.evaluate runs/mod_tiny-X --batches 64 [--device cpu] [--out eval.json] [--data-path DIR]
 
 The checkpoint's weights and config, the validation batches training evaluates on (the same
-seeded draws, `--batches` of them instead of train.eval_batches), the same routing statistics,
-and under causal routing the loss with the causal decision as well. A multi-process run's
+seeded draws, alike for every train.seed, `--batches` of them instead of train.eval_batches), the
+same routing statistics, and under causal routing the loss with the causal decision as well. A multi-process run's
 checkpoint (its weights gathered) is evaluated in one process on its global batch
 (train.batch_size x its processes): the sequences its processes evaluated together, each
 process's rows routed apart as they were (token choice's capacity is per process), the

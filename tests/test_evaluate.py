@@ -11,6 +11,7 @@ from mode.config import config_from_dict
 from mode.data.meta import apply_metadata
 from mode.evaluate import _point_at, evaluate_checkpoint, main
 from mode.run_folder import METRICS
+from mode.training.evaluation import validation_blocks
 from mode.training.trainer import Trainer
 
 
@@ -179,7 +180,7 @@ def test_causal_share_of_a_staged_ffn_pools_over_batches(tmp_path: Path, corpus:
     depth, ffn = [], []
     with torch.no_grad():
         for i in range(4):
-            x, y = trainer.micro_batch(trainer.data.val, -1, i)
+            x, y = next(validation_blocks(trainer, i))
             out = trainer.model(x, y, routing_mode="causal")
             depth.append(float(out.routings[1].stats["processed"]))
             ffn.append(float(out.ffn_routings[1].stats["processed"]))
@@ -245,3 +246,22 @@ def test_data_path_may_name_a_prepared_folder_of_the_models_vocabulary(tmp_path:
     stdlib = config_from_dict({"model": {"vocab_size": 300}, "data": {"seq_len": 16}})
     _point_at(stdlib, str(folders["other_text"]))  # a byte-level (stdlib) run's config onto a prepared folder
     assert (stdlib.data.source, stdlib.data.path, stdlib.data.val_fraction) == ("tokens", str(folders["other_text"]), 0.5)
+
+
+def test_validation_batches_do_not_depend_on_the_seed(tmp_path: Path, corpus: Path) -> None:
+    """Runs that differ in train.seed train on other batches but are judged on the same sequences,
+    so a sweep's seeds and variants are compared pairwise."""
+    def trainer(seed: int) -> Trainer:
+        raw = {
+            "model": {"vocab_size": 256, "d_model": 32, "n_heads": 2, "n_layers": 2, "d_ff": 64, "max_seq_len": 32},
+            "data": {"source": "text", "path": str(corpus), "seq_len": 32},
+            "train": {"batch_size": 2, "max_steps": 2, "seed": seed, "out_dir": str(tmp_path / f"run{seed}"),
+                      "progress": False, "device": "cpu"},
+        }
+        return Trainer(config_from_dict(raw))
+
+    a, b = trainer(0), trainer(1)
+    for i in range(3):
+        (xa, ya), (xb, yb) = next(validation_blocks(a, i)), next(validation_blocks(b, i))
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+    assert not torch.equal(a.micro_batch(a.data.train, 0, 0)[0], b.micro_batch(b.data.train, 0, 0)[0])

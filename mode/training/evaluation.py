@@ -22,6 +22,9 @@ from mode.training.router_stats import (
 if TYPE_CHECKING:
     from mode.training.trainer import Trainer
 
+# Validation draws ignore train.seed: a seed changes the model, never the sequences it is judged on.
+VALIDATION_SEED = 0
+
 
 def validation_metrics(trainer: Trainer) -> dict[str, Any]:
     """Validation loss and router statistics; leaves the global RNG as it found it.
@@ -65,9 +68,10 @@ def _evaluate(trainer: Trainer) -> dict[str, Any]:
 
 
 def validation_blocks(trainer: Trainer, batch: int) -> Iterator[tuple[Tensor, Tensor]]:
-    """Validation batch `batch` (the same at every evaluation: seeded apart from training's), in
-    trainer.eval_splits row blocks of equal size."""
-    x, y = trainer.micro_batch(trainer.data.val, -1, batch)
+    """Validation batch `batch`, in trainer.eval_splits row blocks of equal size: the same at every
+    evaluation and for every train.seed (VALIDATION_SEED), so that runs of a sweep over seeds or
+    variants are compared on the same sequences."""
+    x, y = trainer.micro_batch(trainer.data.val, -1, batch, seed=VALIDATION_SEED)
     return zip(x.chunk(trainer.eval_splits), y.chunk(trainer.eval_splits), strict=True)
 
 

@@ -282,11 +282,13 @@ class Trainer:
         t = self.config.train
         return t.grad_accum * t.batch_size * self.config.data.seq_len * self.world_size
 
-    def micro_batch(self, split: Tensor, step: int, micro: int) -> tuple[Tensor, Tensor]:
-        """This rank's share of the global micro-batch: one sample for every world size."""
+    def micro_batch(self, split: Tensor, step: int, micro: int, seed: int | None = None) -> tuple[Tensor, Tensor]:
+        """This rank's share of the global micro-batch: one sample for every world size. seed: the
+        draw's seed (default train.seed)."""
         t = self.config.train
         global_batch = t.batch_size * self.world_size
-        x, y = sample_batch(split, global_batch, self.config.data.seq_len, batch_generator(t.seed, step, micro))
+        seed = t.seed if seed is None else seed
+        x, y = sample_batch(split, global_batch, self.config.data.seq_len, batch_generator(seed, step, micro))
         rows = slice(self.rank * t.batch_size, (self.rank + 1) * t.batch_size)
         return to_device(x[rows], self.device), to_device(y[rows], self.device)
 
