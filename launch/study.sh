@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The evidence study on a 4-GPU machine, one part at a time (each part is a resumable sweep of
 # single-GPU runs, four at once): bash launch/study.sh PART [--dry-run]
-#   data       tokenize the standard library's sources with a byte-level BPE of 8192 tokens
+#   data       tokenize the first 300 MB of the Python sources installed (standard library and
+#              packages) with a byte-level BPE of 8192 tokens
 #   isoflop    dense vs MoD (12.5%, every other block) x 3 sizes x 3 FLOP budgets x 2 seeds
 #   routing    learned vs random routing; capacity 12.5 / 25 / 50%; every block vs every other
 #   experts    MoE vs Staged MoDE vs Integrated MoDE vs MoE at lowered capacity
@@ -31,7 +32,8 @@ sweep() {
 seeds=(--vary train.seed=0,1)
 case "$part" in
   data)
-    [ -f "$DATA/meta.json" ] || "$PY" -m mode.data prepare --out "$DATA" --train-bpe --vocab-size 8192 "$@" ;;
+    [ -f "$DATA/meta.json" ] || "$PY" -m mode.data prepare --out "$DATA" --source python --max-bytes 300000000 \
+      --train-bpe --vocab-size 8192 "$@" ;;
   isoflop)
     sweep --out "$RUNS"/isoflop "${seeds[@]}" \
       --vary "model.block_pattern=[dense],[dense,mod]" --vary train.flops_budget=5e14,1.5e15,5e15 \

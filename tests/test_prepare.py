@@ -21,6 +21,7 @@ from mode.config import ConfigError, DataConfig, load_config
 from mode.data import METADATA, DataError, ShardedTokens, _is_val_file, load_splits, read_metadata, sample_batch
 from mode.data.meta import dtype_for
 from mode.data.prepare import SEPARATOR, Corpus, Reader, SplitPlan, main
+from mode.data.sources import python_files, stdlib_files
 from mode.data.tokenizer import load_tokenizer
 from mode.generate import generate
 from mode.generate import main as generate_main
@@ -139,6 +140,22 @@ def test_max_bytes_reads_whole_lines_up_to_it(tmp_path: Path, text_folder: Path,
     assert 400 < meta.info["bytes"] <= 500
 
 
+def test_the_python_source_adds_the_installed_packages_to_the_standard_library(tmp_path: Path, capsys) -> None:
+    import email.parser
+
+    import _pytest.python
+
+    root, files = python_files()
+    assert Path(email.parser.__file__).resolve() in files  # the standard library
+    assert Path(_pytest.python.__file__).resolve() in files  # an installed package
+    assert files == sorted(set(files)) and all(f.is_relative_to(root) for f in files)
+    assert len(files) > len(stdlib_files())
+    out = tmp_path / "python"
+    status, _, _ = prepare(capsys, "--out", str(out), "--source", "python", "--train-bpe", "--vocab-size", "300",
+                           "--max-bytes", "200000")
+    assert status == 0 and read_metadata(out).info["source"] == "python"
+
+
 @pytest.mark.parametrize("vocab, dtype", [(256, "uint16"), (65536, "uint16"), (65537, "uint32"), (151_936, "uint32")])
 def test_the_token_dtype_is_the_narrowest_that_holds_the_vocabulary(vocab: int, dtype: str) -> None:
     assert dtype_for(vocab) == dtype
@@ -197,6 +214,8 @@ BAD = {
                      "error: --val-fraction 1.5: must be between 0 and 1 (exclusive)"),
     "stdlib-with-path": (["--source", "stdlib", "--path", "{tmp}/tiny.txt"],
                          "error: --path {tmp}/tiny.txt: --source stdlib reads no path; give --source text for a file or folder"),
+    "python-with-path": (["--source", "python", "--path", "{tmp}/tiny.txt"],
+                         "error: --path {tmp}/tiny.txt: --source python reads no path; give --source text for a file or folder"),
     "small-vocab": (["--path", "{tmp}/tiny.txt", "--vocab-size", "200"],
                     "error: --vocab-size 200: a byte-level BPE needs more than 257 tokens (256 bytes and the document separator)"),
     "vocab-past-dtype": (["--path", "{tmp}/tiny.txt", "--vocab-size", "70000", "--token-dtype", "uint16"],

@@ -3,8 +3,9 @@
     python -m mode.data prepare --out data/stdlib_bpe8k --train-bpe --vocab-size 8192
     python -m mode.data prepare --out data/notes --source text --path notes/ --tokenizer hf_model/
 
-The text is the standard library's sources (the stdlib source the trainer reads as bytes), a text
-file, or a folder of them, split into train and validation as the byte-level sources split it (by
+The text is the standard library's sources (the stdlib source the trainer reads as bytes), those and
+every installed package's .py files (`--source python`: many times more text), a text file, or a
+folder of them, split into train and validation as the byte-level sources split it (by
 file, or by position where a split by file cannot give both sides text). It is read one file at a
 time, in pieces of whole lines, encoded a batch of pieces at a time and appended to the current
 shard: memory stays bounded whatever the corpus's size. The tokenizer is a Hugging Face model
@@ -29,7 +30,7 @@ import numpy as np
 from tqdm import tqdm
 
 from mode.data.meta import DTYPE_LIMITS, METADATA, SPLITS, TOKENIZER, DataError, Metadata, Shard, dtype_for
-from mode.data.sources import _is_val_file, stdlib_files, stdlib_root, text_files
+from mode.data.sources import _is_val_file, python_files, stdlib_files, stdlib_root, text_files
 from mode.data.tokenizer import TextTokenizer, load_tokenizer, tokenizer_file
 
 SEPARATOR = "<|endoftext|>"  # a trained BPE's document separator, its one special token
@@ -43,7 +44,7 @@ SHARD_TOKENS = 100_000_000
 class Corpus:
     root: Path  # the split by file hashes file names relative to it
     files: list[Path]
-    source: str  # "stdlib" or "text"
+    source: str  # "stdlib", "python" or "text"
     max_bytes: int | None = None  # read only the first max_bytes (whole lines)
 
     @cached_property
@@ -69,12 +70,14 @@ class SplitPlan:
 def find_corpus(source: str, path: Path | None, max_bytes: int | None) -> Corpus:
     if source == "stdlib":
         corpus = Corpus(stdlib_root(), stdlib_files("--source stdlib"), "stdlib", max_bytes)
+    elif source == "python":
+        corpus = Corpus(*python_files(), "python", max_bytes)
     else:
         assert path is not None
         files = text_files(path, "--path")
         corpus = Corpus(path if path.is_dir() else path.parent, files, "text", max_bytes)
     if corpus.total_bytes == 0:
-        where = f"--path: {path}" if source == "text" else f"--source stdlib: the .py files under {corpus.root}"
+        where = f"--path: {path}" if source == "text" else f"--source {source}: the .py files under {corpus.root}"
         raise DataError(f"{where} is empty: there is no text to tokenize")
     return corpus
 
@@ -341,8 +344,8 @@ def check_request(r: Request) -> None:
         raise DataError(f"--shard-tokens {r.shard_tokens}: must be at least 1")
     if r.max_bytes is not None and r.max_bytes < 1:
         raise DataError(f"--max-bytes {r.max_bytes}: must be at least 1")
-    if r.source == "stdlib" and r.path is not None:
-        raise DataError(f"--path {r.path}: --source stdlib reads no path; give --source text for a file or folder")
+    if r.source in ("stdlib", "python") and r.path is not None:
+        raise DataError(f"--path {r.path}: --source {r.source} reads no path; give --source text for a file or folder")
     if r.source == "text" and r.path is None:
         raise DataError("--path: required with --source text (a text file or a folder of them)")
     if r.vocab_size is not None:
@@ -444,8 +447,9 @@ def parse_args(argv: list[str] | None) -> Request:
     p = commands.add_parser("prepare", help="text -> token shards, tokenizer.json and meta.json in one folder",
                             description="Text -> token shards, tokenizer.json and meta.json in one folder.")
     p.add_argument("--out", type=Path, required=True, help="the folder to write (new, or empty)")
-    p.add_argument("--source", choices=["stdlib", "text"], default=None,
-                   help="stdlib: the standard library's sources; text: --path. Default: text with --path, else stdlib")
+    p.add_argument("--source", choices=["stdlib", "python", "text"], default=None,
+                   help="stdlib: the standard library's sources; python: those and the installed packages' .py "
+                        "files; text: --path. Default: text with --path, else stdlib")
     p.add_argument("--path", type=Path, default=None, help="a text file or a folder of text files")
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--tokenizer", type=Path, help="a tokenizer.json, or a Hugging Face model folder holding one")
