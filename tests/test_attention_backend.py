@@ -5,6 +5,7 @@ CUDA and are refused at start-up, naming the field and the device.
 """
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mode.config import ConfigError, config_from_dict
+from mode.flops import model_flops
 from mode.layers.attention import (
     ATTENTION_BACKENDS,
     CausalSelfAttention,
@@ -170,3 +172,45 @@ def test_a_resumed_run_may_change_the_kernel() -> None:
     from mode.checkpoint import may_change_on_resume
 
     assert may_change_on_resume("train.attention_backend")
+
+
+def table_rows(text: str) -> list[list[str]]:
+    """The rows of a markdown table printed by a benchmark, header and separators left out."""
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in text.splitlines() if line.startswith("| ")]
+    return rows[2:]
+
+
+def mod_step_args() -> argparse.Namespace:
+    """--tiny's shape, as bench/mod_step.py sets it."""
+    return argparse.Namespace(batch=2, seq=128, width=64, heads=4, layers=4, ffn=128, vocab=256, capacity=0.125)
+
+
+def test_mod_step_compares_attention_kernels(capsys: pytest.CaptureFixture[str]) -> None:
+    """bench/mod_step.py --attention-backend: both models timed once per kernel (CPU: eager only),
+    each row naming its kernel and its training TFLOP/s over the step and back-to-back times."""
+    from bench import mod_step
+
+    mod_step.main(["--tiny", "--modes", "eager", "--attention-backend", "math", "flash"])
+    out = capsys.readouterr().out
+    assert "| attention | TFLOP/s (step, back to back) |" in out
+    rows = table_rows(out)
+    assert [(r[0], r[1], r[10]) for r in rows] == [("eager", model, kernel) for kernel in ("math", "flash")
+                                                   for model in ("dense", "MoD")]
+    for row in rows:
+        step, back_to_back = (float(v) for v in row[11].split(", "))
+        assert step > 0 and back_to_back > 0
+    # the dense row's TFLOP/s is mode.flops's training FLOPs of a step over its step time
+    args, dense_step_ms = mod_step_args(), float(rows[0][3])
+    flops = model_flops(mod_step.make_config(["dense"], args)).train_per_token * args.batch * args.seq
+    assert float(rows[0][11].split(", ")[0]) == pytest.approx(flops / (dense_step_ms * 1e-3) / 1e12, rel=1e-2)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU refusal")
+def test_mod_step_refuses_a_kernel_that_cannot_run(capsys: pytest.CaptureFixture[str]) -> None:
+    from bench import mod_step
+
+    with pytest.raises(SystemExit) as stop:
+        mod_step.main(["--tiny", "--attention-backend", "auto", "cudnn"])
+    assert stop.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.endswith("error: --attention-backend cudnn: the cudnn kernel needs a CUDA device (this run computes on cpu)")
