@@ -15,7 +15,9 @@ host). Both models of a mode stay built and are timed in interleaved rounds (den
 dense, ...); each cell is the median over rounds of each round's median. Prints a markdown table,
 with each model's training FLOPs a step (mode.flops: 3 x the analytic forward, every token of the
 batch) over its step time, and again over its back-to-back step time, in TFLOP/s.
---attention-backend runs every mode once per SDPA kernel (train.attention_backend's choices).
+--attention-backend runs every mode once per SDPA kernel (train.attention_backend's choices);
+--optimizer train steps as mode.train does (decay groups, global-norm clipping) instead of plain
+fused AdamW.
 "eager + CUDA graphs" is the eager model as train.cuda_graphs trains it (mode.training.graphs.GraphedMicroStep:
 forward and backward captured once, replayed; no torch.compile): how python -m mode.train runs
 without torch.compile on a GPU by default (train.cuda_graphs=auto). "eager" is plain eager
@@ -47,6 +49,7 @@ from mode.flops import model_flops
 from mode.layers.attention import ATTENTION_BACKENDS, attention_backend_problem, set_attention_backend
 from mode.model import LanguageModel
 from mode.training.graphs import GraphedMicroStep
+from mode.training.optim import TorchOptimization
 
 
 def make_config(pattern: list[str], args: argparse.Namespace) -> Config:
@@ -90,7 +93,12 @@ class Runner:
         options = COMPILE[mode]
         self.forward = self.model if options is None else torch.compile(self.model, **options)
         self.graphs = mode == "compiled + CUDA graphs"
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=device.type == "cuda")
+        self.optimization: TorchOptimization | None = None  # --optimizer train: mode.train's step
+        if args.optimizer == "train":
+            self.optimization = TorchOptimization(self.model, config, device, keep_grads=mode == "eager + CUDA graphs")
+            self.optimizer = self.optimization.optimizer
+        else:
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=device.type == "cuda")
         self.micro_step: GraphedMicroStep | None = None
         if mode == "eager + CUDA graphs":  # as train.cuda_graphs: gradients kept, the graph adds into them
             for p in self.model.parameters():
@@ -110,11 +118,12 @@ class Runner:
         self.time_round(self.args.warmup)
         self.peak_gib = (torch.cuda.max_memory_allocated() - base) / 2**30 if device.type == "cuda" else None
 
-    def fwd_bwd(self) -> None:
+    def fwd_bwd(self, zero_kept_grads: bool = True) -> None:
         # Fresh gradients each pass, as a training step has (a CUDA-graphed backward owns the
-        # tensors it returns until its next replay).
+        # tensors it returns until its next replay). zero_kept_grads=False: the last step zeroed them.
         if self.micro_step is not None:
-            self.optimizer.zero_grad(set_to_none=False)
+            if zero_kept_grads:
+                self.optimizer.zero_grad(set_to_none=False)
             self.micro_step(self.x, self.y)
             return
         self.optimizer.zero_grad(set_to_none=True)
@@ -125,6 +134,10 @@ class Runner:
         loss.backward()
 
     def step(self) -> None:
+        if self.optimization is not None:  # as mode.train: the step clips, steps and zeroes the gradients itself
+            self.fwd_bwd(zero_kept_grads=False)
+            self.optimization.step(1e-4)
+            return
         self.fwd_bwd()
         self.optimizer.step()
 
@@ -169,6 +182,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--attention-backend", nargs="+", choices=list(ATTENTION_BACKENDS), default=["auto"],
                         help="SDPA kernels of the attention layers (train.attention_backend): each mode is timed "
                              "once per kernel named, both models each time")
+    parser.add_argument("--optimizer", choices=["adamw", "train"], default="adamw",
+                        help="the step's update: fused AdamW on every parameter, or mode.train's step "
+                             "(weight decay on matrices only, global-norm clipping folded into fused AdamW, "
+                             "gradients zeroed by the step)")
     parser.add_argument("--kernels", choices=["triton", "torch"], default="triton",
                         help="eager: any Triton kernels at all, or PyTorch ops only (KernelPolicy.enabled, "
                              "as MODE_KERNELS=torch)")
@@ -200,7 +217,10 @@ def main(argv: list[str] | None = None) -> None:
           f"layers={args.layers} ffn={args.ffn} vocab={args.vocab} capacity={args.capacity} on every other block, "
           f"{precision(device)}, {triton}")
     print(f"analytic forward FLOPs/token: dense {model_flops(dense_cfg).forward_per_token / 1e6:.1f}M, "
-          f"MoD {model_flops(mod_cfg).forward_per_token / 1e6:.1f}M, ratio {flop_ratio:.3f}\n")
+          f"MoD {model_flops(mod_cfg).forward_per_token / 1e6:.1f}M, ratio {flop_ratio:.3f}")
+    update = ("fused AdamW on every parameter" if args.optimizer == "adamw" else
+              "mode.train's (AdamW, decay on matrices, gradients clipped at norm 1.0)")
+    print(f"the step's update: {update}\n")
     step_flops = {name: model_flops(cfg).train_per_token * args.batch * args.seq
                   for name, cfg in (("dense", dense_cfg), ("MoD", mod_cfg))}
     print("| mode | model | fwd+bwd ms | step ms (AdamW) | steps back to back ms | peak GiB | fwd+bwd ratio | step ratio "

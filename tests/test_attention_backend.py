@@ -214,3 +214,15 @@ def test_mod_step_refuses_a_kernel_that_cannot_run(capsys: pytest.CaptureFixture
     assert stop.value.code == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.endswith("error: --attention-backend cudnn: the cudnn kernel needs a CUDA device (this run computes on cpu)")
+
+
+def test_mod_step_steps_as_mode_train(capsys: pytest.CaptureFixture[str]) -> None:
+    """--optimizer train: the step is mode.train's (TorchOptimization), said in the header."""
+    from bench import mod_step
+
+    mod_step.main(["--tiny", "--modes", "eager", "--optimizer", "train"])
+    out = capsys.readouterr().out
+    assert "the step's update: mode.train's (AdamW, decay on matrices, gradients clipped at norm 1.0)" in out
+    rows = table_rows(out)
+    assert [(r[0], r[1], r[10]) for r in rows] == [("eager", "dense", "auto"), ("eager", "MoD", "auto")]
+    assert all(float(r[3]) > 0 and float(r[4]) > 0 for r in rows)  # step and back-to-back ms
