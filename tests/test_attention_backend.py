@@ -123,13 +123,15 @@ def test_problem_is_none_where_the_kernel_runs() -> None:
         assert attention_backend_problem(backend, torch.device("cpu"), 16, torch.float32) is None
 
 
-def test_compiled_forward_traces_the_choice() -> None:
+@pytest.mark.parametrize("backend", ["auto", "math"])
+def test_compiled_forward_traces_the_choice(backend: str) -> None:
     """torch.compile traces the kernel choice inside the forward (fullgraph: no graph break)."""
+    torch._dynamo.reset()
     torch.manual_seed(0)
     config = tiny_config()
     model = LanguageModel(config)
     tokens = torch.randint(0, config.model.vocab_size, (2, 33))
-    set_attention_backend(model, "math")
+    set_attention_backend(model, backend)
     eager = model(tokens[:, :-1], tokens[:, 1:]).loss
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     torch.testing.assert_close(compiled(tokens[:, :-1], tokens[:, 1:]).loss, eager)
