@@ -82,10 +82,12 @@ def check_modes(parser: argparse.ArgumentParser, modes: list[str] | None) -> Non
 
 
 class Runner:
-    """One model, its fused AdamW and a fixed batch: timed forward+backward and whole steps."""
+    """One model, its fused AdamW and a fixed batch: timed forward+backward and whole steps.
+    attention: the SDPA kernel (train.attention_backend); optimizer: "adamw" (fused AdamW on every
+    parameter) or "train" (mode.train's TorchOptimization)."""
 
     def __init__(self, config: Config, mode: str, args: argparse.Namespace, device: torch.device,
-                 attention: str = "auto") -> None:
+                 attention: str = "auto", optimizer: str = "adamw") -> None:
         base = torch.cuda.memory_allocated() if device.type == "cuda" else 0
         torch.manual_seed(0)
         self.model = LanguageModel(config).to(device)
@@ -93,8 +95,8 @@ class Runner:
         options = COMPILE[mode]
         self.forward = self.model if options is None else torch.compile(self.model, **options)
         self.graphs = mode == "compiled + CUDA graphs"
-        self.optimization: TorchOptimization | None = None  # --optimizer train: mode.train's step
-        if args.optimizer == "train":
+        self.optimization: TorchOptimization | None = None  # optimizer "train": mode.train's step
+        if optimizer == "train":
             self.optimization = TorchOptimization(self.model, config, device, keep_grads=mode == "eager + CUDA graphs")
             self.optimizer = self.optimization.optimizer
         else:
@@ -155,8 +157,8 @@ def measure_pair(dense_cfg: Config, mod_cfg: Config, mode: str, args: argparse.N
     """Both models, their rounds interleaved (dense, MoD, dense, ...) so clock drift hits both alike."""
     if COMPILE[mode] is not None:  # compile afresh: no graph traced under another attention kernel is reused
         torch._dynamo.reset()
-    dense = Runner(dense_cfg, mode, args, device, attention)
-    mod = Runner(mod_cfg, mode, args, device, attention)
+    dense = Runner(dense_cfg, mode, args, device, attention, args.optimizer)
+    mod = Runner(mod_cfg, mode, args, device, attention, args.optimizer)
     for _ in range(args.rounds - 1):
         dense.time_round()
         mod.time_round()
@@ -274,7 +276,7 @@ def profile(name: str, config: Config, args: argparse.Namespace, device: torch.d
     mode = "compiled" if compiled else "eager"
     if compiled:
         torch._dynamo.reset()
-    runner = Runner(config, mode, args, device, attention)  # warmed up
+    runner = Runner(config, mode, args, device, attention, args.optimizer)  # warmed up
     title = f"{name}, {mode} forward+backward" + ("" if attention == "auto" else f", {attention} attention")
     forward_ms, backward_ms = host_ms(runner, 10)
     print(f"\n### {title}: the host's time queuing a pass (median of 10, the GPU idle at the start of each): "
