@@ -119,8 +119,11 @@ def test_trainer_sets_every_attention_layer(tmp_path: Path) -> None:
 
 
 def test_problem_is_none_where_the_kernel_runs() -> None:
+    """...and the probe leaves the random generator as it was (a run's random routing draws from it)."""
+    state = torch.get_rng_state()
     for backend in CPU_KERNELS:
         assert attention_backend_problem(backend, torch.device("cpu"), 16, torch.float32) is None
+    assert torch.equal(torch.get_rng_state(), state)
 
 
 @pytest.mark.parametrize("backend", ["auto", "math"])

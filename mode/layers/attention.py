@@ -119,7 +119,8 @@ def attention_backend_problem(name: str, device: torch.device, head_dim: int, dt
         return None
     if device.type != "cuda" and backend in (SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION):
         return f"the {name} kernel needs a CUDA device (this run computes on {device})"
-    q = torch.randn(1, 2, 16, head_dim, device=device, dtype=dtype, requires_grad=True)  # (B, H, S, hd)
+    # Zeros: the probe draws nothing from the run's random generators.
+    q = torch.zeros(1, 2, 16, head_dim, device=device, dtype=dtype, requires_grad=True)  # (B, H, S, hd)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
