@@ -2,6 +2,7 @@
 
     python -m bench.mod_step                 # seq 2048, width 1024, 12 layers, bf16, B=8
     python -m bench.mod_step --tiny          # a CPU-sized smoke run of the same script
+    python -m bench.mod_step --attention-backend auto cudnn   # each mode once per attention kernel
 
 Both models have the same shape; the MoD model routes 12.5% of each sequence through every
 other block. Measured in the same process, same card: forward+backward, and the whole step
@@ -11,7 +12,12 @@ mode.train's loop runs them (it reads a step's losses after queuing the next); e
 torch.compile, and torch.compile with CUDA graphs
 (mode="reduce-overhead": the step replayed without launching kernels one by one from the
 host). Both models of a mode stay built and are timed in interleaved rounds (dense, MoD,
-dense, ...); each cell is the median over rounds of each round's median. Prints a markdown table.
+dense, ...); each cell is the median over rounds of each round's median. Prints a markdown table,
+with each model's training FLOPs a step (mode.flops: 3 x the analytic forward, every token of the
+batch) over its step time, and again over its back-to-back step time, in TFLOP/s.
+--attention-backend runs every mode once per SDPA kernel (train.attention_backend's choices);
+--optimizer train steps as mode.train does (decay groups, global-norm clipping) instead of plain
+fused AdamW.
 "eager + CUDA graphs" is the eager model as train.cuda_graphs trains it (mode.training.graphs.GraphedMicroStep:
 forward and backward captured once, replayed; no torch.compile): how python -m mode.train runs
 without torch.compile on a GPU by default (train.cuda_graphs=auto). "eager" is plain eager
@@ -40,8 +46,10 @@ from bench.common import (
 )
 from mode.config import Config, config_from_dict
 from mode.flops import model_flops
+from mode.layers.attention import ATTENTION_BACKENDS, attention_backend_problem, set_attention_backend
 from mode.model import LanguageModel
 from mode.training.graphs import GraphedMicroStep
+from mode.training.optim import TorchOptimization
 
 
 def make_config(pattern: list[str], args: argparse.Namespace) -> Config:
@@ -74,16 +82,25 @@ def check_modes(parser: argparse.ArgumentParser, modes: list[str] | None) -> Non
 
 
 class Runner:
-    """One model, its fused AdamW and a fixed batch: timed forward+backward and whole steps."""
+    """One model, its fused AdamW and a fixed batch: timed forward+backward and whole steps.
+    attention: the SDPA kernel (train.attention_backend); optimizer: "adamw" (fused AdamW on every
+    parameter) or "train" (mode.train's TorchOptimization)."""
 
-    def __init__(self, config: Config, mode: str, args: argparse.Namespace, device: torch.device) -> None:
+    def __init__(self, config: Config, mode: str, args: argparse.Namespace, device: torch.device,
+                 attention: str = "auto", optimizer: str = "adamw") -> None:
         base = torch.cuda.memory_allocated() if device.type == "cuda" else 0
         torch.manual_seed(0)
         self.model = LanguageModel(config).to(device)
+        set_attention_backend(self.model, attention)
         options = COMPILE[mode]
         self.forward = self.model if options is None else torch.compile(self.model, **options)
         self.graphs = mode == "compiled + CUDA graphs"
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=device.type == "cuda")
+        self.optimization: TorchOptimization | None = None  # optimizer "train": mode.train's step
+        if optimizer == "train":
+            self.optimization = TorchOptimization(self.model, config, device, keep_grads=mode == "eager + CUDA graphs")
+            self.optimizer = self.optimization.optimizer
+        else:
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=device.type == "cuda")
         self.micro_step: GraphedMicroStep | None = None
         if mode == "eager + CUDA graphs":  # as train.cuda_graphs: gradients kept, the graph adds into them
             for p in self.model.parameters():
@@ -103,11 +120,12 @@ class Runner:
         self.time_round(self.args.warmup)
         self.peak_gib = (torch.cuda.max_memory_allocated() - base) / 2**30 if device.type == "cuda" else None
 
-    def fwd_bwd(self) -> None:
+    def fwd_bwd(self, zero_kept_grads: bool = True) -> None:
         # Fresh gradients each pass, as a training step has (a CUDA-graphed backward owns the
-        # tensors it returns until its next replay).
+        # tensors it returns until its next replay). zero_kept_grads=False: the last step zeroed them.
         if self.micro_step is not None:
-            self.optimizer.zero_grad(set_to_none=False)
+            if zero_kept_grads:
+                self.optimizer.zero_grad(set_to_none=False)
             self.micro_step(self.x, self.y)
             return
         self.optimizer.zero_grad(set_to_none=True)
@@ -118,6 +136,10 @@ class Runner:
         loss.backward()
 
     def step(self) -> None:
+        if self.optimization is not None:  # as mode.train: the step clips, steps and zeroes the gradients itself
+            self.fwd_bwd(zero_kept_grads=False)
+            self.optimization.step(1e-4)
+            return
         self.fwd_bwd()
         self.optimizer.step()
 
@@ -131,10 +153,12 @@ class Runner:
 
 
 def measure_pair(dense_cfg: Config, mod_cfg: Config, mode: str, args: argparse.Namespace,
-                 device: torch.device) -> tuple[Runner, Runner]:
+                 device: torch.device, attention: str = "auto") -> tuple[Runner, Runner]:
     """Both models, their rounds interleaved (dense, MoD, dense, ...) so clock drift hits both alike."""
-    dense = Runner(dense_cfg, mode, args, device)
-    mod = Runner(mod_cfg, mode, args, device)
+    if COMPILE[mode] is not None:  # compile afresh: no graph traced under another attention kernel is reused
+        torch._dynamo.reset()
+    dense = Runner(dense_cfg, mode, args, device, attention, args.optimizer)
+    mod = Runner(mod_cfg, mode, args, device, attention, args.optimizer)
     for _ in range(args.rounds - 1):
         dense.time_round()
         mod.time_round()
@@ -157,6 +181,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run at a small shape")
     parser.add_argument("--profile", nargs="*", choices=["eager", "compiled"], default=None,
                         help="also print the host's time queuing fwd+bwd and its top kernels (eager if no mode is named)")
+    parser.add_argument("--attention-backend", nargs="+", choices=list(ATTENTION_BACKENDS), default=["auto"],
+                        help="SDPA kernels of the attention layers (train.attention_backend): each mode is timed "
+                             "once per kernel named, both models each time")
+    parser.add_argument("--optimizer", choices=["adamw", "train"], default="adamw",
+                        help="the step's update: fused AdamW on every parameter, or mode.train's step "
+                             "(weight decay on matrices only, global-norm clipping folded into fused AdamW, "
+                             "gradients zeroed by the step)")
     parser.add_argument("--kernels", choices=["triton", "torch"], default="triton",
                         help="eager: any Triton kernels at all, or PyTorch ops only (KernelPolicy.enabled, "
                              "as MODE_KERNELS=torch)")
@@ -182,38 +213,71 @@ def main(argv: list[str] | None = None) -> None:
         if not modes:  # an empty table would read as a run that measured nothing
             parser.error(f"--modes {', '.join(args.modes)}: not run here (this run times {', '.join(allowed)}; "
                          "--tiny and --no-compile turn torch.compile off, --no-graphs the CUDA-graph modes)")
+    check_attention(parser, args, dense_cfg, device)
     triton = kernels_in_use(device, {"eager kernels": args.kernels, "top-k": args.topk})
     print(f"card: {card}; torch {torch.__version__}; B={args.batch} S={args.seq} D={args.width} "
           f"layers={args.layers} ffn={args.ffn} vocab={args.vocab} capacity={args.capacity} on every other block, "
           f"{precision(device)}, {triton}")
     print(f"analytic forward FLOPs/token: dense {model_flops(dense_cfg).forward_per_token / 1e6:.1f}M, "
-          f"MoD {model_flops(mod_cfg).forward_per_token / 1e6:.1f}M, ratio {flop_ratio:.3f}\n")
+          f"MoD {model_flops(mod_cfg).forward_per_token / 1e6:.1f}M, ratio {flop_ratio:.3f}")
+    update = ("fused AdamW on every parameter" if args.optimizer == "adamw" else
+              "mode.train's (AdamW, decay on matrices, gradients clipped at norm 1.0)")
+    print(f"the step's update: {update}\n")
+    step_flops = {name: model_flops(cfg).train_per_token * args.batch * args.seq
+                  for name, cfg in (("dense", dense_cfg), ("MoD", mod_cfg))}
     print("| mode | model | fwd+bwd ms | step ms (AdamW) | steps back to back ms | peak GiB | fwd+bwd ratio | step ratio "
-          "| back-to-back ratio | ratio / FLOP ratio (fwd+bwd, step, back to back) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| back-to-back ratio | ratio / FLOP ratio (fwd+bwd, step, back to back) | attention "
+          "| TFLOP/s (step, back to back) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for mode in modes:
-        dense, mod = measure_pair(dense_cfg, mod_cfg, mode, args, device)
-        rows = {name: (statistics.median(r.fwd_bwd_ms), statistics.median(r.step_ms), statistics.median(r.back_to_back_ms),
-                       r.peak_gib) for name, r in (("dense", dense), ("MoD", mod))}
-        del dense, mod
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        (d_fb, d_st, d_b2b, d_peak), (m_fb, m_st, m_b2b, m_peak) = rows["dense"], rows["MoD"]
-        fb, st, b2b = m_fb / d_fb, m_st / d_st, m_b2b / d_b2b
-        print(f"| {mode} | dense | {d_fb:.2f} | {d_st:.2f} | {d_b2b:.2f} | {gib(d_peak)} | | | | |")
-        print(f"| {mode} | MoD | {m_fb:.2f} | {m_st:.2f} | {m_b2b:.2f} | {gib(m_peak)} | {fb:.3f} | {st:.3f} | {b2b:.3f} "
-              f"| {fb / flop_ratio:.3f} x, {st / flop_ratio:.3f} x, {b2b / flop_ratio:.3f} x |", flush=True)
+        for attention in args.attention_backend:
+            dense, mod = measure_pair(dense_cfg, mod_cfg, mode, args, device, attention)
+            rows = {name: (statistics.median(r.fwd_bwd_ms), statistics.median(r.step_ms),
+                           statistics.median(r.back_to_back_ms), r.peak_gib) for name, r in (("dense", dense), ("MoD", mod))}
+            del dense, mod
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            (d_fb, d_st, d_b2b, d_peak), (m_fb, m_st, m_b2b, m_peak) = rows["dense"], rows["MoD"]
+            fb, st, b2b = m_fb / d_fb, m_st / d_st, m_b2b / d_b2b
+            d_tflops, m_tflops = tflops(step_flops["dense"], d_st, d_b2b), tflops(step_flops["MoD"], m_st, m_b2b)
+            print(f"| {mode} | dense | {d_fb:.2f} | {d_st:.2f} | {d_b2b:.2f} | {gib(d_peak)} | | | | | {attention} "
+                  f"| {d_tflops} |")
+            print(f"| {mode} | MoD | {m_fb:.2f} | {m_st:.2f} | {m_b2b:.2f} | {gib(m_peak)} | {fb:.3f} | {st:.3f} | {b2b:.3f} "
+                  f"| {fb / flop_ratio:.3f} x, {st / flop_ratio:.3f} x, {b2b / flop_ratio:.3f} x | {attention} "
+                  f"| {m_tflops} |", flush=True)
     profile_modes = [] if args.profile is None else (args.profile or ["eager"])  # bare --profile: eager
     for mode in profile_modes:
-        for name, cfg in (("dense", dense_cfg), ("MoD", mod_cfg)):
-            profile(name, cfg, args, device, compiled=mode == "compiled")
+        for attention in args.attention_backend:
+            for name, cfg in (("dense", dense_cfg), ("MoD", mod_cfg)):
+                profile(name, cfg, args, device, compiled=mode == "compiled", attention=attention)
 
 
-def profile(name: str, config: Config, args: argparse.Namespace, device: torch.device, compiled: bool) -> None:
+def tflops(flops: float, *step_ms: float) -> str:
+    """A step's FLOPs over each of its times, in TFLOP/s, as one cell ("352.0, 355.1")."""
+    rates = [flops / (ms * 1e-3) / 1e12 for ms in step_ms]
+    return ", ".join(f"{rate:.1f}" if rate >= 10 else f"{rate:.3g}" for rate in rates)  # a tiny CPU run's too
+
+
+def check_attention(parser: argparse.ArgumentParser, args: argparse.Namespace, config: Config,
+                    device: torch.device) -> None:
+    """Each --attention-backend must run this shape here (in the precision the passes compute in),
+    as train.attention_backend is checked at start-up: one line naming the kernel, not a traceback."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    for name in args.attention_backend:
+        problem = attention_backend_problem(name, device, config.model.head_width, dtype)
+        if problem is not None:
+            parser.error(f"--attention-backend {name}: {problem}")
+
+
+def profile(name: str, config: Config, args: argparse.Namespace, device: torch.device, compiled: bool,
+            attention: str = "auto") -> None:
     """Where forward+backward's time goes, eager or compiled: the host's time launching it, GPU busy
     against wall time, top kernels."""
-    runner = Runner(config, "compiled" if compiled else "eager", args, device)  # warmed up
-    title = f"{name}, {'compiled' if compiled else 'eager'} forward+backward"
+    mode = "compiled" if compiled else "eager"
+    if compiled:
+        torch._dynamo.reset()
+    runner = Runner(config, mode, args, device, attention, args.optimizer)  # warmed up
+    title = f"{name}, {mode} forward+backward" + ("" if attention == "auto" else f", {attention} attention")
     forward_ms, backward_ms = host_ms(runner, 10)
     print(f"\n### {title}: the host's time queuing a pass (median of 10, the GPU idle at the start of each): "
           f"forward {forward_ms:.2f} ms, backward {backward_ms:.2f} ms, {forward_ms + backward_ms:.2f} ms in all")

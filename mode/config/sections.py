@@ -212,6 +212,15 @@ class TrainConfig(Section):
             "true: required (an error where they cannot run); false: plain eager"
         ),
     )
+    attention_backend: Literal["auto", "flash", "cudnn", "efficient", "math"] = Field(
+        "auto",
+        description=(
+            "the scaled-dot-product attention kernel of the training and evaluation forward: auto (PyTorch "
+            "chooses per call), or flash, cudnn, efficient (memory-efficient) or math, that kernel alone: an error "
+            "at start-up where it cannot run the model on the run's device and dtype (cudnn and efficient need "
+            "CUDA). Sampling's cached attention keeps its own kernels"
+        ),
+    )
     progress: bool = True
     tensorboard: bool = Field(
         False,

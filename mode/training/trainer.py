@@ -27,6 +27,7 @@ from mode.data import (
     sample_batch,
 )
 from mode.flops import model_flops, train_step_flops
+from mode.layers.attention import attention_backend_problem, set_attention_backend
 from mode.routing import bias_balanced_routers, set_depth_capacities
 from mode.run_folder import CHECKPOINT, CONFIG, METRICS
 from mode.training.evaluation import validation_metrics
@@ -98,6 +99,17 @@ def _token_dtype_hint(config: Config, data: TokenSplits) -> str:
     return ""
 
 
+def use_attention_backend(config: Config, model: nn.Module, device: torch.device) -> None:
+    """Every attention layer of model on train.attention_backend's kernel; a ConfigError naming the
+    field where that kernel cannot run the model here (in bf16 on CUDA, as training autocasts)."""
+    name = config.train.attention_backend
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    problem = attention_backend_problem(name, device, config.model.head_width, dtype)
+    if problem is not None:
+        raise ConfigError(f"train.attention_backend={name}: {problem}")
+    set_attention_backend(model, name)
+
+
 class Trainer:
     # Exceptions that stop a run between two steps (an interrupt; launch/train.py's --stop-at-step):
     # the step still in flight is reported before the run stops.
@@ -129,6 +141,7 @@ class Trainer:
             )
         self.notes: list[str] = []  # for the user, before training starts
         self.model = model if model is not None else build_model(config, self.device, resume, self.notes)
+        use_attention_backend(config, self.model, self.device)
         t = config.train
         self.forward = torch.compile(self.model, mode=t.compile_mode) if t.compile else self.model
         # The eager model as CUDA graphs (train.cuda_graphs); one process: a given optimization is an engine's.
