@@ -26,6 +26,7 @@ from mode.report import (
     routing_means,
     val_loss_at,
 )
+from mode.report.compare import setting_colors, setting_labels
 from mode.report.plots import (
     causal_series,
     final_loss,
@@ -333,6 +334,26 @@ def test_the_evaluate_result_in_a_run_folder_is_its_final_loss(isoflop_runs: dic
     (run / "eval-few.json").write_text(json.dumps({**result, "batches": 1, "val_loss": 9.0}))
     assert final_loss(loaded) == (result["val_loss"], "eval.json (3 batches)")
     assert isoflop_points([loaded])[0][0]["loss"] == result["val_loss"]
+
+
+def test_plot_labels_name_settings_by_the_fields_that_tell_them_apart(tmp_path: Path) -> None:
+    """Legend labels: seeds share their setting's label; sizes varied together (d_model with n_heads)
+    show as one field; max_steps, set by the budget, and execution fields are left out."""
+    def run(name: str, width: int, heads: int, pattern: str, budget: str, steps: int, seed: int) -> Run:
+        return load_run(_run_folder(tmp_path / name, [_eval(1, 1.0, 3.0)], model__d_model=width, model__n_heads=heads,
+                                    model__block_pattern=pattern, train__flops_budget=budget, train__max_steps=steps,
+                                    train__seed=seed, train__cuda_graphs="true" if seed else "false"))
+
+    runs = [run("a0", 64, 2, "[dense]", "1e9", 10, 0), run("a1", 64, 2, "[dense]", "1e9", 10, 1),
+            run("b0", 128, 4, "[dense,mod]", "1e9", 12, 0), run("c0", 128, 4, "[dense]", "3e9", 30, 0)]
+    labels = setting_labels(runs)
+    assert labels == {"a0": "d_model=64 block_pattern=dense flops_budget=1e+09",
+                      "a1": "d_model=64 block_pattern=dense flops_budget=1e+09",
+                      "b0": "d_model=128 block_pattern=dense-mod flops_budget=1e+09",
+                      "c0": "d_model=128 block_pattern=dense flops_budget=3e+09"}
+    assert len(set(setting_colors(labels).values())) == 3
+    # runs differing in nothing but their seed keep their folder names
+    assert setting_labels(runs[:2]) == {"a0": "a0", "a1": "a1"}
 
 
 def test_isoflop_curves_average_seeds_and_split_budgets(tmp_path: Path) -> None:

@@ -273,27 +273,77 @@ def _mean_cell(stat: dict[str, Any], seeds: int) -> str:
     return cell if stat["n"] == seeds else f"{cell} ({stat['n']} of {seeds})"
 
 
+# ----------------------------------------------------------------------------- plot labels
+def setting_labels(runs: list[Run]) -> dict[str, str]:
+    """Each run's legend label: its values of the fields that tell the runs apart, but the seed and
+    how it executed, as leaf=value (`d_model=384 block_pattern=dense-mod flops_budget=5e14`). A
+    field in one-to-one step with an earlier one (model sizes varied together) is left out, as is
+    train.max_steps where train.flops_budget set it. Runs of one setting share a label, seeds being
+    its samples; where no field is left, a run's label is its folder name."""
+    fields = _setting_fields(differing_fields([r.config for r in runs]))
+    if "train.flops_budget" in fields and "train.max_steps" in fields:
+        fields.remove("train.max_steps")
+    flats = [flat_fields(r.config.to_dict()) for r in runs]
+    kept: list[str] = []
+    for name in fields:
+        values = [json.dumps(flat.get(name)) for flat in flats]
+        if not any(_one_to_one([json.dumps(flat.get(k)) for flat in flats], values) for k in kept):
+            kept.append(name)
+    if not kept:
+        return {run.name: run.name for run in runs}
+    return {run.name: " ".join(f"{name.rsplit('.', 1)[-1]}={_label_value(flat.get(name))}" for name in kept)
+            for run, flat in zip(runs, flats)}
+
+
+def _one_to_one(a: list[str], b: list[str]) -> bool:
+    return len(set(a)) == len(set(b)) == len(set(zip(a, b)))
+
+
+def _label_value(value: Any) -> str:
+    if isinstance(value, list):
+        return "-".join(map(_label_value, value))
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+def setting_colors(labels: dict[str, str]) -> dict[str, Any]:
+    """One colour a setting (label), in first-seen order: tab10, or tab20 past ten settings."""
+    import matplotlib
+
+    settings = list(dict.fromkeys(labels.values()))
+    cmap = matplotlib.colormaps["tab10" if len(settings) <= 10 else "tab20"]
+    return {setting: cmap(i % cmap.N) for i, setting in enumerate(settings)}
+
+
 def plot_png(runs: list[Run], budget: float | None) -> bytes:
-    """Validation loss (markers) and train loss (faint) of every run against training FLOPs."""
+    """Validation loss (markers) and train loss (faint) of every run against training FLOPs; one
+    colour and legend entry a setting (its seeds drawn alike)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    labels = setting_labels(runs)
+    colors = setting_colors(labels)
+    named: set[str] = set()
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for i, run in enumerate(runs):
-        color = f"C{i % 10}"
+    for run in runs:
+        label = labels[run.name]
+        color = colors[label]
         if run.train:
             ax.plot([r["flops"] for r in run.train], [r["loss"] for r in run.train], color=color, alpha=0.3)
         if run.evals:
-            ax.plot([r["flops"] for r in run.evals], [r["val_loss"] for r in run.evals], "o-", color=color, label=run.name)
+            ax.plot([r["flops"] for r in run.evals], [r["val_loss"] for r in run.evals], "o-", color=color,
+                    markersize=3, label=None if label in named else label)
+            named.add(label)
     if budget is not None:
         ax.axvline(budget, color="grey", linestyle="--", linewidth=1, label="common FLOP budget")
     ax.set_xlabel("cumulative training FLOPs")
     ax.set_ylabel("loss (nats/token); faint: train")
-    ax.legend(fontsize="small")
+    ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside: tens of settings
     fig.tight_layout()
     buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=100)
+    fig.savefig(buffer, format="png", dpi=100, bbox_inches="tight")
     plt.close(fig)
     return buffer.getvalue()

@@ -17,7 +17,15 @@ from typing import Any
 
 from mode.checkpoint import describes_execution
 from mode.config import Config, flat_fields
-from mode.report.compare import IGNORED_FIELDS, SEED_FIELD, Run, differing_fields, parameter_count
+from mode.report.compare import (
+    IGNORED_FIELDS,
+    SEED_FIELD,
+    Run,
+    differing_fields,
+    parameter_count,
+    setting_colors,
+    setting_labels,
+)
 from mode.training.router_stats import share_reaching
 
 # What a mode.evaluate result (its --out JSON) holds, which tells it from any other JSON file.
@@ -224,32 +232,40 @@ def isoflop_png(curves: list[dict[str, Any]]) -> bytes:
     return png_bytes(fig)
 
 
-def time_png(series: dict[str, dict[str, list[tuple[float, float]]]]) -> bytes:
+def time_png(series: dict[str, dict[str, list[tuple[float, float]]]], labels: dict[str, str]) -> bytes:
     plt = pyplot()
+    colors = setting_colors(labels)
+    named: set[str] = set()
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for i, (name, s) in enumerate(series.items()):
-        color = f"C{i % 10}"
+    for name, s in series.items():
+        label = labels[name]
+        color = colors[label]
         if s["train"]:
             ax.plot(*zip(*s["train"]), color=color, alpha=0.3)
         if s["val"]:
-            ax.plot(*zip(*s["val"]), "o-", color=color, label=name)
+            ax.plot(*zip(*s["val"]), "o-", color=color, markersize=3, label=None if label in named else label)
+            named.add(label)
     ax.set_xlabel("wall-clock seconds of training")
     ax.set_ylabel("loss (nats/token); faint: train")
     legend(ax)
     return png_bytes(fig)
 
 
-def causal_png(series: dict[str, dict[str, Any]]) -> bytes:
+def causal_png(series: dict[str, dict[str, Any]], labels: dict[str, str]) -> bytes:
     plt = pyplot()
+    colors = setting_colors(labels)
+    named: set[str] = set()
     fig, (acc, gap) = plt.subplots(1, 2, figsize=(11, 4.5))
-    for i, (name, s) in enumerate(series.items()):
-        color = f"C{i % 10}"
+    for name, s in series.items():
+        label = labels[name]
+        color = colors[label]
         if s["train"]:
             acc.plot(*zip(*s["train"]), color=color, alpha=0.4)
         if s["val"]:
-            acc.plot(*zip(*s["val"]), "o-", color=color, label=name)
+            acc.plot(*zip(*s["val"]), "o-", color=color)
         if s["gap"]:
-            gap.plot(*zip(*s["gap"]), "o-", color=color, label=name)
+            gap.plot(*zip(*s["gap"]), "o-", color=color, label=None if label in named else label)
+            named.add(label)
         if s["always_no"] is not None:
             acc.axhline(s["always_no"], color=color, linestyle=":", linewidth=1)
     acc.set_xlabel("step")
@@ -260,6 +276,16 @@ def causal_png(series: dict[str, dict[str, Any]]) -> bytes:
     gap.set_ylabel("val loss, causal - top-k routing (nats/token)")
     legend(gap)  # one colour a run in both panels
     return png_bytes(fig)
+
+
+def setting_shares(shares: dict[str, dict[str, list[float]]], labels: dict[str, str]) -> dict[str, dict[str, list[float]]]:
+    """Per setting (label), each layer's share by position averaged over the setting's runs (seeds)."""
+    pooled: dict[str, dict[str, list[list[float]]]] = {}
+    for name, layers in shares.items():
+        for layer, values in layers.items():
+            pooled.setdefault(labels[name], {}).setdefault(layer, []).append(values)
+    return {label: {layer: [statistics.fmean(column) for column in zip(*runs)] for layer, runs in layers.items()}
+            for label, layers in pooled.items()}
 
 
 def positions_png(shares: dict[str, dict[str, list[float]]]) -> bytes:
@@ -275,7 +301,7 @@ def positions_png(shares: dict[str, dict[str, list[float]]]) -> bytes:
             ax.plot([(b + 0.5) / bins for b in range(bins)], values, "o-", label=layer)
         ax.set_xlim(0, 1)
         ax.set_ylim(bottom=0)
-        ax.set_title(name, fontsize="medium")
+        ax.set_title(name, fontsize="small")
         ax.set_ylabel("share processed")
         ax.set_xlabel("position (fraction of the sequence)")
         ax.legend(fontsize="x-small", ncol=4)
@@ -288,6 +314,7 @@ def plots(runs: list[Run]) -> tuple[dict[str, bytes], dict[str, Any], list[str]]
     and notes on the plots left out and why."""
     pngs: dict[str, bytes] = {}
     notes: list[str] = []
+    labels = setting_labels(runs)
     points, point_notes = isoflop_points(runs)
     curves = isoflop_curves(points)
     tables: dict[str, Any] = {"isoflop": {"points": points, "curves": curves}}
@@ -300,18 +327,18 @@ def plots(runs: list[Run]) -> tuple[dict[str, bytes], dict[str, Any], list[str]]
     times = {name: s for name, s in times.items() if s["train"] or s["val"]}
     tables["loss_vs_time"] = times
     if times:
-        pngs["loss_vs_time.png"] = time_png(times)
+        pngs["loss_vs_time.png"] = time_png(times, labels)
     else:
         notes.append("no loss_vs_time.png: no run recorded elapsed_s")
     causal = {r.name: causal_series(r) for r in runs}
     causal = {name: s for name, s in causal.items() if s["train"] or s["val"]}
     tables["causal"] = causal
     if causal:
-        pngs["causal_accuracy.png"] = causal_png(causal)
+        pngs["causal_accuracy.png"] = causal_png(causal, labels)
     shares = {r.name: position_shares(r) for r in runs}
     shares = {name: s for name, s in shares.items() if s}
     tables["position_share"] = shares
     if shares:
-        pngs["position_share.png"] = positions_png(shares)
+        pngs["position_share.png"] = positions_png(setting_shares(shares, labels))
     return pngs, tables, notes
 
