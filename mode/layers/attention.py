@@ -17,7 +17,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from mode.kernels import use_triton
 from mode.layers.rotary import RotaryAngles, apply_rotary, rotate_
 
-
 # train.attention_backend -> the SDPA kernels allowed; None: PyTorch's own choice among all of them.
 ATTENTION_BACKENDS: dict[str, SDPBackend | None] = {
     "auto": None,
