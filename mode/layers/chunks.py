@@ -71,6 +71,9 @@ class ChunkRows:
         self.old_cpu, self.count_list, self.old_list = old_cpu, self.count.tolist(), old_cpu.tolist()
         self.width = max(self.count_list)
         self.full = min(self.count_list) == n  # every computed row processes its whole chunk: nothing to compact
+        # Every computed row's cache is empty: plain causal attention over the compacted tokens is
+        # exact (a row's chosen tokens come first, in order; its padding after them is never seen).
+        self.fresh = max(self.old_list) == 0
         xr, pr = self._rows(x), self._rows(chunk.positions)
         if self.full:
             self.idx = self.valid = None
@@ -101,7 +104,7 @@ class ChunkRows:
         groups = q.shape[2] // k.shape[2]
         q = q.transpose(1, 2)  # (m, H, K, hd)
         width = self.width
-        if self.full and max(self.old_list) == 0:  # a fresh cache and a whole chunk: plain causal attention
+        if self.fresh:  # slots 0..K-1; a row's padding lands past its length, where nothing reads it
             kt, vt = k.transpose(1, 2), v.transpose(1, 2)  # (m, H, K, hd)
             if self.every_row:
                 cache.k[:, :, :width] = kt
