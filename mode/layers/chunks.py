@@ -144,10 +144,10 @@ class ChunkRows:
         if self.full:
             return new if self.every_row else x.index_copy(0, self.rows, new)
         new = torch.where(self.valid.unsqueeze(-1), new, self.x)  # padding (unchosen tokens) unchanged
-        result = x.clone()
-        row_ids = torch.arange(self.batch, device=x.device) if self.every_row else self.rows
-        result[row_ids.unsqueeze(1), self.idx] = new
-        return result
+        index = self.idx.unsqueeze(-1).expand_as(new)  # (m, K, D): each row's tokens, distinct
+        if self.every_row:
+            return x.scatter(1, index, new)
+        return x.index_copy(0, self.rows, x.index_select(0, self.rows).scatter(1, index, new))
 
     def add(self, x: Tensor, update: Tensor) -> Tensor:
         """put() of the computed tokens' states plus update (m, K, D), in their dtype."""
