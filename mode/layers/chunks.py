@@ -8,8 +8,8 @@ new hidden states go back. A token a layer does not process comes out unchanged 
 enters the layer's cache.
 
 - Prefill: a chunk of any length per row. The chosen tokens of each row are compacted (padded
-  to the longest row's count, padding past every cached slot); rows with none are not computed.
-  Host counts, so one sync per routed layer.
+  to the longest row's count, padding past the row's cached tokens); rows with none are not
+  computed. On a fresh cache, plain causal attention. Host counts, so one sync per routed layer.
 - GatherStep: one token per row; only the rows the layer processes are computed (index_select)
   and updated in place in the step's own hidden states. Lengths on the host; a routed layer's
   decision goes to the host (its one sync).
@@ -80,8 +80,7 @@ class ChunkRows:
             self.x, pos = xr, pr
         else:  # chosen tokens first, in order; then padding (unchosen tokens, never cached)
             sr = self._rows(chosen)
-            ar = torch.arange(n, device=device)
-            self.idx = torch.where(sr, ar, ar + n).argsort(dim=1)[:, : self.width]  # (m, K)
+            self.idx = (~sr).argsort(dim=1, stable=True)[:, : self.width]  # (m, K): chosen (False) first, in order
             self.valid = sr.gather(1, self.idx)  # (m, K)
             self.x = xr.gather(1, self.idx.unsqueeze(-1).expand(-1, -1, width))  # (m, K, D)
             pos = pr.gather(1, self.idx)
