@@ -1,21 +1,35 @@
-"""MoD vs dense: decode tokens/s with causal routing and per-layer sparse KV caches.
+"""Dense, MoD and Staged MoDE: decode tokens/s and prefill time with causal routing and
+per-layer sparse KV caches, against the targets for routed decoding.
 
     python -m bench.decode            # D=1024, 16 heads, 12 layers, vocab 32768, bf16, CUDA
     python -m bench.decode --tiny     # a CPU-sized smoke run of the same script
+    python -m bench.decode --prompts 128 --batches 1 64   # a subset of the table
 
-Both models have the same shape. The MoD model routes every other block (capacity 12.5%)
-with causal method (a) (routing.causal=aux_loss: a token goes through a routed block when
-its router logit is > 0). The weights are random, so the router's bias is calibrated on the
-prompts so that its decision sends about 12.5% of the tokens through (the measured share is
-printed). Prefill (--prompt, default 128) is timed apart; decode is 256 greedy steps with
-the cache, for batch 1 and batch 64, in the same process on the same card, the settings
-interleaved over --repeats runs (best kept). Prints a markdown table.
+The models are bench/prefill.py's (the same shape; MoD routes every other block at capacity
+12.5% with causal method (a); Staged MoDE adds a top-1 token-choice MoE of 8 experts to the
+routed blocks; the random routers' biases are calibrated on the setting's prompts so that about
+12.5% of the tokens go through, and the measured share is printed). One markdown table: a row
+per prompt length x batch x model, with
+- decode tokens/s: --new-tokens greedy steps with the cache after the prompt, the first step
+  (CUDA graph capture) untimed; the best of --repeats runs, models interleaved;
+- prefill ms: the median of --prefill-repeats prefills on fresh decoders (bench/prefill.py);
+- x dense: decode speed over dense's (decoded the same way: the same --routed-rows value), and
+  prefill time over dense's;
+- FLOP ratio: the prefill's forward FLOPs over dense's, from mode.flops at the prompt length
+  (routed blocks at --capacity; the logits of one token per row);
+- the targets: routed decode >= 1.4 x dense at batch 1 with a 128-token prompt, >= 1.6 x at
+  batch 64 with 2048 tokens, >= 1.4 x at batch 1024 with 128, never below 0.97 x; routed
+  prefill at batch 1 and 64 within its FLOP ratio x 1.15 of dense's time.
+A setting whose KV caches (and the prefill's activations) would not fit the device's free
+memory is not run: its rows say so, with the estimate.
 
-    python -m bench.decode --prompt 2048 --routed-rows gather masked   # both routed-layer policies
+    python -m bench.decode --prompts 2048 --routed-rows gather masked   # both routed-layer policies
+    python -m bench.decode --decoder-arg cuda_graph=False               # any Decoder keyword
 
 --routed-rows: the Decoder's decode step (auto: on a GPU the static "masked" step captured as a
-CUDA graph, else "gather"); a dense and a MoD row for each one named, the ratio taken between
-the two models decoded the same way.
+CUDA graph where every FFN is dense, else "gather" below batch 16); rows for each one named.
+--decoder-arg key=value (repeatable): a keyword for every decode run's Decoder (a Python
+literal, else a string); a row whose Decoder refuses it says why.
 
     python -m bench.decode --profile [--tiny | --width 128 --heads 4 ...]   # a GPU, or --device cpu
 
@@ -29,50 +43,28 @@ instead of the decoder's default (flash, memory-efficient, math).
 from __future__ import annotations
 
 import argparse
+import ast
 import collections
 import time
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from bench.common import add_model_args, require_cuda_unless_tiny, sync
-from mode.config import Config, config_from_dict
-from mode.generate import DECODE_SDPA_BACKENDS, Decoder
+from bench.prefill import MODELS, build_models, calibrate_routers, make_config, time_settings
+from mode.flops import model_flops
+from mode.generate import DECODE_SDPA_BACKENDS, ROUTED_ROWS, Decoder
 from mode.layers.mod import MoDBlock
 from mode.model import LanguageModel
 
-
-def make_config(pattern: list[str], args: argparse.Namespace) -> Config:
-    return config_from_dict(
-        {
-            "model": {
-                "vocab_size": args.vocab, "d_model": args.width, "n_heads": args.heads, "n_layers": args.layers,
-                "d_ff": args.ffn, "max_seq_len": args.prompt + args.new_tokens, "block_pattern": pattern,
-            },
-            "routing": {"capacity": args.capacity, "gate": "sigmoid", "causal": "aux_loss", "router_bias": True},
-            "data": {"seq_len": args.prompt},
-        },
-        "bench/decode.py",
-    )
-
-
-@torch.no_grad()
-def calibrate_routers(model: LanguageModel, prompts: torch.Tensor, share: float) -> None:
-    """Set each routed block's router bias so that share of the prompts' tokens have logit > 0."""
-    for block in model.blocks:
-        if isinstance(block, MoDBlock):
-            block.router.router.proj.bias.fill_(-1e4)  # skip while calibrating earlier layers
-    x = model.embed(prompts)
-    angles = model.rotary.prefix(prompts.shape[1])
-    for block in model.blocks:
-        if isinstance(block, MoDBlock):
-            proj = block.router.router.proj
-            proj.bias.zero_()
-            scores = block.router.router(x).flatten()
-            proj.bias.fill_(-float(torch.quantile(scores.float(), 1.0 - share)))
-            x, _ = block(x, angles, causal=True)
-        else:
-            x, _ = block(x, angles)
+# (batch, prompt) -> the routed models' decode target against dense; elsewhere DECODE_FLOOR.
+DECODE_TARGETS = {(1, 128): 1.4, (64, 2048): 1.6, (1024, 128): 1.4}
+DECODE_FLOOR = 0.97
+PREFILL_TARGET_BATCHES = (1, 64)
+PREFILL_SLACK = 1.15  # routed prefill time / dense's at most its FLOP ratio times this
+CALIBRATION_ROWS = 64  # the routers are calibrated on at most this many of a setting's prompts
 
 
 def step_kind(policy: str) -> tuple[str, bool]:
@@ -83,15 +75,16 @@ def step_kind(policy: str) -> tuple[str, bool]:
 @torch.no_grad()
 def decode_run(
     model: LanguageModel, prompts: torch.Tensor, new_tokens: int, device: torch.device, sdpa=DECODE_SDPA_BACKENDS,
-    routed_rows: str = "auto", compile: bool = False,
+    routed_rows: str = "auto", compile: bool = False, decoder_args: dict[str, Any] | None = None,
 ) -> tuple[float, float, float, str]:
     """(prefill seconds, decode tokens/s, share of decode tokens the routed layers processed, the step used).
 
     The first decode step (where a CUDA graph is captured) is run before the clock starts;
-    new_tokens - 1 steps are timed."""
+    new_tokens - 1 steps are timed. decoder_args: more Decoder keywords (they win over the others)."""
     batch = prompts.shape[0]
-    decoder = Decoder(model, batch, prompts.shape[1] + new_tokens, sdpa_backends=sdpa, routed_rows=routed_rows,
-                      compile=compile and routed_rows != "gather")
+    keywords = {"sdpa_backends": sdpa, "routed_rows": routed_rows, "compile": compile and routed_rows != "gather",
+                **(decoder_args or {})}
+    decoder = Decoder(model, batch, prompts.shape[1] + new_tokens, **keywords)
     sync(device)
     t0 = time.perf_counter()
     logits = decoder.prefill(prompts.tolist())
@@ -110,6 +103,74 @@ def decode_run(
     share = (after - before) / (batch * new_tokens * len(routed)) if routed else 1.0
     used = decoder.routed_rows + (" + CUDA graph" if decoder.cuda_graph else "") + (" + compile" if decoder.compile else "")
     return t1 - t0, batch * (new_tokens - 1) / (t3 - t2), share, used
+
+
+def parse_decoder_args(items: list[str]) -> dict[str, Any]:
+    """["cuda_graph=False", "routed_rows=compact"] -> {"cuda_graph": False, "routed_rows": "compact"}:
+    each value a Python literal where it reads as one, else the string."""
+    parsed = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.isidentifier():
+            raise ValueError(f"--decoder-arg takes key=value, got {item!r}")
+        try:
+            parsed[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            parsed[key] = value
+    return parsed
+
+
+def setting_bytes(args: argparse.Namespace, batch: int, prompt: int, element: int) -> int:
+    """Device bytes a setting allocates beyond the weights: every layer's KV cache (each holds
+    max_len + 1 slots per row, routed or not) and the prefill's working set (the hidden states, a
+    layer's q, k, v and attention output and its FFN's three hidden-width activations)."""
+    head_dim = args.width // args.heads
+    slots = prompt + args.new_tokens + 1
+    caches = args.layers * 2 * batch * slots * args.heads * head_dim * element
+    working = batch * prompt * (6 * args.width + 3 * args.ffn) * element
+    return caches + working
+
+
+def free_bytes(device: torch.device) -> int | None:
+    """What the device can still allocate (free memory plus the allocator's unused reserve); None on CPU."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def does_not_fit(need: int, budget: int | None) -> str | None:
+    """The row's text where a setting needing need bytes does not fit budget (None: no limit known)."""
+    if budget is None or need <= budget:
+        return None
+    return f"does not fit ({need / 2**30:.0f} GiB; {budget / 2**30:.0f} GiB free)"
+
+
+def prefill_flop_ratio(args: argparse.Namespace, name: str, prompt: int) -> float:
+    """A prefill's forward FLOPs over the dense model's: every block on the prompt's tokens (mode.flops,
+    routed blocks at --capacity) plus the LM head on one token per row."""
+    def flops(model: str) -> float:
+        report = model_flops(make_config(model, args, prompt + args.new_tokens, prompt), seq_len=prompt)
+        return prompt * sum(report.per_block) + report.lm_head
+    return flops(name) / flops("dense")
+
+
+def decode_target(batch: int, prompt: int) -> float:
+    return DECODE_TARGETS.get((batch, prompt), DECODE_FLOOR)
+
+
+def verdict(ok: bool) -> str:
+    return "met" if ok else "missed"
+
+
+@dataclass
+class Row:
+    """One model's measurements in one setting."""
+
+    used: str
+    tokens_per_s: float
+    share: float
+    prefill_ms: float
 
 
 def check_device(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -232,14 +293,68 @@ def print_profile(name: str, batch: int, result: dict, cuda: bool) -> None:
         print(f"top operators by GPU time over the {steps} steps:\n{result['kernels']}")
 
 
+def measure(models: dict[str, LanguageModel], prompts: torch.Tensor, args: argparse.Namespace, device: torch.device,
+            sdpa, setups: list[tuple[str, str]], decoder_args: dict[str, Any]) -> tuple[dict[str, float], dict]:
+    """One setting: (each model's median prefill ms, (model, policy) -> its best Row, or the reason it did not run)."""
+    for model in models.values():
+        calibrate_routers(model, prompts[:CALIBRATION_ROWS], args.capacity)
+    times = time_settings(models, prompts.tolist(), device, args.prefill_repeats, warmup=1, profiled=False)
+    prefill = {name: t.median_ms for name, t in times.items()}
+    best: dict[tuple[str, str], Row | str] = {}
+    for name, policy in setups:  # warm up kernels and allocator; a Decoder refusing its keywords leaves its reason
+        try:
+            decode_run(models[name], prompts[:, :8], 4, device, sdpa, *step_kind(policy), decoder_args)
+        except ValueError as e:
+            best[name, policy] = f"not run: {str(e).splitlines()[0]}"
+    for _ in range(args.repeats):  # interleaved, so a slow spell of the machine hits every row alike
+        for name, policy in setups:
+            if isinstance(best.get((name, policy)), str):
+                continue
+            _, tps, share, used = decode_run(models[name], prompts, args.new_tokens, device, sdpa, *step_kind(policy),
+                                             decoder_args)
+            if (name, policy) not in best or tps > best[name, policy].tokens_per_s:
+                best[name, policy] = Row(used, tps, share, prefill[name])
+    return prefill, best
+
+
+def table_rows(args: argparse.Namespace, prompt: int, batch: int, best: dict) -> list[str]:
+    """The setting's markdown rows, each model's against dense decoded with the same policy."""
+    rows = []
+    for (name, policy), row in best.items():
+        lead = f"| {prompt} | {batch} | {name} |"
+        dense = best.get(("dense", policy))
+        if isinstance(row, str):
+            rows.append(f"{lead} {row} | - | - | - | - | - | - | - | - |")
+            continue
+        speed = row.tokens_per_s / dense.tokens_per_s if isinstance(dense, Row) else float("nan")
+        slower = row.prefill_ms / dense.prefill_ms if isinstance(dense, Row) else float("nan")
+        flops = prefill_flop_ratio(args, name, prompt)
+        if name == "dense":
+            decode_goal = prefill_goal = "-"
+        else:
+            goal = decode_target(batch, prompt)
+            decode_goal = f">= {goal:.2f} x: {verdict(speed >= goal)}"
+            limit = flops * PREFILL_SLACK
+            prefill_goal = f"<= {limit:.2f} x: {verdict(slower <= limit)}" if batch in PREFILL_TARGET_BATCHES else "-"
+        share = "-" if name == "dense" else f"{row.share:.3f}"
+        rows.append(f"{lead} {row.used} | {row.tokens_per_s:,.0f} | {speed:.2f} | {share} | {row.prefill_ms:.2f} | "
+                    f"{slower:.2f} | {flops:.3f} | {decode_goal} | {prefill_goal} |")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(parser)
     parser.add_argument("--capacity", type=float, default=0.125)
-    parser.add_argument("--prompt", type=int, default=128)
-    parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 64])
-    parser.add_argument("--repeats", type=int, default=3, help="interleaved runs per setting; the best is reported")
+    parser.add_argument("--prompts", "--prompt", type=int, nargs="+", default=None,
+                        help="prompt lengths (default 128 2048; --tiny: 16)")
+    parser.add_argument("--batches", type=int, nargs="+", default=None, help="default 1 64 1024 (--tiny: 1 4)")
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    parser.add_argument("--new-tokens", type=int, default=64, help="decode steps per run (the first untimed)")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved decode runs per setting; the best is reported")
+    parser.add_argument("--prefill-repeats", type=int, default=5, help="prefills per setting; the median is reported")
+    parser.add_argument("--memory-gib", type=float, default=None,
+                        help="device memory a setting may use (default: what is free after the models are built)")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run at a small shape")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                         help="auto: CUDA if there is a GPU (CPU with --tiny); without a GPU, anything but --tiny "
@@ -252,64 +367,81 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--compile", action="store_true", help="also the static step with torch.compile (Decoder(compile=True))")
     parser.add_argument(
-        "--routed-rows", nargs="+", default=["auto"], choices=["auto", "gather", "masked"],
-        help="how a decode step runs a routed layer (mode.generate.Decoder's routed_rows); one MoD row each",
+        "--routed-rows", nargs="+", default=["auto"], choices=list(ROUTED_ROWS),
+        help="how a decode step runs a routed layer (mode.generate.Decoder's routed_rows); rows for each",
     )
+    parser.add_argument("--decoder-arg", action="append", default=[], metavar="KEY=VALUE",
+                        help="a keyword for every decode run's Decoder, e.g. cuda_graph=False (repeatable)")
     args = parser.parse_args(argv)
     check_device(parser, args)
+    try:
+        decoder_args = parse_decoder_args(args.decoder_arg)
+    except ValueError as e:
+        parser.error(str(e))
     if args.tiny:
         args.width, args.heads, args.layers, args.ffn, args.vocab = 64, 4, 4, 128, 256
-        args.prompt, args.new_tokens, args.batches, args.repeats = 16, 16, [1, 4], 1
+        args.new_tokens, args.repeats, args.prefill_repeats = 8, 1, 2
+    args.prompts = args.prompts or ([16] if args.tiny else [128, 2048])
+    args.batches = args.batches or ([1, 4] if args.tiny else [1, 64, 1024])
+    if "dense" not in args.models:
+        args.models = ["dense", *args.models]  # every ratio is to dense
     if args.device == "auto":
         device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     else:
         device = torch.device(args.device)
     sdpa = DECODE_SDPA_BACKENDS if args.sdpa == "decoder" else None
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    card = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
-    torch.manual_seed(0)
-    models = {}
-    for name, pattern in (("dense", ["dense"]), ("MoD", ["dense", "mod"])):
-        models[name] = LanguageModel(make_config(pattern, args)).to(device=device, dtype=dtype).eval()
-    prompts = {b: torch.randint(0, args.vocab, (b, args.prompt), device=device) for b in args.batches}
-    calibrate_routers(models["MoD"], prompts[max(args.batches)], args.capacity)
+    card = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    models = build_models(args.models, args, max(args.prompts) + args.new_tokens, device, dtype)
     if args.profile:
-        print(f"Decode profile, {card}, {str(dtype).removeprefix('torch.')}: D={args.width}, {args.heads} heads, "
-              f"{args.layers} layers; aten ops are those called from Python, views excluded")
-        for batch in args.batches:
-            for name, model in models.items():
-                result = profile_decode(model, prompts[batch], args.profile_steps, device, sdpa, args.routed_rows[0])
-                print_profile(name, batch, result, device.type == "cuda")
+        run_profiles(models, args, device, dtype, card, sdpa)
         return
 
-    rows = []
-    setups = [(name, policy) for policy in args.routed_rows for name in ("dense", "MoD")]
+    budget = free_bytes(device) if args.memory_gib is None else int(args.memory_gib * 2**30)
+    setups = [(name, policy) for policy in args.routed_rows for name in models]
     if args.compile:
-        setups += [(name, "masked+compile") for name in ("dense", "MoD")]
-    for batch in args.batches:
-        best: dict[tuple[str, str], tuple[float, float, float, str]] = {}
-        for name, policy in setups:  # warm up kernels and allocator
-            decode_run(models[name], prompts[batch][:, :8], 4, device, sdpa, *step_kind(policy))
-        for _ in range(args.repeats):  # interleaved, so a slow spell of the machine hits every row alike
-            for name, policy in setups:
-                run = decode_run(models[name], prompts[batch], args.new_tokens, device, sdpa, *step_kind(policy))
-                if (name, policy) not in best or run[1] > best[name, policy][1]:
-                    best[name, policy] = run
-        for (name, policy), (prefill, tps, share, used) in best.items():
-            dense_tps = best["dense", policy][1]  # the dense model decoded the same way
-            rows.append(
-                f"| {batch} | {name} | {used} | {tps:,.0f} | {prefill * 1e3:.1f} | "
-                f"{'-' if name == 'dense' else f'{share:.3f}'} | {tps / dense_tps:.2f} |"
-            )
+        setups += [(name, "masked+compile") for name in models]
+    rows = []
+    for prompt in args.prompts:
+        for batch in args.batches:
+            full = does_not_fit(setting_bytes(args, batch, prompt, dtype.itemsize), budget)
+            if full is None:
+                prompts = torch.randint(0, args.vocab, (batch, prompt), device=device)
+                try:
+                    _, best = measure(models, prompts, args, device, sdpa, setups, decoder_args)
+                except torch.OutOfMemoryError:
+                    full, best = "out of memory", {}
+                del prompts
+                torch.cuda.empty_cache() if device.type == "cuda" else None
+            if full is not None:
+                best = {setup: full for setup in setups}
+            rows += table_rows(args, prompt, batch, best)
+    extra = "".join(f", {key}={value!r}" for key, value in decoder_args.items())
     print(
-        f"\nDecode, {card}, {str(dtype).removeprefix('torch.')}: D={args.width}, {args.heads} heads, {args.layers} layers, "
-        f"vocab {args.vocab}, ffn {args.ffn}, prompt {args.prompt}, {args.new_tokens} new tokens (greedy); "
-        f"MoD: every other block routed, causal method (a), target share {args.capacity}; "
-        f"attention backends: {'decoder default (flash, efficient, math)' if sdpa is not None else 'torch default'}\n"
+        f"\nDecode and prefill, {card}, torch {torch.__version__}, {str(dtype).removeprefix('torch.')}: D={args.width}, "
+        f"{args.heads} heads, {args.layers} layers, vocab {args.vocab}, ffn {args.ffn}; {args.new_tokens} new tokens "
+        f"(greedy), best of {args.repeats} decode runs; prefill: median of {args.prefill_repeats}; MoD: every other "
+        f"block routed, causal method (a), target share {args.capacity}; Staged MoDE: MoD's routed blocks with a top-1 "
+        f"token-choice MoE; attention backends: "
+        f"{'decoder default (flash, efficient, math)' if sdpa is not None else 'torch default'}{extra}\n"
     )
-    print("| batch | model | decode step | decode tokens/s | prefill ms (one run) | routed share (decode) | x dense (same step) |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| prompt | batch | model | decode step | decode tokens/s | x dense | routed share (decode) | prefill ms | "
+          "x dense (time) | prefill FLOP ratio | decode target | prefill target |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     print("\n".join(rows))
+
+
+def run_profiles(models: dict[str, LanguageModel], args: argparse.Namespace, device: torch.device, dtype: torch.dtype,
+                 card: str, sdpa) -> None:
+    print(f"Decode profile, {card}, torch {torch.__version__}, {str(dtype).removeprefix('torch.')}: D={args.width}, "
+          f"{args.heads} heads, {args.layers} layers; aten ops are those called from Python, views excluded")
+    for prompt in args.prompts:
+        for batch in args.batches:
+            prompts = torch.randint(0, args.vocab, (batch, prompt), device=device)
+            for name, model in models.items():
+                calibrate_routers(model, prompts[:CALIBRATION_ROWS], args.capacity)
+                result = profile_decode(model, prompts, args.profile_steps, device, sdpa, args.routed_rows[0])
+                print_profile(f"{name}, prompt {prompt}", batch, result, device.type == "cuda")
 
 
 if __name__ == "__main__":

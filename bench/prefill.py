@@ -3,14 +3,17 @@
     python -m bench.prefill            # D=1024, 16 heads, 12 layers, vocab 32768, bf16, CUDA
     python -m bench.prefill --tiny     # a CPU-sized smoke run of the same script
 
-The models are bench/decode.py's (the MoD model routes every other block at capacity 12.5%
+The models (also bench/decode.py's): dense, MoD (every other block routed at capacity 12.5%
 with causal method (a); its random routers are calibrated so that about 12.5% of the prompt
-tokens go through). Each setting is prefilled --repeats times on a fresh Decoder after
---warmup untimed prefills (kernel compilation, allocator growth), settings interleaved; the
-table gives the median and the best wall time, and from one more prefill under torch.profiler
-the GPU-busy time, the kernels launched and the host synchronisations and copies (a
-device-to-host copy of a routed layer's counts is its one sync). Prefill at batch 1 is bound
-by the host: compare wall time with GPU-busy time.
+tokens go through) and, with --models, Staged MoDE (the MoD model's routed blocks with an
+8-expert token-choice MoE FFN, top-1 and dropless, each expert as wide as the dense FFN, so a
+token costs what it costs in a dense block; its depth routers calibrated the same way). Each
+setting is prefilled --repeats times on a fresh Decoder after --warmup untimed prefills (kernel
+compilation, allocator growth), settings interleaved; the table gives the median and the best
+wall time, and from one more prefill under torch.profiler the GPU-busy time, the kernels
+launched and the host synchronisations and copies (a device-to-host copy of a routed layer's
+counts is its one sync). Prefill at batch 1 is bound by the host: compare wall time with
+GPU-busy time.
 """
 from __future__ import annotations
 
@@ -23,12 +26,65 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench.common import add_model_args, require_cuda_unless_tiny, sync
-from bench.decode import calibrate_routers, make_config
+from mode.config import Config, config_from_dict
 from mode.inference.decoder import DECODE_SDPA_BACKENDS, Decoder
+from mode.layers.mod import MoDBlock
 from mode.model import LanguageModel
 
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
 HOST_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpyAsync", "cudaMemcpy")
+
+
+# The models compared, by their table name: block_pattern, and whether the routed blocks' FFN is an MoE.
+MODELS = {"dense": (["dense"], False), "MoD": (["dense", "mod"], False), "Staged MoDE": (["dense", "mode_staged"], True)}
+
+
+def make_config(name: str, args: argparse.Namespace, max_seq_len: int, seq_len: int | None = None) -> Config:
+    """The config of model `name` (MODELS) at the shape of args (add_model_args, --capacity)."""
+    pattern, moe = MODELS[name]
+    sections = {
+        "model": {
+            "vocab_size": args.vocab, "d_model": args.width, "n_heads": args.heads, "n_layers": args.layers,
+            "d_ff": args.ffn, "max_seq_len": max_seq_len, "block_pattern": pattern,
+        },
+        "routing": {"capacity": args.capacity, "gate": "sigmoid", "causal": "aux_loss", "router_bias": True},
+        "data": {"seq_len": seq_len or max_seq_len},
+    }
+    if moe:  # top-1 of E, dropless: every chosen token through one expert of the dense FFN's width
+        sections["moe"] = {"n_experts": 4 if args.tiny else 8, "scheme": "token_choice", "top_k": 1,
+                           "dropless": True, "activation": "swiglu", "backend": "torch"}
+    return config_from_dict(sections, "bench")
+
+
+def build_models(names: list[str], args: argparse.Namespace, max_seq_len: int, device: torch.device,
+                 dtype: torch.dtype) -> dict[str, LanguageModel]:
+    """The named models, each from the same seed, in eval mode on device."""
+    models = {}
+    for name in names:
+        torch.manual_seed(0)
+        models[name] = LanguageModel(make_config(name, args, max_seq_len)).to(device=device, dtype=dtype).eval()
+    return models
+
+
+@torch.no_grad()
+def calibrate_routers(model: LanguageModel, prompts: torch.Tensor, share: float) -> None:
+    """Set each routed block's router bias so that share of the prompts' tokens have logit > 0."""
+    if not any(isinstance(block, MoDBlock) for block in model.blocks):
+        return
+    for block in model.blocks:
+        if isinstance(block, MoDBlock):
+            block.router.router.proj.bias.fill_(-1e4)  # skip while calibrating earlier layers
+    x = model.embed(prompts)
+    angles = model.rotary.prefix(prompts.shape[1])
+    for block in model.blocks:
+        if isinstance(block, MoDBlock):
+            proj = block.router.router.proj
+            proj.bias.zero_()
+            scores = block.router.router(x).flatten()
+            proj.bias.fill_(-float(torch.quantile(scores.float(), 1.0 - share)))
+            x, _ = block(x, angles, causal=True)
+        else:
+            x, _ = block(x, angles)
 
 
 @dataclass
@@ -67,8 +123,9 @@ def profile_prefill(model: LanguageModel, prompts: list[list[int]], device: torc
 
 @torch.no_grad()
 def time_settings(models: dict[str, LanguageModel], prompts: list[list[int]], device: torch.device,
-                  repeats: int, warmup: int) -> dict[str, PrefillTime]:
-    """Every model's prefill of the same prompts, runs interleaved between the models."""
+                  repeats: int, warmup: int, profiled: bool = True) -> dict[str, PrefillTime]:
+    """Every model's prefill of the same prompts, runs interleaved between the models; profiled:
+    also one prefill each under the profiler (else GPU busy time and counts stay 0)."""
     for _ in range(warmup):
         for model in models.values():
             prefill_once(model, prompts, device)
@@ -78,7 +135,7 @@ def time_settings(models: dict[str, LanguageModel], prompts: list[list[int]], de
             runs[name].append(prefill_once(model, prompts, device))
     result = {}
     for name, model in models.items():
-        busy, launches, waits = profile_prefill(model, prompts, device)
+        busy, launches, waits = profile_prefill(model, prompts, device) if profiled else (0.0, 0, 0)
         result[name] = PrefillTime(statistics.median(runs[name]) * 1e3, min(runs[name]) * 1e3, busy, launches, waits)
     return result
 
@@ -89,6 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--capacity", type=float, default=0.125)
     parser.add_argument("--prompts", type=int, nargs="+", default=[128, 2048], help="prompt lengths")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=["dense", "MoD"])
     parser.add_argument("--repeats", type=int, default=10, help="timed prefills per setting; the median is reported")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run at a small shape")
@@ -102,13 +160,11 @@ def main(argv: list[str] | None = None) -> None:
     card = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     rows = []
     for prompt in args.prompts:
-        args.prompt, args.new_tokens = prompt, 1  # make_config sizes max_seq_len from these
-        torch.manual_seed(0)
-        models = {name: LanguageModel(make_config(pattern, args)).to(device=device, dtype=dtype).eval()
-                  for name, pattern in (("dense", ["dense"]), ("MoD", ["dense", "mod"]))}
+        models = build_models(args.models, args, prompt + 1, device, dtype)
         for batch in args.batches:
             prompts = torch.randint(0, args.vocab, (batch, prompt), device=device)
-            calibrate_routers(models["MoD"], prompts, args.capacity)
+            for model in models.values():
+                calibrate_routers(model, prompts, args.capacity)
             times = time_settings(models, prompts.tolist(), device, args.repeats, args.warmup)
             for name, t in times.items():
                 ratio = t.median_ms / times["dense"].median_ms
@@ -116,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
                             f"{t.launches} | {t.host_waits} | {ratio:.2f} |")
     print(f"\nPrefill, {card}, {str(dtype).removeprefix('torch.')}: D={args.width}, {args.heads} heads, "
           f"{args.layers} layers, vocab {args.vocab}, ffn {args.ffn}; MoD: every other block routed, causal method (a), "
-          f"target share {args.capacity}; median of {args.repeats} prefills after {args.warmup} warm-up\n")
+          f"target share {args.capacity}; Staged MoDE: MoD with a top-1 MoE in the routed blocks; median of {args.repeats} prefills after {args.warmup} warm-up\n")
     print("| prompt | batch | model | median ms | best ms | GPU busy ms | kernel launches | host syncs + copies | x dense |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     print("\n".join(rows))

@@ -148,12 +148,6 @@ def test_block_kinds_tiny() -> None:
     assert number(rows[0][5]) == 1.0  # step time against dense: dense itself
 
 
-def test_decode_tiny() -> None:
-    rows = table_rows(run("-m", "bench.decode", "--tiny"))
-    assert {r[1] for r in rows} == {"dense", "MoD"}
-    assert all(number(r[3]) > 0 for r in rows)  # tokens/s
-
-
 def test_prefill_tiny() -> None:
     """Both models at every batch, median and best wall times positive, the dense row the unit."""
     rows = table_rows(run("-m", "bench.prefill", "--tiny"))

@@ -8,8 +8,8 @@ new hidden states go back. A token a layer does not process comes out unchanged 
 enters the layer's cache.
 
 - Prefill: a chunk of any length per row. The chosen tokens of each row are compacted (padded
-  to the longest row's count, padding past every cached slot); rows with none are not computed.
-  Host counts, so one sync per routed layer.
+  to the longest row's count, padding past the row's cached tokens); rows with none are not
+  computed. On a fresh cache, plain causal attention. Host counts, so one sync per routed layer.
 - GatherStep: one token per row; only the rows the layer processes are computed (index_select)
   and updated in place in the step's own hidden states. Lengths on the host; a routed layer's
   decision goes to the host (its one sync).
@@ -71,14 +71,16 @@ class ChunkRows:
         self.old_cpu, self.count_list, self.old_list = old_cpu, self.count.tolist(), old_cpu.tolist()
         self.width = max(self.count_list)
         self.full = min(self.count_list) == n  # every computed row processes its whole chunk: nothing to compact
+        # Every computed row's cache is empty: plain causal attention over the compacted tokens is
+        # exact (a row's chosen tokens come first, in order; its padding after them is never seen).
+        self.fresh = max(self.old_list) == 0
         xr, pr = self._rows(x), self._rows(chunk.positions)
         if self.full:
             self.idx = self.valid = None
             self.x, pos = xr, pr
         else:  # chosen tokens first, in order; then padding (unchosen tokens, never cached)
             sr = self._rows(chosen)
-            ar = torch.arange(n, device=device)
-            self.idx = torch.where(sr, ar, ar + n).argsort(dim=1)[:, : self.width]  # (m, K)
+            self.idx = (~sr).argsort(dim=1, stable=True)[:, : self.width]  # (m, K): chosen (False) first, in order
             self.valid = sr.gather(1, self.idx)  # (m, K)
             self.x = xr.gather(1, self.idx.unsqueeze(-1).expand(-1, -1, width))  # (m, K, D)
             pos = pr.gather(1, self.idx)
@@ -101,7 +103,7 @@ class ChunkRows:
         groups = q.shape[2] // k.shape[2]
         q = q.transpose(1, 2)  # (m, H, K, hd)
         width = self.width
-        if self.full and max(self.old_list) == 0:  # a fresh cache and a whole chunk: plain causal attention
+        if self.fresh:  # slots 0..K-1; a row's padding lands past its length, where nothing reads it
             kt, vt = k.transpose(1, 2), v.transpose(1, 2)  # (m, H, K, hd)
             if self.every_row:
                 cache.k[:, :, :width] = kt
@@ -141,10 +143,10 @@ class ChunkRows:
         if self.full:
             return new if self.every_row else x.index_copy(0, self.rows, new)
         new = torch.where(self.valid.unsqueeze(-1), new, self.x)  # padding (unchosen tokens) unchanged
-        result = x.clone()
-        row_ids = torch.arange(self.batch, device=x.device) if self.every_row else self.rows
-        result[row_ids.unsqueeze(1), self.idx] = new
-        return result
+        index = self.idx.unsqueeze(-1).expand_as(new)  # (m, K, D): each row's tokens, distinct
+        if self.every_row:
+            return x.scatter(1, index, new)
+        return x.index_copy(0, self.rows, x.index_select(0, self.rows).scatter(1, index, new))
 
     def add(self, x: Tensor, update: Tensor) -> Tensor:
         """put() of the computed tokens' states plus update (m, K, D), in their dtype."""

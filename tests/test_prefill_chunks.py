@@ -1,0 +1,78 @@
+"""A prefill chunk on a fresh cache: a layer that takes some tokens of each row (a different
+number per row, none in one) attends with plain causal attention over the compacted tokens,
+and gives what the block gives on each row's chosen tokens alone; later decode steps never read
+the padding it leaves past a row's length. Tiny float64 blocks on CPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mode.generate import layer_step
+from mode.layers import chunks
+from mode.layers.chunks import GatherStep, StaticStep
+from mode.layers.kv_cache import LayerCache, PackedRows
+from tests.test_generate import F64_TOL, make_model
+
+S, B, D = 12, 4, 32
+STEPS = 3  # decode steps after the prefill
+
+
+def chosen_tokens() -> torch.Tensor:
+    """(B, S) bool: every row a different count, row 2 none, row 3 all."""
+    chosen = torch.zeros(B, S, dtype=torch.bool)
+    chosen[0, [1, 4, 5, 9]] = True
+    chosen[1, [0, 2, 3, 6, 7, 8, 11]] = True
+    chosen[3] = True
+    return chosen
+
+
+def reference(block: torch.nn.Module, rotary: torch.nn.Module, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The block's causal forward on one row's tokens x (n, D) at positions (n,) -> (n, D)."""
+    return block(x.unsqueeze(0), rotary.angles(positions))[0][0]
+
+
+@torch.no_grad()
+def test_fresh_prefill_of_compacted_rows_is_causal_attention(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = make_model("dense")
+    block, rotary = model.blocks[0], model.rotary
+    torch.manual_seed(3)
+    x = torch.randn(B, S + STEPS, D, dtype=torch.float64)
+    chosen = chosen_tokens()
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+
+    def recording(*args, **kwargs):
+        calls.append((kwargs.get("attn_mask") is None, kwargs.get("is_causal", False)))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(chunks.F, "scaled_dot_product_attention", recording)
+    cache = LayerCache.empty(B, S + STEPS, 4, 8, torch.float64, torch.device("cpu"))
+    positions = torch.arange(S).expand(B, S)
+    got = layer_step(block, cache, rotary, x[:, :S], positions, chosen)
+    assert calls == [(True, True)]  # one attention call, causal, no mask
+    assert cache.lengths.tolist() == chosen.sum(1).tolist()
+    for b in range(B):
+        picked = chosen[b].nonzero().squeeze(1)
+        want = x[b, :S].clone()
+        if picked.numel():
+            want[picked] = reference(block, rotary, x[b, picked], picked)
+        assert (got[b] - want).abs().max() <= F64_TOL, b
+        assert torch.equal(got[b, ~chosen[b]], x[b, :S][~chosen[b]])  # unchosen tokens untouched
+
+    # Decode steps after it (both steps) see each row's chosen tokens and nothing of the padding.
+    monkeypatch.setattr(chunks.F, "scaled_dot_product_attention", sdpa)
+    static_cache = LayerCache(cache.kv.clone(), cache.lengths_cpu.clone())
+    static_cache.lengths_dev = static_cache.lengths_cpu.clone()
+    packed = PackedRows.build(B, S + STEPS, x.device, x.dtype, 8)
+    all_rows, active = torch.arange(B), torch.ones(B, dtype=torch.bool)
+    for t in range(S, S + STEPS):
+        pos = torch.full((B,), t)
+        gather = GatherStep.at(rotary, pos, active, S + STEPS, x.device, packed.slot_ids, all_rows)
+        static = StaticStep(rotary, pos, active, S + STEPS, all_rows * (S + STEPS + 1), packed)
+        for step, step_cache in ((gather, cache), (static, static_cache)):
+            out = block.forward_cached(x[:, t : t + 1].clone(), step_cache, step)
+            for b in range(B):
+                seen = torch.cat((chosen[b].nonzero().squeeze(1), torch.arange(S, t + 1)))
+                want = reference(block, rotary, x[b, seen], seen)[-1]
+                assert (out[b, 0] - want).abs().max() <= F64_TOL, (t, b)
