@@ -281,8 +281,8 @@ def setting_labels(runs: list[Run]) -> dict[str, str]:
     train.max_steps where train.flops_budget set it. Runs of one setting share a label, seeds being
     its samples; where no field is left, a run's label is its folder name."""
     fields = _setting_fields(differing_fields([r.config for r in runs]))
-    if "train.flops_budget" in fields and "train.max_steps" in fields:
-        fields.remove("train.max_steps")
+    if "train.max_steps" in fields and all(r.config.train.flops_budget is not None for r in runs):
+        fields.remove("train.max_steps")  # the budget's consequence, not a choice
     flats = [flat_fields(r.config.to_dict()) for r in runs]
     kept: list[str] = []
     for name in fields:
@@ -341,8 +341,8 @@ def plot_png(runs: list[Run], budget: float | None) -> bytes:
         ax.axvline(budget, color="grey", linestyle="--", linewidth=1, label="common FLOP budget")
     ax.set_xlabel("cumulative training FLOPs")
     ax.set_ylabel("loss (nats/token); faint: train")
-    ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside: tens of settings
-    fig.tight_layout()
+    # Beside the axes (tens of settings); no tight_layout, which would shrink the axes to make room.
+    ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=100, bbox_inches="tight")
     plt.close(fig)

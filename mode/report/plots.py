@@ -200,8 +200,11 @@ def legend(ax: Any) -> None:
     ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
 
 
-def png_bytes(fig: Any) -> bytes:
-    fig.tight_layout()
+def png_bytes(fig: Any, tight: bool = True) -> bytes:
+    """tight=False for one axes with its legend beside it: tight_layout would shrink the axes to
+    make room, where savefig's tight box takes the legend in anyway."""
+    if tight:
+        fig.tight_layout()
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=100, bbox_inches="tight")  # legends sit outside the axes
     pyplot().close(fig)
@@ -229,7 +232,7 @@ def isoflop_png(curves: list[dict[str, Any]]) -> bytes:
     ax.set_ylabel("final validation loss (nats/token)")
     ax.set_title("isoFLOP curves (star: each curve's optimum)")
     legend(ax)
-    return png_bytes(fig)
+    return png_bytes(fig, tight=False)
 
 
 def time_png(series: dict[str, dict[str, list[tuple[float, float]]]], labels: dict[str, str]) -> bytes:
@@ -248,7 +251,7 @@ def time_png(series: dict[str, dict[str, list[tuple[float, float]]]], labels: di
     ax.set_xlabel("wall-clock seconds of training")
     ax.set_ylabel("loss (nats/token); faint: train")
     legend(ax)
-    return png_bytes(fig)
+    return png_bytes(fig, tight=False)
 
 
 def causal_png(series: dict[str, dict[str, Any]], labels: dict[str, str]) -> bytes:
