@@ -301,15 +301,16 @@ class MaskedRows:
         """q (B, 1, H, hd) and kv (B, 1, 2, Hkv, hd), q and k rotated -> (B, 1, H, hd). A chosen row
         writes its key and value at its length and attends over its cache and itself; every other
         row writes to its scratch slot (max_len), so the cache holds exactly the chosen tokens, and
-        its output is discarded. Eager under torch.compile: the cache is written in place."""
+        reads one slot (its output is discarded). Eager under torch.compile: the cache is written
+        in place."""
         cache, chosen = self.cache, self.chosen
         q, kv = q[:, 0], kv[:, 0].transpose(0, 1)  # (B, H, hd), (2, B, Hkv, hd)
         lengths = cache.lengths_dev  # (B,) exact
         slot = torch.where(chosen, lengths, cache.max_len)
         packed = cache.kv.view(2, -1, *kv.shape[2:])  # (2, B * (max_len + 1), Hkv, hd)
         packed.index_copy_(1, self.step.row_base + slot, kv.to(cache.kv.dtype))
-        # An unchosen row's output is discarded; reading at least one (finite) slot keeps it finite.
-        used = torch.where(chosen, lengths + 1, lengths.clamp(min=1))
+        # An unchosen row's output is discarded: it reads one (finite) slot, its first.
+        used = torch.where(chosen, lengths + 1, 1)
         lengths.add_(chosen)
         return attend_used(q, cache, used, self.step.packed).unsqueeze(1)
 
