@@ -307,8 +307,13 @@ class Decoder:
             try:
                 self._capture()
             except RuntimeError as e:  # an op that cannot be captured: the same step, launched eagerly
-                warnings.warn(f"mode.generate: CUDA graph capture failed ({str(e).splitlines()[0]}); decoding without it")
-                self.cuda_graph = self.compact_rows = False  # eager compacted rows would sync per layer
+                reason = str(e).splitlines()[0]
+                if self.compact_rows:  # first without the conditional nodes
+                    warnings.warn(f"mode.generate: CUDA graph capture with compacted rows failed ({reason}); every row then")
+                    self.compact_rows = False
+                    return self._static_logits(tokens, active)
+                warnings.warn(f"mode.generate: CUDA graph capture failed ({reason}); decoding without it")
+                self.cuda_graph = False
         if not self.cuda_graph:
             return self.logits(self._static_step(tokens, active)[:, 0])
         self._graph_inputs[0].copy_(tokens)

@@ -13,9 +13,10 @@ enters the layer's cache.
 - GatherStep: one token per row; only the rows the layer processes are computed (index_select)
   and updated in place in the step's own hidden states. Lengths on the host; a routed layer's
   decision goes to the host (its one sync).
-- StaticStep: one token per row; every row is computed and only the chosen rows keep their
-  result and cache a slot. Lengths and positions stay on the device and nothing is read on the
-  host: a fixed sequence of kernels that a CUDA graph can capture.
+- StaticStep: one token per row; lengths and positions stay on the device. Every row is
+  computed and only the chosen rows keep their result and cache a slot (MaskedRows), or a
+  routed layer computes just its chosen rows, compacted on the device (CompactRows). Captured
+  as a CUDA graph, whose conditional nodes pick the way: nothing is read on the host.
 """
 from __future__ import annotations
 
