@@ -11,6 +11,7 @@ import torch
 
 from mode.generate import Decoder
 from mode.layers.chunks import CompactRows, MaskedRows, StaticStep, if_nodes_available
+from mode.layers.kv_cache import attend_used
 from mode.layers.mod import MoDBlock
 from tests.test_generate import F64_TOL, make_model
 
@@ -125,9 +126,9 @@ def test_if_nodes_replay_the_compacted_step(dtype: torch.dtype, batch: int, bias
     active = torch.ones(batch, dtype=torch.bool)
     active[0] = False
     runs = {}
-    for name, kwargs in {"graph": dict(cuda_graph=True, compact_rows=True),
-                         "eager": dict(cuda_graph=False, compact_rows=True),
-                         "masked": dict(cuda_graph=True, compact_rows=False)}.items():
+    for name, kwargs in {"graph": {"cuda_graph": True, "compact_rows": True},
+                         "eager": {"cuda_graph": False, "compact_rows": True},
+                         "masked": {"cuda_graph": True, "compact_rows": False}}.items():
         runs[name] = decode(model, tokens, active if batch > 1 else None, row_slack=1.0, **kwargs)
     (graph, graphed), (eager, eager_decoder), (masked, _) = runs.values()
     assert graphed._graph is not None and graphed.compact_rows and eager_decoder._graph is None
@@ -136,3 +137,36 @@ def test_if_nodes_replay_the_compacted_step(dtype: torch.dtype, batch: int, bias
         assert torch.equal(a.lengths, b.lengths) and torch.equal(a.kv[:, :, :-1], b.kv[:, :, :-1])
     if dtype == torch.float32:
         torch.testing.assert_close(graph, masked, rtol=0, atol=1e-4)
+
+
+def attend_rows(device: str, dtype: torch.dtype) -> tuple[Decoder, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decoder's first cache filled at random, queries and used lengths for its 5 rows, rows 1, 3, 4."""
+    model = make_model("mod", "aux_loss").to(device, dtype)
+    decoder = Decoder(model, 5, 40, routed_rows="masked")
+    decoder.caches[0].kv.normal_()
+    q = torch.randn(5, 4, 8, device=device, dtype=dtype)
+    used = torch.tensor([1, 7, 40, 16, 33], device=device)
+    return decoder, q, used, torch.tensor([1, 3, 4], device=device)
+
+
+def test_attention_over_some_rows_equals_those_rows_of_every_row() -> None:
+    decoder, q, used, rows = attend_rows("cpu", torch.float64)
+    cache, packed = decoder.caches[0], decoder._packed
+    every = attend_used(q, cache, used, packed)
+    some = attend_used(q.index_select(0, rows), cache, used.index_select(0, rows), packed, rows)
+    torch.testing.assert_close(some, every.index_select(0, rows), rtol=0, atol=F64_TOL)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flash attention needs a GPU")
+def test_flash_varlen_over_some_rows_equals_masked_sdpa() -> None:
+    """The compacted rows' attention: flash over their regions of the packed cache (cu_k from the
+    rows) == SDPA over their caches with a length mask."""
+    decoder, q, used, rows = attend_rows("cuda", torch.bfloat16)
+    cache, packed = decoder.caches[0], decoder._packed
+    q, used = q.index_select(0, rows), used.index_select(0, rows)
+    assert packed.flash
+    flash = attend_used(q, cache, used, packed, rows)
+    decoder._flash_varlen = False
+    masked = attend_used(q, cache, used, packed, rows)
+    # bf16 inputs, float32 accumulation in both (as test_generate's full-batch check)
+    torch.testing.assert_close(flash, masked, rtol=0, atol=2e-2)

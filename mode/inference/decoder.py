@@ -20,8 +20,8 @@ the chunk says how (mode/layers/chunks.py): a prefill chunk, the gather decode s
 layer chose computed alone, one host sync per routed layer; its cost follows the rows computed)
 or the static decode step (no host sync: captured once as a CUDA graph and replayed; a routed
 layer computes its chosen rows compacted, or every row where more chose it than the compacted
-width holds, picked by the graph's conditional nodes). Attention runs on the SDPA backends without per-shape state (flash,
-memory-efficient, math): decode shapes change every step and cuDNN attention builds and caches
+width holds, picked by the graph's conditional nodes). Attention runs on the SDPA backends
+without per-shape state (flash, memory-efficient, math): decode shapes change every step and cuDNN attention builds and caches
 an execution plan per shape.
 """
 from __future__ import annotations
@@ -50,8 +50,9 @@ DECODE_SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTI
 #   entirely; the decisions go to the host first (one sync per routed layer). Eager.
 # - "masked": the static step. The chosen rows are computed (compacted, see ROW_SLACK; or every
 #   active row) and only they keep the update and write a cache slot that counts; decisions,
-#   lengths and positions never leave the device, and the whole step is one fixed sequence of kernels: on a GPU it is captured
-#   once as a CUDA graph (cuda_graph) and replayed, so the host no longer paces the step.
+#   lengths and positions never leave the device, and the whole step is one fixed sequence of
+#   kernels: on a GPU it is captured once as a CUDA graph (cuda_graph) and replayed, so the
+#   host no longer paces the step.
 # "auto": "masked" on a GPU where the step can be captured (every FFN dense) or from batch
 # MASKED_MIN_BATCH (where almost every routed layer has some chosen row and its matmuls read
 # the same weights for 8 rows as for 64), else "gather".
