@@ -552,7 +552,7 @@ def test_cuda_graph_replays_the_static_step_exactly() -> None:
     follow = torch.randint(0, 256, (3, 8), device="cuda")
     active = torch.tensor([True, False, True])
     graphed = Decoder(model, 3, 32, routed_rows="masked", cuda_graph=True)
-    eager = Decoder(model, 3, 32, routed_rows="masked", cuda_graph=False)
+    eager = Decoder(model, 3, 32, routed_rows="masked", cuda_graph=False, compact_rows=graphed.compact_rows)
     assert graphed._flash_varlen and eager._flash_varlen
     for decoder in (graphed, eager):
         decoder.prefill(prompts)

@@ -18,9 +18,10 @@ choice without capacity).
 Every block runs through its one incremental method, `block.forward_cached(x, cache, chunk)`;
 the chunk says how (mode/layers/chunks.py): a prefill chunk, the gather decode step (the rows a
 layer chose computed alone, one host sync per routed layer; its cost follows the rows computed)
-or the static decode step (every row computed, chosen rows kept, no host sync: captured once as
-a CUDA graph and replayed). Attention runs on the SDPA backends without per-shape state (flash,
-memory-efficient, math): decode shapes change every step and cuDNN attention builds and caches
+or the static decode step (no host sync: captured once as a CUDA graph and replayed; a routed
+layer computes its chosen rows compacted, or every row where more chose it than the compacted
+width holds, picked by the graph's conditional nodes). Attention runs on the SDPA backends
+without per-shape state (flash, memory-efficient, math): decode shapes change every step and cuDNN attention builds and caches
 an execution plan per shape.
 """
 from __future__ import annotations
@@ -33,7 +34,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from mode.layers.chunks import GatherStep, Prefill, StaticStep
+from mode.layers.chunks import GatherStep, Prefill, StaticStep, if_nodes_available
 from mode.layers.kv_cache import LayerCache, PackedRows, attend_used, to_device
 from mode.layers.mlp import SwiGLU
 from mode.layers.mod import MoDBlock
@@ -47,15 +48,21 @@ DECODE_SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTI
 # How a decode step runs a routed (MoD / Staged MoDE) layer (Decoder's routed_rows):
 # - "gather": only the rows whose token chose the layer are computed, the rest skip it
 #   entirely; the decisions go to the host first (one sync per routed layer). Eager.
-# - "masked": the static step. Every active row is computed and only the chosen rows keep the
-#   update and write a cache slot that counts; decisions, lengths and positions never leave
-#   the device, and the whole step is one fixed sequence of kernels: on a GPU it is captured
-#   once as a CUDA graph (cuda_graph) and replayed, so the host no longer paces the step.
+# - "masked": the static step. The chosen rows are computed (compacted, see ROW_SLACK; or every
+#   active row) and only they keep the update and write a cache slot that counts; decisions,
+#   lengths and positions never leave the device, and the whole step is one fixed sequence of
+#   kernels: on a GPU it is captured once as a CUDA graph (cuda_graph) and replayed, so the
+#   host no longer paces the step.
 # "auto": "masked" on a GPU where the step can be captured (every FFN dense) or from batch
 # MASKED_MIN_BATCH (where almost every routed layer has some chosen row and its matmuls read
 # the same weights for 8 rows as for 64), else "gather".
 ROUTED_ROWS = ("auto", "gather", "masked")
 MASKED_MIN_BATCH = 16
+# The static step's compacted rows (Decoder's compact_rows): a routed layer computes only the
+# rows its tokens chose, moved on the device into the first W = ceil(B * capacity * slack) rows
+# (1 <= W <= B); a step where more rows chose it computes every row. The slack over the layer's
+# trained capacity keeps the fallback rare while W stays well below B.
+ROW_SLACK = 2.0
 
 
 @torch.no_grad()
@@ -121,6 +128,12 @@ class Decoder:
     routed_rows: "gather", "masked" (the static step) or "auto" (see ROUTED_ROWS).
     cuda_graph: capture the static step as a CUDA graph (None: wherever it can be, that is on
     a GPU with every FFN dense); compile: torch.compile the static step's per-layer call.
+    compact_rows: the static step computes a routed (MoD / Staged MoDE) layer's chosen rows only,
+    compacted into W = ceil(batch * capacity * row_slack) rows (see ROW_SLACK), and nothing where
+    no row chose it. Under the CUDA graph its conditional nodes pick on the device; without one
+    the host reads each routed layer's count (one sync). None: wherever that adds no sync, that
+    is in the CUDA graph where this torch has conditional nodes, or with MoE FFNs (whose causal
+    routing reads counts on the host anyway); not with compile.
     The decoder snapshots each routed layer's router weights in float32 at construction (the
     decision is computed in float32, as the router does); build a new one after changing them.
     """
@@ -131,6 +144,8 @@ class Decoder:
         routed_rows: str = "auto",
         cuda_graph: bool | None = None,
         compile: bool = False,
+        compact_rows: bool | None = None,
+        row_slack: float = ROW_SLACK,
     ) -> None:
         cfg = model.config.model
         if max_len > cfg.max_seq_len:
@@ -166,7 +181,19 @@ class Decoder:
             )
         if compile and routed_rows != "masked":
             raise ValueError("compile=True compiles the static step: it needs routed_rows='masked'")
+        if compact_rows is None:
+            compact_rows = routed_rows == "masked" and not compile and (
+                (cuda_graph and if_nodes_available()) or not dense_ffns
+            )
+        elif compact_rows and (routed_rows != "masked" or compile or (cuda_graph and not if_nodes_available())):
+            raise ValueError(
+                "compact_rows=True needs routed_rows='masked', no compile, and under cuda_graph a torch with "
+                "CUDA graph conditional nodes (CUDAGraph.begin_capture_to_if_node)"
+            )
+        if not row_slack > 0:
+            raise ValueError(f"row_slack must be positive, got {row_slack}")
         self.routed_rows, self.cuda_graph, self.compile = routed_rows, cuda_graph, compile
+        self.compact_rows, self.row_slack = compact_rows, row_slack
         self._positions_dev: Tensor | None = None  # (B,) next positions on the device, in the static step
         self._static_buffers: tuple[list[Tensor], Tensor] | None = None  # the device lengths and positions
         self._graph: torch.cuda.CUDAGraph | None = None
@@ -281,7 +308,12 @@ class Decoder:
             try:
                 self._capture()
             except RuntimeError as e:  # an op that cannot be captured: the same step, launched eagerly
-                warnings.warn(f"mode.generate: CUDA graph capture failed ({str(e).splitlines()[0]}); decoding without it")
+                reason = str(e).splitlines()[0]
+                if self.compact_rows:  # first without the conditional nodes
+                    warnings.warn(f"mode.generate: CUDA graph capture with compacted rows failed ({reason}); every row then")
+                    self.compact_rows = False
+                    return self._static_logits(tokens, active)
+                warnings.warn(f"mode.generate: CUDA graph capture failed ({reason}); decoding without it")
                 self.cuda_graph = False
         if not self.cuda_graph:
             return self.logits(self._static_step(tokens, active)[:, 0])
@@ -296,25 +328,28 @@ class Decoder:
         batch = self.positions.shape[0]
         tokens = torch.zeros(batch, dtype=torch.long, device=self.device)
         active = torch.zeros(batch, dtype=torch.bool, device=self.device)
-        run = lambda: self.logits(self._static_step(tokens, active)[:, 0])  # noqa: E731
+        graph = torch.cuda.CUDAGraph()
+        run = lambda **how: self.logits(self._static_step(tokens, active, **how)[:, 0])  # noqa: E731
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(2):
-                run()
+                run(warm=True)
         torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            self._graph_logits = run()
+            self._graph_logits = run(graph=graph)
         self._graph, self._graph_inputs = graph, (tokens, active)
 
-    def _static_step(self, tokens: Tensor, active: Tensor) -> Tensor:
-        """tokens (B,), active (B,) bool, on the device -> hidden (B, 1, D). Every row is computed;
-        a layer keeps the update (and caches the token) of the rows it chose, routed or active."""
+    def _static_step(self, tokens: Tensor, active: Tensor, graph: torch.cuda.CUDAGraph | None = None,
+                     warm: bool = False) -> Tensor:
+        """tokens (B,), active (B,) bool, on the device -> hidden (B, 1, D). A layer keeps the update
+        (and caches the token) of the rows it chose, routed or active. graph: the CUDA graph being
+        captured; warm: a warm-up before capture (see StaticStep)."""
         model = self.model
         positions = self._positions_dev
         x = model.embed(tokens).view(tokens.shape[0], 1, -1)
-        step = StaticStep(model.rotary, positions, active, model.config.model.max_seq_len, self._row_base, self._packed)
+        step = StaticStep(model.rotary, positions, active, model.config.model.max_seq_len, self._row_base, self._packed,
+                          slack=self.row_slack if self.compact_rows else None, graph=graph, warm=warm)
         layer = _static_layer(self.compile)
         with self._inference():
             for block, cache in zip(model.blocks, self.block_caches):

@@ -13,11 +13,16 @@ enters the layer's cache.
 - GatherStep: one token per row; only the rows the layer processes are computed (index_select)
   and updated in place in the step's own hidden states. Lengths on the host; a routed layer's
   decision goes to the host (its one sync).
-- StaticStep: one token per row; every row is computed and only the chosen rows keep their
-  result and cache a slot. Lengths and positions stay on the device and nothing is read on the
-  host: a fixed sequence of kernels that a CUDA graph can capture.
+- StaticStep: one token per row; lengths and positions stay on the device. Every row is
+  computed and only the chosen rows keep their result and cache a slot (MaskedRows), or a
+  routed layer computes just its chosen rows, compacted on the device (CompactRows). Captured
+  as a CUDA graph, whose conditional nodes pick the way: nothing is read on the host.
 """
 from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -266,14 +271,38 @@ class GatherRows:
 
 
 # ----------------------------------------------------------------------------- static decode step
+def if_nodes_available() -> bool:
+    """Whether this torch captures CUDA graph conditional (IF) nodes."""
+    return hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node")
+
+
+@contextlib.contextmanager
+def captured_if(graph: torch.cuda.CUDAGraph, predicate: Tensor) -> Iterator[None]:
+    """The kernels launched inside run at replay only where the 0-d bool predicate is True then
+    (an IF node of the graph being captured). Their outputs must go into tensors made before it."""
+    graph.begin_capture_to_if_node(predicate)
+    try:
+        yield
+    finally:
+        graph.end_capture_to_conditional_node()
+
+
 class StaticStep:
     """One token per row, on device tensors only: positions (B,) and active (B,) bool. row_base
-    (B,): each row's first slot in the packed cache; packed: the attention's layout."""
+    (B,): each row's first slot in the packed cache; packed: the attention's layout.
+
+    slack: a routed layer (routed()) computes only its chosen rows, compacted into the first
+    W = ceil(B * capacity * slack) rows (CompactRows), where they fit; None: every row
+    (MaskedRows). graph: the CUDA graph being captured, whose IF nodes pick between the two on
+    the device; without one the host reads the count (one sync per routed layer). warm: a
+    warm-up before capture, with no active row: both run (writing scratch slots only), so that
+    every kernel has run once."""
 
     fp32_router = True
 
     def __init__(self, rotary: nn.Module, positions: Tensor, active: Tensor, max_seq_len: int, row_base: Tensor,
-                 packed: PackedRows) -> None:
+                 packed: PackedRows, slack: float | None = None, graph: torch.cuda.CUDAGraph | None = None,
+                 warm: bool = False) -> None:
         batch = positions.shape[0]
         # A finished row may stand at the end of the context window: its (discarded) rotation is
         # clamped to the table, as the prefill clamps its padding.
@@ -281,10 +310,40 @@ class StaticStep:
         self.angles = RotaryAngles(rotary.cos_full.index_select(0, angle_ids).view(batch, 1, 1, -1),
                                    rotary.sin_signed.index_select(0, angle_ids).view(batch, 1, 1, -1))
         self.active, self.row_base, self.packed = active, row_base, packed
+        self.slack, self.graph, self.warm = slack, graph, warm
 
     def select(self, x: Tensor, cache: LayerCache, chosen: Tensor | None = None) -> "MaskedRows":
         """Every row, the active ones (and of them those a routed layer chose, chosen (B, 1)) kept."""
         return MaskedRows(self, x, cache, self.active if chosen is None else chosen.view(-1) & self.active)
+
+    def routed(self, x: Tensor, cache: LayerCache, chosen: Tensor, capacity: float,
+               body: Callable[["MaskedRows | CompactRows"], Tensor]) -> Tensor:
+        """A routed layer's step: body(plan) -> the step's new hidden states (B, 1, D) for a row plan;
+        chosen (B, 1): the rows the layer's decision took, capacity: the share it was trained to
+        take. No row chosen: nothing computed; up to W: those rows compacted; more: every row."""
+        chosen = chosen.view(-1) & self.active
+        if self.slack is None:
+            return body(MaskedRows(self, x, cache, chosen))
+        batch = chosen.shape[0]
+        width = min(max(math.ceil(batch * capacity * self.slack), 1), batch)
+        fits = width < batch  # W = B would compute every row anyway, in another order
+        count = chosen.sum()
+        compact = lambda: body(CompactRows(self, x, cache, chosen, width))  # noqa: E731
+        masked = lambda: body(MaskedRows(self, x, cache, chosen))  # noqa: E731
+        if self.warm:
+            if fits:
+                compact()
+            return masked()
+        if self.graph is None:
+            taken = int(count)  # the host picks: the layer's one sync
+            return x if taken == 0 else compact() if fits and taken <= width else masked()
+        out = x.clone()  # made before the IF nodes: the rows no branch writes (every row where none runs)
+        if fits:
+            with captured_if(self.graph, (count > 0) & (count <= width)):
+                out.copy_(compact())
+        with captured_if(self.graph, count > (width if fits else 0)):
+            out.copy_(masked())
+        return out
 
 
 class MaskedRows:
@@ -303,15 +362,16 @@ class MaskedRows:
         """q (B, 1, H, hd) and kv (B, 1, 2, Hkv, hd), q and k rotated -> (B, 1, H, hd). A chosen row
         writes its key and value at its length and attends over its cache and itself; every other
         row writes to its scratch slot (max_len), so the cache holds exactly the chosen tokens, and
-        its output is discarded. Eager under torch.compile: the cache is written in place."""
+        reads one slot (its output is discarded). Eager under torch.compile: the cache is written
+        in place."""
         cache, chosen = self.cache, self.chosen
         q, kv = q[:, 0], kv[:, 0].transpose(0, 1)  # (B, H, hd), (2, B, Hkv, hd)
         lengths = cache.lengths_dev  # (B,) exact
         slot = torch.where(chosen, lengths, cache.max_len)
         packed = cache.kv.view(2, -1, *kv.shape[2:])  # (2, B * (max_len + 1), Hkv, hd)
         packed.index_copy_(1, self.step.row_base + slot, kv.to(cache.kv.dtype))
-        # An unchosen row's output is discarded; reading at least one (finite) slot keeps it finite.
-        used = torch.where(chosen, lengths + 1, lengths.clamp(min=1))
+        # An unchosen row's output is discarded: it reads one (finite) slot, its first.
+        used = torch.where(chosen, lengths + 1, 1)
         lengths.add_(chosen)
         return attend_used(q, cache, used, self.step.packed).unsqueeze(1)
 
@@ -320,3 +380,44 @@ class MaskedRows:
 
     def add(self, x: Tensor, update: Tensor) -> Tensor:
         return torch.where(self.chosen.view(-1, 1, 1), x + update.to(x.dtype), x)
+
+
+class CompactRows:
+    """The W rows of a static step a routed layer computes where its chosen rows fit in W: the
+    chosen rows and, as padding, the first unchosen ones, in row order: rows (W,), keep (W,)
+    bool (chosen). A padding row writes only its scratch slot and keeps its state. No host value."""
+
+    def __init__(self, step: StaticStep, x: Tensor, cache: LayerCache, chosen: Tensor, width: int) -> None:
+        # chosen rows first (a stable sort), the first W of them back in row order: the packed
+        # cache regions then ascend, as flash's cu_k expects
+        rows = (~chosen).byte().argsort(stable=True)[:width].sort().values  # (W,)
+        self.step, self.cache, self.chosen, self.rows = step, cache, chosen, rows
+        self.keep = chosen.index_select(0, rows)  # (W,)
+        self.valid = self.keep.view(-1, 1)  # (W, 1): an MoE FFN skips the padding
+        self.x = x.index_select(0, rows)  # (W, 1, D)
+        angles = step.angles
+        self.angles = RotaryAngles(angles.cos_full.index_select(0, rows), angles.sin_signed.index_select(0, rows))
+
+    def take(self, t: Tensor) -> Tensor:
+        """A per-row value (B, 1) -> the computed rows' (W, 1)."""
+        return t.index_select(0, self.rows)
+
+    def attend(self, q: Tensor, kv: Tensor) -> Tensor:
+        """q (W, 1, H, hd) and kv (W, 1, 2, Hkv, hd), q and k rotated -> (W, 1, H, hd): MaskedRows.attend
+        on the W rows; the attention reads their regions of the packed cache."""
+        cache, keep, rows = self.cache, self.keep, self.rows
+        q, kv = q[:, 0], kv[:, 0].transpose(0, 1)  # (W, H, hd), (2, W, Hkv, hd)
+        lengths = cache.lengths_dev.index_select(0, rows)  # (W,)
+        slot = torch.where(keep, lengths, cache.max_len)
+        packed = cache.kv.view(2, -1, *kv.shape[2:])  # (2, B * (max_len + 1), Hkv, hd)
+        packed.index_copy_(1, self.step.row_base.index_select(0, rows) + slot, kv.to(cache.kv.dtype))
+        used = torch.where(keep, lengths + 1, 1)
+        cache.lengths_dev.add_(self.chosen)  # every chosen row is among the W
+        return attend_used(q, cache, used, self.step.packed, rows).unsqueeze(1)
+
+    def put(self, x: Tensor, new: Tensor) -> Tensor:
+        """A copy of the step's hidden states x (B, 1, D) with the chosen rows' new states new (W, 1, D)."""
+        return x.index_copy(0, self.rows, torch.where(self.keep.view(-1, 1, 1), new.to(x.dtype), self.x))
+
+    def add(self, x: Tensor, update: Tensor) -> Tensor:
+        return self.put(x, self.x + update.to(self.x.dtype))

@@ -105,24 +105,31 @@ class PackedRows:
                    flash_varlen_available(device, dtype, head_dim))
 
 
-def attend_used(q: Tensor, cache: LayerCache, used: Tensor, packed: PackedRows) -> Tensor:
-    """Single-query attention of row b over its first used[b] cache slots: q (B, H, hd) -> (B, H, hd).
+def attend_used(q: Tensor, cache: LayerCache, used: Tensor, packed: PackedRows, rows: Tensor | None = None) -> Tensor:
+    """Single-query attention of row b over its first used[b] cache slots: q (n, H, hd) -> (n, H, hd);
+    rows (n,): the batch rows q holds, ascending (None: every row, n = B).
 
     With flash attention (CUDA, fp16 / bf16): its variable-length kernel on the packed cache,
-    which reads only the used slots (seqused_k), takes no host value and groups query heads
-    itself (a cache of Hkv < H heads). Elsewhere: SDPA over the whole cache with a length mask
-    (the same result at full-length cost).
+    which reads only the used slots (seqused_k) of the rows' regions, takes no host value and
+    groups query heads itself (a cache of Hkv < H heads). Elsewhere: SDPA over the rows' whole
+    caches with a length mask (the same result at full-length cost).
     """
-    batch, heads, head_dim = q.shape
+    n, heads, head_dim = q.shape
     kv_heads = cache.kv.shape[3]
     if packed.flash:
         slots = cache.kv.shape[2]
         keys, values = cache.kv.view(2, -1, kv_heads, head_dim).to(q.dtype).unbind(0)  # (B * slots, Hkv, hd)
+        cu_q, cu_k = packed.cu_q, packed.cu_k
+        if rows is not None:  # the rows' regions, then the end of the last one
+            cu_q, cu_k = cu_q[: n + 1], torch.cat((cu_k.index_select(0, rows), cu_k[-1:]))
         return torch.ops.aten._flash_attention_forward(
-            q.contiguous(), keys, values, packed.cu_q, packed.cu_k, 1, slots, 0.0, False, False, seqused_k=used.int(),
+            q.contiguous(), keys, values, cu_q, cu_k, 1, slots, 0.0, False, False, seqused_k=used.int(),
         )[0]
-    mask = packed.slot_ids < used.view(batch, 1, 1, 1)  # (B, 1, 1, max_len + 1)
+    mask = packed.slot_ids < used.view(n, 1, 1, 1)  # (n, 1, 1, max_len + 1)
     groups = heads // kv_heads
-    keys, values = expand_kv(cache.k.to(q.dtype), groups), expand_kv(cache.v.to(q.dtype), groups)  # (B, H, L, hd)
+    k, v = cache.k, cache.v  # (B, Hkv, L, hd) views
+    if rows is not None:
+        k, v = k.index_select(0, rows), v.index_select(0, rows)  # (n, Hkv, L, hd)
+    keys, values = expand_kv(k.to(q.dtype), groups), expand_kv(v.to(q.dtype), groups)  # (n, H, L, hd)
     y = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask)
     return y.squeeze(2)

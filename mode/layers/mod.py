@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from mode.config import ModelConfig, RoutingConfig
 from mode.layers.block import BlockInfo, TransformerBlock
+from mode.layers.chunks import StaticStep
 from mode.layers.kv_cache import LayerCache
 from mode.layers.rotary import RotaryAngles
 from mode.routing import DepthRouter, add_gated_tokens, apply_gate
@@ -51,9 +52,14 @@ class MoDBlock(nn.Module):
         and join its cache, x_i + g(r_i) * f_i; every other token comes out unchanged and never
         enters the cache."""
         decided, scores = self.decide(x, cache.router_weights if chunk.fp32_router else None)
-        rows = chunk.select(x, cache, decided if chosen is None else chosen)
-        if rows is None:
-            return x
+        taken = decided if chosen is None else chosen
+        if isinstance(chunk, StaticStep):  # the rows computed are picked on the device
+            return chunk.routed(x, cache, taken, self.router.capacity, lambda rows: self._update(x, rows, scores))
+        rows = chunk.select(x, cache, taken)
+        return x if rows is None else self._update(x, rows, scores)
+
+    def _update(self, x: Tensor, rows, scores: Tensor) -> Tensor:
+        """x_i + g(r_i) * f_i for the tokens of a row plan (scores: the router's (B, n))."""
         a, _, out = self.block.cached_parts(rows)
         update = a + out
         # f = Attn + FFN times the float32 gate, rounded once to the update's dtype, as forward

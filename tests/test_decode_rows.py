@@ -1,0 +1,172 @@
+"""The static decode step's compacted rows (Decoder's compact_rows): a routed layer computes only
+the rows its tokens chose, moved into the first W rows on the device, nothing where no row chose
+it, and every row where more than W did. Each way gives what the masked step (every row
+computed) and the full causal forward give. Tiny float64 models on CPU (F64_TOL as in
+test_generate.py), where the host picks the way; on a GPU the captured graph's IF nodes pick.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mode.generate import Decoder
+from mode.layers.chunks import CompactRows, MaskedRows, StaticStep, if_nodes_available
+from mode.layers.kv_cache import attend_used
+from mode.layers.mod import MoDBlock
+from tests.test_generate import F64_TOL, make_model
+
+S, B, PROMPT = 16, 6, 5
+
+
+def forced_model(pattern: str, bias: float | None):
+    """A 3-layer model; bias: every routed layer's router bias (None: the drawn one, which splits
+    the rows; -1e3: no row chooses the layer; +1e3: every row does)."""
+    model = make_model(pattern, "aux_loss", n_layers=3, router_bias=True)
+    if bias is not None:
+        with torch.no_grad():
+            for block in model.blocks:
+                if isinstance(block, MoDBlock):
+                    block.router.router.proj.bias.fill_(bias)
+    return model
+
+
+@pytest.fixture
+def ways(monkeypatch) -> list:
+    """The way each routed layer's static step went: CompactRows, MaskedRows, or None (no row chose it)."""
+    seen, routed = [], StaticStep.routed
+
+    def spy(self, x, cache, chosen, capacity, body):
+        kinds = []
+        out = routed(self, x, cache, chosen, capacity, lambda rows: kinds.append(type(rows)) or body(rows))
+        seen.append(kinds[0] if kinds else None)
+        return out
+
+    monkeypatch.setattr(StaticStep, "routed", spy)
+    return seen
+
+
+def decode(model, tokens: torch.Tensor, active: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, Decoder]:
+    """Logits for positions PROMPT-1 .. S-1 of tokens (B, S): a prefill, then one static step a
+    token (active: the rows still decoding from the third step on)."""
+    decoder = Decoder(model, tokens.shape[0], tokens.shape[1], routed_rows="masked", **kwargs)
+    logits = [decoder.prefill(tokens[:, :PROMPT].tolist())]
+    for t in range(PROMPT, tokens.shape[1]):
+        logits.append(decoder.step(tokens[:, t], active if t >= PROMPT + 2 else None))
+    return torch.stack(logits, 1), decoder  # (B, S - PROMPT + 1, V)
+
+
+@pytest.mark.parametrize("bias, expect", [
+    (None, {CompactRows, MaskedRows}), (-1e3, {None}), (1e3, {MaskedRows}),  # None: some layers may skip
+])
+@pytest.mark.parametrize("pattern", ["mod", "mode_staged"])
+def test_compact_rows_equal_the_masked_step_and_the_full_forward(pattern: str, bias, expect, ways) -> None:
+    model = forced_model(pattern, bias)
+    torch.manual_seed(3)
+    tokens = torch.randint(0, 256, (B, S))
+    full = model(tokens, routing_mode="causal").logits.float()[:, PROMPT - 1:]
+    # W = ceil(6 * 0.25 * 2) = 3 of 6 rows (the default slack): some steps fit, some fall back
+    compact, compacted = decode(model, tokens, compact_rows=True)
+    assert expect <= set(ways) <= expect | {None}
+    ways.clear()
+    masked, reference = decode(model, tokens, compact_rows=False)
+    assert set(ways) == {MaskedRows}
+    assert (compact - full).abs().max() <= F64_TOL and (compact - masked).abs().max() <= F64_TOL
+    for a, b in zip(compacted.caches, reference.caches):
+        assert torch.equal(a.lengths, b.lengths)
+        for row, n in enumerate(a.lengths.tolist()):
+            torch.testing.assert_close(a.kv[:, row, :n], b.kv[:, row, :n], rtol=0, atol=F64_TOL)
+
+
+@pytest.mark.parametrize("pattern", ["mod", "mode_staged"])
+def test_finished_rows_leave_no_trace_in_compacted_rows(pattern: str, ways) -> None:
+    model = forced_model(pattern, None)
+    torch.manual_seed(4)
+    tokens = torch.randint(0, 256, (B, S))
+    active = torch.tensor([True, False, True, True, False, True])
+    compact, compacted = decode(model, tokens, active, compact_rows=True)
+    assert CompactRows in ways
+    masked, reference = decode(model, tokens, active, compact_rows=False)
+    assert (compact - masked).abs().max() <= F64_TOL
+    for a, b in zip(compacted.caches, reference.caches):
+        assert torch.equal(a.lengths, b.lengths)
+        # every slot but scratch: what the static steps wrote (the chosen rows' at their lengths)
+        # and what the prefill left past them
+        torch.testing.assert_close(a.kv[:, :, :-1], b.kv[:, :, :-1], rtol=0, atol=F64_TOL)
+    assert compacted.positions.tolist() == [S, PROMPT + 2, S, S, PROMPT + 2, S]
+
+
+def test_compact_rows_are_checked_and_default_where_they_add_no_sync() -> None:
+    mod, staged = make_model("mod"), make_model("mode_staged")
+    assert not Decoder(mod, 2, 8, routed_rows="masked").compact_rows  # CPU, no graph: no sync added
+    assert Decoder(staged, 2, 8, routed_rows="masked").compact_rows  # the MoE FFN syncs anyway
+    assert not Decoder(staged, 2, 8, routed_rows="gather").compact_rows
+    with pytest.raises(ValueError, match="compact_rows"):
+        Decoder(mod, 2, 8, routed_rows="gather", compact_rows=True)
+    with pytest.raises(ValueError, match="compact_rows"):
+        Decoder(mod, 2, 8, routed_rows="masked", compile=True, compact_rows=True)
+    with pytest.raises(ValueError, match="row_slack"):
+        Decoder(mod, 2, 8, routed_rows="masked", row_slack=0)
+
+
+# ----------------------------------------------------------------------------- GPU: IF nodes
+needs_if_nodes = pytest.mark.skipif(
+    not torch.cuda.is_available() or not if_nodes_available(), reason="CUDA graph conditional nodes need a GPU",
+)
+
+
+@needs_if_nodes
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("batch, bias", [(8, None), (8, -1e3), (8, 1e3), (1, None)])
+def test_if_nodes_replay_the_compacted_step(dtype: torch.dtype, batch: int, bias) -> None:
+    """The captured step with IF nodes runs the kernels the eager compacted step runs (the host
+    picking): identical logits and caches; float32 (SDPA, no flash): the masked step's logits."""
+    model = forced_model("mod", bias).to("cuda", dtype)
+    torch.manual_seed(5)
+    tokens = torch.randint(0, 256, (batch, S), device="cuda")
+    active = torch.ones(batch, dtype=torch.bool)
+    active[0] = False
+    runs = {}
+    for name, kwargs in {"graph": {"cuda_graph": True, "compact_rows": True},
+                         "eager": {"cuda_graph": False, "compact_rows": True},
+                         "masked": {"cuda_graph": True, "compact_rows": False}}.items():
+        runs[name] = decode(model, tokens, active if batch > 1 else None, row_slack=1.0, **kwargs)
+    (graph, graphed), (eager, eager_decoder), (masked, _) = runs.values()
+    assert graphed._graph is not None and graphed.compact_rows and eager_decoder._graph is None
+    assert torch.equal(graph, eager)
+    for a, b in zip(graphed.caches, eager_decoder.caches):
+        assert torch.equal(a.lengths, b.lengths) and torch.equal(a.kv[:, :, :-1], b.kv[:, :, :-1])
+    if dtype == torch.float32:
+        torch.testing.assert_close(graph, masked, rtol=0, atol=1e-4)
+
+
+def attend_rows(device: str, dtype: torch.dtype) -> tuple[Decoder, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decoder's first cache filled at random, queries and used lengths for its 5 rows, rows 1, 3, 4."""
+    model = make_model("mod", "aux_loss").to(device, dtype)
+    decoder = Decoder(model, 5, 40, routed_rows="masked")
+    decoder.caches[0].kv.normal_()
+    q = torch.randn(5, 4, 8, device=device, dtype=dtype)
+    used = torch.tensor([1, 7, 40, 16, 33], device=device)
+    return decoder, q, used, torch.tensor([1, 3, 4], device=device)
+
+
+def test_attention_over_some_rows_equals_those_rows_of_every_row() -> None:
+    decoder, q, used, rows = attend_rows("cpu", torch.float64)
+    cache, packed = decoder.caches[0], decoder._packed
+    every = attend_used(q, cache, used, packed)
+    some = attend_used(q.index_select(0, rows), cache, used.index_select(0, rows), packed, rows)
+    torch.testing.assert_close(some, every.index_select(0, rows), rtol=0, atol=F64_TOL)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flash attention needs a GPU")
+def test_flash_varlen_over_some_rows_equals_masked_sdpa() -> None:
+    """The compacted rows' attention: flash over their regions of the packed cache (cu_k from the
+    rows) == SDPA over their caches with a length mask."""
+    decoder, q, used, rows = attend_rows("cuda", torch.bfloat16)
+    cache, packed = decoder.caches[0], decoder._packed
+    q, used = q.index_select(0, rows), used.index_select(0, rows)
+    assert packed.flash
+    flash = attend_used(q, cache, used, packed, rows)
+    decoder._flash_varlen = False
+    masked = attend_used(q, cache, used, packed, rows)
+    # bf16 inputs, float32 accumulation in both (as test_generate's full-batch check)
+    torch.testing.assert_close(flash, masked, rtol=0, atol=2e-2)
