@@ -55,10 +55,10 @@ case "$part" in
     for run in "$RUNS"/*/*/; do
       [ -f "$run/checkpoint.pt" ] && [ ! -f "$run/eval.json" ] && pending+=("$run")
     done
-    evaluate_every() {  # evaluate_every FIRST STEP: pending runs FIRST, FIRST + STEP, ...
-      for ((j = $1; j < ${#pending[@]}; j += $2)); do
-        "$PY" -m mode.evaluate "${pending[j]}" --batches 64 --out "${pending[j]}eval.json" "${extra[@]}" > /dev/null
-      done
+    evaluate_every() {  # evaluate_every FIRST STEP: pending runs FIRST, FIRST + STEP, ... in one process
+      local mine=()
+      for ((j = $1; j < ${#pending[@]}; j += $2)); do mine+=("${pending[j]}"); done
+      [ ${#mine[@]} -eq 0 ] || "$PY" -m mode.evaluate "${mine[@]}" --batches 64 --save eval.json "${extra[@]}" > /dev/null
     }
     extra=("$@")
     if [ ${#gpus[@]} -eq 0 ]; then

@@ -1,6 +1,7 @@
 """Evaluate a trained run on more validation batches than training did, without touching its folder.
 
     python -m mode.evaluate runs/mod_tiny-X --batches 64 [--device cpu] [--out eval.json] [--data-path DIR]
+    python -m mode.evaluate runs/sweep/*/ --batches 64 --save eval.json   # several runs, one process
 
 The checkpoint's weights and config, the validation batches training evaluates on (the same
 seeded draws, alike for every train.seed, `--batches` of them instead of train.eval_batches), the
@@ -11,7 +12,10 @@ process's rows routed apart as they were (token choice's capacity is per process
 statistics pooled as over processes. Prints the
 result as JSON; --out also writes it there (whole: temporary file, then rename). Nothing in the
 run folder is read but its checkpoint, nor written but a new --out file: --out never names
-one of the run's files, nor any checkpoint. --data-path points a text or token-file
+one of the run's files, nor any checkpoint. Several runs are evaluated one after another in one
+process (no start-up per run), each printed, and with --save NAME written into its own folder
+as NAME under the same rules; a run that fails is reported and the others still run (exit
+status 2 if any failed). --data-path points a text or token-file
 run at its data where it has moved (the split is by file, relative to the path: the same one),
 or any run at a folder written by `python -m mode.data prepare` with the model's vocabulary (its
 validation split: an imported model evaluated on text tokenized with its tokenizer).
@@ -99,45 +103,62 @@ def _processes(payload: dict[str, Any]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     started()
-    parser = argparse.ArgumentParser(description="Evaluate a trained run's checkpoint on validation batches.")
-    parser.add_argument("run", type=Path, help="run folder or checkpoint.pt")
+    parser = argparse.ArgumentParser(description="Evaluate trained runs' checkpoints on validation batches.")
+    parser.add_argument("runs", type=Path, nargs="+", metavar="run", help="run folder or checkpoint.pt (several: "
+                        "each evaluated in turn, in this one process)")
     parser.add_argument("--batches", type=int, default=64, help="validation batches (of train.batch_size sequences)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here (one run)")
+    parser.add_argument("--save", default=None, metavar="NAME",
+                        help="also write each run's JSON into its folder as NAME (a new file, e.g. eval.json)")
     parser.add_argument("--data-path", default=None, help="the run's data.path, where its text or token file now is; "
                              "or a folder written by python -m mode.data prepare (the model's vocabulary)")
     args = parser.parse_args(argv)
     if args.out is not None and args.out.is_dir():
         parser.error(f"--out {args.out}: is a folder; give a file name")
+    if args.out is not None and (len(args.runs) > 1 or args.save is not None):
+        parser.error("--out names one file: with several runs (or with --save) use --save NAME")
+    if args.save is not None and (not args.save or Path(args.save).name != args.save):
+        parser.error(f"--save {args.save!r}: a file name, written into each run's folder")
+    failed = 0
+    for run in args.runs:
+        out = args.out if args.save is None else (run if run.is_dir() else run.parent) / args.save
+        failed += _evaluate_one(run, out, args)
+    return 2 if failed else 0
+
+
+def _evaluate_one(run: Path, out: Path | None, args: argparse.Namespace) -> int:
+    """Evaluate one run and print (and write) its JSON; 1 after printing the error, else 0."""
+    flag = "--out" if args.save is None else "--save"
     try:
-        if args.out is not None:  # checked before the evaluation, made after it (nothing left by a failed one)
-            _check_out(args.out, args.run)
-        result = evaluate_checkpoint(args.run, args.batches, args.device, args.data_path)
+        if out is not None:  # checked before the evaluation, made after it (nothing left by a failed one)
+            _check_out(out, run, flag)
+        result = evaluate_checkpoint(run, args.batches, args.device, args.data_path)
         text = json.dumps(result, indent=2)
         print(text)
-        if args.out is not None:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(args.out, text + "\n")
+        if out is not None:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(out, text + "\n")
     except (ConfigError, DataError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return 1
     except OSError as e:
-        print(f"error: --out {args.out}: {e.strerror or e}", file=sys.stderr)
-        return 2
+        print(f"error: {flag} {out}: {e.strerror or e}", file=sys.stderr)
+        return 1
     return 0
 
 
-def _check_out(out: Path, run: Path) -> None:
+def _check_out(out: Path, run: Path, flag: str = "--out") -> None:
     """A ValueError naming --out where writing it would replace a run's file (the evaluated run's, or
     any checkpoint) or its folder cannot be made (it is a file, or lies under one)."""
     run_dir = run if run.is_dir() else run.parent
     if out.resolve().parent == run_dir.resolve() and out.name in (*RUN_FILES, LOCK):
-        raise ValueError(f"--out {out}: is the run's own {out.name}; give another file name")
+        raise ValueError(f"{flag} {out}: is the run's own {out.name}; give another file name")
     if out.exists() and (out.resolve() == run.resolve() or zipfile.is_zipfile(out)):
-        raise ValueError(f"--out {out}: is a checkpoint, which the JSON would replace; give another file name")
+        raise ValueError(f"{flag} {out}: is a checkpoint, which the JSON would replace; give another file name")
     problem = folder_problem(out.parent)
     if problem is not None:
-        raise ValueError(f"--out {out}: cannot make its folder {out.parent}: it {problem}")
+        raise ValueError(f"{flag} {out}: cannot make its folder {out.parent}: it {problem}")
 
 
 if __name__ == "__main__":

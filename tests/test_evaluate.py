@@ -265,3 +265,26 @@ def test_validation_batches_do_not_depend_on_the_seed(tmp_path: Path, corpus: Pa
         (xa, ya), (xb, yb) = next(validation_blocks(a, i)), next(validation_blocks(b, i))
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
     assert not torch.equal(a.micro_batch(a.data.train, 0, 0)[0], b.micro_batch(b.data.train, 0, 0)[0])
+
+
+def test_several_runs_in_one_process_save_into_their_folders(tmp_path: Path, corpus: Path, capsys) -> None:
+    """--save NAME writes each run's result into its folder; a run that fails is reported, the others
+    still written, and the exit status says one failed. --out is one file: refused with several runs."""
+    runs = [tmp_path / "run0", tmp_path / "run1"]
+    _train(runs[0], corpus)
+    _train(runs[1], corpus, capacity=0.5)
+    capsys.readouterr()  # the training runs' own lines
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    assert main([str(runs[0]), str(broken), str(runs[1]), "--batches", "2", "--device", "cpu", "--save", "eval.json"]) == 2
+    captured = capsys.readouterr()
+    assert len([line for line in captured.err.splitlines() if line.startswith("error:")]) == 1
+    for run in runs:
+        saved = json.loads((run / "eval.json").read_text())
+        alone = evaluate_checkpoint(run, 2, "cpu")
+        assert saved["val_loss"] == pytest.approx(alone["val_loss"], abs=1e-6) and saved["batches"] == 2
+    assert not (broken / "eval.json").exists()
+    with pytest.raises(SystemExit):
+        main([str(runs[0]), str(runs[1]), "--out", str(tmp_path / "one.json")])
+    assert main([str(runs[0]), "--save", "metrics.jsonl", "--device", "cpu"]) == 2  # a run's own file is refused
+    assert "error: --save" in capsys.readouterr().err
