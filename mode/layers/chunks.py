@@ -37,8 +37,20 @@ from mode.layers.rotary import RotaryAngles
 WINDOW_ALIGN = 16
 
 
+class HostPlannedChunk:
+    """A chunk whose select() plans a layer's rows on the host (None: no row to compute)."""
+
+    def routed(self, x: Tensor, cache: LayerCache, chosen: Tensor, capacity: float,
+               body: Callable[..., Tensor]) -> Tensor:
+        """A routed layer's chunk: body(plan) -> the chunk's new hidden states for the row plan of the
+        tokens it chose, chosen (B, n); x unchanged where it chose none. capacity: unused here (see
+        StaticStep.routed)."""
+        rows = self.select(x, cache, chosen)
+        return x if rows is None else body(rows)
+
+
 # ----------------------------------------------------------------------------- prefill
-class Prefill:
+class Prefill(HostPlannedChunk):
     """A chunk of n new tokens per row. positions (B, n): absolute positions (device); valid (B, n)
     bool (device): the row's real tokens; counts (B,): valid.sum(1) on the host."""
 
@@ -159,7 +171,7 @@ class ChunkRows:
 
 
 # ----------------------------------------------------------------------------- gather decode step
-class GatherStep:
+class GatherStep(HostPlannedChunk):
     """One token per row; active (B,) bool on the host (finished rows compute nothing); angles:
     every row's (B, 1, 1, hd), or one shared (1, 1, 1, hd) when every row is at one position."""
 
@@ -364,16 +376,7 @@ class MaskedRows:
         row writes to its scratch slot (max_len), so the cache holds exactly the chosen tokens, and
         reads one slot (its output is discarded). Eager under torch.compile: the cache is written
         in place."""
-        cache, chosen = self.cache, self.chosen
-        q, kv = q[:, 0], kv[:, 0].transpose(0, 1)  # (B, H, hd), (2, B, Hkv, hd)
-        lengths = cache.lengths_dev  # (B,) exact
-        slot = torch.where(chosen, lengths, cache.max_len)
-        packed = cache.kv.view(2, -1, *kv.shape[2:])  # (2, B * (max_len + 1), Hkv, hd)
-        packed.index_copy_(1, self.step.row_base + slot, kv.to(cache.kv.dtype))
-        # An unchosen row's output is discarded: it reads one (finite) slot, its first.
-        used = torch.where(chosen, lengths + 1, 1)
-        lengths.add_(chosen)
-        return attend_used(q, cache, used, self.step.packed).unsqueeze(1)
+        return attend_static(self.step, self.cache, q, kv, self.chosen, self.chosen)
 
     def put(self, x: Tensor, new: Tensor) -> Tensor:
         return torch.where(self.chosen.view(-1, 1, 1), new, x)
@@ -405,15 +408,8 @@ class CompactRows:
     def attend(self, q: Tensor, kv: Tensor) -> Tensor:
         """q (W, 1, H, hd) and kv (W, 1, 2, Hkv, hd), q and k rotated -> (W, 1, H, hd): MaskedRows.attend
         on the W rows; the attention reads their regions of the packed cache."""
-        cache, keep, rows = self.cache, self.keep, self.rows
-        q, kv = q[:, 0], kv[:, 0].transpose(0, 1)  # (W, H, hd), (2, W, Hkv, hd)
-        lengths = cache.lengths_dev.index_select(0, rows)  # (W,)
-        slot = torch.where(keep, lengths, cache.max_len)
-        packed = cache.kv.view(2, -1, *kv.shape[2:])  # (2, B * (max_len + 1), Hkv, hd)
-        packed.index_copy_(1, self.step.row_base.index_select(0, rows) + slot, kv.to(cache.kv.dtype))
-        used = torch.where(keep, lengths + 1, 1)
-        cache.lengths_dev.add_(self.chosen)  # every chosen row is among the W
-        return attend_used(q, cache, used, self.step.packed, rows).unsqueeze(1)
+        # every chosen row is among the W: their lengths grow, as MaskedRows's do
+        return attend_static(self.step, self.cache, q, kv, self.keep, self.chosen, self.rows)
 
     def put(self, x: Tensor, new: Tensor) -> Tensor:
         """A copy of the step's hidden states x (B, 1, D) with the chosen rows' new states new (W, 1, D)."""
@@ -421,3 +417,22 @@ class CompactRows:
 
     def add(self, x: Tensor, update: Tensor) -> Tensor:
         return self.put(x, self.x + update.to(self.x.dtype))
+
+
+def attend_static(step: StaticStep, cache: LayerCache, q: Tensor, kv: Tensor, keep: Tensor, chosen: Tensor,
+                  rows: Tensor | None = None) -> Tensor:
+    """A static step's attention for the rows computed: q (n, 1, H, hd) and kv (n, 1, 2, Hkv, hd), q
+    and k rotated -> (n, 1, H, hd). rows (n,): the batch rows computed, ascending (None: every row);
+    keep (n,): those the layer chose, which write their key and value at their length and attend
+    over their cache and themselves; any other writes its scratch slot (max_len) and reads one
+    slot, its output discarded. chosen (B,): every row the layer chose, whose length grows."""
+    q, kv = q[:, 0], kv[:, 0].transpose(0, 1)  # (n, H, hd), (2, n, Hkv, hd)
+    lengths, base = cache.lengths_dev, step.row_base  # (B,) each
+    if rows is not None:
+        lengths, base = lengths.index_select(0, rows), base.index_select(0, rows)  # (n,) each
+    slot = torch.where(keep, lengths, cache.max_len)
+    packed = cache.kv.view(2, -1, *kv.shape[2:])  # (2, B * (max_len + 1), Hkv, hd)
+    packed.index_copy_(1, base + slot, kv.to(cache.kv.dtype))
+    used = torch.where(keep, lengths + 1, 1)  # before the lengths grow (lengths may be lengths_dev itself)
+    cache.lengths_dev.add_(chosen)
+    return attend_used(q, cache, used, step.packed, rows).unsqueeze(1)

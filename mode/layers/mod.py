@@ -10,7 +10,6 @@ from torch import Tensor, nn
 
 from mode.config import ModelConfig, RoutingConfig
 from mode.layers.block import BlockInfo, TransformerBlock
-from mode.layers.chunks import StaticStep
 from mode.layers.kv_cache import LayerCache
 from mode.layers.rotary import RotaryAngles
 from mode.routing import DepthRouter, add_gated_tokens, apply_gate
@@ -53,10 +52,7 @@ class MoDBlock(nn.Module):
         enters the cache."""
         decided, scores = self.decide(x, cache.router_weights if chunk.fp32_router else None)
         taken = decided if chosen is None else chosen
-        if isinstance(chunk, StaticStep):  # the rows computed are picked on the device
-            return chunk.routed(x, cache, taken, self.router.capacity, lambda rows: self._update(x, rows, scores))
-        rows = chunk.select(x, cache, taken)
-        return x if rows is None else self._update(x, rows, scores)
+        return chunk.routed(x, cache, taken, self.router.capacity, lambda rows: self._update(x, rows, scores))
 
     def _update(self, x: Tensor, rows, scores: Tensor) -> Tensor:
         """x_i + g(r_i) * f_i for the tokens of a row plan (scores: the router's (B, n))."""
