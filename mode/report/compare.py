@@ -316,6 +316,20 @@ def setting_colors(labels: dict[str, str]) -> dict[str, Any]:
     return {setting: cmap(i % cmap.N) for i, setting in enumerate(settings)}
 
 
+def draw_loss_lines(ax: Any, lines: dict[str, dict[str, list[tuple[float, float]]]], labels: dict[str, str]) -> None:
+    """Each run's train loss (faint) and validation loss (markers) against x, lines[run] = {"train":
+    [(x, loss)], "val": [(x, loss)]}: one colour and one legend entry a setting (labels[run])."""
+    colors = setting_colors(labels)
+    named: set[str] = set()
+    for name, line in lines.items():
+        label = labels[name]
+        if line["train"]:
+            ax.plot(*zip(*line["train"]), color=colors[label], alpha=0.3)
+        if line["val"]:
+            ax.plot(*zip(*line["val"]), "o-", color=colors[label], markersize=3, label=None if label in named else label)
+            named.add(label)
+
+
 def plot_png(runs: list[Run], budget: float | None) -> bytes:
     """Validation loss (markers) and train loss (faint) of every run against training FLOPs; one
     colour and legend entry a setting (its seeds drawn alike)."""
@@ -324,19 +338,10 @@ def plot_png(runs: list[Run], budget: float | None) -> bytes:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = setting_labels(runs)
-    colors = setting_colors(labels)
-    named: set[str] = set()
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for run in runs:
-        label = labels[run.name]
-        color = colors[label]
-        if run.train:
-            ax.plot([r["flops"] for r in run.train], [r["loss"] for r in run.train], color=color, alpha=0.3)
-        if run.evals:
-            ax.plot([r["flops"] for r in run.evals], [r["val_loss"] for r in run.evals], "o-", color=color,
-                    markersize=3, label=None if label in named else label)
-            named.add(label)
+    lines = {run.name: {"train": [(r["flops"], r["loss"]) for r in run.train],
+                        "val": [(r["flops"], r["val_loss"]) for r in run.evals]} for run in runs}
+    draw_loss_lines(ax, lines, setting_labels(runs))
     if budget is not None:
         ax.axvline(budget, color="grey", linestyle="--", linewidth=1, label="common FLOP budget")
     ax.set_xlabel("cumulative training FLOPs")

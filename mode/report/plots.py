@@ -22,6 +22,7 @@ from mode.report.compare import (
     SEED_FIELD,
     Run,
     differing_fields,
+    draw_loss_lines,
     parameter_count,
     setting_colors,
     setting_labels,
@@ -237,17 +238,8 @@ def isoflop_png(curves: list[dict[str, Any]]) -> bytes:
 
 def time_png(series: dict[str, dict[str, list[tuple[float, float]]]], labels: dict[str, str]) -> bytes:
     plt = pyplot()
-    colors = setting_colors(labels)
-    named: set[str] = set()
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, s in series.items():
-        label = labels[name]
-        color = colors[label]
-        if s["train"]:
-            ax.plot(*zip(*s["train"]), color=color, alpha=0.3)
-        if s["val"]:
-            ax.plot(*zip(*s["val"]), "o-", color=color, markersize=3, label=None if label in named else label)
-            named.add(label)
+    draw_loss_lines(ax, series, labels)
     ax.set_xlabel("wall-clock seconds of training")
     ax.set_ylabel("loss (nats/token); faint: train")
     legend(ax)
