@@ -113,10 +113,12 @@ def routing_map_png(data: dict[str, Any], tokens: list[str], title: str) -> byte
     plt = pyplot()
     layers, cells, causal = data["layers"], data["cells"], data["causal"]
     colors = ["#f4f4f4", "#3b6fb6", "#e8a33d", "#2c8c4a"]
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.16 * len(tokens) + 1.5), 1.2 + 0.35 * len(layers)))
+    # One column a token, its text upright under it: horizontal labels of 96 tokens overlap.
+    label_height = 0.07 * max((len(t) for t in tokens), default=1)
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.18 * len(tokens) + 1.5), 1.2 + 0.35 * len(layers) + label_height))
     ax.imshow(cells, cmap=ListedColormap(colors), vmin=0, vmax=3, aspect="auto", interpolation="nearest")
     ax.set_yticks(range(len(layers)), layers, fontsize="small")
-    ax.set_xticks(range(len(tokens)), tokens, fontsize=7, family="monospace")
+    ax.set_xticks(range(len(tokens)), tokens, fontsize=7, family="monospace", rotation=90)
     ax.tick_params(axis="x", length=0)
     ax.set_title(title, fontsize="medium")
     handles = [Patch(color=colors[TOPK], label="top-k only" if causal else "processed (top-k)")]
