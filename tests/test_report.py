@@ -26,7 +26,7 @@ from mode.report import (
     routing_means,
     val_loss_at,
 )
-from mode.report.compare import setting_colors, setting_labels
+from mode.report.compare import setting_colors, setting_labels, summarize
 from mode.report.plots import (
     causal_series,
     final_loss,
@@ -329,11 +329,13 @@ def test_the_evaluate_result_in_a_run_folder_is_its_final_loss(isoflop_runs: dic
     (run / "notes.json").write_text(json.dumps({"val_loss": 0.1}))
     (run / "old.json").write_text(json.dumps({"checkpoint": str(run), "step": last - 1, "batches": 500, "val_loss": 0.2}))
     assert final_loss(loaded) == (loaded.evals[-1]["val_loss"], f"last evaluation (step {last})")
+    assert summarize(loaded, None)["evaluated_loss"] is None
     result = evaluate_checkpoint(run, batches=3, device="cpu")
     (run / "eval.json").write_text(json.dumps(result))
     (run / "eval-few.json").write_text(json.dumps({**result, "batches": 1, "val_loss": 9.0}))
     assert final_loss(loaded) == (result["val_loss"], "eval.json (3 batches)")
     assert isoflop_points([loaded])[0][0]["loss"] == result["val_loss"]
+    assert summarize(loaded, None)["evaluated_loss"] == result["val_loss"]  # the report table's "evaluated" column
 
 
 def test_plot_labels_name_settings_by_the_fields_that_tell_them_apart(tmp_path: Path) -> None:

@@ -3,7 +3,8 @@
 For each run: the config fields in which the runs differ (the ablation's variables), its
 parameters and forward FLOPs per token, tokens per optimizer step (over every process, so runs
 of equal global batch read equal whatever their process count), training FLOPs so far, the
-last train loss, the last and best validation losses, and the validation loss at the largest
+last train loss, the last and best validation losses, the validation loss `mode.evaluate` saved in
+the run folder for its last step ("evaluated", over many batches), the validation loss at the largest
 FLOP budget every run reached (isoFLOP, interpolated between evaluations), the median
 tokens/s, and its routed layers' averages at the last evaluation, each a share of all tokens
 (routing_means): through the depth-routed blocks, to real experts, to no-op experts, dropped.
@@ -11,7 +12,7 @@ Runs are compared at equal training compute, as the Mixture-of-Depths paper does
 
 Runs that differ in `train.seed` and agree in every other differing field and in their process
 count (which sets the global batch) are one setting trained from several seeds: a second table gives each setting's mean and sample standard
-deviation over its seeds (the last, best and isoFLOP validation losses, the last train loss).
+deviation over its seeds (the last, evaluated, best and isoFLOP validation losses, the last train loss).
 
 A run still in progress can be read: a last metrics line cut short by a crash or a concurrent
 write is left out with a note; a bad line anywhere else is an error naming the file and line.
@@ -41,8 +42,11 @@ CONFIG_FILE = "config.yaml"
 IGNORED_FIELDS = ("train.out_dir", "train.progress", "train.tensorboard")
 SEED_FIELD = "train.seed"
 # The columns averaged over seeds: a run row's key, and its header.
-SEED_COLUMNS = (("val_loss", "val loss"), ("best_val_loss", "best val"), ("val_loss_at_budget", "val @ budget"),
-                ("train_loss", "train loss"))
+SEED_COLUMNS = (("val_loss", "val loss"), ("evaluated_loss", "evaluated"), ("best_val_loss", "best val"),
+                ("val_loss_at_budget", "val @ budget"), ("train_loss", "train loss"))
+
+
+EVALUATION_KEYS = ("checkpoint", "step", "batches", "val_loss")
 
 
 class ReportError(ValueError):
@@ -144,6 +148,37 @@ def routing_means(record: dict[str, Any] | None) -> dict[str, float]:
     return {column: statistics.fmean(values) for column, values in columns.items() if values}
 
 
+def last_step(run: Run) -> int:
+    return max((r["step"] for r in run.train + run.evals), default=0)
+
+
+def evaluation_result(run: Run) -> dict[str, Any] | None:
+    """The mode.evaluate result kept in the run folder (`mode.evaluate RUN --out RUN/eval.json`) for the
+    run's last step: of several, the one over the most batches, with its file name. None without one."""
+    best = None
+    for path in sorted(run.path.glob("*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, ValueError):
+            continue
+        if not isinstance(data, dict) or any(key not in data for key in EVALUATION_KEYS):
+            continue
+        if data["step"] == last_step(run) and (best is None or data["batches"] > best["batches"]):
+            best = {**data, "file": path.name}
+    return best
+
+
+def final_loss(run: Run) -> tuple[float, str] | None:
+    """The run's final validation loss and where it comes from: its mode.evaluate result where the
+    folder holds one for the last step (many batches), else its last evaluation; None without either."""
+    result = evaluation_result(run)
+    if result is not None:
+        return float(result["val_loss"]), f"{result['file']} ({result['batches']} batches)"
+    if run.evals:
+        return float(run.evals[-1]["val_loss"]), f"last evaluation (step {run.evals[-1]['step']})"
+    return None
+
+
 def summarize(run: Run, budget: float | None) -> dict[str, Any]:
     """One run's row: numbers, or None where the run has none yet."""
     last_eval = run.evals[-1] if run.evals else None
@@ -161,6 +196,7 @@ def summarize(run: Run, budget: float | None) -> dict[str, Any]:
         "train_flops": flops_so_far,
         "train_loss": run.train[-1]["loss"] if run.train else None,
         "val_loss": last_eval["val_loss"] if last_eval else None,
+        "evaluated_loss": result["val_loss"] if (result := evaluation_result(run)) else None,
         "best_val_loss": min((r["val_loss"] for r in run.evals), default=None),
         "val_loss_at_budget": None if budget is None else val_loss_at(run.evals, budget),
         "tokens_per_s": statistics.median(speeds) if speeds else None,
@@ -185,7 +221,7 @@ def _value(value: Any) -> str:
 def markdown_table(runs: list[Run], rows: list[dict[str, Any]], fields: list[str], budget: float | None) -> str:
     """The report: the differing fields, then one line a run."""
     header = ["run", *fields, "params", "fwd FLOPs/token", "steps", "tokens/step", "processes", "train FLOPs", "train loss",
-              "val loss", "best val", "val @ common FLOPs" if budget is None else f"val @ {_number(budget)} FLOPs",
+              "val loss", "evaluated", "best val", "val @ common FLOPs" if budget is None else f"val @ {_number(budget)} FLOPs",
               "tokens/s", "through blocks", "to experts", "no-op", "dropped"]
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for run, row in zip(runs, rows):
@@ -194,7 +230,8 @@ def markdown_table(runs: list[Run], rows: list[dict[str, Any]], fields: list[str
         cells = [row["run"], *(_value(flat.get(f)) for f in fields), _number(row["parameters"]),
                  _number(row["forward_flops_per_token"]), str(row["steps"]), _number(row["tokens_per_step"]),
                  _number(row["processes"]), _number(row["train_flops"]),
-                 _number(row["train_loss"]), _number(row["val_loss"]), _number(row["best_val_loss"]),
+                 _number(row["train_loss"]), _number(row["val_loss"]),
+                 _number(row["evaluated_loss"]), _number(row["best_val_loss"]),
                  _number(row["val_loss_at_budget"]), _number(row["tokens_per_s"], 0),
                  _number(routing.get("depth_processed"), 3), _number(routing.get("expert_processed"), 3),
                  _number(routing.get("noop_fraction"), 3),

@@ -23,6 +23,7 @@ from mode.report.compare import (
     Run,
     differing_fields,
     draw_loss_lines,
+    final_loss,
     parameter_count,
     setting_colors,
     setting_labels,
@@ -30,43 +31,11 @@ from mode.report.compare import (
 from mode.training.router_stats import share_reaching
 
 # What a mode.evaluate result (its --out JSON) holds, which tells it from any other JSON file.
-EVALUATION_KEYS = ("checkpoint", "step", "batches", "val_loss")
 # Fields that set a point's place on an isoFLOP curve, not which curve it is on.
 CURVE_POSITION_FIELDS = ("train.flops_budget", "train.max_steps", SEED_FIELD)
 
 
 # ----------------------------------------------------------------------------- final losses
-def last_step(run: Run) -> int:
-    return max((r["step"] for r in run.train + run.evals), default=0)
-
-
-def evaluation_result(run: Run) -> dict[str, Any] | None:
-    """The mode.evaluate result kept in the run folder (`mode.evaluate RUN --out RUN/eval.json`) for the
-    run's last step: of several, the one over the most batches, with its file name. None without one."""
-    best = None
-    for path in sorted(run.path.glob("*.json")):
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, ValueError):
-            continue
-        if not isinstance(data, dict) or any(key not in data for key in EVALUATION_KEYS):
-            continue
-        if data["step"] == last_step(run) and (best is None or data["batches"] > best["batches"]):
-            best = {**data, "file": path.name}
-    return best
-
-
-def final_loss(run: Run) -> tuple[float, str] | None:
-    """The run's final validation loss and where it comes from: its mode.evaluate result where the
-    folder holds one for the last step (many batches), else its last evaluation; None without either."""
-    result = evaluation_result(run)
-    if result is not None:
-        return float(result["val_loss"]), f"{result['file']} ({result['batches']} batches)"
-    if run.evals:
-        return float(run.evals[-1]["val_loss"]), f"last evaluation (step {run.evals[-1]['step']})"
-    return None
-
-
 # ----------------------------------------------------------------------------- isoFLOP curves
 def block_kind(config: Config) -> str:
     """dense, or the routed block kinds of the pattern (mod, moe, mode_staged+moe, ...)."""
