@@ -7,6 +7,8 @@
 #   routing    learned vs random routing; capacity 12.5 / 25 / 50%; every block vs every other
 #   experts    MoE vs Staged MoDE vs Integrated MoDE vs MoE at lowered capacity
 #   causal     causal method (a) auxiliary loss vs (b) predictor
+#   controls   more dense points on the isoflop curves (not in all): a size below the grid (256 / 6
+#              layers), and the 512-wide MoD's five dense layers alone, at each budget x 2 seeds
 #   evaluate   mode.evaluate every finished run on 64 validation batches (eval.json beside it),
 #              one a GPU at once
 #   report     mode.report of every part into reports/study/PART, and the routing map of a held-out
@@ -24,7 +26,7 @@ GPUS=${GPUS-0,1,2,3}
 DATA=${STUDY_DATA:-data/study_bpe8k}
 RUNS=${STUDY_RUNS:-runs/study}
 REPORTS=${STUDY_REPORTS:-reports/study}
-part=${1:?usage: bash launch/study.sh data|isoflop|routing|experts|causal|evaluate|report|all [--dry-run]}
+part=${1:?usage: bash launch/study.sh data|isoflop|routing|experts|causal|controls|evaluate|report|all [--dry-run]}
 shift
 sweep() {
   "$PY" -m mode.sweep --config configs/study_gpu.yaml ${GPUS:+--gpus "$GPUS"} --data.path="$DATA" "$@"
@@ -49,6 +51,10 @@ case "$part" in
       --zip moe.n_noop=0,0,8,0 --zip moe.capacity_factor=1.0,1.0,1.0,0.5 "$@" ;;
   causal)
     sweep --out "$RUNS"/causal "${seeds[@]}" --vary routing.causal=aux_loss,predictor "$@" ;;
+  controls)  # into the isoflop folder: its report and isoflop.png show them on the dense curves
+    sweep --out "$RUNS"/isoflop "${seeds[@]}" \
+      --vary "model.block_pattern=[dense]" --vary train.flops_budget=5e14,1.5e15,5e15 \
+      --zip model.d_model=256,512 --zip model.n_heads=4,8 --zip model.n_layers=6,5 --zip model.d_ff=704,1408 "$@" ;;
   evaluate)
     gpus=(${GPUS//,/ })
     pending=()

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("part, points", [("isoflop", 36), ("routing", 4 + 12), ("experts", 8), ("causal", 4),
-                                          ("all", 36 + 16 + 8 + 4)])
+                                          ("controls", 12), ("all", 36 + 16 + 8 + 4)])
 def test_each_part_plans_its_points(part: str, points: int) -> None:
     env = {**os.environ, "PYTHON": sys.executable,
            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
