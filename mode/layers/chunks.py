@@ -20,14 +20,14 @@ enters the layer's cache.
 """
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mode.kernels import graph_if
 from mode.layers.attention import expand_kv
 from mode.layers.kv_cache import LayerCache, PackedRows, attend_used, to_device
 from mode.layers.rotary import RotaryAngles
@@ -284,19 +284,8 @@ class GatherRows:
 
 # ----------------------------------------------------------------------------- static decode step
 def if_nodes_available() -> bool:
-    """Whether this torch captures CUDA graph conditional (IF) nodes."""
-    return hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node")
-
-
-@contextlib.contextmanager
-def captured_if(graph: torch.cuda.CUDAGraph, predicate: Tensor) -> Iterator[None]:
-    """The kernels launched inside run at replay only where the 0-d bool predicate is True then
-    (an IF node of the graph being captured). Their outputs must go into tensors made before it."""
-    graph.begin_capture_to_if_node(predicate)
-    try:
-        yield
-    finally:
-        graph.end_capture_to_conditional_node()
+    """Whether CUDA graph conditional (IF) nodes can be captured here (natively or built)."""
+    return graph_if.available()
 
 
 class StaticStep:
@@ -351,9 +340,9 @@ class StaticStep:
             return x if taken == 0 else compact() if fits and taken <= width else masked()
         out = x.clone()  # made before the IF nodes: the rows no branch writes (every row where none runs)
         if fits:
-            with captured_if(self.graph, (count > 0) & (count <= width)):
+            with graph_if.captured_if(self.graph, (count > 0) & (count <= width)):
                 out.copy_(compact())
-        with captured_if(self.graph, count > (width if fits else 0)):
+        with graph_if.captured_if(self.graph, count > (width if fits else 0)):
             out.copy_(masked())
         return out
 

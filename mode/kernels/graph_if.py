@@ -1,0 +1,185 @@
+"""CUDA graph conditional (IF) nodes for a torch that cannot capture them itself.
+
+A static decode step skips a routed layer that no row chose by capturing the layer's kernels
+into an IF node of the step's CUDA graph: at replay, a one-thread kernel reads the 0-d bool
+predicate on the device and sets the node's condition, so nothing waits for the host. torch
+captures such nodes where `torch.cuda.CUDAGraph` has `begin_capture_to_if_node`; elsewhere this
+module builds a small extension (once per machine, with torch's own `load_inline`, about a
+minute) that adds them through the CUDA runtime (CUDA 12.4 or newer):
+
+    begin_if(predicate)  # the current stream's capture gets an IF node; the stream now captures its body
+    ...                  # kernels launched here run at replay only where the predicate is True
+    end_if()             # the body ends; the current stream is the capturing one again
+
+The body's tensors come from a memory pool of their own (`body_pool`), kept with the graph:
+the graph's pool serves only its own capture's stream.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+from collections.abc import Iterator
+from types import ModuleType
+
+import torch
+from torch import Tensor
+
+_DECLARATIONS = """
+void begin_if(const at::Tensor& predicate);
+void end_if();
+"""
+
+_SOURCE = r"""
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
+#include <vector>
+
+namespace {
+
+__global__ void set_condition(cudaGraphConditionalHandle handle, const bool* predicate) {
+  cudaGraphSetConditional(handle, *predicate ? 1u : 0u);
+}
+
+struct OpenIf {
+  c10::cuda::CUDAStream parent;
+  c10::cuda::CUDAStream body;
+};
+std::vector<OpenIf> open_ifs;  // nested IF nodes, innermost last
+
+void check(cudaError_t error, const char* call) {
+  TORCH_CHECK(error == cudaSuccess, call, " failed: ", cudaGetErrorString(error));
+}
+
+// The graph the stream is capturing and the nodes its next work depends on.
+void capture_info(cudaStream_t stream, cudaGraph_t* graph, const cudaGraphNode_t** deps, size_t* count) {
+  cudaStreamCaptureStatus status;
+#if CUDART_VERSION >= 13000
+  check(cudaStreamGetCaptureInfo(stream, &status, nullptr, graph, deps, nullptr, count), "cudaStreamGetCaptureInfo");
+#else
+  check(cudaStreamGetCaptureInfo(stream, &status, nullptr, graph, deps, count), "cudaStreamGetCaptureInfo");
+#endif
+  TORCH_CHECK(status == cudaStreamCaptureStatusActive, "an IF node needs the current stream under CUDA graph capture");
+}
+
+}  // namespace
+
+void begin_if(const at::Tensor& predicate) {
+  TORCH_CHECK(predicate.is_cuda() && predicate.numel() == 1 && predicate.scalar_type() == at::kBool,
+              "the IF node's predicate must be a one-element bool CUDA tensor");
+  auto parent = c10::cuda::getCurrentCUDAStream();
+  cudaGraph_t graph;
+  const cudaGraphNode_t* deps;
+  size_t count;
+  capture_info(parent.stream(), &graph, &deps, &count);
+  cudaGraphConditionalHandle handle;
+  check(cudaGraphConditionalHandleCreate(&handle, graph, 0, 0), "cudaGraphConditionalHandleCreate");
+  set_condition<<<1, 1, 0, parent.stream()>>>(handle, predicate.data_ptr<bool>());
+  check(cudaGetLastError(), "set_condition launch");
+  capture_info(parent.stream(), &graph, &deps, &count);  // now ending in set_condition
+
+  cudaGraphNodeParams params{};
+  params.type = cudaGraphNodeTypeConditional;
+  params.conditional.handle = handle;
+  params.conditional.type = cudaGraphCondTypeIf;
+  params.conditional.size = 1;
+  cudaGraphNode_t node;
+#if CUDART_VERSION >= 13000
+  check(cudaGraphAddNode(&node, graph, deps, nullptr, count, &params), "cudaGraphAddNode");
+  check(cudaStreamUpdateCaptureDependencies(parent.stream(), &node, nullptr, 1, cudaStreamSetCaptureDependencies),
+        "cudaStreamUpdateCaptureDependencies");
+#else
+  check(cudaGraphAddNode(&node, graph, deps, count, &params), "cudaGraphAddNode");
+  check(cudaStreamUpdateCaptureDependencies(parent.stream(), &node, 1, cudaStreamSetCaptureDependencies),
+        "cudaStreamUpdateCaptureDependencies");
+#endif
+  auto body = c10::cuda::getStreamFromPool(false, parent.device_index());
+  check(cudaStreamBeginCaptureToGraph(body.stream(), params.conditional.phGraph_out[0], nullptr, nullptr, 0,
+                                      cudaStreamCaptureModeRelaxed),
+        "cudaStreamBeginCaptureToGraph");
+  c10::cuda::setCurrentCUDAStream(body);
+  open_ifs.push_back({parent, body});
+}
+
+void end_if() {
+  TORCH_CHECK(!open_ifs.empty(), "end_if without a begin_if");
+  OpenIf open = open_ifs.back();
+  open_ifs.pop_back();
+  cudaGraph_t body_graph;
+  c10::cuda::setCurrentCUDAStream(open.parent);
+  check(cudaStreamEndCapture(open.body.stream(), &body_graph), "cudaStreamEndCapture");
+}
+"""
+
+
+def native() -> bool:
+    """Whether this torch captures IF nodes itself."""
+    return hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node")
+
+
+def buildable() -> bool:
+    """Whether the extension can be built here: a CUDA GPU, CUDA 12.4 or newer, and its compiler."""
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    version = torch.version.cuda
+    if not torch.cuda.is_available() or version is None or CUDA_HOME is None:
+        return False
+    major, minor = (int(part) for part in version.split(".")[:2])
+    return (major, minor) >= (12, 4)
+
+
+@functools.cache
+def extension() -> ModuleType:
+    """The built extension (compiled on first use, then loaded from torch's extension cache)."""
+    from torch.utils.cpp_extension import load_inline
+
+    print("mode: building the CUDA graph IF-node extension (once per machine)", file=sys.stderr)
+    return load_inline(name="mode_graph_if", cpp_sources=_DECLARATIONS, cuda_sources=_SOURCE,
+                       functions=["begin_if", "end_if"], verbose=False)
+
+
+@functools.cache
+def available() -> bool:
+    """Whether IF nodes can be captured here: natively, or through the extension once it builds
+    (a failed build is reported once and leaves them off)."""
+    if native():
+        return True
+    if not buildable():
+        return False
+    try:
+        extension()
+    except Exception as e:  # a compiler or CUDA runtime that cannot build it: the callers fall back
+        print(f"mode: CUDA graph IF nodes unavailable, the extension did not build: {e}", file=sys.stderr)
+        return False
+    return True
+
+
+def body_pool(graph: torch.cuda.CUDAGraph) -> torch.cuda.MemPool:
+    """The memory pool of the graph's IF bodies, kept on the graph so that it lives as long."""
+    pool = getattr(graph, "_mode_if_pool", None)
+    if pool is None:
+        pool = torch.cuda.MemPool()
+        graph._mode_if_pool = pool
+    return pool
+
+
+@contextlib.contextmanager
+def captured_if(graph: torch.cuda.CUDAGraph, predicate: Tensor) -> Iterator[None]:
+    """The kernels launched inside run at replay only where the 0-d bool predicate is True then
+    (an IF node of the graph being captured). Their outputs must go into tensors made before it."""
+    if native():
+        graph.begin_capture_to_if_node(predicate)
+        try:
+            yield
+        finally:
+            graph.end_capture_to_conditional_node()
+        return
+    built = extension()
+    pool = body_pool(graph)
+    built.begin_if(predicate)
+    try:
+        with torch.cuda.use_mem_pool(pool):
+            yield
+    finally:
+        built.end_if()

@@ -1,0 +1,71 @@
+"""CUDA graph conditional (IF) nodes (mode/kernels/graph_if.py): natively or through the built
+extension, a captured body runs at replay exactly when its predicate is True then."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mode.kernels import graph_if
+from mode.layers.chunks import if_nodes_available
+
+needs_if_nodes = pytest.mark.skipif(
+    not torch.cuda.is_available() or not graph_if.available(), reason="CUDA graph conditional nodes need a GPU",
+)
+
+
+def test_without_a_gpu_there_are_no_if_nodes_and_nothing_is_built() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("the CPU answer")
+    assert not graph_if.buildable() and not graph_if.available() and not if_nodes_available()
+    assert graph_if.extension.cache_info().currsize == 0  # no compiler was started
+
+
+@needs_if_nodes
+def test_an_if_body_runs_at_replay_only_where_its_predicate_holds() -> None:
+    x = torch.arange(4.0, device="cuda")
+    flag = torch.zeros((), dtype=torch.bool, device="cuda")
+    count = torch.zeros((), dtype=torch.long, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: the body's kernels once, outside the capture
+        x.copy_(x * 2 + 1)
+    torch.cuda.current_stream().wait_stream(side)
+    x.copy_(torch.arange(4.0, device="cuda"))
+    with torch.cuda.graph(graph):
+        with graph_if.captured_if(graph, flag & (count < 10)):
+            doubled = x * 2 + 1  # allocated inside the body
+            x.copy_(doubled)
+        count.add_(1)  # after the node: runs on every replay
+    torch.cuda.synchronize()
+    expected = torch.arange(4.0, device="cuda")
+    for taken in (False, True, True, False, True):
+        flag.fill_(taken)
+        graph.replay()
+        expected = expected * 2 + 1 if taken else expected
+    torch.cuda.synchronize()
+    assert torch.equal(x, expected) and int(count) == 5
+
+
+@needs_if_nodes
+def test_nested_if_nodes_each_keep_their_own_predicate() -> None:
+    x = torch.zeros(3, device="cuda")
+    outer = torch.zeros((), dtype=torch.bool, device="cuda")
+    inner = torch.zeros((), dtype=torch.bool, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    x.add_(1)
+    x.add_(10)
+    torch.cuda.synchronize()
+    x.zero_()
+    with torch.cuda.graph(graph):
+        with graph_if.captured_if(graph, outer.clone()):
+            x.add_(1)
+            with graph_if.captured_if(graph, inner.clone()):
+                x.add_(10)
+    for o, i, added in ((False, True, 0), (True, False, 1), (True, True, 11), (False, False, 0)):
+        outer.fill_(o)
+        inner.fill_(i)
+        before = x.clone()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(x - before, torch.full_like(x, float(added))), (o, i)
