@@ -20,6 +20,11 @@ Table 2, the kernel time of single routing ops per call: top-k, sorting the chos
 and without its Triton kernel (mode/kernels/topk.py) at the MoD shape and at expert choice's
 (8 experts, each its top S/8), and a copy of the residual.
 --top N also prints the N costliest kernels of each block.
+--kinds moe mode_staged mode_integrated adds a row for each of those blocks (block_kinds' expert
+settings: 8 experts, expert choice), and a table of where each block's kernel time goes (matrix
+products, attention, sorting and top-k, the rest) against the dense block's, scaled by the
+block's forward FLOPs (mode.flops): a kind whose time per FLOP exceeds dense's shows which
+category costs it.
 """
 from __future__ import annotations
 
@@ -31,12 +36,18 @@ from torch import Tensor
 from torch.profiler import ProfilerActivity, profile
 
 from bench.common import host_queue_ms, precision, require_cuda_unless_tiny, timed
-from mode.config import config_from_dict
+from mode.config import BLOCK_KINDS, config_from_dict
+from mode.flops import model_flops
 from mode.kernels import use_kernels
 from mode.model import LanguageModel
 from mode.routing import add_gated_tokens, capacity_to_k, top_k_positions
 
 PROFILED_PASSES = 5
+ROUTED_KINDS = tuple(k for k in BLOCK_KINDS if k not in ("dense", "mod"))
+# Kernel-name fragments of each category of table 3, checked in this order; the rest is "other".
+CATEGORIES = (("matrix products", ("gemm", "cutlass", "nvjet", "matmul", "sm90_x", "sm80_x", "bmm", "grouped", "::mm", "addmm")),
+              ("attention", ("flash", "fmha", "attention", "cudnn", "sdpa")),
+              ("sort, top-k, scan", ("sort", "topk", "radix", "scan", "cub", "top_k", "select")))
 
 
 def build(args: argparse.Namespace, device: torch.device) -> LanguageModel:
@@ -48,6 +59,39 @@ def build(args: argparse.Namespace, device: torch.device) -> LanguageModel:
         "data": {"seq_len": args.seq},
     }, "bench/block_profile.py")
     return LanguageModel(cfg).to(device)
+
+
+def kind_block(kind: str, args: argparse.Namespace, device: torch.device) -> tuple[torch.nn.Module, float]:
+    """The second block of a [dense, kind] model at the benchmark's shape (block_kinds' expert
+    settings), and its forward FLOPs per token over the dense block's."""
+    from bench.block_kinds import kind_config
+
+    shape = argparse.Namespace(vocab=256, width=args.width, heads=args.heads, layers=2, ffn=args.ffn, seq=args.seq,
+                               experts=args.experts, noop=args.experts)
+    config = kind_config(kind, shape)
+    per_block = model_flops(config).per_block
+    return LanguageModel(config).to(device).blocks[1], per_block[1] / per_block[0]
+
+
+def category(kernel: str) -> str:
+    name = kernel.lower()
+    return next((label for label, parts in CATEGORIES if any(p in name for p in parts)), "other")
+
+
+def print_categories(profiles: dict[str, list[tuple[str, float]]], flop_ratio: dict[str, float]) -> None:
+    """Each block's kernel ms per category, and its total over the dense block's scaled by FLOPs."""
+    labels = [label for label, _ in CATEGORIES] + ["other"]
+    print("\n| block (forward+backward) | " + " | ".join(f"{label} ms" for label in labels)
+          + " | total ms | FLOPs / dense | time per FLOP / dense |")
+    print("|" + " --- |" * (len(labels) + 4))
+    dense_total = sum(t for _, t in profiles["dense block"]) / PROFILED_PASSES / 1e3
+    for name, ratio in flop_ratio.items():
+        split = dict.fromkeys(labels, 0.0)
+        for kernel, t in profiles[name]:
+            split[category(kernel)] += t / PROFILED_PASSES / 1e3
+        total = sum(split.values())
+        print(f"| {name} | " + " | ".join(f"{split[label]:.3f}" for label in labels)
+              + f" | {total:.3f} | {ratio:.3f} | {total / dense_total / ratio:.3f} |")
 
 
 def kernels_of(fn: Callable[[], None], device: torch.device) -> list[tuple[str, float]]:
@@ -93,11 +137,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--top", type=int, default=0, help="also print each block's N costliest kernels")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile the dense and the MoD block (table 1 then has those two rows)")
+    parser.add_argument("--kinds", nargs="*", choices=ROUTED_KINDS, default=[],
+                        help="also profile these block kinds, with a table of where their kernel time goes")
+    parser.add_argument("--experts", type=int, default=8, help="experts of the --kinds blocks (and no-op experts of Integrated MoDE)")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run at a small shape")
     args = parser.parse_args(argv)
     require_cuda_unless_tiny(parser, args)
     if args.tiny:
-        args.batch, args.seq, args.width, args.heads, args.ffn, args.iters = 2, 64, 32, 2, 64, 3
+        args.batch, args.seq, args.width, args.heads, args.ffn, args.iters, args.experts = 2, 64, 32, 2, 64, 3, 4
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
     model = build(args, device)
@@ -147,8 +194,13 @@ def main(argv: list[str] | None = None) -> None:
 
     pieces = {"dense block": fwd_bwd(dense), "MoD block": fwd_bwd(mod),
               f"the block alone on k={k} tokens": block_on_k_tokens, "routing alone (route, gate, add back)": routing_alone}
+    flop_ratio = {"dense block": 1.0, "MoD block": kind_block("mod", args, device)[1]}
+    for kind in args.kinds:
+        block, flop_ratio[f"{kind} block"] = kind_block(kind, args, device)
+        pieces[f"{kind} block"] = fwd_bwd(block)
     if args.compile:  # each block one compiled graph (the MoD block then routes with plain ops)
         pieces = {"dense block": fwd_bwd(torch.compile(dense)), "MoD block": fwd_bwd(torch.compile(mod))}
+        flop_ratio = {name: flop_ratio[name] for name in pieces}
     card = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     print(f"card: {card}; torch {torch.__version__}; B={args.batch} S={args.seq} D={args.width} heads={args.heads} "
           f"ffn={args.ffn} capacity={args.capacity} (k={k}); {'compiled' if args.compile else 'eager'}, "
@@ -166,6 +218,7 @@ def main(argv: list[str] | None = None) -> None:
               f"{host_ms[name]:.3f} |", flush=True)
     print(f"\n(the dense block's kernel time x capacity: {kernel_ms['dense block'] * args.capacity:.3f} ms)")
     print_pair(host_ms, kernel_ms)
+    print_categories(profiles, flop_ratio)
 
     scores = torch.randn(args.batch, args.seq, device=device)
     chosen = scores.topk(k, dim=-1, sorted=False).indices
@@ -188,7 +241,7 @@ def main(argv: list[str] | None = None) -> None:
         kernels = kernels_of(op, device)
         print(f"| {name} | {sum(t for _, t in kernels) / PROFILED_PASSES:.1f} | {len(kernels) / PROFILED_PASSES:.0f} |")
 
-    for name in ("dense block", "MoD block")[: 2 if args.top else 0]:
+    for name in [n for n in profiles if n.endswith(" block")] if args.top else []:
         print(f"\n### {name}: the {args.top} costliest kernels (us per pass, launches per pass)")
         totals: dict[str, list[float]] = {}
         for kernel, t in profiles[name]:

@@ -178,7 +178,7 @@ def test_block_profile_tiny_compiled() -> None:
     """--compile: the dense and the MoD block each compiled; the table has those two rows."""
     out = run("-m", "bench.block_profile", "--tiny", "--compile", "--top", "2")
     rows = table_rows(out)
-    assert [r[0] for r in rows[:2]] == ["dense block", "MoD block"] and rows[2][0].startswith("top-k"), out
+    assert [r[0] for r in rows[:4]] == ["dense block", "MoD block"] * 2 and rows[4][0].startswith("top-k"), out
     assert ("; compiled, bf16 autocast" if CUDA else "; compiled, float32") in out
     assert all(len(r) == 5 and all(number(cell) > 0 for cell in r[1:]) for r in rows[:2])
     assert "a [dense, MoD] pair: the host queues it in " in out, out
@@ -202,8 +202,25 @@ def test_block_profile_tiny() -> None:
     assert all(len(r) == 5 and all(number(cell) > 0 for cell in r[1:]) for r in rows[:4])  # host ms too
     pair = re.search(r"the host queues it in ([\d.]+) ms for ([\d.]+) ms of kernels", out)
     assert pair and float(pair[1]) > 0 and float(pair[2]) > 0, out
-    assert [r[0].split(",")[0] for r in rows[4:]] == [
+    assert [r[0] for r in rows[4:6]] == ["dense block", "MoD block"]  # where their kernel time goes
+    assert [r[0].split(",")[0] for r in rows[6:]] == [
         "top-k of 8 in (2", "sort the chosen positions", "sort the chosen positions", "top_k_positions",
         "top_k_positions as routers run it (CUDA: one Triton kernel)", "expert choice (2", "expert choice (2",
         "copy the float32 residual (128 x 32)"]
-    assert all(number(r[1]) > 0 for r in rows[4:])
+    assert all(number(r[1]) > 0 for r in rows[6:])
+
+
+def test_block_profile_tiny_kinds() -> None:
+    """--kinds: a row for each routed kind's block, and each block's kernel time split into
+    categories that add up to its total, with its forward FLOPs over the dense block's."""
+    kinds = ["moe", "mode_staged", "mode_integrated"]
+    rows = table_rows(run("-m", "bench.block_profile", "--tiny", "--kinds", *kinds))
+    names = ["dense block", "MoD block", *(f"{k} block" for k in kinds)]
+    assert [r[0] for r in rows[4:7]] == names[2:]  # after table 1's own four rows
+    split = {r[0]: [number(c) for c in r[1:]] for r in rows[7:12]}
+    assert list(split) == names
+    for name, (*categories, total, flop_ratio, per_flop) in split.items():
+        assert sum(categories) == pytest.approx(total, abs=0.01) and total > 0 and per_flop > 0, name
+    assert split["dense block"][-2:] == [1.0, 1.0]
+    assert split["moe block"][-2] == pytest.approx(1.0, abs=0.05)  # expert choice at capacity 1: a dense FFN's FLOPs
+    assert split["mode_staged block"][-2] < 0.5 and split["MoD block"][-2] < 0.5
