@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import re
 import subprocess
 import sys
@@ -224,3 +225,16 @@ def test_block_profile_tiny_kinds() -> None:
     assert split["dense block"][-2:] == [1.0, 1.0]
     assert split["moe block"][-2] == pytest.approx(1.0, abs=0.05)  # expert choice at capacity 1: a dense FFN's FLOPs
     assert split["mode_staged block"][-2] < 0.5 and split["MoD block"][-2] < 0.5
+
+
+def test_speed_targets_script_runs_every_lane_tiny(tmp_path: Path) -> None:
+    """bench/speed_targets.sh with TINY=1: each of the four lanes runs its benchmarks (--tiny) and
+    tests, writes its tables into LOG_DIR/LANE.md and ends with exit 0."""
+    env = {**os.environ, "TINY": "1", "PYTHON": sys.executable, "LOG_DIR": str(tmp_path)}
+    out = subprocess.run(["bash", "bench/speed_targets.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert out.returncode == 0, out.stderr[-2000:]
+    for lane, header in (("decode", "| prompt | batch | model |"), ("kinds", "| block kind |"),
+                         ("step", "| block (forward+backward) |"), ("tests", "passed")):
+        text = (tmp_path / f"{lane}.md").read_text()
+        assert text.rstrip().endswith(f"lane {lane}: exit 0") and header in text, (lane, text[-1500:])
