@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mode.generate import layer_step
+from mode.generate import Decoder, layer_step
 from mode.layers import chunks
 from mode.layers.chunks import GatherStep, StaticStep
 from mode.layers.kv_cache import LayerCache, PackedRows
@@ -76,3 +76,25 @@ def test_fresh_prefill_of_compacted_rows_is_causal_attention(monkeypatch: pytest
                 seen = torch.cat((chosen[b].nonzero().squeeze(1), torch.arange(S, t + 1)))
                 want = reference(block, rotary, x[b, seen], seen)[-1]
                 assert (out[b, 0] - want).abs().max() <= F64_TOL, (t, b)
+
+
+@pytest.mark.parametrize("chunk_lengths", [(5, 2, 4), (5, 5, 5)])
+@pytest.mark.parametrize("pattern", ["mod", "mode_staged", "dense"])
+@torch.no_grad()
+def test_a_second_prefill_chunk_over_ragged_caches_equals_the_full_forward(pattern: str, chunk_lengths) -> None:
+    """A prefill chunk after ragged prompts (every layer's cache holds a different number of
+    tokens per row; the chunk right-padded, or whole): each row's logits are its full causal
+    forward's over prompt and chunk."""
+    model = make_model(pattern, "aux_loss", n_layers=3)
+    torch.manual_seed(4)
+    prompt_lengths = (3, 9, 6)
+    tokens = torch.randint(0, 256, (3, 9 + 5))
+    decoder = Decoder(model, 3, 9 + 5)
+    decoder.prefill([tokens[b, :n].tolist() for b, n in enumerate(prompt_lengths)])
+    chunk = torch.stack([tokens[b, n : n + 5] for b, n in enumerate(prompt_lengths)])  # (3, 5)
+    valid = torch.arange(5) < torch.tensor(chunk_lengths).unsqueeze(1)
+    got = decoder.logits(decoder.forward(chunk, valid))  # (3, 5, V)
+    for b, (n, c) in enumerate(zip(prompt_lengths, chunk_lengths)):
+        full = model(tokens[b : b + 1, : n + c], routing_mode="causal").logits.float()[0, n:]
+        assert (got[b, :c] - full).abs().max() <= F64_TOL, b
+    assert decoder.positions.tolist() == [n + c for n, c in zip(prompt_lengths, chunk_lengths)]

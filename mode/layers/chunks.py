@@ -7,9 +7,10 @@ computed, where their keys and values go in the cache, the attention over the ca
 new hidden states go back. A token a layer does not process comes out unchanged and never
 enters the layer's cache.
 
-- Prefill: a chunk of any length per row. The chosen tokens of each row are compacted (padded
-  to the longest row's count, padding past the row's cached tokens); rows with none are not
-  computed. On a fresh cache, plain causal attention. Host counts, so one sync per routed layer.
+- Prefill: a chunk of any length per row. The chosen tokens of every row are packed into one
+  sequence for the token-wise parts (norms, projections, FFN), so a layer computes exactly the
+  tokens it took; only the attention lays them out per row. Rows with none are not computed.
+  On a fresh cache, plain causal attention. Host counts, so one sync per routed layer.
 - GatherStep: one token per row; only the rows the layer processes are computed (index_select)
   and updated in place in the step's own hidden states. Lengths on the host; a routed layer's
   decision goes to the host (its one sync).
