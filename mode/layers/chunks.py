@@ -59,6 +59,8 @@ class Prefill(HostPlannedChunk):
 
     def __init__(self, rotary: nn.Module, positions: Tensor, valid: Tensor, counts: Tensor) -> None:
         self.rotary, self.positions, self.valid, self.counts = rotary, positions, valid, counts
+        self.count_list = counts.tolist()
+        self.every_token = min(self.count_list) == positions.shape[1]  # no padding: valid is all True
         self._angles: RotaryAngles | None = None
 
     @property
@@ -73,11 +75,12 @@ class Prefill(HostPlannedChunk):
         whole rows where every row computed takes its whole chunk, else the chosen tokens packed;
         None when no row has any."""
         if chosen is None:
-            chosen, counts = self.valid, self.counts
+            chosen, counts, count_list = self.valid, self.counts, self.count_list
         else:
-            chosen = chosen & self.valid
+            if not self.every_token:
+                chosen = chosen & self.valid
             counts = chosen.sum(1).cpu()  # the layer's one sync
-        count_list = counts.tolist()
+            count_list = counts.tolist()
         computed = [c for c in count_list if c]
         if not computed:
             return None
@@ -127,15 +130,17 @@ class PrefillPlan:
         cache, device, width = self.cache, q.device, self.width
         groups = q.shape[2] // cache.kv.shape[3]
         window = width if self.fresh else max(o + c for o, c in zip(self.old, self.count_list))
-        keys, values = self._rows(cache.k[:, :, :window]), self._rows(cache.v[:, :, :window])  # (m, Hkv, L, hd)
+        kv = cache.kv[:, :, :window]  # (2, B, L, Hkv, hd) view
+        if self.rows is not None:
+            kv = kv.index_select(1, self.rows)
+        keys, values = kv.to(q.dtype).transpose(2, 3).unbind(0)  # (m, Hkv, L, hd) each
         mask = None
         if not self.fresh:
             old = to_device(torch.tensor(self.old), device)
             slots = old.unsqueeze(1) + torch.arange(width, device=device)  # (m, K)
             mask = (torch.arange(window, device=device) <= slots.unsqueeze(-1)).unsqueeze(1)  # (m, 1, K, L)
         y = F.scaled_dot_product_attention(
-            q.transpose(1, 2), expand_kv(keys.to(q.dtype), groups), expand_kv(values.to(q.dtype), groups),
-            attn_mask=mask, is_causal=self.fresh,
+            q.transpose(1, 2), expand_kv(keys, groups), expand_kv(values, groups), attn_mask=mask, is_causal=self.fresh,
         )  # (m, H, K, hd)
         self.cache.lengths_cpu += self.counts
         return y.transpose(1, 2)
@@ -179,34 +184,32 @@ class ChunkTokens(PrefillPlan):
     def __init__(self, chunk: Prefill, x: Tensor, cache: LayerCache, chosen: Tensor, counts: Tensor,
                  count_list: list[int]) -> None:
         super().__init__(x, cache, counts, count_list)
-        batch, n, width = x.shape
-        total = sum(self.count_list)
-        self.src = (~chosen).view(-1).argsort(stable=True)[:total]  # (T,) flat token ids: chosen (False) first, in order
-        self.x = x.reshape(-1, width).index_select(0, self.src).unsqueeze(0)  # (1, T, D)
+        self.n, self.total = x.shape[1], sum(self.count_list)
+        # flat token ids of the chosen tokens, in order (a stable sort: True first)
+        self.src = chosen.view(-1).argsort(descending=True, stable=True)[: self.total]  # (T,)
+        self.x = self.take(x)  # (1, T, D)
         angles = chunk.angles  # (B, n, 1, hd) each -> (1, T, 1, hd)
-        self.angles = RotaryAngles(self.take(angles.cos_full.squeeze(2)).unsqueeze(2),
-                                   self.take(angles.sin_signed.squeeze(2)).unsqueeze(2))
+        self.angles = RotaryAngles(self.take(angles.cos_full), self.take(angles.sin_signed))
         self.even = min(self.count_list) == self.width  # (1, T) is the (m, K) layout itself
-        self.n = n
 
     def take(self, t: Tensor) -> Tensor:
         """A per-token value (B, n, ...) -> the chosen tokens' (1, T, ...)."""
-        return t.flatten(0, 1).index_select(0, self.src).unsqueeze(0)
+        return t.reshape(1, -1, *t.shape[2:]).index_select(1, self.src)
 
-    def _layout(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Each chosen token's batch row, row in the (m, K) layout, place among its row's chosen
-        tokens and cache slot, each (T,): from per-row host tables, one copy to the device."""
-        batch, counts = self.batch, self.count_list
-        starts, ranks, old = [0] * batch, [0] * batch, [0] * batch
-        total = 0
-        for rank, (b, c, o) in enumerate(zip(self.row_list, counts, self.old)):
-            starts[b], ranks[b], old[b] = total, rank, o
-            total += c
+    def _layout(self) -> tuple[Tensor, Tensor]:
+        """Each chosen token's row in the (m * K) layout of the attention and its slot in the
+        cache's packed (2, B * (max_len + 1), Hkv, hd) view, each (T,): token t of a row that
+        starts at t0 in the packed tokens goes to (row, t - t0) and to its slot old + t - t0, so
+        one per-row shift each (host tables, one copy to the device) plus t."""
+        padded, cached = [0] * self.batch, [0] * self.batch
+        slots, start = self.cache.kv.shape[2], 0
+        for rank, (b, c, o) in enumerate(zip(self.row_list, self.count_list, self.old)):
+            padded[b], cached[b] = rank * self.width - start, b * slots + o - start
+            start += c
         device = self.src.device
         row = self.src.div(self.n, rounding_mode="floor")  # (T,)
-        start, rank, cached = to_device(torch.tensor([starts, ranks, old]), device).index_select(1, row)  # (T,) each
-        place = torch.arange(total, device=device) - start
-        return row, rank, place, place + cached
+        shifts = to_device(torch.tensor([padded, cached]), device).index_select(1, row)  # (2, T)
+        return (shifts + torch.arange(self.total, device=device)).unbind(0)
 
     def attend(self, q: Tensor, kv: Tensor) -> Tensor:
         """q (1, T, H, hd) and kv (1, T, 2, Hkv, hd), q and k rotated -> attention output (1, T, H, hd);
@@ -215,15 +218,16 @@ class ChunkTokens(PrefillPlan):
         if self.even:
             self._write_rows(kv.view(m, width, *kv.shape[2:]))
             return self._attention(q.view(m, width, *q.shape[2:])).reshape(q.shape)
-        row, rank, place, slot = self._layout()
-        cache = self.cache
-        cache.kv[:, row, slot] = kv[0].transpose(0, 1).to(cache.kv.dtype)  # (2, T, Hkv, hd)
-        padded = q.new_zeros(m, width, *q.shape[2:]).index_put_((rank, place), q[0])  # (m, K, H, hd)
-        return self._attention(padded)[rank, place].unsqueeze(0)  # (1, T, H, hd)
+        padded_at, slot_at = self._layout()
+        cache, heads = self.cache.kv, q.shape[2:]
+        cache.view(2, -1, *cache.shape[3:]).index_copy_(1, slot_at, kv[0].transpose(0, 1).to(cache.dtype))
+        padded = q.new_zeros(m * width, *heads).index_copy_(0, padded_at, q[0])  # (m * K, H, hd)
+        y = self._attention(padded.view(m, width, *heads))  # (m, K, H, hd)
+        return y.reshape(m * width, *heads).index_select(0, padded_at).unsqueeze(0)  # (1, T, H, hd)
 
     def put(self, x: Tensor, new: Tensor) -> Tensor:
         """The chunk's hidden states (B, n, D) with the chosen tokens' new states new (1, T, D)."""
-        return x.flatten(0, 1).index_copy(0, self.src, new[0].to(x.dtype)).view_as(x)
+        return x.reshape(1, -1, x.shape[-1]).index_copy(1, self.src, new.to(x.dtype)).view_as(x)
 
     def add(self, x: Tensor, update: Tensor) -> Tensor:
         """put() of the chosen tokens' states plus update (1, T, D), in their dtype."""
