@@ -154,3 +154,14 @@ def test_a_routed_prefill_layer_runs_a_fixed_number_of_ops() -> None:
     counts = {(batch, n): top_level_ops(uneven_prefill(routed, rotary, batch, n, 0.3)) for batch, n in ((2, 12), (16, 12), (16, 40))}
     assert len(set(counts.values())) == 1, counts
     assert counts[2, 12] <= 2 * top_level_ops(uneven_prefill(dense, rotary, 2, 12, 2.0))
+
+
+def test_prompts_become_one_right_padded_batch() -> None:
+    from mode.inference.decoder import padded_tokens
+
+    tokens, valid, lengths = padded_tokens([[5, 6, 7], [], [8], (9, 10)])
+    assert tokens.tolist() == [[5, 6, 7], [0, 0, 0], [8, 0, 0], [9, 10, 0]]
+    assert valid.tolist() == [[True] * 3, [False] * 3, [True, False, False], [True, True, False]]
+    assert lengths.tolist() == [3, 0, 1, 2] and tokens.dtype == torch.long
+    tokens, valid, _ = padded_tokens([[1, 2], [3, 4]])
+    assert tokens.tolist() == [[1, 2], [3, 4]] and bool(valid.all())
