@@ -1,14 +1,17 @@
 """A prefill chunk on a fresh cache: a layer that takes some tokens of each row (a different
 number per row, none in one) attends with plain causal attention over the compacted tokens,
-and gives what the block gives on each row's chosen tokens alone; later decode steps never read
-the padding it leaves past a row's length. Tiny float64 blocks on CPU."""
+and gives what the block gives on each row's chosen tokens alone; later decode steps see each
+row's chosen tokens and nothing else. A second chunk over ragged caches gives the full forward.
+What a routed layer's prefill costs: only its chosen tokens computed, a fixed sequence of ops.
+Tiny float64 blocks on CPU."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
 
-from mode.generate import layer_step
+from mode.generate import Decoder, layer_step
 from mode.layers import chunks
 from mode.layers.chunks import GatherStep, StaticStep
 from mode.layers.kv_cache import LayerCache, PackedRows
@@ -76,3 +79,89 @@ def test_fresh_prefill_of_compacted_rows_is_causal_attention(monkeypatch: pytest
                 seen = torch.cat((chosen[b].nonzero().squeeze(1), torch.arange(S, t + 1)))
                 want = reference(block, rotary, x[b, seen], seen)[-1]
                 assert (out[b, 0] - want).abs().max() <= F64_TOL, (t, b)
+
+
+@pytest.mark.parametrize("chunk_lengths", [(5, 2, 4), (5, 5, 5)])
+@pytest.mark.parametrize("pattern", ["mod", "mode_staged", "dense"])
+@torch.no_grad()
+def test_a_second_prefill_chunk_over_ragged_caches_equals_the_full_forward(pattern: str, chunk_lengths) -> None:
+    """A prefill chunk after ragged prompts (every layer's cache holds a different number of
+    tokens per row; the chunk right-padded, or whole): each row's logits are its full causal
+    forward's over prompt and chunk."""
+    model = make_model(pattern, "aux_loss", n_layers=3)
+    torch.manual_seed(4)
+    prompt_lengths = (3, 9, 6)
+    tokens = torch.randint(0, 256, (3, 9 + 5))
+    decoder = Decoder(model, 3, 9 + 5)
+    decoder.prefill([tokens[b, :n].tolist() for b, n in enumerate(prompt_lengths)])
+    chunk = torch.stack([tokens[b, n : n + 5] for b, n in enumerate(prompt_lengths)])  # (3, 5)
+    valid = torch.arange(5) < torch.tensor(chunk_lengths).unsqueeze(1)
+    got = decoder.logits(decoder.forward(chunk, valid))  # (3, 5, V)
+    for b, (n, c) in enumerate(zip(prompt_lengths, chunk_lengths)):
+        full = model(tokens[b : b + 1, : n + c], routing_mode="causal").logits.float()[0, n:]
+        assert (got[b, :c] - full).abs().max() <= F64_TOL, b
+    assert decoder.positions.tolist() == [n + c for n, c in zip(prompt_lengths, chunk_lengths)]
+
+
+def top_level_ops(run) -> int:
+    """How many aten ops run() calls itself (not those inside other aten ops), on CPU."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run()
+    return sum(e.name.startswith("aten::") and not (e.cpu_parent and e.cpu_parent.name.startswith("aten::"))
+               for e in prof.events())
+
+
+def uneven_prefill(block: torch.nn.Module, rotary: torch.nn.Module, batch: int, n: int, share: float):
+    """A layer_step call over a fresh cache, every row choosing a different share of its n tokens
+    (share > 1: all of them)."""
+    generator = torch.Generator().manual_seed(batch * 100 + n)
+    x = torch.randn(batch, n, D, dtype=torch.float64, generator=generator)
+    chosen = (torch.rand(batch, n, generator=generator) < share) | (share > 1)
+    chosen[:, 0] = True
+    if share <= 1:  # row 0 takes one token, row 1 at least two
+        chosen[0, 1:] = False
+        chosen[1, 1] = True
+    cache = LayerCache.empty(batch, n, 4, 8, torch.float64, torch.device("cpu"))
+    return lambda: layer_step(block, cache, rotary, x, torch.arange(n).expand(batch, n), chosen)
+
+
+@torch.no_grad()
+def test_a_routed_prefill_layer_computes_only_its_chosen_tokens() -> None:
+    """The projections and the FFN see exactly the tokens the layer took, however unevenly the rows
+    took them (no row padded to the longest)."""
+    model = make_model("mod")
+    block, rotary = model.blocks[1], model.rotary
+    seen = {}
+    hooks = [module.register_forward_hook(lambda m, args, out, name=name: seen.__setitem__(name, args[0].shape[:-1].numel()))
+             for name, module in (("qkv", block.block.attn.qkv), ("ffn", block.block.ffn))]
+    torch.manual_seed(5)
+    x = torch.randn(B, S, D, dtype=torch.float64)
+    chosen = chosen_tokens()
+    layer_step(block, LayerCache.empty(B, S, 4, 8, torch.float64, torch.device("cpu")), rotary, x,
+               torch.arange(S).expand(B, S), chosen)
+    for hook in hooks:
+        hook.remove()
+    assert seen == {"qkv": int(chosen.sum()), "ffn": int(chosen.sum())}
+
+
+@torch.no_grad()
+def test_a_routed_prefill_layer_runs_a_fixed_number_of_ops() -> None:
+    """A routed layer's prefill is a fixed sequence of ops whatever the batch, the chunk length and
+    the rows' counts (no loop over rows or tokens), within twice a dense layer's."""
+    model = make_model("mod")
+    dense, routed = model.blocks
+    rotary = model.rotary
+    counts = {(batch, n): top_level_ops(uneven_prefill(routed, rotary, batch, n, 0.3)) for batch, n in ((2, 12), (16, 12), (16, 40))}
+    assert len(set(counts.values())) == 1, counts
+    assert counts[2, 12] <= 2 * top_level_ops(uneven_prefill(dense, rotary, 2, 12, 2.0))
+
+
+def test_prompts_become_one_right_padded_batch() -> None:
+    from mode.inference.decoder import padded_tokens
+
+    tokens, valid, lengths = padded_tokens([[5, 6, 7], [], [8], (9, 10)])
+    assert tokens.tolist() == [[5, 6, 7], [0, 0, 0], [8, 0, 0], [9, 10, 0]]
+    assert valid.tolist() == [[True] * 3, [False] * 3, [True, False, False], [True, True, False]]
+    assert lengths.tolist() == [3, 0, 1, 2] and tokens.dtype == torch.long
+    tokens, valid, _ = padded_tokens([[1, 2], [3, 4]])
+    assert tokens.tolist() == [[1, 2], [3, 4]] and bool(valid.all())

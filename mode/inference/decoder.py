@@ -27,9 +27,11 @@ an execution plan per shape.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import warnings
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -79,6 +81,20 @@ def layer_step(
     """
     counts = select.sum(1).cpu() if counts is None else counts
     return block.forward_cached(x, cache, Prefill(rotary, positions, select, counts), chosen=select)
+
+
+def padded_tokens(prompts: Sequence[Sequence[int]]) -> tuple[Tensor, Tensor, Tensor]:
+    """B prompts -> right-padded token ids (B, n) long, valid (B, n) bool and lengths (B,), on the
+    host: one read of every id (numpy's fromiter), not a tensor per prompt."""
+    count = [len(p) for p in prompts]
+    lengths, width = torch.tensor(count), max(count)
+    flat = torch.from_numpy(np.fromiter(itertools.chain.from_iterable(prompts), dtype=np.int64, count=sum(count)))
+    valid = torch.arange(width) < lengths.unsqueeze(1)
+    if min(count) == width:
+        return flat.view(len(count), width), valid, lengths
+    tokens = torch.zeros(len(count), width, dtype=torch.long)
+    tokens[valid] = flat  # row by row, as chained
+    return tokens, valid, lengths
 
 
 def _inner_block(block: nn.Module) -> nn.Module:
@@ -372,11 +388,7 @@ class Decoder:
     def prefill(self, prompts: Sequence[Sequence[int]]) -> Tensor:
         """Right-padded prefill of B prompts -> logits at each prompt's last token (B, V)."""
         self._check_batch("prefill", len(prompts))
-        lengths = torch.tensor([len(p) for p in prompts])
-        tokens = torch.zeros(len(prompts), int(lengths.max()), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            tokens[i, : len(p)] = torch.tensor(list(p), dtype=torch.long)
-        valid = torch.arange(tokens.shape[1]) < lengths.unsqueeze(1)
+        tokens, valid, lengths = padded_tokens(prompts)
         hidden = self.forward(tokens, valid)
         last = to_device(lengths - 1, self.device)
         return self.logits(hidden[torch.arange(len(prompts), device=self.device), last])

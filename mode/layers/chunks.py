@@ -7,9 +7,10 @@ computed, where their keys and values go in the cache, the attention over the ca
 new hidden states go back. A token a layer does not process comes out unchanged and never
 enters the layer's cache.
 
-- Prefill: a chunk of any length per row. The chosen tokens of each row are compacted (padded
-  to the longest row's count, padding past the row's cached tokens); rows with none are not
-  computed. On a fresh cache, plain causal attention. Host counts, so one sync per routed layer.
+- Prefill: a chunk of any length per row. The chosen tokens of every row are packed into one
+  sequence for the token-wise parts (norms, projections, FFN), so a layer computes exactly the
+  tokens it took; only the attention lays them out per row. Rows with none are not computed.
+  On a fresh cache, plain causal attention. Host counts, so one sync per routed layer.
 - GatherStep: one token per row; only the rows the layer processes are computed (index_select)
   and updated in place in the step's own hidden states. Lengths on the host; a routed layer's
   decision goes to the host (its one sync).
@@ -58,115 +59,178 @@ class Prefill(HostPlannedChunk):
 
     def __init__(self, rotary: nn.Module, positions: Tensor, valid: Tensor, counts: Tensor) -> None:
         self.rotary, self.positions, self.valid, self.counts = rotary, positions, valid, counts
+        self.count_list = counts.tolist()
+        self.every_token = min(self.count_list) == positions.shape[1]  # no padding: valid is all True
+        self._angles: RotaryAngles | None = None
 
-    def select(self, x: Tensor, cache: LayerCache, chosen: Tensor | None = None) -> "ChunkRows | None":
-        """The plan for the valid tokens (chosen (B, n) bool: those of them a routed layer took);
+    @property
+    def angles(self) -> RotaryAngles:
+        """Every token's rotation (B, n, 1, hd): looked up once for all the layers the chunk meets."""
+        if self._angles is None:
+            self._angles = self.rotary.angles(self.positions)
+        return self._angles
+
+    def select(self, x: Tensor, cache: LayerCache, chosen: Tensor | None = None) -> "ChunkRows | ChunkTokens | None":
+        """The plan for the valid tokens (chosen (B, n) bool: those of them a routed layer took):
+        whole rows where every row computed takes its whole chunk, else the chosen tokens packed;
         None when no row has any."""
         if chosen is None:
-            chosen, counts = self.valid, self.counts
+            chosen, counts, count_list = self.valid, self.counts, self.count_list
         else:
-            chosen = chosen & self.valid
+            if not self.every_token:
+                chosen = chosen & self.valid
             counts = chosen.sum(1).cpu()  # the layer's one sync
-        rows_cpu = counts.nonzero().squeeze(1)
-        return ChunkRows(self, x, cache, chosen, counts, rows_cpu) if rows_cpu.numel() > 0 else None
+            count_list = counts.tolist()
+        computed = [c for c in count_list if c]
+        if not computed:
+            return None
+        if min(computed) == x.shape[1]:
+            return ChunkRows(self, x, cache, counts, count_list)
+        return ChunkTokens(self, x, cache, chosen, counts, count_list)
 
 
-class ChunkRows:
-    """The rows of a prefill chunk one layer computes: x (m, K, D), the chosen tokens of each
-    computed row first, in order, then padding (valid (m, K) False, never cached)."""
+class PrefillPlan:
+    """What both prefill plans share: the m rows computed, those with any chosen token (rows (m,)
+    on the device; None: every row), with their cached lengths and chosen counts (host lists) and
+    K, the largest count; the cache write and the attention in the (m, K) layout, each row's
+    chosen tokens first, in order. No padding token reaches the FFN (valid None)."""
 
-    def __init__(self, chunk: Prefill, x: Tensor, cache: LayerCache, chosen: Tensor, counts: Tensor,
-                 rows_cpu: Tensor) -> None:
-        batch, n, width = x.shape
-        device = x.device
-        self.cache, self.batch = cache, batch
-        self.every_row = rows_cpu.numel() == batch
-        self.rows = None if self.every_row else to_device(rows_cpu, device)
-        self.count = counts if self.every_row else counts.index_select(0, rows_cpu)  # (m,) host
-        self.rows_cpu = rows_cpu
-        old_cpu = cache.lengths_cpu if self.every_row else cache.lengths_cpu.index_select(0, rows_cpu)  # (m,) host
-        self.old_cpu, self.count_list, self.old_list = old_cpu, self.count.tolist(), old_cpu.tolist()
+    valid = None
+
+    def __init__(self, x: Tensor, cache: LayerCache, counts: Tensor, count_list: list[int]) -> None:
+        self.cache, self.counts, self.batch = cache, counts, x.shape[0]
+        rows = [b for b, c in enumerate(count_list) if c]
+        old = cache.lengths_cpu.tolist()
+        self.row_list, self.old, self.count_list = rows, [old[b] for b in rows], [count_list[b] for b in rows]
+        self.rows = None if len(rows) == self.batch else to_device(torch.tensor(rows), x.device)
         self.width = max(self.count_list)
-        self.full = min(self.count_list) == n  # every computed row processes its whole chunk: nothing to compact
-        # Every computed row's cache is empty: plain causal attention over the compacted tokens is
-        # exact (a row's chosen tokens come first, in order; its padding after them is never seen).
-        self.fresh = max(self.old_list) == 0
-        xr, pr = self._rows(x), self._rows(chunk.positions)
-        if self.full:
-            self.idx = self.valid = None
-            self.x, pos = xr, pr
-        else:  # chosen tokens first, in order; then padding (unchosen tokens, never cached)
-            sr = self._rows(chosen)
-            self.idx = (~sr).argsort(dim=1, stable=True)[:, : self.width]  # (m, K): chosen (False) first, in order
-            self.valid = sr.gather(1, self.idx)  # (m, K)
-            self.x = xr.gather(1, self.idx.unsqueeze(-1).expand(-1, -1, width))  # (m, K, D)
-            pos = pr.gather(1, self.idx)
-        self.angles = chunk.rotary.angles(pos)
+        # Every computed row's cache is empty: plain causal attention over its chosen tokens is exact.
+        self.fresh = max(self.old) == 0
 
     def _rows(self, t: Tensor) -> Tensor:
-        return t if self.every_row else t.index_select(0, self.rows)
+        return t if self.rows is None else t.index_select(0, self.rows)
+
+    def _write_rows(self, kv: Tensor) -> None:
+        """kv (m, K, 2, Hkv, hd): every computed row's K keys and values at its slots old .. old + K - 1."""
+        cache = self.cache
+        kv = kv.permute(2, 0, 1, 3, 4).to(cache.kv.dtype)  # (2, m, K, Hkv, hd)
+        width, first = self.width, self.old[0]
+        if all(o == first for o in self.old):  # the rows line up: a slice
+            rows = slice(None) if self.rows is None else self.rows
+            cache.kv[:, rows, first : first + width] = kv
+            return
+        old = to_device(torch.tensor(self.old), kv.device)
+        slots = old.unsqueeze(1) + torch.arange(width, device=kv.device)  # (m, K)
+        rows = torch.arange(self.batch, device=kv.device) if self.rows is None else self.rows
+        cache.kv[:, rows.unsqueeze(1), slots] = kv
+
+    def _attention(self, q: Tensor) -> Tensor:
+        """q (m, K, H, hd), rotated -> (m, K, H, hd): query j of a row sees the row's cached tokens and
+        its chosen tokens 0..j, all in the cache already (a query past the row's count is padding)."""
+        cache, device, width = self.cache, q.device, self.width
+        groups = q.shape[2] // cache.kv.shape[3]
+        window = width if self.fresh else max(o + c for o, c in zip(self.old, self.count_list))
+        kv = cache.kv[:, :, :window]  # (2, B, L, Hkv, hd) view
+        if self.rows is not None:
+            kv = kv.index_select(1, self.rows)
+        keys, values = kv.to(q.dtype).transpose(2, 3).unbind(0)  # (m, Hkv, L, hd) each
+        mask = None
+        if not self.fresh:
+            old = to_device(torch.tensor(self.old), device)
+            slots = old.unsqueeze(1) + torch.arange(width, device=device)  # (m, K)
+            mask = (torch.arange(window, device=device) <= slots.unsqueeze(-1)).unsqueeze(1)  # (m, 1, K, L)
+        y = F.scaled_dot_product_attention(
+            q.transpose(1, 2), expand_kv(keys, groups), expand_kv(values, groups), attn_mask=mask, is_causal=self.fresh,
+        )  # (m, H, K, hd)
+        self.cache.lengths_cpu += self.counts
+        return y.transpose(1, 2)
+
+
+class ChunkRows(PrefillPlan):
+    """The rows of a prefill chunk that take all its n tokens (the others take none): x (m, n, D)."""
+
+    def __init__(self, chunk: Prefill, x: Tensor, cache: LayerCache, counts: Tensor, count_list: list[int]) -> None:
+        super().__init__(x, cache, counts, count_list)
+        self.x = self._rows(x)
+        angles = chunk.angles
+        self.angles = angles if self.rows is None else RotaryAngles(self._rows(angles.cos_full), self._rows(angles.sin_signed))
 
     def take(self, t: Tensor) -> Tensor:
-        """A per-token value (B, n) -> the computed tokens' (m, K)."""
-        t = self._rows(t)
-        return t if self.idx is None else t.gather(1, self.idx)
+        """A per-token value (B, n) -> the computed rows' (m, n)."""
+        return self._rows(t)
 
     def attend(self, q: Tensor, kv: Tensor) -> Tensor:
-        """q (m, K, H, hd) and kv (m, K, 2, Hkv, hd), q and k rotated -> attention output (m, K, H, hd);
-        the chosen tokens' keys and values join the cache. Query j sees the cached tokens and tokens 0..j."""
-        cache, device = self.cache, q.device
-        k, v = kv.unbind(2)  # (m, K, Hkv, hd) each
-        k, v = k.to(cache.k.dtype), v.to(cache.v.dtype)
-        groups = q.shape[2] // k.shape[2]
-        q = q.transpose(1, 2)  # (m, H, K, hd)
-        width = self.width
-        if self.fresh:  # slots 0..K-1; a row's padding lands past its length, where nothing reads it
-            kt, vt = k.transpose(1, 2), v.transpose(1, 2)  # (m, H, K, hd)
-            if self.every_row:
-                cache.k[:, :, :width] = kt
-                cache.v[:, :, :width] = vt
-            else:
-                cache.k[self.rows, :, :width] = kt
-                cache.v[self.rows, :, :width] = vt
-            y = F.scaled_dot_product_attention(
-                q, expand_kv(kt.to(q.dtype), groups), expand_kv(vt.to(q.dtype), groups), is_causal=True,
-            )  # (m, H, K, hd)
-        else:
-            old = to_device(self.old_cpu, device)
-            slots = old.unsqueeze(1) + torch.arange(width, device=device)  # (m, K)
-            if not self.full:  # padding past the end of the cache goes to the scratch slot
-                slots = slots.clamp(max=cache.max_len)
-            row_ids = (torch.arange(self.batch, device=device) if self.every_row else self.rows).unsqueeze(1)
-            cache.k[row_ids, :, slots] = k  # indexed (m, K, H, hd)
-            cache.v[row_ids, :, slots] = v
-            window = max(o + c for o, c in zip(self.old_list, self.count_list))
-            keys, values = cache.k[:, :, :window], cache.v[:, :, :window]  # (B, H, L, hd) views
-            if not self.every_row:
-                keys, values = keys.index_select(0, self.rows), values.index_select(0, self.rows)  # (m, H, L, hd)
-            visible = torch.arange(window, device=device) <= slots.unsqueeze(-1)  # (m, K, L)
-            y = F.scaled_dot_product_attention(
-                q, expand_kv(keys.to(q.dtype), groups), expand_kv(values.to(q.dtype), groups),
-                attn_mask=visible.unsqueeze(1),
-            )
-        if self.every_row:
-            cache.lengths_cpu += self.count
-        else:
-            cache.lengths_cpu.index_add_(0, self.rows_cpu, self.count)
-        return y.transpose(1, 2)  # (m, K, H, hd)
+        """q (m, n, H, hd) and kv (m, n, 2, Hkv, hd), q and k rotated -> attention output (m, n, H, hd);
+        the keys and values join the cache."""
+        self._write_rows(kv)
+        return self._attention(q)
 
     def put(self, x: Tensor, new: Tensor) -> Tensor:
-        """The chunk's hidden states (B, n, D) with the computed tokens' new states new (m, K, D)."""
+        """The chunk's hidden states (B, n, D) with the computed rows' new states new (m, n, D)."""
         new = new.to(x.dtype)
-        if self.full:
-            return new if self.every_row else x.index_copy(0, self.rows, new)
-        new = torch.where(self.valid.unsqueeze(-1), new, self.x)  # padding (unchosen tokens) unchanged
-        index = self.idx.unsqueeze(-1).expand_as(new)  # (m, K, D): each row's tokens, distinct
-        if self.every_row:
-            return x.scatter(1, index, new)
-        return x.index_copy(0, self.rows, x.index_select(0, self.rows).scatter(1, index, new))
+        return new if self.rows is None else x.index_copy(0, self.rows, new)
 
     def add(self, x: Tensor, update: Tensor) -> Tensor:
-        """put() of the computed tokens' states plus update (m, K, D), in their dtype."""
+        """put() of the computed rows' states plus update (m, n, D), in their dtype."""
+        return self.put(x, self.x + update.to(self.x.dtype))
+
+
+class ChunkTokens(PrefillPlan):
+    """The chosen tokens of a prefill chunk where some computed row skips some: x (1, T, D), the T
+    chosen tokens of every row packed row after row, each row's in order. Every token-wise part of
+    a layer (norms, projections, FFN) computes them alone; only the attention lays them out per
+    row, (m, K), padding each row to K tokens (none where every row chose K)."""
+
+    def __init__(self, chunk: Prefill, x: Tensor, cache: LayerCache, chosen: Tensor, counts: Tensor,
+                 count_list: list[int]) -> None:
+        super().__init__(x, cache, counts, count_list)
+        self.n, self.total = x.shape[1], sum(self.count_list)
+        # flat token ids of the chosen tokens, in order (a stable sort: True first)
+        self.src = chosen.view(-1).argsort(descending=True, stable=True)[: self.total]  # (T,)
+        self.x = self.take(x)  # (1, T, D)
+        angles = chunk.angles  # (B, n, 1, hd) each -> (1, T, 1, hd)
+        self.angles = RotaryAngles(self.take(angles.cos_full), self.take(angles.sin_signed))
+        self.even = min(self.count_list) == self.width  # (1, T) is the (m, K) layout itself
+
+    def take(self, t: Tensor) -> Tensor:
+        """A per-token value (B, n, ...) -> the chosen tokens' (1, T, ...)."""
+        return t.reshape(1, -1, *t.shape[2:]).index_select(1, self.src)
+
+    def _layout(self) -> tuple[Tensor, Tensor]:
+        """Each chosen token's row in the (m * K) layout of the attention and its slot in the
+        cache's packed (2, B * (max_len + 1), Hkv, hd) view, each (T,): token t of a row that
+        starts at t0 in the packed tokens goes to (row, t - t0) and to its slot old + t - t0, so
+        one per-row shift each (host tables, one copy to the device) plus t."""
+        padded, cached = [0] * self.batch, [0] * self.batch
+        slots, start = self.cache.kv.shape[2], 0
+        for rank, (b, c, o) in enumerate(zip(self.row_list, self.count_list, self.old)):
+            padded[b], cached[b] = rank * self.width - start, b * slots + o - start
+            start += c
+        device = self.src.device
+        row = self.src.div(self.n, rounding_mode="floor")  # (T,)
+        shifts = to_device(torch.tensor([padded, cached]), device).index_select(1, row)  # (2, T)
+        return (shifts + torch.arange(self.total, device=device)).unbind(0)
+
+    def attend(self, q: Tensor, kv: Tensor) -> Tensor:
+        """q (1, T, H, hd) and kv (1, T, 2, Hkv, hd), q and k rotated -> attention output (1, T, H, hd);
+        the keys and values join the cache."""
+        m, width = len(self.row_list), self.width
+        if self.even:
+            self._write_rows(kv.view(m, width, *kv.shape[2:]))
+            return self._attention(q.view(m, width, *q.shape[2:])).reshape(q.shape)
+        padded_at, slot_at = self._layout()
+        cache, heads = self.cache.kv, q.shape[2:]
+        cache.view(2, -1, *cache.shape[3:]).index_copy_(1, slot_at, kv[0].transpose(0, 1).to(cache.dtype))
+        padded = q.new_zeros(m * width, *heads).index_copy_(0, padded_at, q[0])  # (m * K, H, hd)
+        y = self._attention(padded.view(m, width, *heads))  # (m, K, H, hd)
+        return y.reshape(m * width, *heads).index_select(0, padded_at).unsqueeze(0)  # (1, T, H, hd)
+
+    def put(self, x: Tensor, new: Tensor) -> Tensor:
+        """The chunk's hidden states (B, n, D) with the chosen tokens' new states new (1, T, D)."""
+        return x.reshape(1, -1, x.shape[-1]).index_copy(1, self.src, new.to(x.dtype)).view_as(x)
+
+    def add(self, x: Tensor, update: Tensor) -> Tensor:
+        """put() of the chosen tokens' states plus update (1, T, D), in their dtype."""
         return self.put(x, self.x + update.to(self.x.dtype))
 
 

@@ -19,10 +19,10 @@ class LayerCache:
     k and v are their (B, Hkv, max_len + 1, hd) views, the layout SDPA reads, so a layer attends
     over views of its cache with no copy, and keys and values are written (and gathered)
     together in one operation. Row b holds its first lengths[b] slots.
-    The extra last slot is scratch: a prefill chunk's padding (tokens a row did not choose,
-    computed only to keep shapes rectangular) is written there or past the row's length,
-    never over a cached token. The lengths live on the host (exact, updated as tokens are
-    written) so that no decision about them needs a sync.
+    The extra last slot is scratch: a static decode step's row that a layer does not keep
+    (computed only to keep shapes fixed) writes there, never over a cached token. The lengths
+    live on the host (exact, updated as tokens are written) so that no decision about them
+    needs a sync.
     router_weights: a routed layer's router weights in float32 (MoDBlock.router_weights), which
     the decode steps decide with; None where the router decides itself.
     """
