@@ -75,6 +75,8 @@ class ChunkRows:
     """The rows of a prefill chunk one layer computes: x (m, K, D), the chosen tokens of each
     computed row first, in order, then padding (valid (m, K) False, never cached)."""
 
+    static = False  # host-planned: an MoE FFN may read its routing on the host too
+
     def __init__(self, chunk: Prefill, x: Tensor, cache: LayerCache, chosen: Tensor, counts: Tensor,
                  rows_cpu: Tensor) -> None:
         batch, n, width = x.shape
@@ -216,6 +218,8 @@ class GatherStep(HostPlannedChunk):
 class GatherRows:
     """The rows rows_cpu (host, sorted; None: every row) of a gather step: x (n, 1, D). Their new
     states go into the step's hidden states in place (the decoder's own tensor)."""
+
+    static = False
 
     def __init__(self, step: GatherStep, x: Tensor, cache: LayerCache, rows_cpu: Tensor | None) -> None:
         self.step, self.cache, self.rows_cpu, self.valid = step, cache, rows_cpu, None
@@ -362,6 +366,7 @@ class MaskedRows:
     """Every row of a static step computed; chosen (B,) bool: the rows that keep the result."""
 
     valid = None
+    static = True  # no host sync and static shapes in every layer part, an MoE FFN's included
 
     def __init__(self, step: StaticStep, x: Tensor, cache: LayerCache, chosen: Tensor) -> None:
         self.step, self.x, self.cache, self.chosen, self.angles = step, x, cache, chosen, step.angles
@@ -389,6 +394,8 @@ class CompactRows:
     """The W rows of a static step a routed layer computes where its chosen rows fit in W: the
     chosen rows and, as padding, the first unchosen ones, in row order: rows (W,), keep (W,)
     bool (chosen). A padding row writes only its scratch slot and keeps its state. No host value."""
+
+    static = True
 
     def __init__(self, step: StaticStep, x: Tensor, cache: LayerCache, chosen: Tensor, width: int) -> None:
         # chosen rows first (a stable sort), the first W of them back in row order: the packed
