@@ -27,7 +27,8 @@ memory is not run: its rows say so, with the estimate.
     python -m bench.decode --decoder-arg cuda_graph=False               # any Decoder keyword
 
 --routed-rows: the Decoder's decode step (auto: on a GPU the static "masked" step captured as a
-CUDA graph where every FFN is dense, else "gather" below batch 16); rows for each one named.
+CUDA graph, for Staged MoDE too where its experts run as grouped GEMMs over device-side offsets,
+else "gather" below batch 16); rows for each one named.
 --decoder-arg key=value (repeatable): a keyword for every decode run's Decoder (a Python
 literal, else a string); a row whose Decoder refuses it says why.
 

@@ -98,7 +98,7 @@ def test_finished_rows_leave_no_trace_in_compacted_rows(pattern: str, ways) -> N
 def test_compact_rows_are_checked_and_default_where_they_add_no_sync() -> None:
     mod, staged = make_model("mod"), make_model("mode_staged")
     assert not Decoder(mod, 2, 8, routed_rows="masked").compact_rows  # CPU, no graph: no sync added
-    assert Decoder(staged, 2, 8, routed_rows="masked").compact_rows  # the MoE FFN syncs anyway
+    assert not Decoder(staged, 2, 8, routed_rows="masked").compact_rows  # nor the MoE FFN's static pass
     assert not Decoder(staged, 2, 8, routed_rows="gather").compact_rows
     with pytest.raises(ValueError, match="compact_rows"):
         Decoder(mod, 2, 8, routed_rows="gather", compact_rows=True)

@@ -20,9 +20,10 @@ the chunk says how (mode/layers/chunks.py): a prefill chunk, the gather decode s
 layer chose computed alone, one host sync per routed layer; its cost follows the rows computed)
 or the static decode step (no host sync: captured once as a CUDA graph and replayed; a routed
 layer computes its chosen rows compacted, or every row where more chose it than the compacted
-width holds, picked by the graph's conditional nodes). Attention runs on the SDPA backends
-without per-shape state (flash, memory-efficient, math): decode shapes change every step and cuDNN attention builds and caches
-an execution plan per shape.
+width holds, picked by the graph's conditional nodes; an MoE FFN's static pass keeps its routing
+on the device, so every block kind is captured). Attention runs on the SDPA backends without
+per-shape state (flash, memory-efficient, math): decode shapes change every step and cuDNN
+attention builds and caches an execution plan per shape.
 """
 from __future__ import annotations
 
@@ -38,8 +39,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mode.layers.chunks import GatherStep, Prefill, StaticStep, if_nodes_available
 from mode.layers.kv_cache import LayerCache, PackedRows, attend_used, to_device
-from mode.layers.mlp import SwiGLU
 from mode.layers.mod import MoDBlock
+from mode.layers.moe import MoEFFN
 from mode.layers.mor import MoRBlock
 from mode.model import LanguageModel
 
@@ -55,7 +56,8 @@ DECODE_SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTI
 #   lengths and positions never leave the device, and the whole step is one fixed sequence of
 #   kernels: on a GPU it is captured once as a CUDA graph (cuda_graph) and replayed, so the
 #   host no longer paces the step.
-# "auto": "masked" on a GPU where the step can be captured (every FFN dense) or from batch
+# "auto": "masked" (captured) on a GPU where each MoE FFN's step reads only its chosen experts'
+# weights (MoEFFN.decode_reads_chosen_experts; always with dense FFNs), or from batch
 # MASKED_MIN_BATCH (where almost every routed layer has some chosen row and its matmuls read
 # the same weights for 8 rows as for 64), else "gather".
 ROUTED_ROWS = ("auto", "gather", "masked")
@@ -95,10 +97,6 @@ def padded_tokens(prompts: Sequence[Sequence[int]]) -> tuple[Tensor, Tensor, Ten
     tokens = torch.zeros(len(count), width, dtype=torch.long)
     tokens[valid] = flat  # row by row, as chained
     return tokens, valid, lengths
-
-
-def _inner_block(block: nn.Module) -> nn.Module:
-    return block.block if isinstance(block, (MoDBlock, MoRBlock)) else block
 
 
 def _block_caches(block: nn.Module, new: Callable[[], LayerCache]) -> LayerCache | list[LayerCache]:
@@ -143,13 +141,13 @@ class Decoder:
     and where the static step calls flash attention directly.
     routed_rows: "gather", "masked" (the static step) or "auto" (see ROUTED_ROWS).
     cuda_graph: capture the static step as a CUDA graph (None: wherever it can be, that is on
-    a GPU with every FFN dense); compile: torch.compile the static step's per-layer call.
+    a GPU, for every block kind: an MoE FFN runs its static pass, MoEFFN.forward); compile:
+    torch.compile the static step's per-layer call.
     compact_rows: the static step computes a routed (MoD / Staged MoDE) layer's chosen rows only,
     compacted into W = ceil(batch * capacity * row_slack) rows (see ROW_SLACK), and nothing where
     no row chose it. Under the CUDA graph its conditional nodes pick on the device; without one
     the host reads each routed layer's count (one sync). None: wherever that adds no sync, that
-    is in the CUDA graph where this torch has conditional nodes, or with MoE FFNs (whose causal
-    routing reads counts on the host anyway); not with compile.
+    is in the CUDA graph where this torch has conditional nodes; not with compile.
     The decoder snapshots each routed layer's router weights in float32 at construction (the
     decision is computed in float32, as the router does); build a new one after changing them.
     """
@@ -182,29 +180,25 @@ class Decoder:
         self.batch = batch
         self.max_len = max_len
         self.device = param.device
-        # A CUDA graph needs a step without host syncs: the static step, with dense FFNs only (an
-        # MoE FFN routes causally through data-dependent row counts).
-        dense_ffns = all(isinstance(_inner_block(b).ffn, SwiGLU) for b in model.blocks)
-        graphable = self.device.type == "cuda" and dense_ffns
+        # A CUDA graph needs a step without host syncs: the static step, on a GPU (every block
+        # kind: an MoE FFN's static pass keeps its routing on the device).
+        graphable = self.device.type == "cuda"
         if routed_rows == "auto":
-            big = self.device.type == "cuda" and batch >= MASKED_MIN_BATCH
-            routed_rows = "masked" if graphable or big else "gather"
+            moe_ffns = [m for m in model.modules() if isinstance(m, MoEFFN)]
+            chosen_only = all(ffn.decode_reads_chosen_experts(param) for ffn in moe_ffns)
+            routed_rows = "masked" if graphable and (chosen_only or batch >= MASKED_MIN_BATCH) else "gather"
         if cuda_graph is None:
             cuda_graph = graphable and routed_rows == "masked"
         elif cuda_graph and not (graphable and routed_rows == "masked"):
-            raise ValueError(
-                "cuda_graph=True needs a CUDA model whose FFNs are all dense (no MoE FFN layers) and routed_rows='masked'"
-            )
+            raise ValueError("cuda_graph=True needs a CUDA model and routed_rows='masked'")
         if compile and routed_rows != "masked":
             raise ValueError("compile=True compiles the static step: it needs routed_rows='masked'")
         if compact_rows is None:
-            compact_rows = routed_rows == "masked" and not compile and (
-                (cuda_graph and if_nodes_available()) or not dense_ffns
-            )
+            compact_rows = routed_rows == "masked" and not compile and cuda_graph and if_nodes_available()
         elif compact_rows and (routed_rows != "masked" or compile or (cuda_graph and not if_nodes_available())):
             raise ValueError(
                 "compact_rows=True needs routed_rows='masked', no compile, and under cuda_graph a torch with "
-                "CUDA graph conditional nodes (CUDAGraph.begin_capture_to_if_node)"
+                "CUDA graph conditional nodes (native, or mode.kernels.graph_if built with CUDA 12.4+ and nvcc)"
             )
         if not row_slack > 0:
             raise ValueError(f"row_slack must be positive, got {row_slack}")

@@ -71,13 +71,16 @@ class TransformerBlock(nn.Module):
 
     def cached_parts(self, rows) -> tuple[Tensor, Tensor, Tensor]:
         """The block on a row plan's tokens rows.x (n, K, D) against the cache: (Attn(norm(x)),
-        h = x + Attn, FFN(norm(h))), each (n, K, D); an MoE FFN skips the plan's padding rows."""
+        h = x + Attn, FFN(norm(h))), each (n, K, D); an MoE FFN skips the plan's padding rows, and in
+        a static decode step (rows.static) computes its experts with no host sync."""
         a = self.attn.forward_cached(self.attn_norm(rows.x), rows)
         h = rows.x + a
-        out, _ = self._ffn(self.ffn_norm(h), rows.valid, causal=True)
+        out, _ = self._ffn(self.ffn_norm(h), rows.valid, causal=True, static=rows.static)
         return a, h, out
 
-    def _ffn(self, x: Tensor, valid: Tensor | None = None, causal: bool = False) -> tuple[Tensor, Routing | None]:
-        """A routed FFN (MoEFFN) returns (output, Routing); a dense one its output alone."""
-        out = self.ffn(x, valid, causal) if isinstance(self.ffn, MoEFFN) else self.ffn(x)
+    def _ffn(self, x: Tensor, valid: Tensor | None = None, causal: bool = False,
+             static: bool = False) -> tuple[Tensor, Routing | None]:
+        """A routed FFN (MoEFFN) returns (output, Routing); a dense one its output alone. static: a
+        static decode step's rows (an MoE FFN then routes with no host sync, MoEFFN.forward)."""
+        out = self.ffn(x, valid, causal, static) if isinstance(self.ffn, MoEFFN) else self.ffn(x)
         return out if isinstance(out, tuple) else (out, None)

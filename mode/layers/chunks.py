@@ -96,6 +96,7 @@ class PrefillPlan:
     chosen tokens first, in order. No padding token reaches the FFN (valid None)."""
 
     valid = None
+    static = False  # host-planned: an MoE FFN may read its routing on the host too
 
     def __init__(self, x: Tensor, cache: LayerCache, counts: Tensor, count_list: list[int]) -> None:
         self.cache, self.counts, self.batch = cache, counts, x.shape[0]
@@ -281,6 +282,8 @@ class GatherRows:
     """The rows rows_cpu (host, sorted; None: every row) of a gather step: x (n, 1, D). Their new
     states go into the step's hidden states in place (the decoder's own tensor)."""
 
+    static = False
+
     def __init__(self, step: GatherStep, x: Tensor, cache: LayerCache, rows_cpu: Tensor | None) -> None:
         self.step, self.cache, self.rows_cpu, self.valid = step, cache, rows_cpu, None
         lengths = cache.lengths_cpu if rows_cpu is None else cache.lengths_cpu.index_select(0, rows_cpu)  # host
@@ -415,6 +418,7 @@ class MaskedRows:
     """Every row of a static step computed; chosen (B,) bool: the rows that keep the result."""
 
     valid = None
+    static = True  # no host sync and static shapes in every layer part, an MoE FFN's included
 
     def __init__(self, step: StaticStep, x: Tensor, cache: LayerCache, chosen: Tensor) -> None:
         self.step, self.x, self.cache, self.chosen, self.angles = step, x, cache, chosen, step.angles
@@ -442,6 +446,8 @@ class CompactRows:
     """The W rows of a static step a routed layer computes where its chosen rows fit in W: the
     chosen rows and, as padding, the first unchosen ones, in row order: rows (W,), keep (W,)
     bool (chosen). A padding row writes only its scratch slot and keeps its state. No host value."""
+
+    static = True
 
     def __init__(self, step: StaticStep, x: Tensor, cache: LayerCache, chosen: Tensor, width: int) -> None:
         # chosen rows first (a stable sort), the first W of them back in row order: the packed

@@ -16,6 +16,8 @@ Token choice without a capacity (dropless) has a third layout on a GPU (Experts.
 - by ends: xs (R, D) every assignment sorted by expert, each expert's row end on the device; the
   rows past the last end (no-op slots) are never computed. On the torch backend nothing is read
   on the host: no sync, static shapes, so the pass can be one CUDA graph, eager or compiled.
+A decode step (MoEFFN's static path, on any backend) runs by ends through torch._grouped_mm where
+that is one kernel (grouped_mm_applies), else every_row: every expert on every row, gated.
 
 Backends (config `moe.backend`), identical in results up to rounding:
 - torch:        padded -> two batched matmuls; by ends -> two torch._grouped_mm (the ends are its
@@ -111,24 +113,35 @@ class Experts(nn.Module):
         graph anyway)."""
         if self.use_by_ends is not None:
             return self.use_by_ends
-        if not x.is_cuda:
-            return False
         if self.backend == "grouped_gemm":
-            return not torch.compiler.is_compiling()
-        if self.backend != "torch" or not hasattr(torch, "_grouped_mm") or _compute_dtype(x) != torch.bfloat16:
+            return x.is_cuda and not torch.compiler.is_compiling()
+        return self.backend == "torch" and self.grouped_mm_applies(x)
+
+    def grouped_mm_applies(self, x: Tensor) -> bool:
+        """Whether torch._grouped_mm runs these experts for tokens x as one grouped kernel reading
+        its offsets on the device: a GPU of _GROUPED_MM_CAPABILITIES, bf16 compute, widths aligned
+        to its 16-byte rows (whatever the backend: the weights are the same)."""
+        if not x.is_cuda or not hasattr(torch, "_grouped_mm") or _compute_dtype(x) != torch.bfloat16:
             return False
         card = torch.cuda.get_device_properties(x.device)  # constant-folded under torch.compile
         return (card.major, card.minor) in _GROUPED_MM_CAPABILITIES and all(size % 8 == 0 for size in self.w_in.shape[1:])
 
-    def by_ends(self, xs: Tensor, ends: Tensor, gates: Tensor | None = None, computed: Tensor | None = None) -> Tensor:
+    def static_grouped_applies(self, x: Tensor) -> bool:
+        """Whether a decode step's experts (MoEFFN's static path) run by_ends on the device for tokens
+        x (else every_row): as use_by_ends says, or where it is None, where grouped_mm_applies."""
+        return self.grouped_mm_applies(x) if self.use_by_ends is None else self.use_by_ends
+
+    def by_ends(self, xs: Tensor, ends: Tensor, gates: Tensor | None = None, computed: Tensor | None = None,
+                on_device: bool = False) -> Tensor:
         """xs (R, D) sorted by expert, ends (E,) int32 on the device: expert e's rows end at ends[e]
         -> (R, D); gates (R,) each row's, or None. Rows from ends[-1] on are not computed: their
         outputs (and their gradients in the backward) are undefined and the caller's inverse map
         never reads them; or, with computed (R,) bool (False past the end) for a caller that reads
-        every row, they are zeros out and their gradient zeros in."""
+        every row, they are zeros out and their gradient zeros in. on_device: torch._grouped_mm
+        whatever the backend (grouped_gemm's gmm would read the ends on the host)."""
         if computed is not None:  # where, not a product: the undefined rows may hold NaN
             xs = torch.where(computed.unsqueeze(-1), xs, 0)
-        if self.backend == "grouped_gemm":  # gmm takes the group sizes on the host: one copy, a sync
+        if self.backend == "grouped_gemm" and not on_device:  # gmm takes the group sizes on the host: a sync
             ends = ends.cpu()
             ys = _gmm_mlp(self, xs, torch.diff(ends, prepend=ends.new_zeros(1)), gates)
         else:
@@ -137,6 +150,11 @@ class Experts(nn.Module):
                 h = torch._grouped_mm(xs.to(dtype), self.w_in.to(dtype), offs=ends)  # (R, 2F or F)
                 ys = torch._grouped_mm(self.act(h, gates), self.w_out.to(dtype), offs=ends)  # (R, D)
         return ys if computed is None else torch.where(computed.unsqueeze(-1), ys, 0)
+
+    def every_row(self, x: Tensor) -> Tensor:
+        """x (T, D) -> (E, T, D): every expert on every row, two batched matmuls (static shapes, any
+        device and dtype; E times the FLOPs of the rows' own experts)."""
+        return torch.matmul(self.act(torch.matmul(x, self.w_in)), self.w_out)  # (T, D) @ (E, D, W): (E, T, W)
 
     def grouped(self, xs: Tensor, counts: Tensor, gates: Tensor | None = None) -> Tensor:
         """xs (M, D) sorted by expert, counts (E,) rows of each -> (M, D); gates (M,) each row's, or None."""

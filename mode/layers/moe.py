@@ -75,6 +75,25 @@ def token_choice_null_gates(slots: Tensor, gates: Tensor, n_experts: int, n_null
     return (chosen * gates.unsqueeze(-1)).sum(1)
 
 
+def static_assignments(routing: TokenChoiceRouting | CausalExpertRouting, n_experts: int
+                       ) -> tuple[Tensor, Tensor, Tensor]:
+    """A causal routing of T tokens as J assignments per token -> (slots, positions, gates) (T, J) each,
+    position < 0 where no expert computes the assignment: token choice's top-k as they are, a
+    causal expert-choice decision as one assignment per real expert (J = E), taken where chosen."""
+    if isinstance(routing, TokenChoiceRouting):
+        return routing.slots, routing.positions, routing.gates
+    chosen = routing.mask.reshape(-1, n_experts)  # (T, E)
+    slots = torch.arange(n_experts, device=chosen.device).expand_as(chosen).contiguous()
+    return slots, torch.where(chosen, 0, -1), routing.gates.reshape(-1, n_experts)
+
+
+def expert_weights(slots: Tensor, positions: Tensor, gates: Tensor, n_experts: int) -> Tensor:
+    """Assignments (T, J) each -> (T, E) each token's gate for each real expert, 0 where none computes it."""
+    computed = torch.where(positions >= 0, slots, n_experts)  # (T, J): the no-op and uncomputed in column E
+    weights = gates.new_zeros(slots.shape[0], n_experts + 1)
+    return weights.scatter_add(1, computed, gates)[:, :n_experts]  # a token takes each real expert at most once
+
+
 class MoEFFN(nn.Module):
     """x (B, S, D) -> (FFN output (B, S, D), Routing). A routed FFN: TransformerBlock reports its Routing."""
 
@@ -101,24 +120,29 @@ class MoEFFN(nn.Module):
         self.shared_expert = None if moe.shared_expert_d is None else SwiGLU(d_model, moe.shared_expert_d)
         self.shared_expert_gate = nn.Linear(d_model, 1, bias=False) if moe.shared_expert_gate else None
 
-    def forward(self, x: Tensor, valid: Tensor | None = None, causal: bool = False) -> tuple[Tensor, Routing]:
+    def forward(self, x: Tensor, valid: Tensor | None = None, causal: bool = False,
+                static: bool = False) -> tuple[Tensor, Routing]:
         """valid (B, S) bool: under causal routing, False rows are padding: no expert computes
         them (their output is 0) and the statistics leave them out. None: every row is a token.
-        causal: route as sampling does (see the routers)."""
-        out, routing = self._routed(x, valid, causal)
+        causal: route as sampling does (see the routers). static: a decode step's pass, routed
+        causally with no host sync and no shape that depends on the routing (_static_experts), so
+        that a CUDA graph can capture it."""
+        out, routing = self._routed(x, valid, causal or static, static)
         if self.null_experts is not None:
             out = out + self._null(x, routing, valid).to(out.dtype)
         if self.shared_expert is not None:
             out = out + self._shared(x, valid)
         return out, routing
 
-    def _routed(self, x: Tensor, valid: Tensor | None, causal: bool) -> tuple[Tensor, Routing]:
+    def _routed(self, x: Tensor, valid: Tensor | None, causal: bool, static: bool = False) -> tuple[Tensor, Routing]:
         """The routed experts' part of forward: (their output (B, S, D), the routing)."""
         if isinstance(self.router, ExpertChoiceRouter) and not causal:
             routing, rows, xs = self.router.route(x)
             return self._expert_choice(routing, rows, xs).view_as(x), routing
         routing = self.router(x, valid, causal)
-        if isinstance(routing, CausalExpertRouting):
+        if static:
+            out = self._static_experts(x.reshape(-1, x.shape[-1]), routing)
+        elif isinstance(routing, CausalExpertRouting):
             out = self._causal_experts(x.reshape(-1, x.shape[-1]), routing)
         else:
             out = self._token_choice(x.reshape(-1, x.shape[-1]), routing)
@@ -160,22 +184,43 @@ class MoEFFN(nn.Module):
         return dropless and not self.experts.by_ends_applies(x)
 
     def _experts_combined(self, xs: Tensor, gates: Tensor, rows: ExpertRows, counts: Tensor | None = None,
-                          ends: Tensor | None = None, computed: Tensor | None = None) -> Tensor:
+                          ends: Tensor | None = None, computed: Tensor | None = None, on_device: bool = False) -> Tensor:
         """The experts on their rows xs, padded (E, R, D), grouped (M, D) by counts (E,) on the host, or
         (R, D) by ends (E,) on the device (Experts.by_ends, computed its mask where the rows have no
-        inverse map); each row's output times its gate (gates (R_total,), rows' order), summed into
-        its token -> (T, D).
+        inverse map; on_device: through torch._grouped_mm on any backend); each row's output times its
+        gate (gates (R_total,), rows' order), summed into its token -> (T, D).
         Where the experts' activation kernel can take the gates, it applies them (the combine is then a
         plain sum, its backward a gather); otherwise the combine does."""
         to_experts = gates if self.experts.gates_in_activation(xs) else None
         if ends is not None:
-            ys = self.experts.by_ends(xs, ends, to_experts, computed)  # (R, D)
+            ys = self.experts.by_ends(xs, ends, to_experts, computed, on_device)  # (R, D)
         elif counts is None:
             ys = self.experts.padded(xs, to_experts)  # (E, R, D)
         else:
             ys = self.experts.grouped(xs, counts, to_experts)  # (M, D)
         # Combined in the experts' compute dtype (bf16 under autocast), like a dense FFN's output.
         return combine_rows(ys.reshape(-1, ys.shape[-1]), gates if to_experts is None else None, rows)
+
+    def decode_reads_chosen_experts(self, x: Tensor) -> bool:
+        """Whether a decode step's experts (_static_experts) for tokens like x read only the experts
+        its rows chose (grouped GEMMs over device offsets), not every expert's weights."""
+        return self.experts.static_grouped_applies(x)
+
+    def _static_experts(self, x: Tensor, routing: TokenChoiceRouting | CausalExpertRouting) -> Tensor:
+        """A decode step's routed experts: x (T, D) -> (T, D), with no host sync and static shapes.
+        Every assignment is a row sorted by expert, and grouped GEMMs over the device-side ends read
+        only the chosen experts' weights (batch 1: one expert's); where they are no one kernel, every
+        expert runs on every row, gated (a decode step's few rows cost about their weights' reads)."""
+        n_experts = self.experts.n_experts
+        slots, positions, gates = static_assignments(routing, n_experts)  # (T, J) each
+        if self.experts.static_grouped_applies(x):
+            rows, gate_index, ends, computed = dropless_rows(slots, positions, n_experts, x)
+            row_gates = torch.cat([gates.reshape(-1), gates.new_zeros(1)]).index_select(0, gate_index)  # (T*J,)
+            return self._experts_combined(gather_rows(x, rows), row_gates, rows, ends=ends, computed=computed,
+                                          on_device=True)  # (T, D)
+        ys = self.experts.every_row(x)  # (E, T, D)
+        weights = expert_weights(slots, positions, gates, n_experts).t().to(ys.dtype)  # (E, T)
+        return (weights.unsqueeze(-1) * ys).sum(0)  # (T, D)
 
     def _expert_choice(self, routing: ExpertChoiceRouting, rows: ExpertRows, xs: Tensor) -> Tensor:
         """Every expert takes exactly C tokens of each group: one static (E, G*C, D) batched matmul.
