@@ -589,9 +589,12 @@ def test_flash_varlen_attention_equals_masked_sdpa() -> None:
     torch.testing.assert_close(flash, masked, rtol=0, atol=2e-2)
 
 
-def test_compiled_static_step_matches_the_eager_one() -> None:
-    """Decoder(compile=True): one torch.compile of each static-step piece serves every layer."""
-    model = make_model("mod", "aux_loss", n_layers=3)
+@pytest.mark.parametrize("pattern", ["mod", "mode_staged_token_choice"])
+def test_compiled_static_step_matches_the_eager_one(pattern: str) -> None:
+    """Decoder(compile=True): one torch.compile of each static-step piece serves every layer, an MoE
+    FFN's static pass included."""
+    model = make_model(pattern, "aux_loss", n_layers=3)
+    torch.manual_seed(9)
     prompts = [torch.randint(0, 256, (n,)).tolist() for n in (4, 9)]
     follow = torch.randint(0, 256, (2, 5))
     runs = []

@@ -166,20 +166,6 @@ def test_staged_mode_variants_decode_as_the_full_forward(moe: dict) -> None:
         assert (got - full).abs().max() <= F64_TOL
 
 
-def test_compiled_static_step_with_moe_ffns_matches_the_eager_one() -> None:
-    """Decoder(compile=True) compiles each layer's static step, the MoE FFN's static pass included."""
-    model = make_model("mode_staged_token_choice", "aux_loss", n_layers=3)
-    torch.manual_seed(9)
-    prompts = [torch.randint(0, 256, (n,)).tolist() for n in (4, 9)]
-    follow = torch.randint(0, 256, (2, 5))
-    runs = []
-    for compile in (False, True):
-        decoder = Decoder(model, 2, 20, routed_rows="masked", compile=compile)
-        runs.append([decoder.prefill(prompts)] + [decoder.step(follow[:, i]) for i in range(5)])
-    for eager, compiled in zip(*runs):
-        assert (eager - compiled).abs().max() <= F64_TOL
-
-
 # ----------------------------------------------------------------------------- no host sync
 class RefuseHostReads(TorchFunctionMode):
     """Fails any call that reads a tensor's value on the host (a device sync on a GPU)."""
