@@ -194,7 +194,8 @@ def main(argv: list[str] | None = None) -> None:
 
     pieces = {"dense block": fwd_bwd(dense), "MoD block": fwd_bwd(mod),
               f"the block alone on k={k} tokens": block_on_k_tokens, "routing alone (route, gate, add back)": routing_alone}
-    flop_ratio = {"dense block": 1.0, "MoD block": kind_block("mod", args, device)[1]}
+    per_block = model_flops(model.config).per_block  # the [dense, mod] model's own blocks
+    flop_ratio = {"dense block": 1.0, "MoD block": per_block[1] / per_block[0]}
     for kind in args.kinds:
         block, flop_ratio[f"{kind} block"] = kind_block(kind, args, device)
         pieces[f"{kind} block"] = fwd_bwd(block)
