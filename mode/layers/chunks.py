@@ -107,9 +107,18 @@ class PrefillPlan:
         self.width = max(self.count_list)
         # Every computed row's cache is empty: plain causal attention over its chosen tokens is exact.
         self.fresh = max(self.old) == 0
+        self._slot_table: Tensor | None = None
 
     def _rows(self, t: Tensor) -> Tensor:
         return t if self.rows is None else t.index_select(0, self.rows)
+
+    def _slots(self, device: torch.device) -> Tensor:
+        """(m, K): each computed row's cache slots old .. old + K - 1, copied to the device once
+        (the cache write and the attention's mask both read them)."""
+        if self._slot_table is None:
+            old = to_device(torch.tensor(self.old), device)
+            self._slot_table = old.unsqueeze(1) + torch.arange(self.width, device=device)
+        return self._slot_table
 
     def _write_rows(self, kv: Tensor) -> None:
         """kv (m, K, 2, Hkv, hd): every computed row's K keys and values at its slots old .. old + K - 1."""
@@ -120,10 +129,8 @@ class PrefillPlan:
             rows = slice(None) if self.rows is None else self.rows
             cache.kv[:, rows, first : first + width] = kv
             return
-        old = to_device(torch.tensor(self.old), kv.device)
-        slots = old.unsqueeze(1) + torch.arange(width, device=kv.device)  # (m, K)
         rows = torch.arange(self.batch, device=kv.device) if self.rows is None else self.rows
-        cache.kv[:, rows.unsqueeze(1), slots] = kv
+        cache.kv[:, rows.unsqueeze(1), self._slots(kv.device)] = kv
 
     def _attention(self, q: Tensor) -> Tensor:
         """q (m, K, H, hd), rotated -> (m, K, H, hd): query j of a row sees the row's cached tokens and
@@ -137,8 +144,7 @@ class PrefillPlan:
         keys, values = kv.to(q.dtype).transpose(2, 3).unbind(0)  # (m, Hkv, L, hd) each
         mask = None
         if not self.fresh:
-            old = to_device(torch.tensor(self.old), device)
-            slots = old.unsqueeze(1) + torch.arange(width, device=device)  # (m, K)
+            slots = self._slots(device)  # (m, K)
             mask = (torch.arange(window, device=device) <= slots.unsqueeze(-1)).unsqueeze(1)  # (m, 1, K, L)
         y = F.scaled_dot_product_attention(
             q.transpose(1, 2), expand_kv(keys, groups), expand_kv(values, groups), attn_mask=mask, is_causal=self.fresh,
