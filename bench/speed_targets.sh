@@ -38,8 +38,9 @@ lane_step() {
   "$PY" -m bench.block_profile $TINY_ARG --kinds moe mode_staged mode_integrated --top 8
 }
 lane_tests() {
-  "$PY" -m pytest -q -p no:cacheprovider tests/test_graph_if.py tests/test_decode_rows.py \
-    tests/test_attention_backend.py
+  "$PY" -c "from mode.kernels import graph_if; print('IF nodes available:', graph_if.available())"
+  "$PY" -m pytest -q -rfEs -p no:cacheprovider tests/test_graph_if.py tests/test_moe_decode.py \
+    tests/test_decode_rows.py tests/test_attention_backend.py tests/test_generate.py
   "$PY" -m bench.prefill $TINY_ARG
 }
 export -f lane_decode lane_kinds lane_step lane_tests
