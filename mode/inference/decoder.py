@@ -350,6 +350,7 @@ class Decoder:
             self._graph_logits = run(graph=graph)
         self._graph, self._graph_inputs = graph, (tokens, active)
 
+    @torch.no_grad()
     def _static_step(self, tokens: Tensor, active: Tensor, graph: torch.cuda.CUDAGraph | None = None,
                      warm: bool = False) -> Tensor:
         """tokens (B,), active (B,) bool, on the device -> hidden (B, 1, D). A layer keeps the update

@@ -34,6 +34,7 @@ _SOURCE = r"""
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
+#include <map>
 #include <vector>
 
 namespace {
@@ -47,6 +48,9 @@ struct OpenIf {
   c10::cuda::CUDAStream body;
 };
 std::vector<OpenIf> open_ifs;  // nested IF nodes, innermost last
+// Body streams of our own, one per device and nesting depth: a stream from torch's pool may be
+// the very stream torch is capturing on (the pool hands its streams out round-robin).
+std::map<int, std::vector<cudaStream_t>> body_streams;
 
 void check(cudaError_t error, const char* call) {
   TORCH_CHECK(error == cudaSuccess, call, " failed: ", cudaGetErrorString(error));
@@ -61,6 +65,16 @@ void capture_info(cudaStream_t stream, cudaGraph_t* graph, const cudaGraphNode_t
   check(cudaStreamGetCaptureInfo(stream, &status, nullptr, graph, deps, count), "cudaStreamGetCaptureInfo");
 #endif
   TORCH_CHECK(status == cudaStreamCaptureStatusActive, "an IF node needs the current stream under CUDA graph capture");
+}
+
+c10::cuda::CUDAStream body_stream(c10::DeviceIndex device, size_t depth) {
+  auto& streams = body_streams[device];
+  while (streams.size() <= depth) {
+    cudaStream_t stream;
+    check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+    streams.push_back(stream);
+  }
+  return c10::cuda::getStreamFromExternal(streams[depth], device);
 }
 
 }  // namespace
@@ -94,7 +108,7 @@ void begin_if(const at::Tensor& predicate) {
   check(cudaStreamUpdateCaptureDependencies(parent.stream(), &node, 1, cudaStreamSetCaptureDependencies),
         "cudaStreamUpdateCaptureDependencies");
 #endif
-  auto body = c10::cuda::getStreamFromPool(false, parent.device_index());
+  auto body = body_stream(parent.device_index(), open_ifs.size());
   check(cudaStreamBeginCaptureToGraph(body.stream(), params.conditional.phGraph_out[0], nullptr, nullptr, 0,
                                       cudaStreamCaptureModeRelaxed),
         "cudaStreamBeginCaptureToGraph");
@@ -176,10 +190,12 @@ def captured_if(graph: torch.cuda.CUDAGraph, predicate: Tensor) -> Iterator[None
             graph.end_capture_to_conditional_node()
         return
     built = extension()
-    pool = body_pool(graph)
+    outermost = not getattr(graph, "_mode_if_depth", 0)
     built.begin_if(predicate)
-    try:
-        with torch.cuda.use_mem_pool(pool):
+    graph._mode_if_depth = getattr(graph, "_mode_if_depth", 0) + 1
+    try:  # nested bodies allocate from the outermost one's pool: a thread routes to one pool at a time
+        with torch.cuda.use_mem_pool(body_pool(graph)) if outermost else contextlib.nullcontext():
             yield
     finally:
+        graph._mode_if_depth -= 1
         built.end_if()
