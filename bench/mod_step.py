@@ -97,14 +97,13 @@ class Runner:
         self.graphs = mode == "compiled + CUDA graphs"
         self.optimization: TorchOptimization | None = None  # optimizer "train": mode.train's step
         if optimizer == "train":
-            self.optimization = TorchOptimization(self.model, config, device, keep_grads=mode == "eager + CUDA graphs")
+            graphed = mode == "eager + CUDA graphs"
+            self.optimization = TorchOptimization(self.model, config, device, keep_grads=graphed, zero_grads=not graphed)
             self.optimizer = self.optimization.optimizer
         else:
             self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=device.type == "cuda")
         self.micro_step: GraphedMicroStep | None = None
-        if mode == "eager + CUDA graphs":  # as train.cuda_graphs: gradients kept, the graph adds into them
-            for p in self.model.parameters():
-                p.grad = torch.zeros_like(p)
+        if mode == "eager + CUDA graphs":  # as train.cuda_graphs: the graph writes the gradients it keeps
             self.micro_step = GraphedMicroStep(self.model, lambda loss: loss.backward(), 1)
         tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), device=device)
         self.x, self.y = tokens[:, :-1], tokens[:, 1:]
@@ -120,12 +119,10 @@ class Runner:
         self.time_round(self.args.warmup)
         self.peak_gib = (torch.cuda.max_memory_allocated() - base) / 2**30 if device.type == "cuda" else None
 
-    def fwd_bwd(self, zero_kept_grads: bool = True) -> None:
+    def fwd_bwd(self) -> None:
         # Fresh gradients each pass, as a training step has (a CUDA-graphed backward owns the
-        # tensors it returns until its next replay). zero_kept_grads=False: the last step zeroed them.
+        # tensors it returns until its next replay; the eager model's graph writes them afresh).
         if self.micro_step is not None:
-            if zero_kept_grads:
-                self.optimizer.zero_grad(set_to_none=False)
             self.micro_step(self.x, self.y)
             return
         self.optimizer.zero_grad(set_to_none=True)
@@ -137,7 +134,7 @@ class Runner:
 
     def step(self) -> None:
         if self.optimization is not None:  # as mode.train: the step clips, steps and zeroes the gradients itself
-            self.fwd_bwd(zero_kept_grads=False)
+            self.fwd_bwd()
             self.optimization.step(1e-4)
             return
         self.fwd_bwd()
@@ -148,8 +145,8 @@ class Runner:
         self.fwd_bwd_ms.append(timed(self.fwd_bwd, warmup, self.args.iters, self.device))
         self.step_ms.append(timed(self.step, warmup, self.args.iters, self.device))
         self.back_to_back_ms.append(timed_back_to_back(self.step, warmup, self.args.iters, self.device))
-        # A captured graph writes into its gradients' memory: those stay allocated.
-        self.optimizer.zero_grad(set_to_none=self.micro_step is None)
+        if self.micro_step is None:  # a captured graph's gradients stay with it
+            self.optimizer.zero_grad(set_to_none=True)
 
 
 def measure_pair(dense_cfg: Config, mod_cfg: Config, mode: str, args: argparse.Namespace,

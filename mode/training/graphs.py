@@ -56,33 +56,43 @@ class GraphedMicroStep:
     """One micro-batch's forward and backward as one CUDA graph, for the eager model (train.cuda_graphs).
 
     Captured on the first call, after warm-up passes on a side stream (cuBLAS and Triton set
-    themselves up; their gradients are zeroed after), then replayed: the batch is copied into
+    themselves up; their gradients are dropped before it), then replayed: the batch is copied into
     the graph's input tensors and one launch runs every kernel. Without torch.compile this
     removes the host's cost per kernel, which routed blocks feel most: their many small kernels
     leave an eager block bound by the host's launches.
 
     The returned outputs live in the graph's memory, which the next replay overwrites: copy
-    what must outlive it (the Trainer does). Gradients must stay allocated between steps
-    (TorchOptimization(keep_grads=True)): each replay adds its gradients into those tensors.
+    what must outlive it (the Trainer does). The gradients are the graph's too: the first
+    micro-batch's graph writes them (each parameter's gradient is the backward's own tensor, no
+    zeroing and no add), and with loss_divisor > 1 a second graph, sharing the first's memory,
+    adds the later micro-batches' into them. The optimizer must neither free nor zero them
+    (TorchOptimization(keep_grads=True, zero_grads=False)).
     """
 
     WARMUP_PASSES = 3
 
     def __init__(self, model: nn.Module, backward: Callable[[Tensor], None], loss_divisor: int) -> None:
         self.model, self.backward, self.loss_divisor = model, backward, loss_divisor
-        self.graph: torch.cuda.CUDAGraph | None = None
+        self.graph: torch.cuda.CUDAGraph | None = None  # the first micro-batch's: writes the gradients
+        self.adding_graph: torch.cuda.CUDAGraph | None = None  # the later ones': adds into them
 
     def forget(self) -> None:
         """Capture again at the next call: the model's shapes changed (a new routed capacity)."""
-        self.graph = None
+        self.graph = self.adding_graph = None
 
-    def __call__(self, x: Tensor, y: Tensor) -> ModelOutput:
+    def __call__(self, x: Tensor, y: Tensor, accumulate: bool = False) -> ModelOutput:
+        """One micro-batch; accumulate: add its gradients into the step's (a later micro-batch)
+        instead of writing them (the step's first)."""
         if self.graph is None:
+            if accumulate:
+                raise RuntimeError("GraphedMicroStep: a step's first micro-batch must not accumulate")
             self._capture(x, y)
+        if accumulate and self.adding_graph is None:
+            raise RuntimeError("GraphedMicroStep: accumulate=True needs loss_divisor > 1")
         self.x.copy_(x)
         self.y.copy_(y)
-        self.graph.replay()
-        return self.out
+        (self.adding_graph if accumulate else self.graph).replay()
+        return self.adding_out if accumulate else self.out
 
     def _pass(self) -> ModelOutput:
         # No autocast cache: cast weights cached across the capture's boundary would outlive it.
@@ -93,8 +103,6 @@ class GraphedMicroStep:
 
     def _capture(self, x: Tensor, y: Tensor) -> None:
         params = [p for p in self.model.parameters() if p.requires_grad]
-        if any(p.grad is None for p in params):
-            raise RuntimeError("GraphedMicroStep: allocate every gradient first (TorchOptimization(keep_grads=True))")
         self.x, self.y = x.clone(), y.clone()  # the graph's inputs: each call copies its batch in
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -105,9 +113,17 @@ class GraphedMicroStep:
             for _ in range(self.WARMUP_PASSES):
                 self._pass()
         torch.cuda.current_stream().wait_stream(side)
+        for p in params:  # no gradient yet: the captured backward hands each parameter its own tensor
+            p.grad = None
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             self.out = self._pass()
-        for p in params:  # the warm-up passes' gradients belong to no step (capturing ran nothing)
-            p.grad.zero_()
+        for p in params:  # a parameter no micro-batch reaches keeps a zero gradient, as eager steps see it
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if self.loss_divisor > 1:  # captured now: its capture runs nothing, so no gradient moves
+            adding = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(adding, pool=graph.pool()):
+                self.adding_out = self._pass()
+            self.adding_graph = adding
         self.graph = graph

@@ -162,13 +162,16 @@ class TorchOptimization:
     overwrites; an allocated one has each micro-batch's gradient added into it. (A parameter
     that got no gradient in a step then has a zero one: AdamW still decays it and moves it by
     its momentum, where a freed gradient would skip it; in every shipped config each
-    parameter gets a gradient each step: tests/test_configs.py.)
+    parameter gets a gradient each step: tests/test_configs.py.) zero_grads=False: kept
+    gradients are left as the step found them, for an owner that writes them afresh each step
+    (the eager model's CUDA graph, mode/training/graphs.py).
     """
 
-    def __init__(self, model: nn.Module, config: Config, device: torch.device, keep_grads: bool = False) -> None:
+    def __init__(self, model: nn.Module, config: Config, device: torch.device, keep_grads: bool = False,
+                 zero_grads: bool = True) -> None:
         t = config.train
         self.model = model
-        self.keep_grads = keep_grads
+        self.keep_grads, self.zero_grads = keep_grads, zero_grads
         self.grad_clip = t.grad_clip
         self.predictor_ids = predictor_parameter_ids(model)
         self.optimizer = torch.optim.AdamW(
@@ -177,7 +180,7 @@ class TorchOptimization:
             betas=(t.beta1, t.beta2),
             fused=device.type == "cuda",
         )
-        if keep_grads:
+        if keep_grads and zero_grads:  # else their owner makes them
             for p in model.parameters():
                 if p.requires_grad and p.grad is None:
                     p.grad = torch.zeros_like(p)
@@ -194,7 +197,8 @@ class TorchOptimization:
         apart = [(predictor_grads, torch.nn.utils.get_total_norm(predictor_grads, 2.0))] if predictor_grads else []
         with clipped_gradients(self.optimizer, grads, norm, self.grad_clip, apart):
             self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=not self.keep_grads)
+        if self.zero_grads or not self.keep_grads:
+            self.optimizer.zero_grad(set_to_none=not self.keep_grads)
         return norm.detach()
 
     def state_dict(self) -> dict[str, Any]:

@@ -148,9 +148,11 @@ class Trainer:
         eager_graphed, note = eager_graphs(config, self.device, self.model, one_process=optimization is None)
         if note:
             self.notes.append(note)
-        # CUDA graphs (compiled, or the eager model's) own their outputs and add into kept gradients.
+        # CUDA graphs own their outputs and keep the gradients: compiled ones add into zeroed
+        # gradients, the eager model's graph writes them itself (GraphedMicroStep).
         self.graphed = (t.compile and t.compile_mode == "reduce-overhead") or eager_graphed
-        self.optimization = optimization or TorchOptimization(self.model, config, self.device, keep_grads=self.graphed)
+        self.optimization = optimization or TorchOptimization(self.model, config, self.device, keep_grads=self.graphed,
+                                                              zero_grads=not eager_graphed)
         self.graphed_step: GraphedMicroStep | None = None
         if eager_graphed:
             self.graphed_step = GraphedMicroStep(self.model, self.optimization.backward, t.grad_accum)
@@ -322,8 +324,8 @@ class Trainer:
         for micro in range(t.grad_accum):
             x, y = self.micro_batch(self.data.train, step, micro)
             self.mark_step_begin()
-            if self.graphed_step is not None:
-                out = self.graphed_step(x, y)  # forward and backward: one graph replayed
+            if self.graphed_step is not None:  # forward and backward: one graph replayed
+                out = self.graphed_step(x, y, accumulate=micro > 0)
             else:
                 with self.autocast():
                     out = self.forward(x, y)
