@@ -102,7 +102,7 @@ def decode_run(
     t3 = time.perf_counter()
     after = sum(int(c.lengths.sum()) for c in routed)  # exact (device) lengths, read after the timing
     share = (after - before) / (batch * new_tokens * len(routed)) if routed else 1.0
-    used = (decoder.routed_rows + (" compacted" if decoder.compact_rows else "")
+    used = (decoder.routed_rows + (" compacted" if decoder.compact_rows and routed else "")
             + (" + CUDA graph" if decoder.cuda_graph else "")) + (" + compile" if decoder.compile else "")
     return t1 - t0, batch * (new_tokens - 1) / (t3 - t2), share, used
 

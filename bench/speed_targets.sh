@@ -1,25 +1,37 @@
 #!/usr/bin/env bash
-# The speed campaign on a 4-GPU host: four lanes at once, each on a GPU of its own, every
+# The speed campaign: its parts spread over the GPUs of one host, every
 # benchmark measuring its baseline in the same process (docs/benchmarks.md says what each prints).
 #
 #   source .whl/setup_device.sh > /tmp/setup.log 2>&1 && bash bench/speed_targets.sh
-#   TINY=1 bash bench/speed_targets.sh      # CPU smoke run: every lane with --tiny, one after another
+#   TINY=1 bash bench/speed_targets.sh      # CPU smoke run: every part with --tiny, one after another
 #
-#   lane 0  decode.md   bench.decode: decode and prefill against dense, every prompt and batch
-#   lane 1  kinds.md    bench.block_kinds: every block kind with CUDA graphs, then compiled
-#   lane 2  step.md     bench.mod_step with the auto and cuDNN attention backends, then
-#                       bench.block_profile of the MoE and MoDE blocks (where their time goes)
-#   lane 3  tests.md    the GPU tests of the decode path, then bench.prefill
+#   part          file             what
+#   decode        decode.md        bench.decode: decode and prefill against dense, every prompt and batch
+#   decode_rows   decode_rows.md   bench.decode at batch 64 with every row computed (no compacted rows)
+#   kinds         kinds.md         bench.block_kinds: every block kind with CUDA graphs
+#   compiled      compiled.md      bench.block_kinds: every block kind compiled
+#   step          step.md          bench.mod_step with the auto and cuDNN attention backends
+#   profile       profile.md       bench.block_profile of the MoE and MoDE blocks (where their time goes)
+#   prefill       prefill.md       bench.prefill: prefill launches, syncs and GPU time against dense
+#   decode_tests  decode_tests.md  the GPU tests of the decode path (CUDA graphs, IF nodes, MoE decode)
+#   train_tests   train_tests.md   the GPU tests of CUDA-graphed training
+#
+# PARTS (default: all, in that order) names the parts to run. They are dealt out to the GPUs in
+# turn: each GPU runs its parts one after another, the GPUs at once. Before any part starts,
+# the CUDA graph IF-node extension is built (once per machine).
 #
 # Environment: PYTHON (default python3), LOG_DIR (default $OUT/speed, else /tmp/speed),
-# LANE_TIMEOUT (seconds a lane may run, default 540; a lane cut short says so at its end),
-# GPUS (four GPU indices, default 0,1,2,3).
+# PART_TIMEOUT (seconds a part may run, default 540; a part cut short says so at its end),
+# DEADLINE (seconds after which no part starts and a running one is cut short, default none),
+# GPUS (GPU indices, default 0,1,2,3).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PY=${PYTHON:-python3}
 LOG_DIR=${LOG_DIR:-${OUT:-/tmp}/speed}
-LANE_TIMEOUT=${LANE_TIMEOUT:-540}
+PART_TIMEOUT=${PART_TIMEOUT:-540}
+DEADLINE=${DEADLINE:-}
 IFS=, read -r -a gpus <<< "${GPUS:-0,1,2,3}"
+read -r -a parts <<< "${PARTS:-decode decode_rows kinds compiled step profile prefill decode_tests train_tests}"
 mkdir -p "$LOG_DIR"
 if [ -n "${TINY:-}" ]; then
   export TINY_ARG=--tiny GRAPH_MODES=eager BACKENDS=auto
@@ -27,38 +39,65 @@ else
   export TINY_ARG= GRAPH_MODES="eager + CUDA graphs" BACKENDS="auto cudnn"
 fi
 
-lane_decode() { "$PY" -m bench.decode $TINY_ARG; }
-lane_kinds() {
-  "$PY" -m bench.block_kinds $TINY_ARG --modes "$GRAPH_MODES"
-  [ -n "$TINY_ARG" ] || "$PY" -m bench.block_kinds --modes compiled
+part_decode() { "$PY" -m bench.decode $TINY_ARG; }
+# batch 64 is bound by its launches: the compacted rows' extra kernels against every row computed
+part_decode_rows() {
+  local batch=64
+  [ -z "$TINY_ARG" ] || batch=4
+  "$PY" -m bench.decode $TINY_ARG --batches $batch --models MoD "Staged MoDE" --decoder-arg compact_rows=False
 }
-lane_step() {
+part_kinds() { "$PY" -m bench.block_kinds $TINY_ARG --modes "$GRAPH_MODES"; }
+part_compiled() {
+  [ -z "$TINY_ARG" ] || { gpu_only "compiled block kinds"; return; }
+  "$PY" -m bench.block_kinds --modes compiled
+}
+part_step() {
   [ -n "$TINY_ARG" ] || modes=compiled
   "$PY" -m bench.mod_step $TINY_ARG --modes "$GRAPH_MODES" ${modes:-} --attention-backend $BACKENDS
-  "$PY" -m bench.block_profile $TINY_ARG --kinds moe mode_staged mode_integrated --top 8
 }
-lane_tests() {
-  "$PY" -c "from mode.kernels import graph_if; print('IF nodes available:', graph_if.available())"
+part_profile() { "$PY" -m bench.block_profile $TINY_ARG --kinds moe mode_staged mode_integrated --top 8; }
+part_prefill() { "$PY" -m bench.prefill $TINY_ARG; }
+gpu_only() { echo "$1: on a GPU only"; }
+part_decode_tests() {
+  [ -z "$TINY_ARG" ] || { gpu_only "decode tests"; return; }
   "$PY" -m pytest -q -rfEs -p no:cacheprovider tests/test_graph_if.py tests/test_moe_decode.py \
-    tests/test_decode_rows.py tests/test_attention_backend.py tests/test_generate.py
-  "$PY" -m bench.prefill $TINY_ARG
+    tests/test_decode_rows.py tests/test_generate.py
 }
-export -f lane_decode lane_kinds lane_step lane_tests
+part_train_tests() {
+  [ -z "$TINY_ARG" ] || { gpu_only "CUDA-graphed training tests"; return; }
+  "$PY" -m pytest -q -rfEs -p no:cacheprovider tests/test_train.py -k "cuda_graph"
+}
+export -f gpu_only part_decode part_decode_rows part_kinds part_compiled part_step part_profile part_prefill \
+  part_decode_tests part_train_tests
 
-run_lane() {  # run_lane GPU NAME: the lane's output into LOG_DIR/NAME.md, its exit status last
-  local out="$LOG_DIR/$2.md"
-  CUDA_VISIBLE_DEVICES=$1 timeout -k 15 "$LANE_TIMEOUT" bash -c "lane_$2" > "$out" 2>&1
+run_part() {  # run_part GPU NAME: the part's output into LOG_DIR/NAME.md, its time and exit status last
+  local out="$LOG_DIR/$2.md" start=$SECONDS limit=$PART_TIMEOUT
+  if [ -n "$DEADLINE" ]; then
+    limit=$(( DEADLINE - SECONDS < limit ? DEADLINE - SECONDS : limit ))
+    [ "$limit" -gt 0 ] || { echo "part $2: not started (past DEADLINE)" > "$out"; return; }
+  fi
+  CUDA_VISIBLE_DEVICES=$1 timeout -k 15 "$limit" bash -c "part_$2" > "$out" 2>&1
   local rc=$?
-  [ "$rc" -eq 124 ] && echo "lane $2: cut short after $LANE_TIMEOUT s" >> "$out"
-  echo "lane $2: exit $rc" >> "$out"
+  [ "$rc" -eq 124 ] && echo "part $2: cut short after $limit s" >> "$out"
+  echo "part $2: ran $((SECONDS - start)) s" >> "$out"
+  echo "part $2: exit $rc" >> "$out"
 }
 
-names=(decode kinds step tests)
+run_gpu() {  # run_gpu SLOT: the parts dealt to GPU slot SLOT, one after another
+  local i
+  for ((i = $1; i < ${#parts[@]}; i += ${#gpus[@]})); do run_part "${gpus[$1]}" "${parts[i]}"; done
+}
+
+for name in "${parts[@]}"; do
+  declare -F "part_$name" > /dev/null || { echo "bench/speed_targets.sh: unknown part $name" >&2; exit 2; }
+done
+"$PY" -c "from mode.kernels import graph_if; print('CUDA graph IF nodes available:', graph_if.available())" \
+  > "$LOG_DIR/if_nodes.md" 2>&1
 if [ -n "${TINY:-}" ]; then
-  for name in "${names[@]}"; do run_lane "" "$name"; done
+  gpus=("")
+  run_gpu 0
 else
-  [ "${#gpus[@]}" -ge 4 ] || { echo "bench/speed_targets.sh: needs four GPUs (GPUS=$GPUS)" >&2; exit 2; }
-  for i in 0 1 2 3; do run_lane "${gpus[i]}" "${names[i]}" & done
+  for ((slot = 0; slot < ${#gpus[@]} && slot < ${#parts[@]}; slot++)); do run_gpu "$slot" & done
   wait
 fi
-for name in "${names[@]}"; do tail -1 "$LOG_DIR/$name.md"; done
+for name in "${parts[@]}"; do tail -1 "$LOG_DIR/$name.md"; done

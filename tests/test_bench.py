@@ -227,14 +227,23 @@ def test_block_profile_tiny_kinds() -> None:
     assert split["mode_staged block"][-2] < 0.5 and split["MoD block"][-2] < 0.5
 
 
-def test_speed_targets_script_runs_every_lane_tiny(tmp_path: Path) -> None:
-    """bench/speed_targets.sh with TINY=1: each of the four lanes runs its benchmarks (--tiny) and
-    tests, writes its tables into LOG_DIR/LANE.md and ends with exit 0."""
+def test_speed_targets_script_runs_every_part_tiny(tmp_path: Path) -> None:
+    """bench/speed_targets.sh with TINY=1: each part runs its benchmark (--tiny; the compiled rows
+    and the GPU tests say they need a GPU), writes its table into LOG_DIR/PART.md and ends with
+    exit 0; PARTS picks parts, an unknown one is refused; DEADLINE starts none past it."""
     env = {**os.environ, "TINY": "1", "PYTHON": sys.executable, "LOG_DIR": str(tmp_path)}
     out = subprocess.run(["bash", "bench/speed_targets.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=900)
     assert out.returncode == 0, out.stderr[-2000:]
-    for lane, header in (("decode", "| prompt | batch | model |"), ("kinds", "| block kind |"),
-                         ("step", "| block (forward+backward) |"), ("tests", "passed")):
-        text = (tmp_path / f"{lane}.md").read_text()
-        assert text.rstrip().endswith(f"lane {lane}: exit 0") and header in text, (lane, text[-1500:])
+    for part, header in (("decode", "| prompt | batch | model |"), ("decode_rows", "| 16 | 4 | MoD | gather"),
+                         ("kinds", "| block kind |"), ("compiled", "on a GPU only"), ("step", "| mode | model |"),
+                         ("profile", "| block (forward+backward) |"), ("prefill", "| prompt | batch | model | median ms |"),
+                         ("decode_tests", "on a GPU only"), ("train_tests", "on a GPU only")):
+        text = (tmp_path / f"{part}.md").read_text()
+        assert text.rstrip().endswith(f"part {part}: exit 0") and header in text, (part, text[-1500:])
+    unknown = subprocess.run(["bash", "bench/speed_targets.sh"], cwd=ROOT, env={**env, "PARTS": "kinds nonsense"},
+                             capture_output=True, text=True, timeout=60)
+    assert unknown.returncode == 2 and "unknown part nonsense" in unknown.stderr
+    late = subprocess.run(["bash", "bench/speed_targets.sh"], cwd=ROOT, timeout=120, capture_output=True, text=True,
+                          env={**env, "PARTS": "kinds", "DEADLINE": "0", "LOG_DIR": str(tmp_path / "late")})
+    assert late.returncode == 0 and "not started (past DEADLINE)" in (tmp_path / "late" / "kinds.md").read_text()
