@@ -394,7 +394,8 @@ def main(argv: list[str] | None = None) -> None:
     sdpa = DECODE_SDPA_BACKENDS if args.sdpa == "decoder" else None
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    models = build_models(args.models, args, max(args.prompts) + args.new_tokens, device, dtype)
+    steps = args.profile_steps + 3 if args.profile else args.new_tokens  # profile_decode's own steps
+    models = build_models(args.models, args, max(args.prompts) + steps, device, dtype)
     if args.profile:
         run_profiles(models, args, device, dtype, card, sdpa)
         return

@@ -72,3 +72,13 @@ def test_decoder_arg_overrides_a_named_option(capsys: pytest.CaptureFixture[str]
     rows = main_rows(["--tiny", "--batches", "1", "--routed-rows", "gather", "--decoder-arg", "routed_rows=masked"],
                      capsys)
     assert [(r[2], r[3]) for r in rows] == [(m, "masked") for m in MODELS]
+
+
+def test_decode_profile_tiny(capsys: pytest.CaptureFixture[str]) -> None:
+    """--profile: per model, the aten ops of each layer kind's call per decode step; its decoders
+    take more steps than --new-tokens, and the models are built long enough for them."""
+    bench_module("decode").main(["--tiny", "--profile", "--batches", "1", "--models", "MoD", "--profile-steps", "12"])
+    out = capsys.readouterr().out
+    assert "dense, prompt 16, batch 1: per decode step (12 steps profiled)" in out
+    routed = [r for r in table_rows(out) if r[0] == "routed layer"]
+    assert len(routed) == 1 and number(routed[0][1]) > 0 and number(routed[0][2]) > 0, out

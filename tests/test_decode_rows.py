@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from mode.generate import Decoder
+from mode.inference.decoder import COMPACT_MAX_SMALL_BATCH, COMPACT_MIN_LARGE_BATCH, compaction_pays
 from mode.layers.chunks import CompactRows, MaskedRows, StaticStep, if_nodes_available
 from mode.layers.kv_cache import attend_used
 from mode.layers.mod import MoDBlock
@@ -108,6 +109,15 @@ def test_compact_rows_are_checked_and_default_where_they_add_no_sync() -> None:
         Decoder(mod, 2, 8, routed_rows="masked", row_slack=0)
 
 
+def test_compaction_pays_at_small_and_large_batches_only() -> None:
+    """compact_rows=None turns compaction on up to COMPACT_MAX_SMALL_BATCH rows and from
+    COMPACT_MIN_LARGE_BATCH, not in between (where the batch reads weights, not computes)."""
+    assert 1 <= COMPACT_MAX_SMALL_BATCH < 64 < COMPACT_MIN_LARGE_BATCH <= 1024
+    pays = [b for b in (1, 2, COMPACT_MAX_SMALL_BATCH, COMPACT_MAX_SMALL_BATCH + 1, 64, COMPACT_MIN_LARGE_BATCH - 1,
+                        COMPACT_MIN_LARGE_BATCH, 1024) if compaction_pays(b)]
+    assert pays == [1, 2, COMPACT_MAX_SMALL_BATCH, COMPACT_MIN_LARGE_BATCH, 1024]
+
+
 # ----------------------------------------------------------------------------- GPU: IF nodes
 needs_if_nodes = pytest.mark.skipif(
     not torch.cuda.is_available() or not if_nodes_available(), reason="CUDA graph conditional nodes need a GPU",
@@ -132,6 +142,8 @@ def test_if_nodes_replay_the_compacted_step(dtype: torch.dtype, batch: int, bias
         runs[name] = decode(model, tokens, active if batch > 1 else None, row_slack=1.0, **kwargs)
     (graph, graphed), (eager, eager_decoder), (masked, _) = runs.values()
     assert graphed._graph is not None and graphed.compact_rows and eager_decoder._graph is None
+    assert Decoder(model, 64, S).compact_rows is False  # the default between the batches where it pays
+    assert Decoder(model, batch, S).compact_rows is True
     assert torch.equal(graph, eager)
     for a, b in zip(graphed.caches, eager_decoder.caches):
         assert torch.equal(a.lengths, b.lengths) and torch.equal(a.kv[:, :, :-1], b.kv[:, :, :-1])

@@ -67,6 +67,15 @@ MASKED_MIN_BATCH = 16
 # (1 <= W <= B); a step where more rows chose it computes every row. The slack over the layer's
 # trained capacity keeps the fallback rare while W stays well below B.
 ROW_SLACK = 2.0
+# Where compact_rows=None turns them on (with the CUDA graph's conditional nodes): up to
+# COMPACT_MAX_SMALL_BATCH rows, where a routed layer that no row chose is often skipped whole,
+# and from COMPACT_MIN_LARGE_BATCH, where its matrix products are bound by compute and W rows
+# cost a fraction of B. In between a layer's matmuls read the same weights for W rows as for
+# B, almost every step has a chosen row, and the compaction's own kernels are a net loss
+# (bench/results/2026-11-28-h100-speed-targets-2.md: MoD at batch 64, 0.70 x dense with them,
+# 0.98 x without).
+COMPACT_MAX_SMALL_BATCH = 8
+COMPACT_MIN_LARGE_BATCH = 512
 
 
 @torch.no_grad()
@@ -132,6 +141,11 @@ def _static_layer(compiled: bool):
     return _COMPILED_LAYER
 
 
+def compaction_pays(batch: int) -> bool:
+    """Whether compacted rows speed up a static step of this batch (COMPACT_MAX_SMALL_BATCH)."""
+    return batch <= COMPACT_MAX_SMALL_BATCH or batch >= COMPACT_MIN_LARGE_BATCH
+
+
 class Decoder:
     """Prefill and decode for a batch of B sequences, with one sparse KV cache per layer.
 
@@ -147,7 +161,8 @@ class Decoder:
     compacted into W = ceil(batch * capacity * row_slack) rows (see ROW_SLACK), and nothing where
     no row chose it. Under the CUDA graph its conditional nodes pick on the device; without one
     the host reads each routed layer's count (one sync). None: wherever that adds no sync, that
-    is in the CUDA graph where this torch has conditional nodes; not with compile.
+    is in the CUDA graph where this torch has conditional nodes, and pays (batch at most
+    COMPACT_MAX_SMALL_BATCH or at least COMPACT_MIN_LARGE_BATCH); not with compile.
     The decoder snapshots each routed layer's router weights in float32 at construction (the
     decision is computed in float32, as the router does); build a new one after changing them.
     """
@@ -194,7 +209,8 @@ class Decoder:
         if compile and routed_rows != "masked":
             raise ValueError("compile=True compiles the static step: it needs routed_rows='masked'")
         if compact_rows is None:
-            compact_rows = routed_rows == "masked" and not compile and cuda_graph and if_nodes_available()
+            compact_rows = (routed_rows == "masked" and not compile and cuda_graph and compaction_pays(batch)
+                            and if_nodes_available())
         elif compact_rows and (routed_rows != "masked" or compile or (cuda_graph and not if_nodes_available())):
             raise ValueError(
                 "compact_rows=True needs routed_rows='masked', no compile, and under cuda_graph a torch with "
