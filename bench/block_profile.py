@@ -161,9 +161,9 @@ def main(argv: list[str] | None = None) -> None:
     x_k = torch.randn(args.batch, k, args.width, device=device, requires_grad=True)
     grad_k = torch.randn_like(x_k)
 
-    def fresh_gradients() -> None:  # each pass writes its gradients anew (no accumulation kernels)
+    def fresh_gradients(module: torch.nn.Module = model) -> None:  # each pass writes its gradients anew
         x.grad = x_k.grad = None
-        for p in model.parameters():
+        for p in module.parameters():
             p.grad = None
 
     def fwd_bwd(block: torch.nn.Module) -> Callable[[], None]:
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
             with autocast:
                 out, _ = block(x, angles, residual_owned=True)  # as the model calls it
             out.backward(grad)
-            fresh_gradients()
+            fresh_gradients(block)  # a --kinds block is not the model's: no accumulation kernels either
         return run
 
     with torch.no_grad(), autocast:

@@ -72,8 +72,7 @@ ROW_SLACK = 2.0
 # and from COMPACT_MIN_LARGE_BATCH, where its matrix products are bound by compute and W rows
 # cost a fraction of B. In between a layer's matmuls read the same weights for W rows as for
 # B, almost every step has a chosen row, and the compaction's own kernels are a net loss
-# (bench/results/2026-11-28-h100-speed-targets-2.md: MoD at batch 64, 0.70 x dense with them,
-# 0.98 x without).
+# (measured: bench/results/2026-11-28-h100-speed-targets-2.md).
 COMPACT_MAX_SMALL_BATCH = 8
 COMPACT_MIN_LARGE_BATCH = 512
 
