@@ -82,3 +82,12 @@ def test_decode_profile_tiny(capsys: pytest.CaptureFixture[str]) -> None:
     assert "dense, prompt 16, batch 1: per decode step (12 steps profiled)" in out
     routed = [r for r in table_rows(out) if r[0] == "routed layer"]
     assert len(routed) == 1 and number(routed[0][1]) > 0 and number(routed[0][2]) > 0, out
+
+
+def test_decode_targets_per_setting() -> None:
+    """The decode targets: 1.4 x at batch 1 and 1024 with 128 tokens, 1.6 x at batch 64 with 2048,
+    0.97 x elsewhere, none at batch 64 with 128 tokens (bound by reading weights: reported)."""
+    decode = bench_module("decode")
+    targets = {(b, p): decode.decode_target(b, p) for b in (1, 64, 1024) for p in (128, 2048)}
+    assert targets == {(1, 128): 1.4, (1, 2048): 0.97, (64, 128): None, (64, 2048): 1.6,
+                       (1024, 128): 1.4, (1024, 2048): 0.97}
