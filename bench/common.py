@@ -29,6 +29,11 @@ def require_cuda_unless_tiny(parser: argparse.ArgumentParser, args: argparse.Nam
                      f"--tiny is the CPU smoke run{also}")
 
 
+def verdict(ok: bool) -> str:
+    """A target's mark in a table."""
+    return "met" if ok else "missed"
+
+
 def precision(device: torch.device) -> str:
     """What the timed passes compute in: the scripts autocast to bf16 on CUDA only."""
     return "bf16 autocast" if device.type == "cuda" else "float32"

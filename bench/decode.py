@@ -54,7 +54,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from bench.common import add_model_args, require_cuda_unless_tiny, sync
+from bench.common import add_model_args, require_cuda_unless_tiny, sync, verdict
 from bench.prefill import MODELS, build_models, calibrate_routers, make_config, time_settings
 from mode.flops import model_flops
 from mode.generate import DECODE_SDPA_BACKENDS, ROUTED_ROWS, Decoder
@@ -165,10 +165,6 @@ def decode_target(batch: int, prompt: int) -> float | None:
     if (batch, prompt) in DECODE_REPORTED:
         return None
     return DECODE_TARGETS.get((batch, prompt), DECODE_FLOOR)
-
-
-def verdict(ok: bool) -> str:
-    return "met" if ok else "missed"
 
 
 @dataclass

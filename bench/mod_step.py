@@ -96,14 +96,14 @@ class Runner:
         self.forward = self.model if options is None else torch.compile(self.model, **options)
         self.graphs = mode == "compiled + CUDA graphs"
         self.optimization: TorchOptimization | None = None  # optimizer "train": mode.train's step
+        graphed = mode == "eager + CUDA graphs"
         if optimizer == "train":
-            graphed = mode == "eager + CUDA graphs"
             self.optimization = TorchOptimization(self.model, config, device, keep_grads=graphed, zero_grads=not graphed)
             self.optimizer = self.optimization.optimizer
         else:
             self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=device.type == "cuda")
         self.micro_step: GraphedMicroStep | None = None
-        if mode == "eager + CUDA graphs":  # as train.cuda_graphs: the graph writes the gradients it keeps
+        if graphed:  # as train.cuda_graphs: the graph writes the gradients it keeps
             self.micro_step = GraphedMicroStep(self.model, lambda loss: loss.backward(), 1)
         tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), device=device)
         self.x, self.y = tokens[:, :-1], tokens[:, 1:]
