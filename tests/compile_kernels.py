@@ -18,7 +18,18 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from mode.kernels import cross_entropy, expert_choice, gelu, rotary, rows, softmax_topk, sort_rows, swiglu, topk  # noqa: E402
+from mode.kernels import (  # noqa: E402
+    cross_entropy,
+    decision,
+    expert_choice,
+    gelu,
+    rotary,
+    rows,
+    softmax_topk,
+    sort_rows,
+    swiglu,
+    topk,
+)
 
 BF16, F32, I64, I32, I32P = "*bf16", "*fp32", "*i64", "i32", "*i32"
 
@@ -110,6 +121,11 @@ KERNELS = [
                                      grad_gates_ptr=F32, n_rows=I32, width=I32, BLOCK_R=4, BLOCK_D=512)),
     (rows, "_combine_backward", dict(grad_ptr=BF16, ids_ptr=I64, rows_ptr=BF16, gates_ptr=F32, grad_rows_ptr=BF16,
                                      grad_gates_ptr=F32, n_rows=I32, width=I32, BLOCK_R=4, BLOCK_D=512)),
+    # a decode step's decision: batch 1 (n_rows specialized to 1) and larger, with and without bias
+    (decision, "_decide", dict(x_ptr=BF16, w_ptr=F32, b_ptr=F32, active_ptr="*u8", scores_ptr=F32, chosen_ptr="*u8",
+                               n_rows=1, width=I32, HAS_BIAS=False, HAS_ACTIVE=True, BLOCK_R=4, BLOCK_D=512)),
+    (decision, "_decide", dict(x_ptr=BF16, w_ptr=F32, b_ptr=F32, active_ptr="*u8", scores_ptr=F32, chosen_ptr="*u8",
+                               n_rows=I32, width=I32, HAS_BIAS=True, HAS_ACTIVE=False, BLOCK_R=4, BLOCK_D=512)),
 ]
 
 

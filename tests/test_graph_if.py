@@ -69,3 +69,26 @@ def test_nested_if_nodes_each_keep_their_own_predicate() -> None:
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(x - before, torch.full_like(x, float(added))), (o, i)
+
+
+@needs_if_nodes
+@pytest.mark.parametrize("rows", [1, 5, 1500], ids=["one row", "a few rows", "more rows than threads"])
+def test_a_counted_if_runs_where_its_flags_count_lies_in_its_bounds(rows: int) -> None:
+    flags = torch.zeros(rows, dtype=torch.bool, device="cuda")
+    runs = torch.zeros(2, dtype=torch.long, device="cuda")  # (lo 0 < count <= 1, 1 < count <= rows)
+    graph = torch.cuda.CUDAGraph()
+    runs.add_(0)
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        with graph_if.captured_if_count(graph, flags, 0, 1):
+            runs[0].add_(1)
+        with graph_if.captured_if_count(graph, flags, 1, rows):
+            runs[1].add_(1)
+    expected = torch.zeros(2, dtype=torch.long)
+    for count in sorted({c for c in (0, 1, 2, rows // 2, rows) if c <= rows}):
+        flags.zero_()
+        flags[torch.randperm(rows, device="cuda")[:count]] = True
+        graph.replay()
+        expected += torch.tensor([0 < count <= 1, 1 < count <= rows])
+        torch.cuda.synchronize()
+        assert torch.equal(runs.cpu(), expected), count

@@ -944,3 +944,48 @@ def test_every_kernel_compiles_for_an_h100() -> None:
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     compiled = set(re.findall(r"\.(\w+): compiled for sm_90", out.stdout))
     assert launched and launched <= compiled, f"launched but not compiled: {launched - compiled}"
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no bias", "bias"])
+@pytest.mark.parametrize("active", [False, True], ids=["every row", "active rows"])
+@pytest.mark.parametrize("shape", [(5, 1, 24), (3, 2, 700)], ids=["decode step", "two tokens, width over a block"])
+def test_decide_rows_equals_the_float32_router_and_threshold(shape, active: bool, bias: bool) -> None:
+    from mode.kernels.decision import decide_rows
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(shape, generator=gen).to(torch.bfloat16).to(DEVICE)
+    weight = torch.randn(1, shape[-1], generator=gen).to(DEVICE)
+    b = torch.randn(1, generator=gen).to(DEVICE) if bias else None
+    rows = shape[0] * shape[1]
+    mask = (torch.arange(rows) % 3 != 1).to(DEVICE) if active else None
+    expected = (x.double() @ weight.double().t()).squeeze(-1) + (b.double() if bias else 0)  # (B, n)
+    taken, scores = decide_rows(x, weight, b, mask)
+    assert taken.dtype == torch.bool and taken.shape == shape[:2] and scores.dtype == torch.float32
+    torch.testing.assert_close(scores.double(), expected, rtol=1e-5, atol=1e-5)
+    want = expected > 0
+    if active:
+        want &= mask.view(shape[:2])
+    clear = expected.abs() > 1e-4  # a score this near 0 may round to either side in float32
+    assert torch.equal(taken[clear], want[clear]) and (taken & ~want).sum() <= (~clear).sum()
+    with pytest.raises(ValueError, match="active has 2 rows"):
+        decide_rows(x, weight, b, torch.ones(2, dtype=torch.bool, device=DEVICE))
+
+
+def test_the_decode_decision_is_the_same_with_and_without_its_kernel() -> None:
+    from mode.config import ModelConfig, RoutingConfig
+    from mode.layers.mod import MoDBlock
+
+    torch.manual_seed(0)
+    block = MoDBlock(ModelConfig(d_model=32, n_heads=4, n_layers=2, vocab_size=64),
+                     RoutingConfig(capacity=0.5, causal="aux_loss")).to(DEVICE)
+    x = torch.randn(6, 1, 32, device=DEVICE)
+    mask = torch.tensor([True, False, True, True, False, True], device=DEVICE)
+    weights = block.router_weights()
+    kernels_on(True)
+    fused = block.decide(x, weights, mask)
+    kernels_on(False)
+    plain = block.decide(x, weights, mask)
+    unmasked = block.decide(x, weights)
+    torch.testing.assert_close(fused[1], plain[1], rtol=1e-5, atol=1e-6)
+    assert torch.equal(fused[0], plain[0]) and torch.equal(plain[0], unmasked[0] & mask.view(6, 1))
+    assert not plain[0][~mask].any() and unmasked[0].any()

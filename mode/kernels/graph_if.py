@@ -1,15 +1,16 @@
 """CUDA graph conditional (IF) nodes for a torch that cannot capture them itself.
 
 A static decode step skips a routed layer that no row chose by capturing the layer's kernels
-into an IF node of the step's CUDA graph: at replay, a one-thread kernel reads the 0-d bool
-predicate on the device and sets the node's condition, so nothing waits for the host. torch
-captures such nodes where `torch.cuda.CUDAGraph` has `begin_capture_to_if_node`; elsewhere this
-module builds a small extension (once per machine, with torch's own `load_inline`, about a
-minute) that adds them through the CUDA runtime (CUDA 12.4 or newer):
+into an IF node of the step's CUDA graph: at replay, a one-block kernel counts the rows' bool
+flags on the device and sets the node's condition (lo < count <= hi), so nothing waits for the
+host and the skip costs that one kernel. torch captures such nodes where `torch.cuda.CUDAGraph`
+has `begin_capture_to_if_node` (the count then takes a few PyTorch ops); elsewhere this module
+builds a small extension (once per machine, with torch's own `load_inline`, about a minute)
+that adds them through the CUDA runtime (CUDA 12.4 or newer):
 
-    begin_if(predicate)  # the current stream's capture gets an IF node; the stream now captures its body
-    ...                  # kernels launched here run at replay only where the predicate is True
-    end_if()             # the body ends; the current stream is the capturing one again
+    begin_if(flags, lo, hi)  # the current stream's capture gets an IF node; the stream now captures its body
+    ...                      # kernels launched here run at replay only where lo < flags.sum() <= hi then
+    end_if()                 # the body ends; the current stream is the capturing one again
 
 The body's tensors come from a memory pool of their own (`body_pool`), kept with the graph:
 the graph's pool serves only its own capture's stream.
@@ -26,7 +27,7 @@ import torch
 from torch import Tensor
 
 _DECLARATIONS = """
-void begin_if(const at::Tensor& predicate);
+void begin_if(const at::Tensor& flags, int64_t lo, int64_t hi);
 void end_if();
 """
 
@@ -34,13 +35,23 @@ _SOURCE = r"""
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
+#include <algorithm>
 #include <map>
 #include <vector>
 
 namespace {
 
-__global__ void set_condition(cudaGraphConditionalHandle handle, const bool* predicate) {
-  cudaGraphSetConditional(handle, *predicate ? 1u : 0u);
+// One block: the number of true flags, then condition = lo < count <= hi.
+__global__ void set_condition(cudaGraphConditionalHandle handle, const bool* flags, int64_t n, int64_t lo,
+                              int64_t hi) {
+  __shared__ int64_t count;
+  if (threadIdx.x == 0) count = 0;
+  __syncthreads();
+  int64_t mine = 0;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) mine += flags[i];
+  if (mine) atomicAdd(reinterpret_cast<unsigned long long*>(&count), static_cast<unsigned long long>(mine));
+  __syncthreads();
+  if (threadIdx.x == 0) cudaGraphSetConditional(handle, (count > lo && count <= hi) ? 1u : 0u);
 }
 
 struct OpenIf {
@@ -79,9 +90,9 @@ c10::cuda::CUDAStream body_stream(c10::DeviceIndex device, size_t depth) {
 
 }  // namespace
 
-void begin_if(const at::Tensor& predicate) {
-  TORCH_CHECK(predicate.is_cuda() && predicate.numel() == 1 && predicate.scalar_type() == at::kBool,
-              "the IF node's predicate must be a one-element bool CUDA tensor");
+void begin_if(const at::Tensor& flags, int64_t lo, int64_t hi) {
+  TORCH_CHECK(flags.is_cuda() && flags.is_contiguous() && flags.numel() >= 1 && flags.scalar_type() == at::kBool,
+              "the IF node's flags must be a contiguous bool CUDA tensor");
   auto parent = c10::cuda::getCurrentCUDAStream();
   cudaGraph_t graph;
   const cudaGraphNode_t* deps;
@@ -89,7 +100,9 @@ void begin_if(const at::Tensor& predicate) {
   capture_info(parent.stream(), &graph, &deps, &count);
   cudaGraphConditionalHandle handle;
   check(cudaGraphConditionalHandleCreate(&handle, graph, 0, 0), "cudaGraphConditionalHandleCreate");
-  set_condition<<<1, 1, 0, parent.stream()>>>(handle, predicate.data_ptr<bool>());
+  const int64_t n = flags.numel();
+  const int threads = static_cast<int>(std::min<int64_t>(1024, (n + 31) / 32 * 32));
+  set_condition<<<1, threads, 0, parent.stream()>>>(handle, flags.data_ptr<bool>(), n, lo, hi);
   check(cudaGetLastError(), "set_condition launch");
   capture_info(parent.stream(), &graph, &deps, &count);  // now ending in set_condition
 
@@ -178,11 +191,24 @@ def body_pool(graph: torch.cuda.CUDAGraph) -> torch.cuda.MemPool:
     return pool
 
 
+def captured_if(graph: torch.cuda.CUDAGraph, predicate: Tensor) -> contextlib.AbstractContextManager:
+    """The kernels launched inside run at replay only where the one-element bool predicate is True
+    then (an IF node of the graph being captured). Their outputs must go into tensors made before it."""
+    return captured_if_count(graph, predicate, 0, 1)
+
+
 @contextlib.contextmanager
-def captured_if(graph: torch.cuda.CUDAGraph, predicate: Tensor) -> Iterator[None]:
-    """The kernels launched inside run at replay only where the 0-d bool predicate is True then
-    (an IF node of the graph being captured). Their outputs must go into tensors made before it."""
+def captured_if_count(graph: torch.cuda.CUDAGraph, flags: Tensor, lo: int, hi: int) -> Iterator[None]:
+    """The kernels launched inside run at replay only where lo < flags.sum() <= hi then, flags: a
+    bool tensor (an IF node of the graph being captured). Their outputs must go into tensors made
+    before it."""
+    flags = flags.reshape(-1).contiguous()
     if native():
+        if (flags.numel(), lo, hi) == (1, 0, 1):
+            predicate = flags.view(())
+        else:
+            count = flags.sum()
+            predicate = (count > lo) & (count <= hi)  # held until the capture ends, as flags is
         graph.begin_capture_to_if_node(predicate)
         try:
             yield
@@ -191,7 +217,7 @@ def captured_if(graph: torch.cuda.CUDAGraph, predicate: Tensor) -> Iterator[None
         return
     built = extension()
     outermost = not getattr(graph, "_mode_if_depth", 0)
-    built.begin_if(predicate)
+    built.begin_if(flags, lo, hi)
     graph._mode_if_depth = getattr(graph, "_mode_if_depth", 0) + 1
     try:  # nested bodies allocate from the outermost one's pool: a thread routes to one pool at a time
         with torch.cuda.use_mem_pool(body_pool(graph)) if outermost else contextlib.nullcontext():

@@ -30,8 +30,8 @@ from torch import Tensor
 
 KERNEL_CHOICES = ("triton", "torch")
 
-Op = Literal["elementwise", "topk", "softmax_topk", "rows", "expert_choice"]
-OPS: tuple[str, ...] = ("elementwise", "topk", "softmax_topk", "rows", "expert_choice")
+Op = Literal["elementwise", "topk", "softmax_topk", "rows", "expert_choice", "decision"]
+OPS: tuple[str, ...] = ("elementwise", "topk", "softmax_topk", "rows", "expert_choice", "decision")
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,8 @@ class KernelPolicy:
     rows: the MoE layers' gather/combine through an inverse map, the depth router's gated
         update of the residual, token choice's counting-sort layouts.
     expert_choice: expert choice's router head, layout and gather in one autograd function.
+    decision: a depth router's causal decision in a decode step (float32 GEMV, threshold and the
+        active rows) in one kernel.
     cpu: also CPU tensors, through Triton's interpreter (tests); CUDA-only PyTorch paths (the
         bf16 router GEMM) take their CPU fallbacks then.
     """
@@ -56,6 +58,7 @@ class KernelPolicy:
     softmax_topk: bool = True
     rows: bool = True
     expert_choice: bool = True
+    decision: bool = True
     cpu: bool = False
 
     def allows(self, op: Op) -> bool:

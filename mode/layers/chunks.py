@@ -41,6 +41,8 @@ WINDOW_ALIGN = 16
 class HostPlannedChunk:
     """A chunk whose select() plans a layer's rows on the host (None: no row to compute)."""
 
+    decision_mask = None  # a routed layer's decision may take any token; select() drops the idle ones
+
     def routed(self, x: Tensor, cache: LayerCache, chosen: Tensor, capacity: float,
                body: Callable[..., Tensor]) -> Tensor:
         """A routed layer's chunk: body(plan) -> the chunk's new hidden states for the row plan of the
@@ -384,6 +386,7 @@ class StaticStep:
         self.angles = RotaryAngles(rotary.cos_full.index_select(0, angle_ids).view(batch, 1, 1, -1),
                                    rotary.sin_signed.index_select(0, angle_ids).view(batch, 1, 1, -1))
         self.active, self.row_base, self.packed = active, row_base, packed
+        self.decision_mask = active  # a routed layer's decision takes active rows only (routed())
         self.slack, self.graph, self.warm = slack, graph, warm
 
     def select(self, x: Tensor, cache: LayerCache, chosen: Tensor | None = None) -> "MaskedRows":
@@ -393,15 +396,16 @@ class StaticStep:
     def routed(self, x: Tensor, cache: LayerCache, chosen: Tensor, capacity: float,
                body: Callable[["MaskedRows | CompactRows"], Tensor]) -> Tensor:
         """A routed layer's step: body(plan) -> the step's new hidden states (B, 1, D) for a row plan;
-        chosen (B, 1): the rows the layer's decision took, capacity: the share it was trained to
-        take. No row chosen: nothing computed; up to W: those rows compacted; more: every row."""
-        chosen = chosen.view(-1) & self.active
+        chosen (B, 1): the rows the layer's decision took, active ones only (decision_mask),
+        capacity: the share it was trained to take. No row chosen: nothing computed; up to W:
+        those rows compacted; more: every row. Under capture the new states go into x itself
+        (the step's own tensor), so a skipped layer costs its decision and one IF node."""
+        chosen = chosen.view(-1)  # (B,)
         if self.slack is None:
             return body(MaskedRows(self, x, cache, chosen))
         batch = chosen.shape[0]
         width = min(max(math.ceil(batch * capacity * self.slack), 1), batch)
         fits = width < batch  # W = B would compute every row anyway, in another order
-        count = chosen.sum()
         compact = lambda: body(CompactRows(self, x, cache, chosen, width))  # noqa: E731
         masked = lambda: body(MaskedRows(self, x, cache, chosen))  # noqa: E731
         if self.warm:
@@ -409,15 +413,14 @@ class StaticStep:
                 compact()
             return masked()
         if self.graph is None:
-            taken = int(count)  # the host picks: the layer's one sync
+            taken = int(chosen.sum())  # the host picks: the layer's one sync
             return x if taken == 0 else compact() if fits and taken <= width else masked()
-        out = x.clone()  # made before the IF nodes: the rows no branch writes (every row where none runs)
         if fits:
-            with graph_if.captured_if(self.graph, (count > 0) & (count <= width)):
-                out.copy_(compact())
-        with graph_if.captured_if(self.graph, count > (width if fits else 0)):
-            out.copy_(masked())
-        return out
+            with graph_if.captured_if_count(self.graph, chosen, 0, width):
+                x.copy_(compact())
+        with graph_if.captured_if_count(self.graph, chosen, width if fits else 0, batch):
+            x.copy_(masked())
+        return x
 
 
 class MaskedRows:

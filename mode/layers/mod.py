@@ -9,6 +9,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mode.config import ModelConfig, RoutingConfig
+from mode.kernels import use_triton
+from mode.kernels.decision import decide_rows
 from mode.layers.block import BlockInfo, TransformerBlock
 from mode.layers.kv_cache import LayerCache
 from mode.layers.rotary import RotaryAngles
@@ -50,7 +52,8 @@ class MoDBlock(nn.Module):
         x (B, n, D) that the causal decision takes (or chosen (B, n), given) go through the block
         and join its cache, x_i + g(r_i) * f_i; every other token comes out unchanged and never
         enters the cache."""
-        decided, scores = self.decide(x, cache.router_weights if chunk.fp32_router else None)
+        weights = cache.router_weights if chunk.fp32_router else None
+        decided, scores = self.decide(x, weights, chunk.decision_mask)
         taken = decided if chosen is None else chosen
         return chunk.routed(x, cache, taken, self.router.capacity, lambda rows: self._update(x, rows, scores))
 
@@ -62,14 +65,20 @@ class MoDBlock(nn.Module):
         torch.mul(update, apply_gate(rows.take(scores), self.router.gate).unsqueeze(-1), out=update)
         return rows.add(x, update)
 
-    def decide(self, x: Tensor, weights: tuple[Tensor, Tensor | None] | None = None) -> tuple[Tensor, Tensor]:
+    def decide(self, x: Tensor, weights: tuple[Tensor, Tensor | None] | None = None,
+               mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """The causal decision on tokens x (B, n, D): (taken (B, n) bool, router scores (B, n) float32).
         weights: the router's float32 weights (router_weights()), used directly outside autocast
-        (no cast per call); None: the router and its predictor decide (DepthRouter.decide)."""
+        (no cast per call); None: the router and its predictor decide (DepthRouter.decide).
+        mask (B * n,) bool: the tokens that may be taken (a decode step's active rows), or None."""
         if weights is None or torch.is_autocast_enabled(x.device.type):
-            return self.router.decide(x)
-        scores = F.linear(x.float(), *weights).squeeze(-1)  # Router.forward with float32 weights
-        return scores > 0, scores
+            taken, scores = self.router.decide(x)
+        elif use_triton(x, "decision"):
+            return decide_rows(x, *weights, mask)  # one kernel: GEMV, threshold and mask
+        else:
+            scores = F.linear(x.float(), *weights).squeeze(-1)  # Router.forward with float32 weights
+            taken = scores > 0
+        return (taken if mask is None else taken & mask.view(taken.shape)), scores
 
     def router_weights(self) -> tuple[Tensor, Tensor | None] | None:
         """A float32 snapshot of the router's weights where its own logit decides (causal=aux_loss),
