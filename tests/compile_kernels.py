@@ -21,6 +21,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from mode.kernels import (  # noqa: E402
     cross_entropy,
     decision,
+    decode_attention,
     expert_choice,
     gelu,
     rotary,
@@ -126,6 +127,14 @@ KERNELS = [
                                n_rows=1, width=I32, HAS_BIAS=False, HAS_ACTIVE=True, BLOCK_R=4, BLOCK_D=512)),
     (decision, "_decide", dict(x_ptr=BF16, w_ptr=F32, b_ptr=F32, active_ptr="*u8", scores_ptr=F32, chosen_ptr="*u8",
                                n_rows=I32, width=I32, HAS_BIAS=True, HAS_ACTIVE=False, BLOCK_R=4, BLOCK_D=512)),
+    (decision, "_compact", dict(chosen_ptr="*u8", rows_ptr=I64, keep_ptr="*u8", batch=I32, width=I32, BLOCK=1024)),
+    (decision, "_compact", dict(chosen_ptr="*u8", rows_ptr=I64, keep_ptr="*u8", batch=I32, width=1, BLOCK=8)),
+    (decode_attention, "_decode_attention", dict(q_ptr=BF16, kv_ptr=BF16, rows_ptr=I64, used_ptr=I64, out_ptr=BF16,
+                                                 slots=I32, half=I32, scale="fp32", H=16, GROUPS=1, HD=64,
+                                                 HAS_ROWS=True, BLOCK_N=64)),
+    (decode_attention, "_decode_attention", dict(q_ptr=BF16, kv_ptr=BF16, rows_ptr=I64, used_ptr=I64, out_ptr=BF16,
+                                                 slots=I32, half=I32, scale="fp32", H=16, GROUPS=4, HD=128,
+                                                 HAS_ROWS=False, BLOCK_N=64)),
 ]
 
 

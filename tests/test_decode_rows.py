@@ -182,3 +182,34 @@ def test_flash_varlen_over_some_rows_equals_masked_sdpa() -> None:
     masked = attend_used(q, cache, used, packed, rows)
     # bf16 inputs, float32 accumulation in both (as test_generate's full-batch check)
     torch.testing.assert_close(flash, masked, rtol=0, atol=2e-2)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["every head its cache", "grouped query heads"])
+@pytest.mark.parametrize("some_rows", [False, True], ids=["every row", "some rows"])
+def test_decode_attention_kernel_equals_masked_sdpa(some_rows: bool, kv_heads: int) -> None:
+    """mode/kernels/decode_attention.py (Triton's interpreter on CPU) == SDPA over the rows' caches
+    with a length mask; on a GPU with rows enough for it to run (else flash would)."""
+    from mode.kernels import KernelPolicy, use_kernels
+    from mode.kernels.decode_attention import decode_attention_applies
+    from mode.layers.kv_cache import LayerCache, PackedRows
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    batch, max_len, head_dim = (300 if device == "cuda" else 5), 150, 16
+    gen = torch.Generator().manual_seed(kv_heads)
+    cache = LayerCache.empty(batch, max_len, kv_heads, head_dim, dtype, torch.device(device))
+    cache.kv.copy_(torch.randn(cache.kv.shape, generator=gen))
+    packed = PackedRows.build(batch, max_len, torch.device(device), dtype, head_dim)
+    rows = torch.arange(1, batch, 2, device=device) if some_rows else None
+    n = batch if rows is None else rows.numel()
+    q = torch.randn(n, 4, head_dim, generator=gen).to(device, dtype)
+    used = torch.randint(1, max_len + 2, (n,), generator=gen).to(device)
+    used[0] = 1  # a row that reads only itself (its scratch slot, in a step)
+    with use_kernels(KernelPolicy(cpu=True)):
+        assert decode_attention_applies(q) or device == "cuda" and n * 4 < 4 * torch.cuda.get_device_properties(0).multi_processor_count
+        fast = attend_used(q, cache, used, packed, rows)
+    with use_kernels(KernelPolicy(decode_attention=False)):
+        packed.flash = False
+        masked = attend_used(q, cache, used, packed, rows)
+    tol = dict(rtol=0, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fast, masked, **tol)

@@ -798,3 +798,24 @@ def test_cli_tokenizer_that_cannot_apply_is_refused(token_ckpt: Path, byte_ckpt:
     assert main(["--checkpoint", str(ckpt), "--device", "cpu", "--tokenizer", str(path), *extra]) == 2
     captured = capsys.readouterr()
     assert captured.err == message.format(path=path) + "\n" and captured.out == ""
+
+
+@needs_gpu
+@pytest.mark.parametrize("pattern", ["mod", "mode_staged_token_choice"])
+def test_the_decode_attention_kernel_decodes_as_sdpa_does(pattern: str, monkeypatch) -> None:
+    """The captured static step with mode/kernels/decode_attention.py at every batch (its threshold
+    lowered) == the same step with SDPA's masked attention, float32."""
+    from mode.kernels import KernelPolicy, use_kernels
+    from mode.kernels import decode_attention as kernel
+
+    model = make_model(pattern, "aux_loss", n_layers=4).to("cuda")
+    prompts = [torch.randint(0, 256, (n,)).tolist() for n in (4, 9, 7)]
+    follow = torch.randint(0, 256, (3, 6), device="cuda")
+    monkeypatch.setattr(kernel, "DECODE_MIN_PROGRAMS", 0)
+    runs = []
+    for on in (True, False):
+        with use_kernels(KernelPolicy(decode_attention=on)):
+            decoder = Decoder(model, 3, 32, routed_rows="masked", cuda_graph=True)
+            runs.append([decoder.prefill(prompts)] + [decoder.step(follow[:, i]) for i in range(6)])
+    for fast, masked in zip(*runs):
+        torch.testing.assert_close(fast, masked, rtol=0, atol=1e-4)

@@ -989,3 +989,21 @@ def test_the_decode_decision_is_the_same_with_and_without_its_kernel() -> None:
     torch.testing.assert_close(fused[1], plain[1], rtol=1e-5, atol=1e-6)
     assert torch.equal(fused[0], plain[0]) and torch.equal(plain[0], unmasked[0] & mask.view(6, 1))
     assert not plain[0][~mask].any() and unmasked[0].any()
+
+
+@pytest.mark.parametrize("batch, width, count", [(1, 1, 0), (1, 1, 1), (8, 2, 1), (64, 9, 9), (64, 9, 20), (1000, 160, 0),
+                                                 (1000, 160, 117)])
+def test_compact_rows_equal_the_sorting_reference(batch: int, width: int, count: int) -> None:
+    from mode.kernels.decision import compact_rows, compact_rows_reference
+
+    gen = torch.Generator().manual_seed(batch + count)
+    chosen = torch.zeros(batch, dtype=torch.bool)
+    chosen[torch.randperm(batch, generator=gen)[:count]] = True
+    chosen = chosen.to(DEVICE)
+    rows, keep = compact_rows(chosen, width)
+    want_rows, want_keep = compact_rows_reference(chosen, width)
+    assert rows.dtype == torch.int64 and keep.dtype == torch.bool
+    assert torch.equal(rows, want_rows) and torch.equal(keep, want_keep)
+    assert int(keep.sum()) == min(count, width) and torch.equal(keep, chosen[rows])
+    with pytest.raises(ValueError, match="width 0"):
+        compact_rows(chosen, 0)

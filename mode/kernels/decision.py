@@ -1,9 +1,12 @@
-"""A depth router's causal decision for decode, in one kernel.
+"""A routed layer's decode-step routing, one kernel per part.
 
-A decode step asks every routed layer whether each row takes it: the router's float32 logit
-x @ w + b, taken where it is positive and the row is still sampling. As PyTorch ops that is four
-kernels (a cast of x, the GEMV, the threshold, the and with the active rows); a skipped layer of a
-CUDA-graphed step costs little more than its decision, so here it is one pass over x in float32.
+- decide_rows: whether each row takes the layer, the router's float32 logit x @ w + b > 0 and the
+  row still sampling. As PyTorch ops that is four kernels (a cast of x, the GEMV, the threshold,
+  the and with the active rows); a skipped layer of a CUDA-graphed step costs little more than
+  its decision, so here it is one pass over x in float32.
+- compact_rows: the W rows a layer computes where its chosen rows fit in W (the chosen ones and,
+  as padding, the first others, in row order). As PyTorch ops, two sorts and a gather; here one
+  program's prefix sums.
 """
 from __future__ import annotations
 
@@ -57,3 +60,42 @@ def decide_rows(x: Tensor, weight: Tensor, bias: Tensor | None, active: Tensor |
             BLOCK_R=BLOCK_R, BLOCK_D=BLOCK_D, num_warps=WARPS,
         )
     return chosen.view(lead), scores.view(lead)
+
+
+COMPACT_MAX_BATCH = 16384  # one program holds the batch's flags
+
+
+@triton.jit
+def _compact(chosen_ptr, rows_ptr, keep_ptr, batch, width, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    ok = i < batch
+    chosen = tl.load(chosen_ptr + i, mask=ok, other=0).to(tl.int32)
+    count = tl.sum(chosen, axis=0)
+    other = tl.where(ok, 1 - chosen, 0)
+    # every chosen row, then the first unchosen ones until W rows (none where more than W chose)
+    take = (chosen == 1) | ((other == 1) & (tl.cumsum(other, axis=0) <= width - count))
+    slot = tl.cumsum(take.to(tl.int32), axis=0) - 1  # its place among the taken, in row order
+    put = take & (slot < width)
+    tl.store(rows_ptr + slot, i.to(tl.int64), mask=put)
+    tl.store(keep_ptr + slot, chosen.to(tl.uint8), mask=put)
+
+
+def compact_rows(chosen: Tensor, width: int) -> tuple[Tensor, Tensor]:
+    """chosen (B,) bool, W <= B -> (rows (W,) int64 ascending, keep (W,) bool: chosen[rows]): the
+    chosen rows and, as padding, the first unchosen ones, in row order; where more than W rows
+    chose, the first W chosen."""
+    batch = chosen.shape[0]
+    if not 0 < width <= batch or batch > COMPACT_MAX_BATCH:
+        raise ValueError(f"compact_rows: width {width} for {batch} rows (at most {COMPACT_MAX_BATCH})")
+    rows = torch.empty(width, device=chosen.device, dtype=torch.int64)
+    keep = torch.empty(width, device=chosen.device, dtype=torch.bool)
+    with on_device_of(chosen):
+        _compact[(1,)](chosen.contiguous().view(torch.uint8), rows, keep.view(torch.uint8), batch, width,
+                       BLOCK=triton.next_power_of_2(batch), num_warps=4 if batch <= 2048 else 8)
+    return rows, keep
+
+
+def compact_rows_reference(chosen: Tensor, width: int) -> tuple[Tensor, Tensor]:
+    """compact_rows in PyTorch ops: chosen rows first (a stable sort), the first W back in row order."""
+    rows = (~chosen).byte().argsort(stable=True)[:width].sort().values  # (W,)
+    return rows, chosen.index_select(0, rows)

@@ -30,8 +30,8 @@ from torch import Tensor
 
 KERNEL_CHOICES = ("triton", "torch")
 
-Op = Literal["elementwise", "topk", "softmax_topk", "rows", "expert_choice", "decision"]
-OPS: tuple[str, ...] = ("elementwise", "topk", "softmax_topk", "rows", "expert_choice", "decision")
+Op = Literal["elementwise", "topk", "softmax_topk", "rows", "expert_choice", "decision", "decode_attention"]
+OPS: tuple[str, ...] = ("elementwise", "topk", "softmax_topk", "rows", "expert_choice", "decision", "decode_attention")
 
 
 @dataclass(frozen=True)
@@ -46,8 +46,10 @@ class KernelPolicy:
     rows: the MoE layers' gather/combine through an inverse map, the depth router's gated
         update of the residual, token choice's counting-sort layouts.
     expert_choice: expert choice's router head, layout and gather in one autograd function.
-    decision: a depth router's causal decision in a decode step (float32 GEMV, threshold and the
-        active rows) in one kernel.
+    decision: a routed layer's decode-step routing: its causal decision (float32 GEMV, threshold
+        and the active rows) and the compaction of its chosen rows, one kernel each.
+    decode_attention: a decode step's single-query attention over its KV cache, one program per
+        row and head (no padded query tile), where the step has rows enough.
     cpu: also CPU tensors, through Triton's interpreter (tests); CUDA-only PyTorch paths (the
         bf16 router GEMM) take their CPU fallbacks then.
     """
@@ -59,6 +61,7 @@ class KernelPolicy:
     rows: bool = True
     expert_choice: bool = True
     decision: bool = True
+    decode_attention: bool = True
     cpu: bool = False
 
     def allows(self, op: Op) -> bool:

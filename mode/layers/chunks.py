@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mode.kernels import graph_if
+from mode.kernels import graph_if, use_triton
+from mode.kernels.decision import compact_rows, compact_rows_reference
 from mode.layers.attention import expand_kv
 from mode.layers.kv_cache import LayerCache, PackedRows, attend_used, to_device
 from mode.layers.rotary import RotaryAngles
@@ -426,7 +427,7 @@ class StaticStep:
 class MaskedRows:
     """Every row of a static step computed; chosen (B,) bool: the rows that keep the result."""
 
-    valid = None
+    valid = None  # an MoE FFN computes every row too: masking its rows costs more kernels than it saves
     static = True  # no host sync and static shapes in every layer part, an MoE FFN's included
 
     def __init__(self, step: StaticStep, x: Tensor, cache: LayerCache, chosen: Tensor) -> None:
@@ -459,11 +460,10 @@ class CompactRows:
     static = True
 
     def __init__(self, step: StaticStep, x: Tensor, cache: LayerCache, chosen: Tensor, width: int) -> None:
-        # chosen rows first (a stable sort), the first W of them back in row order: the packed
-        # cache regions then ascend, as flash's cu_k expects
-        rows = (~chosen).byte().argsort(stable=True)[:width].sort().values  # (W,)
+        # in row order: the packed cache regions then ascend, as flash's cu_k expects
+        compact = compact_rows if use_triton(x, "decision") else compact_rows_reference
+        rows, self.keep = compact(chosen, width)  # (W,) each
         self.step, self.cache, self.chosen, self.rows = step, cache, chosen, rows
-        self.keep = chosen.index_select(0, rows)  # (W,)
         self.valid = self.keep.view(-1, 1)  # (W, 1): an MoE FFN skips the padding
         self.x = x.index_select(0, rows)  # (W, 1, D)
         angles = step.angles

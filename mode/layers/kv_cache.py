@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from mode.kernels.decode_attention import decode_attention, decode_attention_applies
 from mode.layers.attention import expand_kv
 
 
@@ -109,13 +110,17 @@ def attend_used(q: Tensor, cache: LayerCache, used: Tensor, packed: PackedRows, 
     """Single-query attention of row b over its first used[b] cache slots: q (n, H, hd) -> (n, H, hd);
     rows (n,): the batch rows q holds, ascending (None: every row, n = B).
 
-    With flash attention (CUDA, fp16 / bf16): its variable-length kernel on the packed cache,
-    which reads only the used slots (seqused_k) of the rows' regions, takes no host value and
-    groups query heads itself (a cache of Hkv < H heads). Elsewhere: SDPA over the rows' whole
-    caches with a length mask (the same result at full-length cost).
+    Where it applies (a GPU and rows enough, mode/kernels/decode_attention.py): one Triton
+    program per row and head streams the used slots, no query tile. Else with flash attention
+    (CUDA, fp16 / bf16): its variable-length kernel on the packed cache, which reads only the
+    used slots (seqused_k) of the rows' regions, takes no host value and groups query heads
+    itself (a cache of Hkv < H heads). Elsewhere: SDPA over the rows' whole caches with a length
+    mask (the same result at full-length cost).
     """
     n, heads, head_dim = q.shape
     kv_heads = cache.kv.shape[3]
+    if cache.kv.dtype == q.dtype and decode_attention_applies(q):
+        return decode_attention(q, cache.kv, used, rows)
     if packed.flash:
         slots = cache.kv.shape[2]
         keys, values = cache.kv.view(2, -1, kv_heads, head_dim).to(q.dtype).unbind(0)  # (B * slots, Hkv, hd)
