@@ -10,7 +10,9 @@ Rows (median microseconds, CUDA events, same process and card):
   output, mode.routing.router_scores);
 - single-query attention over a (64, 16, 2049, 64) bf16 KV cache on each SDPA backend, and
   the memory-efficient backend with the (B, 1, 1, L) length mask a routed layer's decode uses,
-  beside the time to read the cache once at the card's nominal bandwidth (--bandwidth, TB/s).
+  flash attention's variable-length kernel over the packed cache and mode's decode attention
+  kernel (mode/kernels/decode_attention.py), beside the time to read the cache once at the
+  card's nominal bandwidth (--bandwidth, TB/s).
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from bench.common import require_cuda, timed
+from mode.kernels.decode_attention import decode_attention
 
 
 def row(name: str, fn: Callable[[], object], device: torch.device) -> None:
@@ -83,6 +86,11 @@ def main(argv: list[str] | None = None) -> None:
             kwargs = {} if splits is None else {"num_splits": splits}
             row(f"decode attention, flash varlen, {label}, num_splits {splits}", lambda: torch.ops.aten._flash_attention_forward(
                 q_packed, packed[0], packed[1], cu_q, cu_k, 1, slots, 0.0, False, False, seqused_k=used, **kwargs), device)
+    # mode's decode step where it has rows enough: one Triton program per row and head, no query tile
+    cache = packed.view(2, batch, slots, heads, head_dim)  # the layer cache's layout
+    for label, used in (("every slot of 2049", torch.full((batch,), length, device=device, dtype=torch.int32)),
+                        ("200-400 used slots (a routed layer)", sparse)):
+        row(f"decode attention, mode's Triton kernel, {label}", lambda: decode_attention(q_packed, cache, used), device)
     nominal = 2 * batch * heads * length * head_dim * 2 / (args.bandwidth * 1e12) * 1e6
     print(f"| reading the cache once at {args.bandwidth} TB/s | {nominal:.1f} |")
 

@@ -131,10 +131,10 @@ KERNELS = [
     (decision, "_compact", dict(chosen_ptr="*u8", rows_ptr=I64, keep_ptr="*u8", batch=I32, width=1, BLOCK=8)),
     (decode_attention, "_decode_attention", dict(q_ptr=BF16, kv_ptr=BF16, rows_ptr=I64, used_ptr=I64, out_ptr=BF16,
                                                  slots=I32, half=I32, scale="fp32", H=16, GROUPS=1, HD=64,
-                                                 HAS_ROWS=True, BLOCK_N=64)),
+                                                 HAS_ROWS=True, BLOCK_N=128)),
     (decode_attention, "_decode_attention", dict(q_ptr=BF16, kv_ptr=BF16, rows_ptr=I64, used_ptr=I64, out_ptr=BF16,
                                                  slots=I32, half=I32, scale="fp32", H=16, GROUPS=4, HD=128,
-                                                 HAS_ROWS=False, BLOCK_N=64)),
+                                                 HAS_ROWS=False, BLOCK_N=128)),
 ]
 
 
