@@ -135,6 +135,9 @@ KERNELS = [
     (decode_attention, "_decode_attention", dict(q_ptr=BF16, kv_ptr=BF16, rows_ptr=I64, used_ptr=I64, out_ptr=BF16,
                                                  slots=I32, half=I32, scale="fp32", H=16, GROUPS=4, HD=128,
                                                  HAS_ROWS=False, BLOCK_N=128)),
+    (decode_attention, "_decode_attention", dict(q_ptr="*fp32", kv_ptr="*fp32", rows_ptr=I64, used_ptr=I64,
+                                                 out_ptr="*fp32", slots=I32, half=I32, scale="fp32", H=4, GROUPS=1,
+                                                 HD=8, HAS_ROWS=False, BLOCK_N=128)),
 ]
 
 

@@ -802,20 +802,42 @@ def test_cli_tokenizer_that_cannot_apply_is_refused(token_ckpt: Path, byte_ckpt:
 
 @needs_gpu
 @pytest.mark.parametrize("pattern", ["mod", "mode_staged_token_choice"])
-def test_the_decode_attention_kernel_decodes_as_sdpa_does(pattern: str, monkeypatch) -> None:
-    """The captured static step with mode/kernels/decode_attention.py at every batch (its threshold
-    lowered) == the same step with SDPA's masked attention, float32."""
-    from mode.kernels import KernelPolicy, use_kernels
-    from mode.kernels import decode_attention as kernel
+def test_the_decode_attention_kernel_decodes_as_sdpa_does(pattern: str) -> None:
+    """The captured static step with mode/kernels/decode_attention.py at every batch
+    (decode_attention="triton") == the same step without it (float32: SDPA with a length mask)."""
+    from mode.kernels.decode_attention import decode_attention_applies
 
-    model = make_model(pattern, "aux_loss", n_layers=4).to("cuda")
+    model = make_model(pattern, "aux_loss", n_layers=4).to("cuda", torch.float32)
+    assert decode_attention_applies(torch.empty(3, 4, 8, device="cuda"), any_batch=True)  # the model's heads
     prompts = [torch.randint(0, 256, (n,)).tolist() for n in (4, 9, 7)]
     follow = torch.randint(0, 256, (3, 6), device="cuda")
-    monkeypatch.setattr(kernel, "DECODE_MIN_PROGRAMS", 0)
     runs = []
-    for on in (True, False):
-        with use_kernels(KernelPolicy(decode_attention=on)):
-            decoder = Decoder(model, 3, 32, routed_rows="masked", cuda_graph=True)
-            runs.append([decoder.prefill(prompts)] + [decoder.step(follow[:, i]) for i in range(6)])
+    for attention in ("triton", "flash"):
+        decoder = Decoder(model, 3, 32, routed_rows="masked", cuda_graph=True, decode_attention=attention)
+        runs.append([decoder.prefill(prompts)] + [decoder.step(follow[:, i]) for i in range(6)])
     for fast, masked in zip(*runs):
         torch.testing.assert_close(fast, masked, rtol=0, atol=1e-4)
+
+
+def test_decode_attention_names_its_choices() -> None:
+    with pytest.raises(ValueError, match="decode_attention must be one of auto, triton, flash, got 'fast'"):
+        Decoder(make_model("mod"), 1, 8, decode_attention="fast")
+
+
+def test_the_decode_attention_kernel_at_every_batch_decodes_as_without_it() -> None:
+    """On CPU through Triton's interpreter: decode_attention="triton" == "flash" (SDPA here), float64."""
+    from mode.kernels import KernelPolicy, use_kernels
+    from mode.kernels.decode_attention import decode_attention_applies
+
+    model = make_model("mod", "aux_loss", n_layers=3).float()
+    with use_kernels(KernelPolicy.only("decode_attention", cpu=True)):
+        assert decode_attention_applies(torch.empty(2, 4, 8))  # the model's heads: the kernel runs
+    prompts = [torch.randint(0, 256, (n,)).tolist() for n in (4, 9)]
+    follow = torch.randint(0, 256, (2, 4))
+    runs = []
+    for attention in ("triton", "flash"):
+        with use_kernels(KernelPolicy.only("decode_attention", cpu=True)):
+            decoder = Decoder(model, 2, 20, routed_rows="masked", decode_attention=attention)
+            runs.append([decoder.prefill(prompts)] + [decoder.step(follow[:, i]) for i in range(4)])
+    for kernel, sdpa in zip(*runs):
+        torch.testing.assert_close(kernel, sdpa, rtol=1e-5, atol=1e-5)

@@ -37,6 +37,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from mode.kernels.decode_attention import DECODE_ATTENTION
 from mode.layers.chunks import GatherStep, Prefill, StaticStep, if_nodes_available
 from mode.layers.kv_cache import LayerCache, PackedRows, attend_used, to_device
 from mode.layers.mod import MoDBlock
@@ -162,6 +163,11 @@ class Decoder:
     the host reads each routed layer's count (one sync). None: wherever that adds no sync, that
     is in the CUDA graph where this torch has conditional nodes, and pays (batch at most
     COMPACT_MAX_SMALL_BATCH or at least COMPACT_MIN_LARGE_BATCH); not with compile.
+    decode_attention: a step's single-query attention, "auto" (the Triton kernel of
+    mode/kernels/decode_attention.py where a step has rows enough, DECODE_MIN_PROGRAMS; flash
+    attention's variable-length kernel below that), "triton" (the kernel at every batch) or
+    "flash" (never the kernel). Where the kernel cannot run (the kernel policy, the head width)
+    flash attention runs, and where flash cannot (CPU, float32) SDPA with a length mask.
     The decoder snapshots each routed layer's router weights in float32 at construction (the
     decision is computed in float32, as the router does); build a new one after changing them.
     """
@@ -174,12 +180,15 @@ class Decoder:
         compile: bool = False,
         compact_rows: bool | None = None,
         row_slack: float = ROW_SLACK,
+        decode_attention: str = "auto",
     ) -> None:
         cfg = model.config.model
         if max_len > cfg.max_seq_len:
             raise ValueError(f"max_len ({max_len}) exceeds the model's context window model.max_seq_len ({cfg.max_seq_len})")
         if routed_rows not in ROUTED_ROWS:
             raise ValueError(f"routed_rows must be one of {', '.join(ROUTED_ROWS)}, got {routed_rows!r}")
+        if decode_attention not in DECODE_ATTENTION:
+            raise ValueError(f"decode_attention must be one of {', '.join(DECODE_ATTENTION)}, got {decode_attention!r}")
         model.check_causal()
         self.model = model
         param = model.embed.weight
@@ -223,7 +232,7 @@ class Decoder:
         self._static_buffers: tuple[list[Tensor], Tensor] | None = None  # the device lengths and positions
         self._graph: torch.cuda.CUDAGraph | None = None
         self._row_base = torch.arange(batch, device=self.device) * (max_len + 1)  # row b's first slot, packed
-        self._packed = PackedRows.build(batch, max_len, self.device, param.dtype, head_dim)
+        self._packed = PackedRows.build(batch, max_len, self.device, param.dtype, head_dim, decode_attention)
         self.sdpa_backends = None if sdpa_backends is None or self.device.type == "cpu" else list(sdpa_backends)
         self._all_rows = torch.arange(batch, device=self.device)
 

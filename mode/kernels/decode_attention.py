@@ -17,6 +17,7 @@ from torch import Tensor
 from mode.kernels.common import on_device_of, store_rounded
 from mode.kernels.policy import use_triton
 
+DECODE_ATTENTION = ("auto", "triton", "flash")  # where a decoder runs this kernel (Decoder's decode_attention)
 BLOCK_N, WARPS = 128, 2  # cache slots per step of a program: the fastest tried on an H200 at batch 64-1024
 DECODE_MIN_PROGRAMS = 4  # (rows x heads) per streaming multiprocessor where this kernel runs
 
@@ -51,14 +52,14 @@ def _decode_attention(q_ptr, kv_ptr, rows_ptr, used_ptr, out_ptr, slots, half, s
     store_rounded(out_ptr + (i * H + h) * HD + d, acc / total, d < HD)
 
 
-def decode_attention_applies(q: Tensor) -> bool:
+def decode_attention_applies(q: Tensor, any_batch: bool = False) -> bool:
     """Whether decode_attention runs for queries q (n, H, hd): the policy's "decode_attention" op, a
     power-of-two head width, and on a GPU at least DECODE_MIN_PROGRAMS (row, head) pairs per
-    streaming multiprocessor (fewer leave the memory idle: flash attention then)."""
+    streaming multiprocessor (fewer leave the memory idle: flash attention then) unless any_batch."""
     n, heads, head_dim = q.shape
-    if not use_triton(q, "decode_attention") or head_dim & (head_dim - 1) or not 16 <= head_dim <= 256:
+    if not use_triton(q, "decode_attention") or head_dim & (head_dim - 1) or not 4 <= head_dim <= 256:
         return False
-    if not q.is_cuda:
+    if any_batch or not q.is_cuda:
         return True
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     return n * heads >= DECODE_MIN_PROGRAMS * sms

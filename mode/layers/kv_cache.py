@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from mode.kernels.decode_attention import decode_attention, decode_attention_applies
+from mode.kernels.decode_attention import DECODE_ATTENTION, decode_attention, decode_attention_applies
 from mode.layers.attention import expand_kv
 
 
@@ -92,26 +92,32 @@ def flash_varlen_available(device: torch.device, dtype: torch.dtype, head_dim: i
 class PackedRows:
     """The packed-cache layout of a batch for single-query attention: cu_q (B + 1,) int32, one
     query per row; cu_k (B + 1,) int32, each row's region of the packed cache; slot_ids
-    (max_len + 1,); flash: whether flash attention's variable-length kernel runs here."""
+    (max_len + 1,); flash: whether flash attention's variable-length kernel runs here; kernel:
+    where the decode attention kernel runs (DECODE_ATTENTION: "auto", "triton" or "flash")."""
 
     cu_q: Tensor
     cu_k: Tensor
     slot_ids: Tensor
     flash: bool
+    kernel: str = "auto"
 
     @classmethod
-    def build(cls, batch: int, max_len: int, device: torch.device, dtype: torch.dtype, head_dim: int) -> "PackedRows":
+    def build(cls, batch: int, max_len: int, device: torch.device, dtype: torch.dtype, head_dim: int,
+              kernel: str = "auto") -> "PackedRows":
+        if kernel not in DECODE_ATTENTION:
+            raise ValueError(f"decode attention must be one of {', '.join(DECODE_ATTENTION)}, got {kernel!r}")
         cu_q = torch.arange(batch + 1, device=device, dtype=torch.int32)
         return cls(cu_q, cu_q * (max_len + 1), torch.arange(max_len + 1, device=device),
-                   flash_varlen_available(device, dtype, head_dim))
+                   flash_varlen_available(device, dtype, head_dim), kernel)
 
 
 def attend_used(q: Tensor, cache: LayerCache, used: Tensor, packed: PackedRows, rows: Tensor | None = None) -> Tensor:
     """Single-query attention of row b over its first used[b] cache slots: q (n, H, hd) -> (n, H, hd);
     rows (n,): the batch rows q holds, ascending (None: every row, n = B).
 
-    Where it applies (a GPU and rows enough, mode/kernels/decode_attention.py): one Triton
-    program per row and head streams the used slots, no query tile. Else with flash attention
+    Where it applies (packed.kernel; on a GPU with rows enough unless "triton",
+    mode/kernels/decode_attention.py): one Triton program per row and head streams the used
+    slots, no query tile. Else with flash attention
     (CUDA, fp16 / bf16): its variable-length kernel on the packed cache, which reads only the
     used slots (seqused_k) of the rows' regions, takes no host value and groups query heads
     itself (a cache of Hkv < H heads). Elsewhere: SDPA over the rows' whole caches with a length
@@ -119,7 +125,7 @@ def attend_used(q: Tensor, cache: LayerCache, used: Tensor, packed: PackedRows, 
     """
     n, heads, head_dim = q.shape
     kv_heads = cache.kv.shape[3]
-    if cache.kv.dtype == q.dtype and decode_attention_applies(q):
+    if packed.kernel != "flash" and cache.kv.dtype == q.dtype and decode_attention_applies(q, packed.kernel == "triton"):
         return decode_attention(q, cache.kv, used, rows)
     if packed.flash:
         slots = cache.kv.shape[2]
