@@ -57,7 +57,7 @@ def gib(value: float | None) -> str:
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
-    """The transformer shape every whole-model benchmark measures (defaults: the issues' shape)."""
+    """The transformer shape every whole-model benchmark measures (defaults: the benchmark shape, D=1024, 12 layers)."""
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--layers", type=int, default=12)

@@ -20,7 +20,7 @@ synchronisation between them, as the layers of a training step run). Rows:
   with no host sync, eager and as one CUDA graph; grouped_gemm; megablocks);
 - megablocks 0.10.0 dMoE (mlp_impl="grouped", top-1, dropless);
 - DeepSpeed 0.19.8 MoE (top-1, capacity factor 1.0, the same MLP as expert).
---activation gelu (default, the issue's benchmark) or swiglu (the library's default experts: the
+--activation gelu (default, the layer benchmark's reference) or swiglu (the library's default experts: the
 dense MLP and DeepSpeed's expert are mode.layers.mlp.SwiGLU, megablocks runs its GLU with SiLU).
 --busy adds each row's GPU busy time (the union of its kernels' intervals under the profiler, per
 pass): what the GPU spent, without the host's launch gaps that bind the eager rows' wall time; and

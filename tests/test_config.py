@@ -301,7 +301,7 @@ def test_defaults_round_trip(tmp_path: Path) -> None:
 
 
 
-# ----------------------------------------------------------------------------- audit: stop 23
+# ----------------------------------------------------------------------------- audit
 def test_a_key_given_twice_is_an_error_naming_both_lines(tmp_path: Path) -> None:
     """YAML keeps the last of two equal keys without a word: a second `train:` section would drop the first."""
     twice = tmp_path / "twice.yaml"

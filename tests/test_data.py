@@ -294,7 +294,7 @@ def test_batch_generator_is_the_same_in_another_process() -> None:
     assert out.stdout.strip() == str(here)
 
 
-# ----------------------------------------------------------------------------- audit: stop 23
+# ----------------------------------------------------------------------------- audit
 @pytest.mark.parametrize("dtype", ["uint16", "uint32"])
 def test_token_file_is_mapped_not_read_whole(tmp_path: Path, dtype: str) -> None:
     """The splits are views of a memory map of the file in its own dtype (nanoGPT's layout, read as

@@ -621,7 +621,7 @@ def test_a_row_at_the_context_window_waits_while_the_others_decode() -> None:
         assert (a - b).abs().max() <= F64_TOL
 
 
-# ----------------------------------------------------------------------------- audit: stop 23
+# ----------------------------------------------------------------------------- audit
 def test_a_full_window_row_beside_two_others_at_different_positions() -> None:
     """With two other rows at different positions the gather step looks up an angle per row, the
     finished one's (at max_seq_len, past the rotary table) included: it is clamped, as the static

@@ -253,7 +253,7 @@ def test_cpu_jobs_share_the_cores(monkeypatch) -> None:
     assert sweep.run_environment(None, 4)["OMP_NUM_THREADS"] == "5"  # the user's choice stands
 
 
-# ----------------------------------------------------------------------------- audit: stop 23
+# ----------------------------------------------------------------------------- audit
 def test_a_restarted_sweep_refuses_runs_made_with_other_settings(tmp_path: Path, corpus: Path, capsys) -> None:
     """A finished point's folder is skipped only when its run is this point's: a restart with another
     setting (or an edited config file) names the folder and the field, and runs nothing; a longer

@@ -1089,7 +1089,7 @@ def test_each_process_resumes_its_gpu_generator_from_the_one_the_run_computed_on
     assert torch.equal(restored[1], seed_state)
 
 
-# ----------------------------------------------------------------------------- audit: stop 23, statistics
+# ----------------------------------------------------------------------------- audit: statistics
 @pytest.mark.parametrize("block", ["moe", "mode_staged"])
 def test_chosen_positions_are_positions_in_the_sequence(tmp_path: Path, corpus: Path, block: str) -> None:
     """position_share bins sequence positions: an expert-choice group of 2 sequences maps its indices back
