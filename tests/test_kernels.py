@@ -994,7 +994,8 @@ def test_the_decode_decision_is_the_same_with_and_without_its_kernel() -> None:
 @pytest.mark.parametrize("batch, width, count", [(1, 1, 0), (1, 1, 1), (8, 2, 1), (64, 9, 9), (64, 9, 20), (1000, 160, 0),
                                                  (1000, 160, 117)])
 def test_compact_rows_equal_the_sorting_reference(batch: int, width: int, count: int) -> None:
-    from mode.kernels.decision import compact_rows, compact_rows_reference
+    from mode.kernels.decision import compact_rows
+    from mode.layers.chunks import compact_rows_reference
 
     gen = torch.Generator().manual_seed(batch + count)
     chosen = torch.zeros(batch, dtype=torch.bool)
@@ -1007,3 +1008,36 @@ def test_compact_rows_equal_the_sorting_reference(batch: int, width: int, count:
     assert int(keep.sum()) == min(count, width) and torch.equal(keep, chosen[rows])
     with pytest.raises(ValueError, match="width 0"):
         compact_rows(chosen, 0)
+
+
+def test_the_library_imports_and_decodes_without_triton() -> None:
+    """Triton is a test extra on CPU: `import mode` and a decode must not need it (the kernels are
+    imported where the policy picks them, never at module import)."""
+    import subprocess
+    import sys
+
+    program = """
+import importlib.abc, sys
+class NoTriton(importlib.abc.MetaPathFinder):  # finds every module but triton, as if it were not installed
+    def __init__(self, finders):
+        self.finders = finders
+    def find_spec(self, name, path, target=None):
+        if name == "triton" or name.startswith("triton."):
+            return None
+        specs = (f.find_spec(name, path, target) for f in self.finders if hasattr(f, "find_spec"))
+        return next((spec for spec in specs if spec is not None), None)
+sys.meta_path[:] = [NoTriton(list(sys.meta_path))]
+import torch
+from mode.kernels import KernelPolicy, use_kernels
+from tests.test_generate import make_model
+from mode.generate import Decoder
+with use_kernels(KernelPolicy(cpu=True)):
+    decoder = Decoder(make_model("mod", "aux_loss").float(), 2, 16, routed_rows="masked")
+    decoder.prefill([[1, 2, 3], [4, 5]])
+    print(decoder.step(torch.tensor([6, 7])).shape)
+"""
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", program], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().endswith("torch.Size([2, 256])")

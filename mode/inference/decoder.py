@@ -37,9 +37,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from mode.kernels.decode_attention import DECODE_ATTENTION
 from mode.layers.chunks import GatherStep, Prefill, StaticStep, if_nodes_available
-from mode.layers.kv_cache import LayerCache, PackedRows, attend_used, to_device
+from mode.layers.kv_cache import DECODE_ATTENTION, LayerCache, PackedRows, attend_used, to_device
 from mode.layers.mod import MoDBlock
 from mode.layers.moe import MoEFFN
 from mode.layers.mor import MoRBlock

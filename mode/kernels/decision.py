@@ -5,8 +5,8 @@
   the and with the active rows); a skipped layer of a CUDA-graphed step costs little more than
   its decision, so here it is one pass over x in float32.
 - compact_rows: the W rows a layer computes where its chosen rows fit in W (the chosen ones and,
-  as padding, the first others, in row order). As PyTorch ops, two sorts and a gather; here one
-  program's prefix sums.
+  as padding, the first others, in row order). As PyTorch ops (mode.layers.chunks'
+  compact_rows_reference), two sorts and a gather; here one program's prefix sums.
 """
 from __future__ import annotations
 
@@ -94,8 +94,3 @@ def compact_rows(chosen: Tensor, width: int) -> tuple[Tensor, Tensor]:
                        BLOCK=triton.next_power_of_2(batch), num_warps=4 if batch <= 2048 else 8)
     return rows, keep
 
-
-def compact_rows_reference(chosen: Tensor, width: int) -> tuple[Tensor, Tensor]:
-    """compact_rows in PyTorch ops: chosen rows first (a stable sort), the first W back in row order."""
-    rows = (~chosen).byte().argsort(stable=True)[:width].sort().values  # (W,)
-    return rows, chosen.index_select(0, rows)

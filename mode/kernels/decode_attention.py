@@ -17,7 +17,6 @@ from torch import Tensor
 from mode.kernels.common import on_device_of, store_rounded
 from mode.kernels.policy import use_triton
 
-DECODE_ATTENTION = ("auto", "triton", "flash")  # where a decoder runs this kernel (Decoder's decode_attention)
 BLOCK_N, WARPS = 128, 2  # cache slots per step of a program: the fastest tried on an H200 at batch 64-1024
 DECODE_MIN_PROGRAMS = 4  # (rows x heads) per streaming multiprocessor where this kernel runs
 

@@ -29,7 +29,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mode.kernels import graph_if, use_triton
-from mode.kernels.decision import compact_rows, compact_rows_reference
 from mode.layers.attention import expand_kv
 from mode.layers.kv_cache import LayerCache, PackedRows, attend_used, to_device
 from mode.layers.rotary import RotaryAngles
@@ -461,8 +460,12 @@ class CompactRows:
 
     def __init__(self, step: StaticStep, x: Tensor, cache: LayerCache, chosen: Tensor, width: int) -> None:
         # in row order: the packed cache regions then ascend, as flash's cu_k expects
-        compact = compact_rows if use_triton(x, "decision") else compact_rows_reference
-        rows, self.keep = compact(chosen, width)  # (W,) each
+        if use_triton(x, "decision"):
+            from mode.kernels.decision import compact_rows
+
+            rows, self.keep = compact_rows(chosen, width)  # (W,) each
+        else:
+            rows, self.keep = compact_rows_reference(chosen, width)
         self.step, self.cache, self.chosen, self.rows = step, cache, chosen, rows
         self.valid = self.keep.view(-1, 1)  # (W, 1): an MoE FFN skips the padding
         self.x = x.index_select(0, rows)  # (W, 1, D)
@@ -485,6 +488,14 @@ class CompactRows:
 
     def add(self, x: Tensor, update: Tensor) -> Tensor:
         return self.put(x, self.x + update.to(self.x.dtype))
+
+
+def compact_rows_reference(chosen: Tensor, width: int) -> tuple[Tensor, Tensor]:
+    """chosen (B,) bool -> (rows (W,) ascending, keep (W,) bool): the chosen rows and, as padding,
+    the first unchosen ones (chosen rows first by a stable sort, the first W back in row order);
+    mode.kernels.decision.compact_rows in PyTorch ops."""
+    rows = (~chosen).byte().argsort(stable=True)[:width].sort().values  # (W,)
+    return rows, chosen.index_select(0, rows)
 
 
 def attend_static(step: StaticStep, cache: LayerCache, q: Tensor, kv: Tensor, keep: Tensor, chosen: Tensor,

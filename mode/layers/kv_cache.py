@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from mode.kernels.decode_attention import DECODE_ATTENTION, decode_attention, decode_attention_applies
+from mode.kernels import use_triton
 from mode.layers.attention import expand_kv
 
 
@@ -88,6 +88,11 @@ def flash_varlen_available(device: torch.device, dtype: torch.dtype, head_dim: i
         return False
 
 
+# Where a decoder runs the decode attention kernel (Decoder's decode_attention): where a step has
+# rows enough, at every batch, or never (flash attention, else SDPA).
+DECODE_ATTENTION = ("auto", "triton", "flash")
+
+
 @dataclass
 class PackedRows:
     """The packed-cache layout of a batch for single-query attention: cu_q (B + 1,) int32, one
@@ -125,8 +130,11 @@ def attend_used(q: Tensor, cache: LayerCache, used: Tensor, packed: PackedRows, 
     """
     n, heads, head_dim = q.shape
     kv_heads = cache.kv.shape[3]
-    if packed.kernel != "flash" and cache.kv.dtype == q.dtype and decode_attention_applies(q, packed.kernel == "triton"):
-        return decode_attention(q, cache.kv, used, rows)
+    if packed.kernel != "flash" and cache.kv.dtype == q.dtype and use_triton(q, "decode_attention"):
+        from mode.kernels.decode_attention import decode_attention, decode_attention_applies
+
+        if decode_attention_applies(q, packed.kernel == "triton"):
+            return decode_attention(q, cache.kv, used, rows)
     if packed.flash:
         slots = cache.kv.shape[2]
         keys, values = cache.kv.view(2, -1, kv_heads, head_dim).to(q.dtype).unbind(0)  # (B * slots, Hkv, hd)

@@ -10,7 +10,6 @@ from torch import Tensor, nn
 
 from mode.config import ModelConfig, RoutingConfig
 from mode.kernels import use_triton
-from mode.kernels.decision import decide_rows
 from mode.layers.block import BlockInfo, TransformerBlock
 from mode.layers.kv_cache import LayerCache
 from mode.layers.rotary import RotaryAngles
@@ -74,6 +73,8 @@ class MoDBlock(nn.Module):
         if weights is None or torch.is_autocast_enabled(x.device.type):
             taken, scores = self.router.decide(x)
         elif use_triton(x, "decision"):
+            from mode.kernels.decision import decide_rows
+
             return decide_rows(x, *weights, mask)  # one kernel: GEMV, threshold and mask
         else:
             scores = F.linear(x.float(), *weights).squeeze(-1)  # Router.forward with float32 weights
