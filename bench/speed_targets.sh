@@ -13,6 +13,7 @@
 #   step          step.md          bench.mod_step with the auto and cuDNN attention backends
 #   profile       profile.md       bench.block_profile of the MoE and MoDE blocks (where their time goes)
 #   prefill       prefill.md       bench.prefill: prefill launches, syncs and GPU time against dense
+#   row_ops       row_ops.md       bench.row_ops: row moves and decode attention, one op at a time
 #   decode_tests  decode_tests.md  the GPU tests of the decode path (CUDA graphs, IF nodes, MoE decode)
 #   train_tests   train_tests.md   the GPU tests of CUDA-graphed training
 #
@@ -31,7 +32,7 @@ LOG_DIR=${LOG_DIR:-${OUT:-/tmp}/speed}
 PART_TIMEOUT=${PART_TIMEOUT:-540}
 DEADLINE=${DEADLINE:-}
 IFS=, read -r -a gpus <<< "${GPUS:-0,1,2,3}"
-read -r -a parts <<< "${PARTS:-decode decode_rows kinds compiled step profile prefill decode_tests train_tests}"
+read -r -a parts <<< "${PARTS:-decode decode_rows kinds compiled step profile prefill row_ops decode_tests train_tests}"
 mkdir -p "$LOG_DIR"
 if [ -n "${TINY:-}" ]; then
   export TINY_ARG=--tiny GRAPH_MODES=eager BACKENDS=auto
@@ -57,6 +58,10 @@ part_step() {
 }
 part_profile() { "$PY" -m bench.block_profile $TINY_ARG --kinds moe mode_staged mode_integrated --top 8; }
 part_prefill() { "$PY" -m bench.prefill $TINY_ARG; }
+part_row_ops() {
+  [ -z "$TINY_ARG" ] || { gpu_only "row moves and decode attention"; return; }
+  "$PY" -m bench.row_ops
+}
 gpu_only() { echo "$1: on a GPU only"; }
 part_decode_tests() {
   [ -z "$TINY_ARG" ] || { gpu_only "decode tests"; return; }
@@ -68,7 +73,7 @@ part_train_tests() {
   "$PY" -m pytest -q -rfEs -p no:cacheprovider tests/test_train.py -k "cuda_graph"
 }
 export -f gpu_only part_decode part_decode_rows part_kinds part_compiled part_step part_profile part_prefill \
-  part_decode_tests part_train_tests
+  part_row_ops part_decode_tests part_train_tests
 
 run_part() {  # run_part GPU NAME: the part's output into LOG_DIR/NAME.md, its time and exit status last
   local out="$LOG_DIR/$2.md" start=$SECONDS limit=$PART_TIMEOUT

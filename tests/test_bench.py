@@ -238,7 +238,7 @@ def test_speed_targets_script_runs_every_part_tiny(tmp_path: Path) -> None:
     for part, header in (("decode", "| prompt | batch | model |"), ("decode_rows", "| 16 | 4 | MoD | gather"),
                          ("kinds", "| block kind |"), ("compiled", "on a GPU only"), ("step", "| mode | model |"),
                          ("profile", "| block (forward+backward) |"), ("prefill", "| prompt | batch | model | median ms |"),
-                         ("decode_tests", "on a GPU only"), ("train_tests", "on a GPU only")):
+                         ("row_ops", "on a GPU only"), ("decode_tests", "on a GPU only"), ("train_tests", "on a GPU only")):
         text = (tmp_path / f"{part}.md").read_text()
         assert text.rstrip().endswith(f"part {part}: exit 0") and header in text, (part, text[-1500:])
     unknown = subprocess.run(["bash", "bench/speed_targets.sh"], cwd=ROOT, env={**env, "PARTS": "kinds nonsense"},
