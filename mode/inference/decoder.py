@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mode.layers.chunks import GatherStep, Prefill, StaticStep, if_nodes_available
-from mode.layers.kv_cache import DECODE_ATTENTION, LayerCache, PackedRows, attend_used, to_device
+from mode.layers.kv_cache import LayerCache, PackedRows, attend_used, to_device
 from mode.layers.mod import MoDBlock
 from mode.layers.moe import MoEFFN
 from mode.layers.mor import MoRBlock
@@ -186,8 +186,6 @@ class Decoder:
             raise ValueError(f"max_len ({max_len}) exceeds the model's context window model.max_seq_len ({cfg.max_seq_len})")
         if routed_rows not in ROUTED_ROWS:
             raise ValueError(f"routed_rows must be one of {', '.join(ROUTED_ROWS)}, got {routed_rows!r}")
-        if decode_attention not in DECODE_ATTENTION:
-            raise ValueError(f"decode_attention must be one of {', '.join(DECODE_ATTENTION)}, got {decode_attention!r}")
         model.check_causal()
         self.model = model
         param = model.embed.weight

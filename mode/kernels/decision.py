@@ -93,4 +93,3 @@ def compact_rows(chosen: Tensor, width: int) -> tuple[Tensor, Tensor]:
         _compact[(1,)](chosen.contiguous().view(torch.uint8), rows, keep.view(torch.uint8), batch, width,
                        BLOCK=triton.next_power_of_2(batch), num_warps=4 if batch <= 2048 else 8)
     return rows, keep
-

@@ -110,7 +110,7 @@ class PackedRows:
     def build(cls, batch: int, max_len: int, device: torch.device, dtype: torch.dtype, head_dim: int,
               kernel: str = "auto") -> "PackedRows":
         if kernel not in DECODE_ATTENTION:
-            raise ValueError(f"decode attention must be one of {', '.join(DECODE_ATTENTION)}, got {kernel!r}")
+            raise ValueError(f"decode_attention must be one of {', '.join(DECODE_ATTENTION)}, got {kernel!r}")
         cu_q = torch.arange(batch + 1, device=device, dtype=torch.int32)
         return cls(cu_q, cu_q * (max_len + 1), torch.arange(max_len + 1, device=device),
                    flash_varlen_available(device, dtype, head_dim), kernel)
