@@ -825,19 +825,21 @@ def test_decode_attention_names_its_choices() -> None:
 
 
 def test_the_decode_attention_kernel_at_every_batch_decodes_as_without_it() -> None:
-    """On CPU through Triton's interpreter: decode_attention="triton" == "flash" (SDPA here), float64."""
+    """decode_attention="triton" == "flash" (SDPA in float32), float32: on CPU through Triton's
+    interpreter, on a GPU compiled (an uncaptured static step: the kernel at batch 2)."""
     from mode.kernels import KernelPolicy, use_kernels
     from mode.kernels.decode_attention import decode_attention_applies
 
-    model = make_model("mod", "aux_loss", n_layers=3).float()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = make_model("mod", "aux_loss", n_layers=3).float().to(device)
     with use_kernels(KernelPolicy.only("decode_attention", cpu=True)):
-        assert decode_attention_applies(torch.empty(2, 4, 8))  # the model's heads: the kernel runs
+        assert decode_attention_applies(torch.empty(2, 4, 8, device=device), any_batch=True)  # the model's heads
     prompts = [torch.randint(0, 256, (n,)).tolist() for n in (4, 9)]
-    follow = torch.randint(0, 256, (2, 4))
+    follow = torch.randint(0, 256, (2, 4), device=device)
     runs = []
     for attention in ("triton", "flash"):
         with use_kernels(KernelPolicy.only("decode_attention", cpu=True)):
-            decoder = Decoder(model, 2, 20, routed_rows="masked", decode_attention=attention)
+            decoder = Decoder(model, 2, 20, routed_rows="masked", cuda_graph=False, decode_attention=attention)
             runs.append([decoder.prefill(prompts)] + [decoder.step(follow[:, i]) for i in range(4)])
     for kernel, sdpa in zip(*runs):
         torch.testing.assert_close(kernel, sdpa, rtol=1e-5, atol=1e-5)
