@@ -17,6 +17,7 @@ from mode.layers.mod import MoDBlock
 from mode.layers.mode import IntegratedMoDEBlock, StagedMoDEBlock
 from mode.layers.moe import MoEFFN
 from mode.layers.mor import MoRBlock
+from mode.layers.norm import RMSNorm
 from mode.layers.rotary import RotaryEmbedding
 from mode.routing import DepthRouter, ExpertChoiceRouter, Routing
 
@@ -63,7 +64,7 @@ class LanguageModel(nn.Module):
         # (see MoDBlock.forward's residual_owned). False: every block copies (the reference path).
         self.residual_in_place = True
         self._routing_mode = "topk"  # what forward routes by when not told (see routing_mode)
-        self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)  # feeds the unembedding only
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight

@@ -1041,3 +1041,123 @@ with use_kernels(KernelPolicy(cpu=True)):
     out = subprocess.run([sys.executable, "-c", program], cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().endswith("torch.Size([2, 256])")
+
+
+def _reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+@pytest.mark.parametrize("shape", [(2, 7, 48), (300, 1024), (3, 8192)], ids=["masked lanes", "model width", "widest"])
+def test_rms_norm_kernel_matches_float64(shape: tuple[int, ...]) -> None:
+    """mode/kernels/rms_norm.py: float32 x into a bf16 y, one rounding from float64's values; dx in
+    float32 and the weight's gradient (summed over the programs' partial sums) at float32 rounding."""
+    from mode.kernels.rms_norm import rms_norm
+
+    x = torch.randn(shape, device=DEVICE) * 3
+    weight = 1 + 0.1 * torch.randn(shape[-1], device=DEVICE)
+    probe = torch.randn(shape, device=DEVICE).bfloat16().float()  # the incoming gradient, as bf16 values
+    want, (want_dx, want_dw) = _grads(lambda a, w: _reference_rms_norm(a, w, 1e-6), (x.double(), weight.double()), (probe,))
+    got, (got_dx, got_dw) = _grads(lambda a, w: rms_norm(a, w, 1e-6, torch.bfloat16), (x, weight), (probe,))
+    assert got[0].dtype == torch.bfloat16 and got_dx.dtype == torch.float32 and got_dw.dtype == torch.float32
+    torch.testing.assert_close(got[0].double(), want[0], **ONE_BF16_ROUNDING)
+    torch.testing.assert_close(got_dx.double(), want_dx, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got_dw.double(), want_dw, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("to_autocast", [True, False], ids=["feeds matmuls", "feeds a float32 router"])
+def test_rms_norm_module_under_autocast_equals_the_float32_norm_then_its_cast(to_autocast: bool) -> None:
+    """mode.layers.norm.RMSNorm under bf16 autocast: with to_autocast the kernel's bf16 output and
+    gradients equal nn.RMSNorm's float32 norm followed by the cast a matmul makes (float32 rounding
+    apart); without it (and outside autocast, or with the op off) nn.RMSNorm's float32 output."""
+    from mode.layers.norm import RMSNorm
+
+    torch.manual_seed(0)
+    norm = RMSNorm(40, eps=1e-5, to_autocast=to_autocast).to(DEVICE)
+    reference = torch.nn.RMSNorm(40, eps=1e-5).to(DEVICE)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+        reference.weight.copy_(norm.weight)
+    x = torch.randn(3, 5, 40, device=DEVICE)
+    probe = torch.randn(3, 5, 40, device=DEVICE).bfloat16().float()
+    kernels_on()
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        got, (got_dx, got_dw) = _grads(lambda a, w: torch.func.functional_call(norm, {"weight": w}, (a,)),
+                                       (x, norm.weight), (probe,))
+        want, (want_dx, want_dw) = _grads(
+            lambda a, w: torch.func.functional_call(reference, {"weight": w}, (a,)).to(torch.bfloat16),
+            (x, norm.weight), (probe,))
+    assert got[0].dtype == (torch.bfloat16 if to_autocast else torch.float32)
+    torch.testing.assert_close(got[0].to(torch.bfloat16).float(), want[0].float(), rtol=2**-8, atol=0)
+    torch.testing.assert_close(got_dx, want_dx, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(got_dw, want_dw, rtol=1e-4, atol=1e-5)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16), use_kernels(norm=False):
+        assert norm(x).dtype == torch.float32
+    assert norm(x).dtype == torch.float32  # no autocast: nothing to fuse
+
+
+def test_rms_norm_kernel_only_where_it_applies() -> None:
+    """Rows wider than the kernel's registers, and norms without a weight, take PyTorch's norm."""
+    from mode.kernels.rms_norm import MAX_WIDTH, rms_norm_applies
+
+    weight = torch.ones(MAX_WIDTH + 1)
+    assert not rms_norm_applies(torch.zeros(2, MAX_WIDTH + 1), weight)
+    assert not rms_norm_applies(torch.zeros(2, 8), None)
+    assert rms_norm_applies(torch.zeros(2, MAX_WIDTH), weight[:MAX_WIDTH])
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_models_under_bf16_autocast_train_the_same_with_the_fused_norm(path: Path) -> None:
+    """Every block kind under bf16 autocast, the norms fused with their cast (mode/kernels/rms_norm.py)
+    or not: the same loss (the norms' bf16 outputs are the same roundings), and gradients within
+    bf16 rounding of each other (the kernel's float32 input gradient differs in its last bits, and
+    the bf16 matmuls before it round that differently now and then)."""
+    from mode.config import load_config
+    from mode.model import LanguageModel
+
+    config = load_config(path, ["--model.n_layers=2", "--model.max_seq_len=32", "--data.seq_len=32"])
+    torch.manual_seed(0)
+    model = LanguageModel(config).to(DEVICE)
+    tokens = torch.randint(0, config.model.vocab_size, (2, 33), device=DEVICE)
+    runs = {}
+    for fused in (True, False):
+        kernels_on(norm=fused)
+        model.zero_grad(set_to_none=True)
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            loss = model(tokens[:, :-1], tokens[:, 1:]).loss
+        loss.backward()
+        runs[fused] = (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    torch.testing.assert_close(runs[True][0], runs[False][0], rtol=1e-5, atol=1e-6)
+    assert runs[True][1].keys() == runs[False][1].keys()
+    for name, grad in runs[True][1].items():
+        want = runs[False][1][name]
+        scale = want.abs().max().item()
+        torch.testing.assert_close(grad, want, rtol=0, atol=1e-2 * scale + 1e-12, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("h_used", [True, False], ids=["h feeds the residual", "only the norm reads h"])
+def test_add_rms_norm_kernel_matches_float64(h_used: bool) -> None:
+    """The residual add fused into the norm: h = x + a exactly as PyTorch adds (float32), y one bf16
+    rounding from float64's; x's gradient (h's own plus the norm's) at float32 rounding and a's the
+    same rounded once to bf16; the weight's from the programs' partial sums."""
+    from mode.kernels.rms_norm import add_rms_norm
+
+    shape = (5, 9, 48)
+    x = torch.randn(shape, device=DEVICE) * 3
+    a = torch.randn(shape, device=DEVICE).bfloat16()
+    weight = 1 + 0.1 * torch.randn(shape[-1], device=DEVICE)
+    probes = tuple(torch.randn(shape, device=DEVICE).bfloat16().float() * (1 if h_used else 0) ** i for i in (0, 1))
+
+    def reference(x_, a_, w_):
+        h = x_ + a_
+        return h, _reference_rms_norm(h, w_, 1e-6)
+
+    want, want_grads = _grads(reference, (x.double(), a.double(), weight.double()), probes[::-1])
+    got, got_grads = _grads(lambda x_, a_, w_: add_rms_norm(x_, a_, w_, 1e-6, torch.bfloat16), (x, a, weight), probes[::-1])
+    assert torch.equal(got[0], x + a)  # the add itself: bit for bit
+    torch.testing.assert_close(got[1].double(), want[1], **ONE_BF16_ROUNDING)
+    torch.testing.assert_close(got_grads[0].double(), want_grads[0], rtol=1e-4, atol=1e-5)
+    assert got_grads[1].dtype == torch.bfloat16
+    torch.testing.assert_close(got_grads[1].double(), want_grads[1], **ONE_BF16_ROUNDING)
+    torch.testing.assert_close(got_grads[2].double(), want_grads[2], rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="float32 x"):
+        add_rms_norm(x.bfloat16(), a, weight, 1e-6, torch.bfloat16)

@@ -30,8 +30,9 @@ from torch import Tensor
 
 KERNEL_CHOICES = ("triton", "torch")
 
-Op = Literal["elementwise", "topk", "softmax_topk", "rows", "expert_choice", "decision", "decode_attention"]
-OPS: tuple[str, ...] = ("elementwise", "topk", "softmax_topk", "rows", "expert_choice", "decision", "decode_attention")
+Op = Literal["elementwise", "norm", "topk", "softmax_topk", "rows", "expert_choice", "decision", "decode_attention"]
+OPS: tuple[str, ...] = ("elementwise", "norm", "topk", "softmax_topk", "rows", "expert_choice", "decision",
+                        "decode_attention")
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,8 @@ class KernelPolicy:
     enabled: any kernel at all (False: every op on PyTorch, as MODE_KERNELS=torch).
     elementwise: rotary on q/k, SwiGLU and GELU (with the experts' gates), the fused loss's
         softmax and gradient.
+    norm: RMSNorm of the float32 residual stream written in the autocast dtype (its matmul's
+        cast fused in), where its output only feeds matmuls.
     topk: a depth router's (and expert choice's) top-k positions in one kernel.
     softmax_topk: token choice's router head (softmax, top-k slots, aux losses, statistics).
     rows: the MoE layers' gather/combine through an inverse map, the depth router's gated
@@ -56,6 +59,7 @@ class KernelPolicy:
 
     enabled: bool = True
     elementwise: bool = True
+    norm: bool = True
     topk: bool = True
     softmax_topk: bool = True
     rows: bool = True

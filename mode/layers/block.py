@@ -10,6 +10,7 @@ from mode.layers.attention import CausalSelfAttention
 from mode.layers.kv_cache import LayerCache
 from mode.layers.mlp import SwiGLU
 from mode.layers.moe import MoEFFN
+from mode.layers.norm import RMSNorm
 from mode.layers.rotary import RotaryAngles
 from mode.routing import Routing
 
@@ -31,9 +32,10 @@ class TransformerBlock(nn.Module):
 
     def __init__(self, cfg: ModelConfig, ffn: nn.Module | None = None) -> None:
         super().__init__()
-        self.attn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.attn = CausalSelfAttention(cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_width, cfg.qkv_bias)
-        self.ffn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        # An MoE FFN's router reads its input in float32: that norm keeps a float32 output.
+        self.ffn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, to_autocast=not isinstance(ffn, MoEFFN))
         self.ffn = ffn if ffn is not None else SwiGLU(cfg.d_model, cfg.d_ff)
 
     def forward(
@@ -41,8 +43,8 @@ class TransformerBlock(nn.Module):
     ) -> tuple[Tensor, BlockInfo]:
         """x (B, S, D) -> (out (B, S, D), BlockInfo); x is never written (residual_owned is for the
         routed blocks' signature). causal: an MoE FFN routes as sampling does (see MoEFFN)."""
-        h = x + self.attn(self.attn_norm(x), angles)
-        out, ffn_routing = self._ffn(self.ffn_norm(h), causal=causal)
+        h, normed = self.ffn_norm.add(x, self.attn(self.attn_norm(x), angles))  # h = x + Attn, norm(h)
+        out, ffn_routing = self._ffn(normed, causal=causal)
         return h + out, BlockInfo(ffn_routing=ffn_routing)
 
     def update(self, x: Tensor, angles: RotaryAngles) -> Tensor:
@@ -55,7 +57,8 @@ class TransformerBlock(nn.Module):
         """f(x) and the FFN's Routing (None for a dense FFN). valid (B, k): the rows that are
         chosen tokens, where causal routing padded them (an MoE FFN then skips the padding)."""
         a = self.attn(self.attn_norm(x), angles)
-        out, ffn_routing = self._ffn(self.ffn_norm(x + a), valid, causal)
+        _, normed = self.ffn_norm.add(x, a)
+        out, ffn_routing = self._ffn(normed, valid, causal)
         return a + out, ffn_routing
 
     def forward_cached(self, x: Tensor, cache: LayerCache, chunk, chosen: Tensor | None = None) -> Tensor:
