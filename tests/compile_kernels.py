@@ -116,6 +116,8 @@ KERNELS = [
     (sort_rows, "_place", dict(slots_ptr=I64, positions_ptr=I64, counts_ptr=I32P, ids_ptr=I64, gate_index_ptr=I64,
                                inverse_ptr=I32P, ends_ptr=I32P, n=I32, n_experts=I32, programs=I32, K=2,
                                BLOCK_N=1024, BLOCK_K=16, BLOCK_P=32)),
+    # the float32 stream's rows gathered into bf16 for the experts
+    (rows, "_gather_rows", dict(x_ptr=F32, ids_ptr=I64, out_ptr=BF16, n_rows=I32, width=I32, BLOCK_R=4, BLOCK_D=512)),
     # a depth router's gated update of the float32 residual, and its backward (float32 incoming gradient)
     (rows, "_add_gated_rows", dict(x_ptr=F32, ids_ptr=I64, gates_ptr=F32, rows_ptr=BF16, n_rows=I32, width=I32,
                                    BLOCK_R=4, BLOCK_D=256)),
@@ -130,13 +132,17 @@ KERNELS = [
                                n_rows=I32, width=I32, HAS_BIAS=True, HAS_ACTIVE=False, BLOCK_R=4, BLOCK_D=512)),
     (decision, "_compact", dict(chosen_ptr="*u8", rows_ptr=I64, keep_ptr="*u8", batch=I32, width=I32, BLOCK=1024)),
     (decision, "_compact", dict(chosen_ptr="*u8", rows_ptr=I64, keep_ptr="*u8", batch=I32, width=1, BLOCK=8)),
-    # the norms of the float32 residual stream into bf16, and of a bf16 input
-    (rms_norm, "_rms_norm_fwd", dict(x_ptr=F32, w_ptr=F32, y_ptr=BF16, rstd_ptr=F32, width=I32, eps="fp32", BLOCK=1024)),
-    (rms_norm, "_rms_norm_fwd", dict(x_ptr=BF16, w_ptr=F32, y_ptr=BF16, rstd_ptr=F32, width=I32, eps="fp32", BLOCK=8192)),
-    (rms_norm, "_rms_norm_bwd", dict(x_ptr=F32, w_ptr=F32, rstd_ptr=F32, dy_ptr=BF16, dx_ptr=F32, dw_part_ptr=F32,
-                                     rows=I32, width=I32, BLOCK=1024)),
-    (rms_norm, "_rms_norm_bwd", dict(x_ptr=F32, w_ptr=F32, rstd_ptr=F32, dy_ptr=BF16, dx_ptr=F32, dw_part_ptr=F32,
-                                     rows=I32, width=I32, BLOCK=8192)),
+    # the norms of the float32 residual stream into bf16 (with the residual add, and a float32 output)
+    (rms_norm, "_rms_norm_fwd", dict(x_ptr=F32, a_ptr=F32, w_ptr=F32, h_ptr=F32, y_ptr=BF16, rstd_ptr=F32, width=I32,
+                                     eps="fp32", ADD=False, BLOCK=1024)),
+    (rms_norm, "_rms_norm_fwd", dict(x_ptr=F32, a_ptr=BF16, w_ptr=F32, h_ptr=F32, y_ptr=F32, rstd_ptr=F32, width=I32,
+                                     eps="fp32", ADD=True, BLOCK=8192)),
+    (rms_norm, "_rms_norm_bwd", dict(x_ptr=F32, w_ptr=F32, rstd_ptr=F32, dy_ptr=BF16, dh_ptr=BF16, dx_ptr=F32,
+                                     da_ptr=F32, dw_part_ptr=F32, rows=I32, width=I32, HAS_DH=False, ADD=False,
+                                     BLOCK=1024)),
+    (rms_norm, "_rms_norm_bwd", dict(x_ptr=F32, w_ptr=F32, rstd_ptr=F32, dy_ptr=BF16, dh_ptr=F32, dx_ptr=F32,
+                                     da_ptr=BF16, dw_part_ptr=F32, rows=I32, width=I32, HAS_DH=True, ADD=True,
+                                     BLOCK=8192)),
     (decode_attention, "_decode_attention", dict(q_ptr=BF16, kv_ptr=BF16, rows_ptr=I64, used_ptr=I64, out_ptr=BF16,
                                                  slots=I32, half=I32, scale="fp32", H=16, GROUPS=1, HD=64,
                                                  HAS_ROWS=True, BLOCK_N=128)),

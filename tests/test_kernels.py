@@ -1161,3 +1161,44 @@ def test_add_rms_norm_kernel_matches_float64(h_used: bool) -> None:
     torch.testing.assert_close(got_grads[2].double(), want_grads[2], rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="float32 x"):
         add_rms_norm(x.bfloat16(), a, weight, 1e-6, torch.bfloat16)
+
+
+def test_gather_rows_as_equals_index_select_then_the_cast() -> None:
+    """mode/kernels/rows.py gather_rows_as: x[ids] in bf16 bit for bit as index_select then .to(bf16)."""
+    from mode.kernels.rows import gather_rows_as
+
+    x = torch.randn(37, 600, device=DEVICE) * 10
+    ids = torch.randint(0, 37, (51,), device=DEVICE)
+    assert torch.equal(gather_rows_as(x, ids, torch.bfloat16), x.index_select(0, ids).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("scheme", ["expert_choice", "token_choice"])
+def test_moe_rows_gathered_in_the_autocast_dtype_change_nothing(scheme: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under bf16 autocast the experts' rows of the float32 stream are gathered straight into bf16
+    (routing.expert_rows.rows_dtype): the MoE FFN's output and every gradient are those of gathering
+    float32 rows that the expert matmuls then cast, bit for bit."""
+    from mode.config import MoEConfig
+    from mode.layers.moe import MoEFFN
+    from mode.routing import expert_choice, expert_rows
+
+    kernels_on()
+    torch.manual_seed(0)
+    cfg = MoEConfig(n_experts=4, scheme=scheme, top_k=2 if scheme == "token_choice" else 1, capacity_factor=1.0,
+                    activation="swiglu")
+    ffn = MoEFFN(32, 48, cfg).to(DEVICE)
+    x = torch.randn(2, 16, 32, device=DEVICE)
+    probe = torch.randn(2, 16, 32, device=DEVICE).bfloat16().float()
+    runs = []
+    for fused in (True, False):
+        if not fused:  # rows in x's dtype, cast by the experts' matmuls
+            monkeypatch.setattr(expert_rows, "rows_dtype", lambda t: t.dtype)
+            monkeypatch.setattr(expert_choice, "rows_dtype", lambda t: t.dtype)
+        ffn.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_()
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            out, _ = ffn(xi)
+        (out.float() * probe).sum().backward()
+        runs.append((out.detach(), xi.grad, {n: p.grad.clone() for n, p in ffn.named_parameters() if p.grad is not None}))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    for name, grad in runs[0][2].items():
+        assert torch.equal(grad, runs[1][2][name]), name

@@ -34,7 +34,7 @@ import triton.language as tl
 from torch import Tensor
 
 from mode.kernels.common import on_device_of, softmax_rows, store_rounded
-from mode.kernels.rows import sum_rows
+from mode.kernels.rows import gather_rows_as, sum_rows
 from mode.kernels.topk import MAX_TOKENS, row_top_k
 
 # Slots of a router held in one program's registers (the z-loss's and the backward's tiles).
@@ -136,7 +136,7 @@ def _backward_launch(tokens: int, n_slots: int) -> tuple[int, int, int]:
 class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, logits: Tensor, groups: int, n_experts: int, capacity: int,
-                z_weight: float, half: bool) -> tuple[Tensor, ...]:
+                z_weight: float, half: bool, rows_dtype: torch.dtype) -> tuple[Tensor, ...]:
         n_tokens, n_slots = logits.shape
         tokens = n_tokens // groups
         device = logits.device
@@ -161,7 +161,7 @@ class _Dispatch(torch.autograd.Function):
             _finalize[(1,)](partial, taken, summary, aux, groups * n_experts, n_tokens, n_experts,
                             float(groups * capacity), 1.0 / n_tokens, z_weight, BLOCK_P=64, BLOCK_N=2048, BLOCK_E=64,
                             num_warps=8)
-        rows = x.index_select(0, ids)  # (R, D)
+            rows = x.index_select(0, ids) if rows_dtype == x.dtype else gather_rows_as(x, ids, rows_dtype)  # (R, D)
         ctx.save_for_backward(x, weight, logits, inverse)
         ctx.z_scale, ctx.half, ctx.n_rows = 2.0 * z_weight / n_tokens, half, n_rows
         ctx.mark_non_differentiable(indices, ids, inverse, summary)
@@ -184,9 +184,10 @@ class _Dispatch(torch.autograd.Function):
             _backward[(programs,)](logits, inverse, grad_gates, logits if grad_aux is None else grad_aux.float(),
                                    grad_logits, n_tokens, n_slots, inverse.shape[1], ctx.z_scale,
                                    HAS_AUX=grad_aux is not None, BLOCK_T=block_t, BLOCK_S=block_s, num_warps=2)
-            grad_x = sum_rows(grad_rows, None, inverse, grad_logits, weight if ctx.half else weight.float())
+            grad_x = sum_rows(grad_rows, None, inverse, grad_logits, weight if ctx.half else weight.float(),
+                              out_dtype=x.dtype)
             grad_weight = grad_logits.t() @ (x if ctx.half else x.float())  # (S, D)
-        return grad_x, grad_weight.to(weight.dtype), None, None, None, None, None, None
+        return grad_x, grad_weight.to(weight.dtype), None, None, None, None, None, None, None
 
 
 class Dispatch(NamedTuple):
@@ -236,17 +237,18 @@ def fits(n_tokens: int, groups: int, n_slots: int) -> bool:
 
 
 def expert_choice_dispatch(x: Tensor, weight: Tensor, logits: Tensor, groups: int, n_experts: int, capacity: int,
-                           z_weight: float, half: bool) -> Dispatch:
+                           z_weight: float, half: bool, rows_dtype: torch.dtype | None = None) -> Dispatch:
     """Expert choice over `groups` equal runs of the N tokens of x (N, D): each of the first n_experts
     of the S slots of logits (N, S) (float32 router scores, x @ weight.T: the gradient's path goes
     through x and weight (S, D), not through logits) takes the `capacity` tokens of each group with
     the largest softmax probability. half: the scores came from a bf16 GEMM (the backward's GEMMs
-    in bf16 too); otherwise from float32 copies."""
+    in bf16 too); otherwise from float32 copies. rows_dtype: the rows' dtype (None: x's), rounded to
+    nearest even; their gradient is summed into x's dtype."""
     n_tokens, n_slots = logits.shape
     if not fits(n_tokens, groups, n_slots) or not 0 < n_experts <= n_slots or not 0 < capacity <= n_tokens // groups:
         raise ValueError(f"expert_choice_dispatch: {n_tokens} tokens in {groups} groups (at most {MAX_TOKENS} a group), "
                          f"{n_slots} slots (at most {MAX_SLOTS}), {n_experts} experts, capacity {capacity}")
     out = _Dispatch.apply(x.contiguous(), weight, logits.detach().contiguous(), groups, n_experts, capacity,
-                          float(z_weight), half)
+                          float(z_weight), half, rows_dtype or x.dtype)
     rows, gates, aux, indices, ids, inverse, summary = out
     return Dispatch(rows, gates.transpose(0, 1), aux, logits, indices, ids, inverse, summary)

@@ -14,7 +14,9 @@ owns through an inverse map instead and writes its sum once:
 - combine_backward: per row r of token ids[r], grad_rows[r] = gates[r] * grad[ids[r]] and
                grad_gates[r] = <rows[r], grad[ids[r]]> (float32) in one pass;
 - add_gated_rows_: x[ids[r]] += gates[r] * rows[r] in place, for distinct ids (a depth router's
-               gated update of the residual; its backward is combine_backward).
+               gated update of the residual; its backward is combine_backward);
+- gather_rows_as: out[r] = x[ids[r]] in another dtype (the float32 stream's rows gathered straight
+               into the experts' bf16, the rounding their matmuls' autocast would make).
 
 Eager mode on CUDA: three autograd functions (GatherRows; CombineRows; SumRows, the combine when
 the experts' activation applied the gates already, mode/kernels/swiglu.py and gelu.py, whose
@@ -38,6 +40,7 @@ BLOCK_T, BLOCK_D, SUM_WARPS = 2, 1024, 4  # sum_rows: a (tokens, columns) tile p
 SCORES_BLOCK_T, SCORES_BLOCK_D, SCORES_WARPS = 2, 512, 2  # sum_rows with a router's input gradient
 ADD_BLOCK_R, ADD_BLOCK_D, ADD_WARPS = 4, 256, 4  # add_gated_rows_
 BLOCK_R, BLOCK_RD, COMBINE_BACKWARD_WARPS = 4, 512, 2  # combine_backward: rows per program; columns per step
+GATHER_BLOCK_R, GATHER_BLOCK_D, GATHER_WARPS = 4, 512, 4  # gather_rows_as
 
 
 @triton.jit
@@ -84,6 +87,16 @@ def _combine_backward(grad_ptr, ids_ptr, rows_ptr, gates_ptr, grad_rows_ptr, gra
 
 
 @triton.jit
+def _gather_rows(x_ptr, ids_ptr, out_ptr, n_rows, width, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask = (r < n_rows)[:, None] & (d < width)[None, :]
+    src = tl.load(ids_ptr + r, mask=r < n_rows, other=0).to(tl.int64)
+    v = tl.load(x_ptr + src[:, None] * width + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    store_rounded(out_ptr + r[:, None] * width + d[None, :], v, mask)
+
+
+@triton.jit
 def _add_gated_rows(x_ptr, ids_ptr, gates_ptr, rows_ptr, n_rows, width, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -98,13 +111,13 @@ def _add_gated_rows(x_ptr, ids_ptr, gates_ptr, rows_ptr, n_rows, width, BLOCK_R:
 
 # ----------------------------------------------------------------------------- launches
 def sum_rows(rows: Tensor, gates: Tensor | None, inverse: Tensor, scores_grad: Tensor | None = None,
-             weight: Tensor | None = None) -> Tensor:
-    """out (T, D) in rows' dtype: out[t] = sum over t's rows r (inverse[t] >= 0) of gates[r] * rows[r]
-    (gates None: 1), plus scores_grad[t] @ weight when given (scores_grad (T, S), weight (S, D)).
-    Float32 sums, rounded once; call on rows' device (on_device_of)."""
+             weight: Tensor | None = None, out_dtype: torch.dtype | None = None) -> Tensor:
+    """out (T, D) in out_dtype (None: rows' dtype): out[t] = sum over t's rows r (inverse[t] >= 0) of
+    gates[r] * rows[r] (gates None: 1), plus scores_grad[t] @ weight when given (scores_grad (T, S),
+    weight (S, D)). Float32 sums, rounded once; call on rows' device (on_device_of)."""
     rows, inverse = rows.contiguous(), inverse.contiguous()
     tokens, width = inverse.shape[0], rows.shape[1]
-    out = rows.new_empty(tokens, width)
+    out = torch.empty(tokens, width, dtype=out_dtype or rows.dtype, device=rows.device)
     if out.numel() == 0:
         return out
     gates_arg = rows if gates is None else gates.contiguous()  # any pointer when there are no gates
@@ -149,20 +162,38 @@ def add_gated_rows_(x: Tensor, ids: Tensor, gates: Tensor, rows: Tensor) -> None
     )
 
 
+def gather_rows_as(x: Tensor, ids: Tensor, dtype: torch.dtype) -> Tensor:
+    """x (T, D), ids (R,) -> x[ids] (R, D) in dtype, rounded to nearest even (one pass: no copy of
+    the rows in x's dtype). Call on x's device (on_device_of)."""
+    x, ids = x.contiguous(), ids.contiguous()
+    out = torch.empty(ids.shape[0], x.shape[1], dtype=dtype, device=x.device)
+    if out.numel():
+        _gather_rows[(triton.cdiv(ids.shape[0], GATHER_BLOCK_R), triton.cdiv(x.shape[1], GATHER_BLOCK_D))](
+            x, ids, out, ids.shape[0], x.shape[1], BLOCK_R=GATHER_BLOCK_R, BLOCK_D=GATHER_BLOCK_D,
+            num_warps=GATHER_WARPS,
+        )
+    return out
+
+
 # ----------------------------------------------------------------------------- autograd
 class GatherRows(torch.autograd.Function):
-    """x (T, D), ids (R,), inverse (T, J) -> x[ids] (R, D); the backward sums each token's rows."""
+    """x (T, D), ids (R,), inverse (T, J) -> x[ids] (R, D) in dtype; the backward sums each token's
+    rows in float32 into x's dtype."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, ids: Tensor, inverse: Tensor) -> Tensor:
+    def forward(ctx, x: Tensor, ids: Tensor, inverse: Tensor, dtype: torch.dtype) -> Tensor:
         ctx.save_for_backward(inverse)
-        return x.index_select(0, ids)
+        ctx.x_dtype = x.dtype
+        if dtype == x.dtype:
+            return x.index_select(0, ids)
+        with on_device_of(x):
+            return gather_rows_as(x, ids, dtype)
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None]:
         (inverse,) = ctx.saved_tensors
         with on_device_of(grad):
-            return sum_rows(grad, None, inverse), None, None
+            return sum_rows(grad, None, inverse, out_dtype=ctx.x_dtype), None, None, None
 
 
 class CombineRows(torch.autograd.Function):

@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from mode.kernels import use_triton
-from mode.routing.expert_rows import rows_kernel_applies
+from mode.routing.expert_rows import rows_dtype, rows_kernel_applies
 from mode.routing.scores import half_router_applies, router_scores
 
 if TYPE_CHECKING:
@@ -46,7 +46,8 @@ def expert_choice_dispatch(x: Tensor, weight: Tensor, groups: int, n_experts: in
     expert_major_ids, expert_choice_rows and gather_rows (the selection bit for bit)."""
     from mode.kernels.expert_choice import expert_choice_dispatch as dispatch
 
+    dtype = rows_dtype(x)  # read under the caller's autocast
     with torch.autocast(device_type=x.device.type, enabled=False):
         with torch.no_grad():  # the function's backward owns the scores' gradient path
             logits = router_scores(x, weight)  # (N, S) float32
-        return dispatch(x, weight, logits, groups, n_experts, capacity, z_weight, half_router_applies(x, weight))
+        return dispatch(x, weight, logits, groups, n_experts, capacity, z_weight, half_router_applies(x, weight), dtype)

@@ -74,12 +74,23 @@ def token_choice_rows(table: Tensor, slots: Tensor, positions: Tensor, x: Tensor
 # Batch dims of size 1 are dropped with squeeze(0), never [0]: select's backward would zero-fill
 # and copy a whole (rows, D) gradient in eager mode (squeeze's is a view).
 def gather_rows(x: Tensor, rows: ExpertRows) -> Tensor:
-    """x (T, D) -> x[rows.ids] (R, D): gather_tokens, with the backward summing token-major."""
+    """x (T, D) -> x[rows.ids] (R, D): gather_tokens, with the backward summing token-major; through
+    the row kernels, in rows_dtype(x)."""
     if rows.inverse is None:
         return gather_tokens(x.unsqueeze(0), rows.ids.unsqueeze(0)).squeeze(0)
     from mode.kernels.rows import GatherRows
 
-    return GatherRows.apply(x, rows.ids, rows.inverse)
+    return GatherRows.apply(x, rows.ids, rows.inverse, rows_dtype(x))
+
+
+def rows_dtype(x: Tensor) -> torch.dtype:
+    """The dtype experts' rows of tokens x are gathered in: under autocast a float32 x would be cast to
+    the autocast dtype by every expert matmul, so the rows are gathered in it directly (the same
+    rounding, half the bytes moved, and the rows' gradient summed into float32 as before); else x's."""
+    device = x.device.type
+    if x.dtype == torch.float32 and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return x.dtype
 
 
 def combine_rows(ys: Tensor, gates: Tensor | None, rows: ExpertRows) -> Tensor:
