@@ -900,13 +900,10 @@ def test_token_choice_rows_name_the_kept_assignments() -> None:
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*_tiny.yaml"))
 
 
-@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
-def test_models_train_the_same_through_the_kernels(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every block kind: a forward+backward with the layers' kernel branches taken (rotary on qkv,
-    MoD's routed angles included; SwiGLU in MLPs and experts; the loss; the routers' top-k
-    positions; token choice's softmax and top-k slots; expert choice's gather and combine) equals
-    the PyTorch branches.
-    float32 both ways, so they differ by float32 rounding only (sums in another order)."""
+def _one_step_both_ways(path: Path, policy: Callable[[bool], None], autocast: bool
+                        ) -> dict[bool, tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+    """A 2-layer model of config `path`: its loss and gradients on one batch with policy(True) and
+    policy(False) set (the kernel policy each way), under bf16 autocast or in float32."""
     from mode.config import load_config
     from mode.model import LanguageModel
 
@@ -916,11 +913,23 @@ def test_models_train_the_same_through_the_kernels(path: Path, monkeypatch: pyte
     tokens = torch.randint(0, config.model.vocab_size, (2, 33), device=DEVICE)
     runs = {}
     for fused in (True, False):
-        kernels_on(fused)
+        policy(fused)
         model.zero_grad(set_to_none=True)
-        loss = model(tokens[:, :-1], tokens[:, 1:]).loss
+        with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast):
+            loss = model(tokens[:, :-1], tokens[:, 1:]).loss
         loss.backward()
         runs[fused] = (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    return runs
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_models_train_the_same_through_the_kernels(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every block kind: a forward+backward with the layers' kernel branches taken (rotary on qkv,
+    MoD's routed angles included; SwiGLU in MLPs and experts; the loss; the routers' top-k
+    positions; token choice's softmax and top-k slots; expert choice's gather and combine) equals
+    the PyTorch branches.
+    float32 both ways, so they differ by float32 rounding only (sums in another order)."""
+    runs = _one_step_both_ways(path, lambda fused: kernels_on(fused), autocast=False)
     torch.testing.assert_close(runs[True][0], runs[False][0], rtol=1e-5, atol=1e-6)
     assert runs[True][1].keys() == runs[False][1].keys()
     for name, grad in runs[True][1].items():
@@ -1111,21 +1120,7 @@ def test_models_under_bf16_autocast_train_the_same_with_the_fused_norm(path: Pat
     or not: the same loss (the norms' bf16 outputs are the same roundings), and gradients within
     bf16 rounding of each other (the kernel's float32 input gradient differs in its last bits, and
     the bf16 matmuls before it round that differently now and then)."""
-    from mode.config import load_config
-    from mode.model import LanguageModel
-
-    config = load_config(path, ["--model.n_layers=2", "--model.max_seq_len=32", "--data.seq_len=32"])
-    torch.manual_seed(0)
-    model = LanguageModel(config).to(DEVICE)
-    tokens = torch.randint(0, config.model.vocab_size, (2, 33), device=DEVICE)
-    runs = {}
-    for fused in (True, False):
-        kernels_on(norm=fused)
-        model.zero_grad(set_to_none=True)
-        with torch.autocast(DEVICE, dtype=torch.bfloat16):
-            loss = model(tokens[:, :-1], tokens[:, 1:]).loss
-        loss.backward()
-        runs[fused] = (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    runs = _one_step_both_ways(path, lambda fused: kernels_on(norm=fused), autocast=True)
     torch.testing.assert_close(runs[True][0], runs[False][0], rtol=1e-5, atol=1e-6)
     assert runs[True][1].keys() == runs[False][1].keys()
     for name, grad in runs[True][1].items():
