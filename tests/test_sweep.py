@@ -471,8 +471,10 @@ def test_a_sweep_stopped_by_sigterm_leaves_no_training_running(tmp_path: Path, c
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
     printed = stdout if started == "under timeout" else (tmp_path / "sweep.out").read_text()
-    assert "sweep stopped (Ctrl-C or SIGTERM)" in printed and "Traceback" not in printed, printed
-    assert "== seed=0: stopped (SIGTERM" in printed and "== seed=1: stopped (SIGTERM" in printed, printed
+    # the trainings' own logs too: a run that ended otherwise than stopped says why only there
+    logs = "".join(f"\n--- {log}\n{log.read_text()[-3000:]}" for log in sorted(out.glob("*/train.log")))
+    assert "sweep stopped (Ctrl-C or SIGTERM)" in printed and "Traceback" not in printed, printed + logs
+    assert "== seed=0: stopped (SIGTERM" in printed and "== seed=1: stopped (SIGTERM" in printed, printed + logs
     assert _trainings_of(out) == []
     dry = subprocess.run([*sweep_command, "--dry-run"], capture_output=True, text=True, timeout=120,
                          cwd=Path(__file__).resolve().parents[1])
