@@ -57,13 +57,15 @@ def _rms_norm_bwd(x_ptr, w_ptr, rstd_ptr, dy_ptr, dh_ptr, dx_ptr, da_ptr, dw_par
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     dw = tl.zeros((BLOCK,), tl.float32)
     for i in range(0, tl.cdiv(rows - p, programs)):
-        at = (p + i * programs) * width + cols
+        row = p + i * programs
+        at = row * width + cols
         x = tl.load(x_ptr + at, mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(dy_ptr + at, mask=mask, other=0.0).to(tl.float32)
-        x_hat = x * tl.load(rstd_ptr + p + i * programs)
+        rstd = tl.load(rstd_ptr + row)
+        x_hat = x * rstd
         wdy = w * dy
         # d/dx of x * rstd: rstd * (w dy - x_hat * mean(x_hat * w dy))
-        dx = tl.load(rstd_ptr + p + i * programs) * (wdy - x_hat * (tl.sum(x_hat * wdy, axis=0) / width))
+        dx = rstd * (wdy - x_hat * (tl.sum(x_hat * wdy, axis=0) / width))
         if HAS_DH:
             dx += tl.load(dh_ptr + at, mask=mask, other=0.0).to(tl.float32)
         store_rounded(dx_ptr + at, dx, mask)
