@@ -66,26 +66,37 @@ class MoDBlock(nn.Module):
 
     def decide(self, x: Tensor, weights: tuple[Tensor, Tensor | None] | None = None,
                mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """The causal decision on tokens x (B, n, D): (taken (B, n) bool, router scores (B, n) float32).
-        weights: the router's float32 weights (router_weights()), used directly outside autocast
-        (no cast per call); None: the router and its predictor decide (DepthRouter.decide).
-        mask (B * n,) bool: the tokens that may be taken (a decode step's active rows), or None."""
-        if weights is None or torch.is_autocast_enabled(x.device.type):
-            taken, scores = self.router.decide(x)
-        elif use_triton(x, "decision"):
-            from mode.kernels.decision import decide_rows
-
-            return decide_rows(x, *weights, mask)  # one kernel: GEMV, threshold and mask
-        else:
-            scores = F.linear(x.float(), *weights).squeeze(-1)  # Router.forward with float32 weights
-            taken = scores > 0
-        return (taken if mask is None else taken & mask.view(taken.shape)), scores
+        """The causal decision of this block's router on tokens x (B, n, D): see decide."""
+        return decide(self.router, x, weights, mask)
 
     def router_weights(self) -> tuple[Tensor, Tensor | None] | None:
-        """A float32 snapshot of the router's weights where its own logit decides (causal=aux_loss),
-        for decode steps; None where a predictor decides."""
-        causal = self.router.causal
-        if causal is None or causal.predictor is not None:
-            return None
-        proj = self.router.router.proj
-        return proj.weight.detach().float(), None if proj.bias is None else proj.bias.detach().float()
+        """The router's float32 snapshot for decode steps (router_snapshot)."""
+        return router_snapshot(self.router)
+
+
+def decide(router: DepthRouter, x: Tensor, weights: tuple[Tensor, Tensor | None] | None = None,
+           mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """A depth router's causal decision on tokens x (B, n, D): (taken (B, n) bool, router scores
+    (B, n) float32). weights: the router's float32 snapshot (router_snapshot), used directly outside
+    autocast (no cast per call); None: the router and its predictor decide (DepthRouter.decide).
+    mask (B * n,) bool: the tokens that may be taken (a decode step's active rows), or None."""
+    if weights is None or torch.is_autocast_enabled(x.device.type):
+        taken, scores = router.decide(x)
+    elif use_triton(x, "decision"):
+        from mode.kernels.decision import decide_rows
+
+        return decide_rows(x, *weights, mask)  # one kernel: GEMV, threshold and mask
+    else:
+        scores = F.linear(x.float(), *weights).squeeze(-1)  # Router.forward with float32 weights
+        taken = scores > 0
+    return (taken if mask is None else taken & mask.view(taken.shape)), scores
+
+
+def router_snapshot(router: DepthRouter) -> tuple[Tensor, Tensor | None] | None:
+    """A float32 snapshot of a depth router's weights where its own logit decides (causal=aux_loss),
+    for decode steps; None where a predictor decides."""
+    causal = router.causal
+    if causal is None or causal.predictor is not None:
+        return None
+    proj = router.router.proj
+    return proj.weight.detach().float(), None if proj.bias is None else proj.bias.detach().float()

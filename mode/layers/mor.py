@@ -11,12 +11,12 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mode.config import ModelConfig, MoRConfig, RoutingConfig
 from mode.layers.block import BlockInfo, TransformerBlock
 from mode.layers.kv_cache import LayerCache
+from mode.layers.mod import decide, router_snapshot
 from mode.layers.rotary import RotaryAngles
 from mode.routing import DepthRouter, DepthRouting, add_gated_tokens, apply_gate, gather_tokens
 
@@ -120,25 +120,5 @@ class MoRBlock(nn.Module):
         return x
 
     def router_weights(self) -> list[tuple[Tensor, Tensor | None] | None]:
-        """Each recursion's float32 router snapshot for decode steps (MoDBlock.router_weights)."""
+        """Each recursion's float32 router snapshot for decode steps (router_snapshot)."""
         return [router_snapshot(router) for router in self.routers]
-
-
-def decide(router: DepthRouter, x: Tensor, weights: tuple[Tensor, Tensor | None] | None) -> tuple[Tensor, Tensor]:
-    """MoDBlock.decide for one of the block's routers: (taken (B, n) bool, scores (B, n) float32)
-    on tokens x (B, n, D); weights: the router's float32 snapshot (router_snapshot), used directly
-    outside autocast; None: the router and its predictor decide."""
-    if weights is None or torch.is_autocast_enabled(x.device.type):
-        return router.decide(x)
-    scores = F.linear(x.float(), *weights).squeeze(-1)  # Router.forward with float32 weights
-    return scores > 0, scores
-
-
-def router_snapshot(router: DepthRouter) -> tuple[Tensor, Tensor | None] | None:
-    """A float32 snapshot of a depth router's weights where its own logit decides (causal=aux_loss);
-    None where a predictor decides."""
-    causal = router.causal
-    if causal is None or causal.predictor is not None:
-        return None
-    proj = router.router.proj
-    return proj.weight.detach().float(), None if proj.bias is None else proj.bias.detach().float()
