@@ -101,13 +101,15 @@ def _backward(h: Tensor, weight: Tensor, rstd: Tensor, dy: Tensor, dh: Tensor | 
     da = None if a_dtype is None else torch.empty(h.shape, dtype=a_dtype, device=h.device)
     sms = torch.cuda.get_device_properties(h.device).multi_processor_count if h.is_cuda else 2
     programs = max(1, min(rows, BACKWARD_PROGRAMS_PER_SM * sms))
-    dw_part = torch.zeros(programs, width, dtype=torch.float32, device=h.device)
+    dw_part = torch.empty(programs, width, dtype=torch.float32, device=h.device)  # every program writes its row
     block = triton.next_power_of_2(width)
     if rows:
         with on_device_of(h):
             _rms_norm_bwd[(programs,)](h, weight, rstd, dy, dy if dh is None else dh, dx, dx if da is None else da,
                                        dw_part, rows, width, HAS_DH=dh is not None, ADD=da is not None, BLOCK=block,
                                        num_warps=_warps(block))
+    else:
+        dw_part.zero_()  # no rows: no gradient
     return dx, da, dw_part.sum(0).to(weight.dtype)
 
 
