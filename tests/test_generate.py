@@ -800,6 +800,21 @@ def test_cli_tokenizer_that_cannot_apply_is_refused(token_ckpt: Path, byte_ckpt:
     assert captured.err == message.format(path=path) + "\n" and captured.out == ""
 
 
+def _decode_with_each_attention(model: LanguageModel, lengths: tuple[int, ...], steps: int, max_len: int,
+                                cuda_graph: bool) -> list[list[torch.Tensor]]:
+    """Random prompts of these lengths prefilled and decoded `steps` steps by a static-step decoder with
+    decode_attention="triton", then "flash": each run's logits, prefill first."""
+    device = model.embed.weight.device
+    prompts = [torch.randint(0, 256, (n,)).tolist() for n in lengths]
+    follow = torch.randint(0, 256, (len(lengths), steps), device=device)
+    runs = []
+    for attention in ("triton", "flash"):
+        decoder = Decoder(model, len(lengths), max_len, routed_rows="masked", cuda_graph=cuda_graph,
+                          decode_attention=attention)
+        runs.append([decoder.prefill(prompts)] + [decoder.step(follow[:, i]) for i in range(steps)])
+    return runs
+
+
 @needs_gpu
 @pytest.mark.parametrize("pattern", ["mod", "mode_staged_token_choice"])
 def test_the_decode_attention_kernel_decodes_as_sdpa_does(pattern: str) -> None:
@@ -809,12 +824,7 @@ def test_the_decode_attention_kernel_decodes_as_sdpa_does(pattern: str) -> None:
 
     model = make_model(pattern, "aux_loss", n_layers=4).to("cuda", torch.float32)
     assert decode_attention_applies(torch.empty(3, 4, 8, device="cuda"), any_batch=True)  # the model's heads
-    prompts = [torch.randint(0, 256, (n,)).tolist() for n in (4, 9, 7)]
-    follow = torch.randint(0, 256, (3, 6), device="cuda")
-    runs = []
-    for attention in ("triton", "flash"):
-        decoder = Decoder(model, 3, 32, routed_rows="masked", cuda_graph=True, decode_attention=attention)
-        runs.append([decoder.prefill(prompts)] + [decoder.step(follow[:, i]) for i in range(6)])
+    runs = _decode_with_each_attention(model, (4, 9, 7), steps=6, max_len=32, cuda_graph=True)
     for fast, masked in zip(*runs):
         torch.testing.assert_close(fast, masked, rtol=0, atol=1e-4)
 
@@ -834,12 +844,6 @@ def test_the_decode_attention_kernel_at_every_batch_decodes_as_without_it() -> N
     model = make_model("mod", "aux_loss", n_layers=3).float().to(device)
     with use_kernels(KernelPolicy.only("decode_attention", cpu=True)):
         assert decode_attention_applies(torch.empty(2, 4, 8, device=device), any_batch=True)  # the model's heads
-    prompts = [torch.randint(0, 256, (n,)).tolist() for n in (4, 9)]
-    follow = torch.randint(0, 256, (2, 4), device=device)
-    runs = []
-    for attention in ("triton", "flash"):
-        with use_kernels(KernelPolicy.only("decode_attention", cpu=True)):
-            decoder = Decoder(model, 2, 20, routed_rows="masked", cuda_graph=False, decode_attention=attention)
-            runs.append([decoder.prefill(prompts)] + [decoder.step(follow[:, i]) for i in range(4)])
+        runs = _decode_with_each_attention(model, (4, 9), steps=4, max_len=20, cuda_graph=False)
     for kernel, sdpa in zip(*runs):
         torch.testing.assert_close(kernel, sdpa, rtol=1e-5, atol=1e-5)
