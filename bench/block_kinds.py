@@ -28,7 +28,7 @@ from bench.common import (
     require_cuda_unless_tiny,
     verdict,
 )
-from bench.mod_step import COMPILE, Runner, check_modes
+from bench.mod_step import COMPILE, Runner, add_optimizer_arg, check_modes, describe_optimizer
 from mode.config import BLOCK_KINDS, Config, config_from_dict
 from mode.flops import model_flops
 
@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="how the models run: a table for each (CUDA-graph modes on a GPU only)")
     parser.add_argument("--only", nargs="+", metavar="ROW",
                         help="only these rows (block kinds or variant names, as the table names them; dense is always first)")
+    add_optimizer_arg(parser)
     add_routing_switches(parser)
     args = parser.parse_args(argv)
     selected = pick_rows(parser, args.only)
@@ -63,6 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"card: {card}; B={args.batch} S={args.seq} D={args.width} layers={args.layers} ffn={args.ffn} "
           f"vocab={args.vocab}; pattern [dense, KIND]; {args.experts} experts, expert choice, capacity factor 1; "
           f"{precision(device)}; {triton}")
+    print(f"the step's update: {describe_optimizer(args.optimizer, device)}")
     for mode in args.modes:
         print(f"\n{mode}\n")
         print("| block kind | fwd+bwd ms | step ms | peak GiB | forward MFLOPs/token | step ms / dense | "
@@ -72,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
         for name, kind, moe in selected:
             if COMPILE[mode] is not None:  # each model compiles afresh: no kind counts against another's recompile limit
                 torch._dynamo.reset()
-            runner = Runner(kind_config(kind, args, moe), mode, args, device)  # one round of --iters after --warmup
+            runner = Runner(kind_config(kind, args, moe), mode, args, device, optimizer=args.optimizer)  # one round of --iters after --warmup
             fwd_bwd_ms, step_ms = statistics.median(runner.fwd_bwd_ms), statistics.median(runner.step_ms)
             flops = model_flops(runner.model.config).forward_per_token
             dense_ms, dense_flops = dense_ms or step_ms, dense_flops or flops

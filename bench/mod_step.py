@@ -16,8 +16,9 @@ dense, ...); each cell is the median over rounds of each round's median. Prints 
 with each model's training FLOPs a step (mode.flops: 3 x the analytic forward, every token of the
 batch) over its step time, and again over its back-to-back step time, in TFLOP/s.
 --attention-backend runs every mode once per SDPA kernel (train.attention_backend's choices);
---optimizer train steps as mode.train does (decay groups, global-norm clipping) instead of plain
-fused AdamW.
+--optimizer train steps as mode.train does (decay groups, global-norm clipping, and on a GPU the
+matrices in bf16 with float32 masters: train.bf16_weights), train-float32 the same with float32
+weights, adamw (the default) plain fused AdamW on every float32 parameter.
 "eager + CUDA graphs" is the eager model as train.cuda_graphs trains it (mode.training.graphs.GraphedMicroStep:
 forward and backward captured once, replayed; no torch.compile): how python -m mode.train runs
 without torch.compile on a GPU by default (train.cuda_graphs=auto). "eager" is plain eager
@@ -81,10 +82,30 @@ def check_modes(parser: argparse.ArgumentParser, modes: list[str] | None) -> Non
             parser.error(f"--modes {mode!r} needs a CUDA GPU")
 
 
+OPTIMIZERS = ("adamw", "train", "train-float32")
+
+
+def add_optimizer_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
+                        help="the step's update: fused AdamW on every float32 parameter; mode.train's step (weight "
+                             "decay on matrices only, global-norm clipping folded into the update, gradients zeroed "
+                             "by the step; on a GPU the matrices in bf16 with float32 masters, train.bf16_weights); "
+                             "or mode.train's step with float32 weights")
+
+
+def describe_optimizer(optimizer: str, device: torch.device) -> str:
+    if optimizer == "adamw":
+        return "fused AdamW on every float32 parameter"
+    bf16 = optimizer == "train" and device.type == "cuda"
+    weights = "bf16 matrices with float32 masters" if bf16 else "float32 weights"
+    return f"mode.train's (AdamW, decay on matrices, gradients clipped at norm 1.0), {weights}"
+
+
 class Runner:
     """One model, its fused AdamW and a fixed batch: timed forward+backward and whole steps.
     attention: the SDPA kernel (train.attention_backend); optimizer: "adamw" (fused AdamW on every
-    parameter) or "train" (mode.train's TorchOptimization)."""
+    parameter), "train" (mode.train's TorchOptimization, bf16 weights on a GPU) or "train-float32"
+    (the same with float32 weights)."""
 
     def __init__(self, config: Config, mode: str, args: argparse.Namespace, device: torch.device,
                  attention: str = "auto", optimizer: str = "adamw") -> None:
@@ -97,8 +118,9 @@ class Runner:
         self.graphs = mode == "compiled + CUDA graphs"
         self.optimization: TorchOptimization | None = None  # optimizer "train": mode.train's step
         graphed = mode == "eager + CUDA graphs"
-        if optimizer == "train":
-            self.optimization = TorchOptimization(self.model, config, device, keep_grads=graphed, zero_grads=not graphed)
+        if optimizer in OPTIMIZERS[1:]:
+            self.optimization = TorchOptimization(self.model, config, device, keep_grads=graphed, zero_grads=not graphed,
+                                                  bf16_weights=optimizer == "train" and device.type == "cuda")
             self.optimizer = self.optimization.optimizer
         else:
             self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=device.type == "cuda")
@@ -125,7 +147,7 @@ class Runner:
         if self.micro_step is not None:
             self.micro_step(self.x, self.y)
             return
-        self.optimizer.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)  # the model's: with bf16 weights the optimizer holds masters
         if self.graphs:
             torch.compiler.cudagraph_mark_step_begin()
         with self.autocast:
@@ -146,7 +168,7 @@ class Runner:
         self.step_ms.append(timed(self.step, warmup, self.args.iters, self.device))
         self.back_to_back_ms.append(timed_back_to_back(self.step, warmup, self.args.iters, self.device))
         if self.micro_step is None:  # a captured graph's gradients stay with it
-            self.optimizer.zero_grad(set_to_none=True)
+            self.model.zero_grad(set_to_none=True)
 
 
 def measure_pair(dense_cfg: Config, mod_cfg: Config, mode: str, args: argparse.Namespace,
@@ -181,10 +203,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--attention-backend", nargs="+", choices=list(ATTENTION_BACKENDS), default=["auto"],
                         help="SDPA kernels of the attention layers (train.attention_backend): each mode is timed "
                              "once per kernel named, both models each time")
-    parser.add_argument("--optimizer", choices=["adamw", "train"], default="adamw",
-                        help="the step's update: fused AdamW on every parameter, or mode.train's step "
-                             "(weight decay on matrices only, global-norm clipping folded into fused AdamW, "
-                             "gradients zeroed by the step)")
+    add_optimizer_arg(parser)
     parser.add_argument("--kernels", choices=["triton", "torch"], default="triton",
                         help="eager: any Triton kernels at all, or PyTorch ops only (KernelPolicy.enabled, "
                              "as MODE_KERNELS=torch)")
@@ -217,9 +236,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{precision(device)}, {triton}")
     print(f"analytic forward FLOPs/token: dense {model_flops(dense_cfg).forward_per_token / 1e6:.1f}M, "
           f"MoD {model_flops(mod_cfg).forward_per_token / 1e6:.1f}M, ratio {flop_ratio:.3f}")
-    update = ("fused AdamW on every parameter" if args.optimizer == "adamw" else
-              "mode.train's (AdamW, decay on matrices, gradients clipped at norm 1.0)")
-    print(f"the step's update: {update}\n")
+    print(f"the step's update: {describe_optimizer(args.optimizer, device)}\n")
     step_flops = {name: model_flops(cfg).train_per_token * args.batch * args.seq
                   for name, cfg in (("dense", dense_cfg), ("MoD", mod_cfg))}
     print("| mode | model | fwd+bwd ms | step ms (AdamW) | steps back to back ms | peak GiB | fwd+bwd ratio | step ratio "
@@ -286,7 +303,7 @@ def host_ms(runner: Runner, passes: int) -> tuple[float, float]:
     for the GPU: where they add up to more than the kernels take, the host sets the pace."""
     forward, backward = [], []
     for _ in range(passes):
-        runner.optimizer.zero_grad(set_to_none=True)
+        runner.model.zero_grad(set_to_none=True)
         sync(runner.device)
         start = time.perf_counter()
         with runner.autocast:

@@ -24,10 +24,11 @@
 # Environment: PYTHON (default python3), LOG_DIR (default $OUT/speed, else /tmp/speed),
 # PART_TIMEOUT (seconds a part may run, default 540; a part cut short says so at its end),
 # DEADLINE (seconds after which no part starts and a running one is cut short, default none),
-# GPUS (GPU indices, default 0,1,2,3).
+# GPUS (GPU indices, default 0,1,2,3), OPTIMIZER (the kinds, compiled and step parts' --optimizer:
+# adamw, the default, or train / train-float32, mode.train's step with bf16 or float32 weights).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PY=${PYTHON:-python3}
+export PY=${PYTHON:-python3} OPTIMIZER=${OPTIMIZER:-adamw}
 LOG_DIR=${LOG_DIR:-${OUT:-/tmp}/speed}
 PART_TIMEOUT=${PART_TIMEOUT:-540}
 DEADLINE=${DEADLINE:-}
@@ -47,14 +48,15 @@ part_decode_rows() {
   [ -z "$TINY_ARG" ] || batch=4
   "$PY" -m bench.decode $TINY_ARG --batches $batch --models MoD "Staged MoDE" --decoder-arg compact_rows=False
 }
-part_kinds() { "$PY" -m bench.block_kinds $TINY_ARG --modes "$GRAPH_MODES"; }
+part_kinds() { "$PY" -m bench.block_kinds $TINY_ARG --modes "$GRAPH_MODES" --optimizer "$OPTIMIZER"; }
 part_compiled() {
   [ -z "$TINY_ARG" ] || { gpu_only "compiled block kinds"; return; }
-  "$PY" -m bench.block_kinds --modes compiled
+  "$PY" -m bench.block_kinds --modes compiled --optimizer "$OPTIMIZER"
 }
 part_step() {
   [ -n "$TINY_ARG" ] || modes=compiled
-  "$PY" -m bench.mod_step $TINY_ARG --modes "$GRAPH_MODES" ${modes:-} --attention-backend $BACKENDS
+  "$PY" -m bench.mod_step $TINY_ARG --modes "$GRAPH_MODES" ${modes:-} --attention-backend $BACKENDS \
+    --optimizer "$OPTIMIZER"
 }
 part_profile() { "$PY" -m bench.block_profile $TINY_ARG --kinds moe mode_staged mode_integrated --top 8; }
 part_prefill() { "$PY" -m bench.prefill $TINY_ARG; }

@@ -730,6 +730,30 @@ def test_default_cuda_graphs_train_as_plain_eager(tmp_path: Path, corpus: Path, 
     assert_same_curves(runs[False], runs["auto"], "eager")
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 autocast trains on a GPU")
+@pytest.mark.parametrize("case", sorted(AUTO_GRAPHED))
+def test_bf16_weights_train_as_float32_weights(tmp_path: Path, corpus: Path, case: str) -> None:
+    """train.bf16_weights (auto: on, under the default CUDA graphs) against float32 weights: the same
+    curves to the eager graphs' tolerance (the update rounds in another order); the checkpoint holds
+    float32 weights, and a resume with float32 weights continues it."""
+    block, routing, moe = AUTO_GRAPHED[case]
+    runs = {}
+    for bf16 in (False, "auto"):
+        config = make_config(tmp_path / str(bf16), corpus, model={"block_pattern": ["dense", block]}, routing=routing,
+                             moe=moe, train={"device": "cuda", "max_steps": 4, "warmup_steps": 2, "eval_interval": 2,
+                                             "bf16_weights": bf16})
+        trainer = Trainer(config)
+        assert (trainer.optimization.bf16 is not None) is (bf16 == "auto")
+        runs[bf16] = trainer.run()
+    assert_same_curves(runs[False], runs["auto"], "eager")
+    weights = torch.load(tmp_path / "auto" / CHECKPOINT, weights_only=False)["model"]
+    assert all(t.dtype == torch.float32 for t in weights.values() if t.is_floating_point())
+    config = make_config(tmp_path / "auto", corpus, model={"block_pattern": ["dense", block]}, routing=routing, moe=moe,
+                         train={"device": "cuda", "max_steps": 6, "warmup_steps": 2, "eval_interval": 2,
+                                "bf16_weights": False})
+    assert [r["step"] for r in Trainer(config, resume=True).run() if "loss" in r] == [5, 6]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_graphed_resume_continues_the_same_curve(tmp_path: Path, corpus: Path) -> None:
     """Under the default CUDA graphs a resumed run captures again: with random routing it must draw

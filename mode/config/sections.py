@@ -212,6 +212,16 @@ class TrainConfig(Section):
             "true: required (an error where they cannot run); false: plain eager"
         ),
     )
+    bf16_weights: StrictBool | Literal["auto"] = Field(
+        "auto",
+        description=(
+            "hold the attention, FFN and expert matrices in bf16 while training under bf16 autocast, each with a "
+            "float32 master that AdamW steps and rounds into it (no per-step casts of the weights or of their "
+            "gradients; the same values). auto: wherever it can run (python -m mode.train on a GPU, "
+            "grad_accum=1); true: required (an error where it cannot run); false: float32 weights. "
+            "Checkpoints hold the float32 masters either way"
+        ),
+    )
     attention_backend: Literal["auto", "flash", "cudnn", "efficient", "math"] = Field(
         "auto",
         description=(

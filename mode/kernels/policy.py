@@ -30,9 +30,10 @@ from torch import Tensor
 
 KERNEL_CHOICES = ("triton", "torch")
 
-Op = Literal["elementwise", "norm", "topk", "softmax_topk", "rows", "expert_choice", "decision", "decode_attention"]
+Op = Literal["elementwise", "norm", "topk", "softmax_topk", "rows", "expert_choice", "decision", "decode_attention",
+             "optimizer"]
 OPS: tuple[str, ...] = ("elementwise", "norm", "topk", "softmax_topk", "rows", "expert_choice", "decision",
-                        "decode_attention")
+                        "decode_attention", "optimizer")
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,8 @@ class KernelPolicy:
         and the active rows) and the compaction of its chosen rows, one kernel each.
     decode_attention: a decode step's single-query attention over its KV cache, one program per
         row and head (no padded query tile), where the step has rows enough.
+    optimizer: AdamW on a float32 master weight writing its bf16 copy in the same pass
+        (train.bf16_weights).
     cpu: also CPU tensors, through Triton's interpreter (tests); CUDA-only PyTorch paths (the
         bf16 router GEMM) take their CPU fallbacks then.
     """
@@ -66,6 +69,7 @@ class KernelPolicy:
     expert_choice: bool = True
     decision: bool = True
     decode_attention: bool = True
+    optimizer: bool = True
     cpu: bool = False
 
     def allows(self, op: Op) -> bool:

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from mode.config import Config, ConfigError
 from mode.flops import train_step_flops
 from mode.routing import CausalPredictor
+from mode.training.bf16_weights import Bf16Weights, matrix_weights
 
 
 # ----------------------------------------------------------------------------- schedule
@@ -133,6 +134,18 @@ def clipped_gradients(
         del optimizer.grad_scale  # this step only
 
 
+def total_norm(grads: list[Tensor]) -> Tensor:
+    """The 2-norm of all of grads, each tensor's summed in float32 whatever its dtype (bf16 weights'
+    gradients: their per-tensor norms are not rounded to bf16, as get_total_norm's would be)."""
+    by_dtype: dict[torch.dtype, list[Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    if len(by_dtype) < 2 and torch.bfloat16 not in by_dtype:
+        return torch.nn.utils.get_total_norm(grads, 2.0)
+    norms = [n for group in by_dtype.values() for n in torch._foreach_norm(group, 2.0, dtype=torch.float32)]
+    return torch.linalg.vector_norm(torch.stack(norms))
+
+
 def _clip_factor(norm: Tensor, max_norm: float) -> Tensor:
     return (max_norm / (norm + 1e-6)).clamp(max=1.0)
 
@@ -164,18 +177,23 @@ class TorchOptimization:
     its momentum, where a freed gradient would skip it; in every shipped config each
     parameter gets a gradient each step: tests/test_configs.py.) zero_grads=False: kept
     gradients are left as the step found them, for an owner that writes them afresh each step
-    (the eager model's CUDA graph, mode/training/graphs.py).
+    (the eager model's CUDA graph, mode/training/graphs.py). bf16_weights: the model's matrices
+    become bf16, their float32 masters in the optimizer (mode/training/bf16_weights.py); the
+    model's weights for checkpoints are model_state_dict()'s, not model.state_dict()'s.
     """
 
     def __init__(self, model: nn.Module, config: Config, device: torch.device, keep_grads: bool = False,
-                 zero_grads: bool = True) -> None:
+                 zero_grads: bool = True, bf16_weights: bool = False) -> None:
         t = config.train
         self.model = model
         self.keep_grads, self.zero_grads = keep_grads, zero_grads
         self.grad_clip = t.grad_clip
         self.predictor_ids = predictor_parameter_ids(model)
+        # train.bf16_weights: the matrices in bf16, their float32 masters in the optimizer
+        self.bf16 = Bf16Weights(matrix_weights(model)) if bf16_weights else None
+        groups = parameter_groups(model, t.weight_decay)
         self.optimizer = torch.optim.AdamW(
-            parameter_groups(model, t.weight_decay),
+            groups if self.bf16 is None else self.bf16.in_groups(groups),
             lr=t.lr,
             betas=(t.beta1, t.beta2),
             fused=device.type == "cuda",
@@ -193,13 +211,28 @@ class TorchOptimization:
             group["lr"] = lr
         params, predictor_params = split_predictor_parameters(self.model, self.predictor_ids)
         grads, predictor_grads = [p.grad for p in params], [p.grad for p in predictor_params]
-        norm = torch.nn.utils.get_total_norm(grads, 2.0)
-        apart = [(predictor_grads, torch.nn.utils.get_total_norm(predictor_grads, 2.0))] if predictor_grads else []
-        with clipped_gradients(self.optimizer, grads, norm, self.grad_clip, apart):
-            self.optimizer.step()
+        norm = total_norm(grads)
+        apart = [(predictor_grads, total_norm(predictor_grads))] if predictor_grads else []
+        # bf16 weights' gradients: scaled inside their masters' update, not by clipped_gradients
+        float32_grads = grads if self.bf16 is None else [p.grad for p in params if not self.bf16.owns(p)]
+        with clipped_gradients(self.optimizer, float32_grads, norm, self.grad_clip, apart):
+            self.optimizer.step()  # every parameter but the masters, which have no gradient
+        if self.bf16 is not None:
+            clip = _clip_factor(norm, self.grad_clip) if self.grad_clip > 0 else torch.ones_like(norm)
+            self.bf16.step(self.optimizer, clip.reciprocal())  # as clipped_gradients hands fused AdamW
         if self.zero_grads or not self.keep_grads:
-            self.optimizer.zero_grad(set_to_none=not self.keep_grads)
+            self.model.zero_grad(set_to_none=not self.keep_grads)
         return norm.detach()
+
+    def model_state_dict(self) -> dict[str, Tensor]:
+        """The model's weights for a checkpoint: with bf16 weights, their float32 masters."""
+        state = self.model.state_dict()
+        return state if self.bf16 is None else self.bf16.masters_in(state)
+
+    def load_model_state_dict(self, state: dict[str, Tensor]) -> None:
+        self.model.load_state_dict(state)
+        if self.bf16 is not None:
+            self.bf16.load(self.model, state)
 
     def state_dict(self) -> dict[str, Any]:
         return self.optimizer.state_dict()

@@ -30,6 +30,7 @@ from mode.flops import model_flops, train_step_flops
 from mode.layers.attention import attention_backend_problem, set_attention_backend
 from mode.routing import bias_balanced_routers, set_depth_capacities
 from mode.run_folder import CHECKPOINT, CONFIG, METRICS
+from mode.training.bf16_weights import bf16_weights_apply
 from mode.training.evaluation import validation_metrics
 from mode.training.folder import (
     CheckpointWriteError,
@@ -151,8 +152,11 @@ class Trainer:
         # CUDA graphs own their outputs and keep the gradients: compiled ones add into zeroed
         # gradients, the eager model's graph writes them itself (GraphedMicroStep).
         self.graphed = (t.compile and t.compile_mode == "reduce-overhead") or eager_graphed
+        bf16_weights, note = bf16_weights_apply(config, self.device, one_process=optimization is None)
+        if note:
+            self.notes.append(note)
         self.optimization = optimization or TorchOptimization(self.model, config, self.device, keep_grads=self.graphed,
-                                                              zero_grads=not eager_graphed)
+                                                              zero_grads=not eager_graphed, bf16_weights=bf16_weights)
         self.graphed_step: GraphedMicroStep | None = None
         if eager_graphed:
             self.graphed_step = GraphedMicroStep(self.model, self.optimization.backward, t.grad_accum)
@@ -224,7 +228,7 @@ class Trainer:
         if isinstance(self.optimization, DistributedOptimization):
             payload.update(self.optimization.save_checkpoint(self.out_dir, payload))
         else:
-            payload.update(model=self.model.state_dict(), optimizer=self.optimization.state_dict())
+            payload.update(model=self.model_state_dict(), optimizer=self.optimization.state_dict())
         return payload
 
     def save_checkpoint(self) -> None:
@@ -255,11 +259,23 @@ class Trainer:
                 "sharded over its processes: resume it with launch/train.py (its weights load on one device)"
             )
         else:
-            self.model.load_state_dict(payload["model"])
+            self.load_model_state_dict(payload["model"])
             self.optimization.load_state_dict(payload["optimizer"])
         self.state = RunState(**payload["state"])
         self.saved_step = self.state.step
         restore_rng(payload, self.device)
+
+    def model_state_dict(self) -> dict[str, Tensor]:
+        """The model's weights as a checkpoint holds them (float32 masters of bf16 weights)."""
+        if isinstance(self.optimization, TorchOptimization):
+            return self.optimization.model_state_dict()
+        return self.model.state_dict()
+
+    def load_model_state_dict(self, state: dict[str, Tensor]) -> None:
+        if isinstance(self.optimization, TorchOptimization):
+            self.optimization.load_model_state_dict(state)
+        else:
+            self.model.load_state_dict(state)
 
     def mean_over_ranks(self, values: dict[str, float]) -> dict[str, float]:
         """Losses averaged over data-parallel ranks (each rank saw its share of the batch)."""

@@ -1,0 +1,153 @@
+"""The model's matrices held in bf16 while it trains, each with a float32 master that AdamW steps
+(train.bf16_weights).
+
+Under bf16 autocast a float32 matrix is cast to bf16 by every forward that reads it, and its bf16
+gradient is cast back to float32 by the backward, which AdamW then reads: three passes over each
+matrix a step besides the update. Held in bf16, with its float32 master kept by the optimizer, none
+of them runs: the matmuls read the bf16 weight as they read its cast before, the gradient stays
+the backward's bf16 product, and one kernel (mode/kernels/adamw.py) steps the master and writes
+the new bf16 copy. Same values: the copy is the master rounded as the cast rounded it, and the
+gradient is the same bf16 product, so the master moves as the float32 weight did. (A weight read
+twice in a step, a recursion's shared block, has its bf16 gradients summed in bf16, as autocast's
+cached cast sums them in a plain eager step.)
+
+Which matrices: the attention projections, the dense FFNs' and the experts' (matrix_weights), the
+ones only autocast matmuls read. Embeddings (the float32 residual stream starts there), the output
+head (the loss adds into its float32 gradient itself), norms, routers and causal predictors
+(computed in float32) stay float32.
+
+Outside the step the masters are the model's weights: TorchOptimization.model_state_dict() puts
+them in checkpoints, so a checkpoint is the same with or without bf16 weights, and the optimizer
+state keeps torch.optim.AdamW's layout (each master in its weight's place).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from mode.config import Config, ConfigError
+from mode.kernels.policy import use_triton
+from mode.layers.attention import CausalSelfAttention
+from mode.layers.experts import Experts
+from mode.layers.mlp import SwiGLU
+
+
+def bf16_weights_apply(config: Config, device: torch.device, one_process: bool) -> tuple[bool, str | None]:
+    """Whether the model trains with bf16 matrices and float32 masters (train.bf16_weights), and,
+    where auto turns it off on a GPU, a note saying why. true: required, a ConfigError naming the
+    field where it cannot run; auto: wherever it can; false: never."""
+    t = config.train
+    if t.bf16_weights is False:
+        return False, None
+    required = t.bf16_weights is True
+    reason = None
+    if device.type != "cuda":
+        reason = f"training autocasts to bf16 on CUDA only (train.device is {t.device!r}: {device})"
+    elif not one_process:
+        reason = "a DeepSpeed engine (launch/train.py) keeps the weights itself; it runs with python -m mode.train"
+    elif t.grad_accum > 1:
+        reason = (f"train.grad_accum={t.grad_accum} would add the micro-batches' gradients in bf16 "
+                  "(float32 weights add them in float32)")
+    if reason is None:
+        return True, None
+    if required:
+        raise ConfigError(f"train.bf16_weights=true: {reason}")
+    return False, None if device.type != "cuda" else f"train.bf16_weights=auto: float32 weights, since {reason}"
+
+
+def matrix_weights(model: nn.Module) -> list[nn.Parameter]:
+    """The trainable float32 matrices that only autocast matmuls read: attention, dense FFNs, experts."""
+    found: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        if isinstance(module, CausalSelfAttention):
+            weights = [module.qkv.weight, module.out.weight]
+        elif isinstance(module, SwiGLU):
+            weights = [module.gate_up.weight, module.down.weight]
+        elif isinstance(module, Experts):
+            weights = [module.w_in, module.w_out]
+        else:
+            continue
+        found.update((id(w), w) for w in weights if w.requires_grad and w.dtype == torch.float32)
+    return list(found.values())
+
+
+def master_update_(master: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, grad: Tensor, copy: Tensor, step: Tensor,
+                   grad_scale: Tensor, lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+    """One AdamW update of master (float32) from grad (bf16) and copy = master rounded to bf16: the
+    kernel where it runs (mode/kernels/adamw.py, whose docstring gives the arithmetic), else the
+    same in PyTorch ops. step: the count after this update; grad_scale: what grad is divided by."""
+    if use_triton(master, "optimizer"):
+        from mode.kernels.adamw import adamw_master_step_  # Triton: imported where it runs
+
+        adamw_master_step_(master, exp_avg, exp_avg_sq, grad, copy, step, grad_scale, lr, betas, eps, weight_decay)
+        return
+    beta1, beta2 = betas
+    g = grad.float() / grad_scale
+    master.sub_(lr * weight_decay * master)
+    exp_avg.mul_(beta1).add_(g, alpha=1.0 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+    correction1 = 1.0 - torch.pow(beta1, step)
+    correction2 = 1.0 - torch.pow(beta2, step)
+    master.sub_((lr / correction1) * exp_avg / (exp_avg_sq.sqrt() / correction2.sqrt() + eps))
+    copy.copy_(master)
+
+
+class Bf16Weights:
+    """params (float32, on one device) turned into bf16, each with a float32 master: the masters
+    take the params' places in the optimizer's groups (in_groups), and step() updates them from the
+    params' bf16 gradients."""
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        self.params = params
+        self.masters = [p.detach().clone(memory_format=torch.contiguous_format) for p in params]
+        self.param_of = {id(m): p for m, p in zip(self.masters, params, strict=True)}
+        self.master_of = {id(p): m for m, p in zip(self.masters, params, strict=True)}
+        for p in params:
+            p.data = p.data.to(torch.bfloat16, memory_format=torch.contiguous_format)
+
+    def in_groups(self, groups: list[dict]) -> list[dict]:
+        """Optimizer parameter groups with each param replaced by its master."""
+        return [{**g, "params": [self.master_of.get(id(p), p) for p in g["params"]]} for g in groups]
+
+    def owns(self, param: Tensor) -> bool:
+        return id(param) in self.master_of
+
+    def step(self, optimizer: torch.optim.Optimizer, grad_scale: Tensor) -> None:
+        """One AdamW update of every master whose param has a gradient (divided by `grad_scale`, 0-d
+        float32: 1 / the clipping factor), with the group's settings; the param becomes the new master rounded to bf16.
+        The state is torch.optim.AdamW's (step, exp_avg, exp_avg_sq), made on the first step."""
+        todo = []
+        for group in optimizer.param_groups:
+            for master in group["params"]:
+                param = self.param_of.get(id(master))
+                if param is not None and param.grad is not None:
+                    todo.append((group, master, param, self._state(optimizer, master)))
+        if not todo:
+            return
+        torch._foreach_add_([state["step"] for *_, state in todo], 1.0)
+        for group, master, param, state in todo:
+            master_update_(master, state["exp_avg"], state["exp_avg_sq"], param.grad, param.data, state["step"],
+                           grad_scale, group["lr"], group["betas"], group["eps"], group["weight_decay"])
+
+    @staticmethod
+    def _state(optimizer: torch.optim.Optimizer, master: Tensor) -> dict[str, Tensor]:
+        state = optimizer.state[master]
+        if not state:  # as AdamW makes it: the step count a float32 tensor beside the weight
+            state["step"] = torch.zeros((), dtype=torch.float32, device=master.device)
+            state["exp_avg"] = torch.zeros_like(master, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.preserve_format)
+        elif state["step"].device != master.device:  # a CPU count from a non-fused AdamW's checkpoint
+            state["step"] = state["step"].to(master.device, torch.float32)
+        return state
+
+    def masters_in(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
+        """A model state_dict with each bf16 param's entry replaced by its master."""
+        by_storage = {p.data_ptr(): m for p, m in zip(self.params, self.masters, strict=True)}
+        return {name: by_storage.get(t.data_ptr(), t) if t.dtype == torch.bfloat16 else t for name, t in state.items()}
+
+    def load(self, model: nn.Module, state: dict[str, Tensor]) -> None:
+        """After model.load_state_dict(state) (which rounded state's float32 weights into the bf16
+        params): the masters take state's float32 values."""
+        for name, p in model.named_parameters():
+            if self.owns(p):
+                self.master_of[id(p)].copy_(state[name])

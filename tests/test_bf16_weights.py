@@ -1,0 +1,167 @@
+"""train.bf16_weights: bf16 matrices with float32 masters train as float32 weights under autocast do.
+
+The update (mode/kernels/adamw.py, Triton's interpreter on CPU) against torch.optim.AdamW; the
+forward and backward against float32 weights under bf16 autocast (CPU autocast here, CUDA on a
+GPU); checkpoints; and where the setting applies."""
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+import torch
+
+from mode.config import ConfigError, config_from_dict, load_config
+from mode.kernels.policy import KernelPolicy, use_kernels
+from mode.model import LanguageModel
+from mode.training.bf16_weights import bf16_weights_apply, master_update_, matrix_weights
+from mode.training.optim import TorchOptimization
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = sorted((ROOT / "configs").glob("*_tiny.yaml"))
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Matrix weights' names end so; every other parameter stays float32.
+MATRIX_SUFFIXES = (".attn.qkv.weight", ".attn.out.weight", ".gate_up.weight", ".down.weight", ".w_in", ".w_out")
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["triton", "torch ops"])
+@pytest.mark.parametrize("decay, grad_scale", [(0.1, 1.0), (0.0, 2.5)], ids=["decay", "no decay, clipped"])
+def test_the_update_equals_adamw_and_writes_the_rounded_copy(kernel: bool, decay: float, grad_scale: float) -> None:
+    """Three updates of a float32 master from bf16 gradients equal torch.optim.AdamW's on a float32
+    weight given the same gradients (divided by grad_scale), to float32 rounding; the bf16 copy is
+    the master rounded to nearest even, bit for bit."""
+    gen = torch.Generator().manual_seed(0)
+    n = 10_000  # over two blocks of the kernel, the last one partial
+    master = torch.randn(n, generator=gen).to(DEVICE)
+    reference = master.clone().requires_grad_()
+    exp_avg, exp_avg_sq, step = torch.zeros_like(master), torch.zeros_like(master), torch.zeros((), device=DEVICE)
+    copy = master.to(torch.bfloat16)
+    adamw = torch.optim.AdamW([reference], lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=decay, foreach=False)
+    scale = torch.tensor(grad_scale, device=DEVICE)
+    for _ in range(3):
+        grad = (torch.randn(n, generator=gen) * 1e-2).to(torch.bfloat16).to(DEVICE)
+        step += 1
+        with use_kernels(KernelPolicy(optimizer=kernel, cpu=True)):
+            master_update_(master, exp_avg, exp_avg_sq, grad, copy, step, scale, 3e-3, (0.9, 0.95), 1e-8, decay)
+        reference.grad = grad.float() / grad_scale
+        adamw.step()
+        torch.testing.assert_close(master, reference.detach(), rtol=1e-6, atol=1e-7)
+        assert torch.equal(copy, master.to(torch.bfloat16))
+    state = adamw.state[reference]
+    torch.testing.assert_close(exp_avg, state["exp_avg"], rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(exp_avg_sq, state["exp_avg_sq"], rtol=1e-6, atol=1e-12)
+
+
+def _tiny(path: Path):
+    return load_config(path, ["--model.n_layers=2", "--model.max_seq_len=32", "--data.seq_len=32"])
+
+
+@pytest.mark.parametrize("path", TINY, ids=[p.stem for p in TINY])
+def test_only_the_matrices_that_autocast_matmuls_read_become_bf16(path: Path) -> None:
+    config = _tiny(path)
+    model = LanguageModel(config)
+    chosen = {id(p) for p in matrix_weights(model)}
+    names = [name for name, p in model.named_parameters() if id(p) in chosen]
+    assert names and all(name.endswith(MATRIX_SUFFIXES) for name in names), names
+    assert not any(part in name for name in names for part in ("router", "predictor", "norm", "embed", "lm_head"))
+    expected = {name for name, p in model.named_parameters() if name.endswith(MATRIX_SUFFIXES)}
+    assert set(names) == expected
+    TorchOptimization(model, config, torch.device("cpu"), bf16_weights=True)
+    for name, p in model.named_parameters():
+        assert p.dtype == (torch.bfloat16 if name in expected else torch.float32), name
+
+
+def _train(config, bf16: bool, steps: int, state: tuple[dict, dict] | None = None):
+    """steps optimizer steps of a tiny model under bf16 autocast (from state: model and optimizer
+    state dicts), on batches drawn from one seed: (losses, first step's gradients, optimization)."""
+    torch.manual_seed(0)
+    model = LanguageModel(config).to(DEVICE)
+    optimization = TorchOptimization(model, config, torch.device(DEVICE), bf16_weights=bf16)
+    if state is not None:
+        optimization.load_model_state_dict(state[0])
+        optimization.optimizer.load_state_dict(state[1])
+    gen = torch.Generator().manual_seed(1)
+    losses, first_grads = [], None
+    for _ in range(steps):
+        tokens = torch.randint(0, config.model.vocab_size, (2, 33), generator=gen).to(DEVICE)
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            loss = model(tokens[:, :-1], tokens[:, 1:]).loss
+        loss.backward()
+        if first_grads is None:
+            first_grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+        optimization.step(1e-3)
+        losses.append(loss.item())
+    return losses, first_grads, optimization
+
+
+@pytest.mark.parametrize("path", TINY, ids=[p.stem for p in TINY])
+def test_bf16_weights_train_as_float32_weights_under_autocast(path: Path) -> None:
+    """Every block kind: the first step's loss and gradients are bit for bit those of float32 weights
+    (the forward reads what autocast's cast gave); later losses differ by the update's float32
+    rounding only, carried through the bf16 rounding of the weights."""
+    config = _tiny(path)
+    float32_losses, float32_grads, _ = _train(config, False, 3)
+    losses, grads, optimization = _train(config, True, 3)
+    assert losses[0] == float32_losses[0]
+    assert grads.keys() == float32_grads.keys()
+    for name, grad in grads.items():
+        assert torch.equal(grad, float32_grads[name]), name
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(float32_losses), rtol=1e-4, atol=0)
+    bf16 = optimization.bf16
+    for param, master in zip(bf16.params, bf16.masters, strict=True):
+        assert param.dtype == torch.bfloat16 and master.dtype == torch.float32
+        assert torch.equal(param, master.to(torch.bfloat16))
+
+
+def test_checkpoints_hold_the_masters_and_resume_bit_for_bit() -> None:
+    """model_state_dict holds the float32 masters; a run resumed from its state dicts continues as
+    the uninterrupted run did, bit for bit, with bf16 weights or with float32 weights (one layout)."""
+    config = _tiny(ROOT / "configs" / "mode_integrated_tiny.yaml")
+    _, _, two = _train(config, True, 2)
+    buffer = io.BytesIO()
+    torch.save((two.model_state_dict(), two.optimizer.state_dict()), buffer)
+    model_state = two.model_state_dict()
+    assert all(t.dtype == torch.float32 for t in model_state.values() if t.is_floating_point())
+    for param, master in zip(two.bf16.params, two.bf16.masters, strict=True):
+        assert any(t is master for t in model_state.values()) and param.dtype == torch.bfloat16
+
+    def resumed(bf16: bool) -> tuple[float, dict]:
+        buffer.seek(0)
+        state = torch.load(buffer, weights_only=True)
+        model = LanguageModel(config).to(DEVICE)
+        optimization = TorchOptimization(model, config, torch.device(DEVICE), bf16_weights=bf16)
+        optimization.load_model_state_dict(state[0])
+        optimization.optimizer.load_state_dict(state[1])
+        tokens = torch.randint(0, config.model.vocab_size, (2, 33), generator=torch.Generator().manual_seed(5)).to(DEVICE)
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            loss = model(tokens[:, :-1], tokens[:, 1:]).loss
+        loss.backward()
+        optimization.step(1e-3)
+        return loss.item(), optimization.model_state_dict()
+
+    loss_a, state_a = resumed(True)
+    loss_b, state_b = resumed(True)
+    assert loss_a == loss_b and all(torch.equal(state_a[k], state_b[k]) for k in state_a)
+    loss_float32, state_float32 = resumed(False)  # the same weights: the same forward
+    assert loss_float32 == loss_a
+    for name in state_a:
+        torch.testing.assert_close(state_float32[name], state_a[name], rtol=1e-5, atol=2e-5, msg=name)
+
+
+def test_where_bf16_weights_apply() -> None:
+    def config(**train):
+        return config_from_dict({"train": train}, "test")
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert bf16_weights_apply(config(), cuda, one_process=True) == (True, None)
+    assert bf16_weights_apply(config(), cpu, one_process=True) == (False, None)
+    assert bf16_weights_apply(config(bf16_weights=False), cuda, one_process=True) == (False, None)
+    on, note = bf16_weights_apply(config(grad_accum=2), cuda, one_process=True)
+    assert not on and "train.bf16_weights=auto" in note and "grad_accum=2" in note
+    on, note = bf16_weights_apply(config(), cuda, one_process=False)
+    assert not on and "DeepSpeed" in note
+    for train, device, one_process in [({}, cpu, True), ({"grad_accum": 2}, cuda, True), ({}, cuda, False)]:
+        with pytest.raises(ConfigError, match="train.bf16_weights=true"):
+            bf16_weights_apply(config(bf16_weights=True, **train), device, one_process)
+    with pytest.raises(Exception, match="bf16_weights"):
+        config(bf16_weights="yes")
