@@ -76,7 +76,7 @@ def refusal(name: str, argv: list[str], capsys: pytest.CaptureFixture[str]) -> s
     return last
 
 
-@pytest.mark.parametrize("name", ["moe_layer", "kernels", "row_ops"])
+@pytest.mark.parametrize("name", ["moe_layer", "kernels", "row_ops", "optimizer"])
 def test_gpu_only_scripts_need_cuda(name: str, capsys: pytest.CaptureFixture[str]) -> None:
     """The GPU-kernel benchmarks stop at once without CUDA (not at their first CUDA call)."""
     if CUDA:  # the check lets a GPU run through (the benchmark itself is not run here)

@@ -14,7 +14,7 @@ import torch
 from mode.config import ConfigError, config_from_dict, load_config
 from mode.kernels.policy import KernelPolicy, use_kernels
 from mode.model import LanguageModel
-from mode.training.bf16_weights import bf16_weights_apply, master_update_, matrix_weights
+from mode.training.bf16_weights import bf16_weights_apply, master_updates_, matrix_weights
 from mode.training.optim import TorchOptimization
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,29 +27,40 @@ MATRIX_SUFFIXES = (".attn.qkv.weight", ".attn.out.weight", ".gate_up.weight", ".
 @pytest.mark.parametrize("kernel", [True, False], ids=["triton", "torch ops"])
 @pytest.mark.parametrize("decay, grad_scale", [(0.1, 1.0), (0.0, 2.5)], ids=["decay", "no decay, clipped"])
 def test_the_update_equals_adamw_and_writes_the_rounded_copy(kernel: bool, decay: float, grad_scale: float) -> None:
-    """Three updates of a float32 master from bf16 gradients equal torch.optim.AdamW's on a float32
-    weight given the same gradients (divided by grad_scale), to float32 rounding; the bf16 copy is
-    the master rounded to nearest even, bit for bit."""
+    """Three updates of float32 masters from bf16 gradients, in one call, equal torch.optim.AdamW's
+    on float32 weights given the same gradients (divided by grad_scale), to float32 rounding; each
+    bf16 copy is its master rounded to nearest even, bit for bit. Sizes: under one block of the
+    kernel, one block, several with a partial last one, a matrix; a weight one step ahead of the
+    others (its own step count)."""
     gen = torch.Generator().manual_seed(0)
-    n = 10_000  # over two blocks of the kernel, the last one partial
-    master = torch.randn(n, generator=gen).to(DEVICE)
-    reference = master.clone().requires_grad_()
-    exp_avg, exp_avg_sq, step = torch.zeros_like(master), torch.zeros_like(master), torch.zeros((), device=DEVICE)
-    copy = master.to(torch.bfloat16)
-    adamw = torch.optim.AdamW([reference], lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=decay, foreach=False)
+    shapes = [(7,), (1024,), (2500,), (33, 70)]
+    masters = [torch.randn(shape, generator=gen).to(DEVICE) for shape in shapes]
+    references = [m.clone().requires_grad_() for m in masters]
+    moments = [(torch.zeros_like(m), torch.zeros_like(m)) for m in masters]
+    steps = [torch.full((), 1.0 if i == 2 else 0.0, device=DEVICE) for i in range(len(shapes))]
+    copies = [m.to(torch.bfloat16) for m in masters]
+    adamw = torch.optim.AdamW(references, lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=decay, foreach=False)
+    adamw.step()  # no gradients yet: no state
+    ahead = references[2]
+    adamw.state[ahead].update(step=torch.tensor(1.0), exp_avg=torch.zeros_like(ahead), exp_avg_sq=torch.zeros_like(ahead))
     scale = torch.tensor(grad_scale, device=DEVICE)
     for _ in range(3):
-        grad = (torch.randn(n, generator=gen) * 1e-2).to(torch.bfloat16).to(DEVICE)
-        step += 1
+        grads = [(torch.randn(shape, generator=gen) * 1e-2).to(torch.bfloat16).to(DEVICE) for shape in shapes]
+        for step in steps:
+            step += 1
         with use_kernels(KernelPolicy(optimizer=kernel, cpu=True)):
-            master_update_(master, exp_avg, exp_avg_sq, grad, copy, step, scale, 3e-3, (0.9, 0.95), 1e-8, decay)
-        reference.grad = grad.float() / grad_scale
+            master_updates_([(m, a, b, g, c, s) for m, (a, b), g, c, s in zip(masters, moments, grads, copies, steps)],
+                            scale, 3e-3, (0.9, 0.95), 1e-8, decay)
+        for reference, grad in zip(references, grads):
+            reference.grad = grad.float() / grad_scale
         adamw.step()
-        torch.testing.assert_close(master, reference.detach(), rtol=1e-6, atol=1e-7)
-        assert torch.equal(copy, master.to(torch.bfloat16))
-    state = adamw.state[reference]
-    torch.testing.assert_close(exp_avg, state["exp_avg"], rtol=1e-6, atol=1e-9)
-    torch.testing.assert_close(exp_avg_sq, state["exp_avg_sq"], rtol=1e-6, atol=1e-12)
+        for master, reference, copy in zip(masters, references, copies):
+            torch.testing.assert_close(master, reference.detach(), rtol=1e-6, atol=1e-7)
+            assert torch.equal(copy, master.to(torch.bfloat16))
+    for (exp_avg, exp_avg_sq), reference in zip(moments, references):
+        state = adamw.state[reference]
+        torch.testing.assert_close(exp_avg, state["exp_avg"], rtol=1e-6, atol=1e-9)
+        torch.testing.assert_close(exp_avg_sq, state["exp_avg_sq"], rtol=1e-6, atol=1e-12)
 
 
 def _tiny(path: Path):

@@ -1,4 +1,4 @@
-"""AdamW on a float32 master weight whose bf16 copy the model computes with, one pass per tensor.
+"""AdamW on a float32 master weight whose bf16 copy the model computes with, one launch for many tensors.
 
 Training under bf16 autocast over float32 weights casts every matrix to bf16 in each forward and
 its bf16 gradient back to float32 in each backward, and AdamW then reads the float32 gradient.
@@ -13,30 +13,46 @@ rounded to bf16. Arithmetic is float32, in the order of torch.optim.AdamW's fuse
     v = beta2 * v + (1 - beta2) * g^2
     w = w - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
 
-t, the tensor's step count, is read on the device (the optimizer's state keeps it there).
+t, the tensor's step count, is read on the device (the optimizer's state keeps it there). One
+launch updates many tensors: a table on the device holds each tensor's addresses, size and first
+block, and each program finds its tensor there (a dense model's forty-odd matrices are forty-odd
+launches otherwise, with a gap after each).
 """
 from __future__ import annotations
 
 import math
 
+import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from mode.kernels.common import on_device_of, store_rounded
 
-BLOCK = 4096
+BLOCK = 1024  # elements a program (4 warps): the fastest of 1024-8192 on an H200 (python -m bench.optimizer)
+MAX_TENSORS = 256  # tensors a launch takes; more take more launches
+TABLE_ROWS = 8  # master, exp_avg, exp_avg_sq, grad, copy, step addresses; size; first block
 
 
 @triton.jit
-def _adamw_master(w_ptr, m_ptr, v_ptr, g_ptr, copy_ptr, step_ptr, grad_scale_ptr, n, lr, beta1, beta2, log_beta1,
-                  log_beta2, eps, decay, BLOCK: tl.constexpr):
-    start = tl.program_id(0).to(tl.int64) * BLOCK
-    offs = start + tl.arange(0, BLOCK)
+def _adamw_masters(table_ptr, n_tensors, grad_scale_ptr, lr, beta1, beta2, log_beta1, log_beta2, eps, decay,
+                   BLOCK: tl.constexpr, TENSORS: tl.constexpr):
+    pid = tl.program_id(0)
+    idx = tl.arange(0, TENSORS)
+    firsts = tl.load(table_ptr + 7 * n_tensors + idx, mask=idx < n_tensors, other=1 << 62)
+    t = tl.sum((firsts <= pid).to(tl.int32), axis=0) - 1  # this program's tensor
+    n = tl.load(table_ptr + 6 * n_tensors + t)
+    w_ptr = tl.load(table_ptr + t).to(tl.pointer_type(tl.float32))
+    m_ptr = tl.load(table_ptr + n_tensors + t).to(tl.pointer_type(tl.float32))
+    v_ptr = tl.load(table_ptr + 2 * n_tensors + t).to(tl.pointer_type(tl.float32))
+    g_ptr = tl.load(table_ptr + 3 * n_tensors + t).to(tl.pointer_type(tl.bfloat16))
+    copy_ptr = tl.load(table_ptr + 4 * n_tensors + t).to(tl.pointer_type(tl.bfloat16))
+    step_ptr = tl.load(table_ptr + 5 * n_tensors + t).to(tl.pointer_type(tl.float32))
+    offs = (pid - tl.load(table_ptr + 7 * n_tensors + t)) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    t = tl.load(step_ptr)
-    correction1 = 1.0 - tl.exp(t * log_beta1)  # 1 - beta1^t
-    correction2 = 1.0 - tl.exp(t * log_beta2)
+    step = tl.load(step_ptr)
+    correction1 = 1.0 - tl.exp(step * log_beta1)  # 1 - beta1^t
+    correction2 = 1.0 - tl.exp(step * log_beta2)
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32) / tl.load(grad_scale_ptr)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0)
     m = tl.load(m_ptr + offs, mask=mask, other=0.0)
@@ -51,19 +67,45 @@ def _adamw_master(w_ptr, m_ptr, v_ptr, g_ptr, copy_ptr, step_ptr, grad_scale_ptr
     store_rounded(copy_ptr + offs, w, mask)
 
 
-def adamw_master_step_(master: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, grad: Tensor, copy: Tensor,
-                       step: Tensor, grad_scale: Tensor, lr: float, betas: tuple[float, float], eps: float,
-                       weight_decay: float) -> None:
-    """One AdamW update of master (float32) from grad (bf16), in place, and copy (bf16) = master rounded,
-    as one kernel (mode.training.bf16_weights.master_update_ has the same in PyTorch ops).
+# (master, exp_avg, exp_avg_sq, grad, copy, step) of one weight
+Update = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
 
-    step: the tensor's step count after this update (0-d float32, on master's device); grad_scale:
-    0-d float32, what the gradient is divided by (1 / the clipping factor, as AdamW's grad_scale).
-    Every tensor contiguous."""
+
+def adamw_masters_step_(updates: list[Update], grad_scale: Tensor, lr: float, betas: tuple[float, float], eps: float,
+                        weight_decay: float, block: int = BLOCK) -> None:
+    """One AdamW update of each master (float32) from its grad (bf16), in place, and its copy (bf16)
+    = the master rounded, in one launch per MAX_TENSORS weights (mode.training.bf16_weights.master_updates_
+    has the same in PyTorch ops).
+
+    step: each weight's step count after this update (0-d float32, on the device); grad_scale: 0-d
+    float32, what the gradients are divided by (1 / the clipping factor, as AdamW's grad_scale).
+    Every tensor contiguous, on one device. block: elements a program (a power of 2; bench.optimizer
+    compares them)."""
     beta1, beta2 = betas
-    n = master.numel()
-    with on_device_of(master):
-        _adamw_master[(triton.cdiv(n, BLOCK),)](
-            master, exp_avg, exp_avg_sq, grad, copy, step, grad_scale, n, lr, beta1, beta2,
-            math.log(beta1) if beta1 > 0 else -math.inf, math.log(beta2) if beta2 > 0 else -math.inf,
-            eps, weight_decay, BLOCK=BLOCK, num_warps=8)
+    logs = [math.log(b) if b > 0 else -math.inf for b in betas]
+    for start in range(0, len(updates), MAX_TENSORS):
+        chunk = updates[start:start + MAX_TENSORS]
+        table, programs = _table(chunk, block)
+        with on_device_of(grad_scale):
+            _adamw_masters[(programs,)](table, len(chunk), grad_scale, lr, beta1, beta2, *logs, eps, weight_decay,
+                                        BLOCK=block, TENSORS=triton.next_power_of_2(len(chunk)),
+                                        num_warps=4 if block <= 2048 else 8)
+
+
+def _table(updates: list[Update], block: int) -> tuple[Tensor, int]:
+    """The (TABLE_ROWS, T) int64 table of updates on their device, copied from pinned memory without
+    waiting for the device's queue; and the programs they take."""
+    columns, first = [], 0
+    for master, exp_avg, exp_avg_sq, grad, copy, step in updates:
+        if master.dtype != torch.float32 or grad.dtype != torch.bfloat16 or copy.dtype != torch.bfloat16:
+            raise TypeError("adamw_masters_step_: float32 masters with bf16 gradients and copies")
+        if not all(t.is_contiguous() for t in (master, exp_avg, exp_avg_sq, grad, copy)):
+            raise ValueError("adamw_masters_step_: the kernel reads and writes contiguous tensors only")
+        n = master.numel()
+        columns.append([t.data_ptr() for t in (master, exp_avg, exp_avg_sq, grad, copy, step)] + [n, first])
+        first += triton.cdiv(n, block)
+    table = torch.tensor(columns, dtype=torch.int64).t().contiguous()  # (TABLE_ROWS, T)
+    device = updates[0][0].device
+    if device.type == "cuda":
+        table = table.pin_memory().to(device, non_blocking=True)
+    return table, first

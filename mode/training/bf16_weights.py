@@ -31,6 +31,9 @@ from mode.layers.attention import CausalSelfAttention
 from mode.layers.experts import Experts
 from mode.layers.mlp import SwiGLU
 
+# (master, exp_avg, exp_avg_sq, grad, copy, step) of one weight: mode.kernels.adamw's Update
+Update = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
+
 
 def bf16_weights_apply(config: Config, device: torch.device, one_process: bool) -> tuple[bool, str | None]:
     """Whether the model trains with bf16 matrices and float32 masters (train.bf16_weights), and,
@@ -71,25 +74,27 @@ def matrix_weights(model: nn.Module) -> list[nn.Parameter]:
     return list(found.values())
 
 
-def master_update_(master: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, grad: Tensor, copy: Tensor, step: Tensor,
-                   grad_scale: Tensor, lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
-    """One AdamW update of master (float32) from grad (bf16) and copy = master rounded to bf16: the
-    kernel where it runs (mode/kernels/adamw.py, whose docstring gives the arithmetic), else the
-    same in PyTorch ops. step: the count after this update; grad_scale: what grad is divided by."""
-    if use_triton(master, "optimizer"):
-        from mode.kernels.adamw import adamw_master_step_  # Triton: imported where it runs
+def master_updates_(updates: list[Update], grad_scale: Tensor, lr: float, betas: tuple[float, float], eps: float,
+                    weight_decay: float) -> None:
+    """One AdamW update of each (master, exp_avg, exp_avg_sq, grad, copy, step): the master (float32)
+    from its bf16 grad, and copy = the master rounded to bf16. The kernel where it runs
+    (mode/kernels/adamw.py, whose docstring gives the arithmetic), else the same in PyTorch ops.
+    step: the count after this update; grad_scale: what the gradients are divided by."""
+    if updates and use_triton(updates[0][0], "optimizer"):
+        from mode.kernels.adamw import adamw_masters_step_  # Triton: imported where it runs
 
-        adamw_master_step_(master, exp_avg, exp_avg_sq, grad, copy, step, grad_scale, lr, betas, eps, weight_decay)
+        adamw_masters_step_(updates, grad_scale, lr, betas, eps, weight_decay)
         return
     beta1, beta2 = betas
-    g = grad.float() / grad_scale
-    master.sub_(lr * weight_decay * master)
-    exp_avg.mul_(beta1).add_(g, alpha=1.0 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
-    correction1 = 1.0 - torch.pow(beta1, step)
-    correction2 = 1.0 - torch.pow(beta2, step)
-    master.sub_((lr / correction1) * exp_avg / (exp_avg_sq.sqrt() / correction2.sqrt() + eps))
-    copy.copy_(master)
+    for master, exp_avg, exp_avg_sq, grad, copy, step in updates:
+        g = grad.float() / grad_scale
+        master.sub_(lr * weight_decay * master)
+        exp_avg.mul_(beta1).add_(g, alpha=1.0 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+        correction1 = 1.0 - torch.pow(beta1, step)
+        correction2 = 1.0 - torch.pow(beta2, step)
+        master.sub_((lr / correction1) * exp_avg / (exp_avg_sq.sqrt() / correction2.sqrt() + eps))
+        copy.copy_(master)
 
 
 class Bf16Weights:
@@ -114,20 +119,18 @@ class Bf16Weights:
 
     def step(self, optimizer: torch.optim.Optimizer, grad_scale: Tensor) -> None:
         """One AdamW update of every master whose param has a gradient (divided by `grad_scale`, 0-d
-        float32: 1 / the clipping factor), with the group's settings; the param becomes the new master rounded to bf16.
-        The state is torch.optim.AdamW's (step, exp_avg, exp_avg_sq), made on the first step."""
-        todo = []
+        float32: 1 / the clipping factor), with its group's settings; the param becomes the new master
+        rounded to bf16. The state is torch.optim.AdamW's (step, exp_avg, exp_avg_sq), made on the first step."""
         for group in optimizer.param_groups:
+            updates = []
             for master in group["params"]:
                 param = self.param_of.get(id(master))
                 if param is not None and param.grad is not None:
-                    todo.append((group, master, param, self._state(optimizer, master)))
-        if not todo:
-            return
-        torch._foreach_add_([state["step"] for *_, state in todo], 1.0)
-        for group, master, param, state in todo:
-            master_update_(master, state["exp_avg"], state["exp_avg_sq"], param.grad, param.data, state["step"],
-                           grad_scale, group["lr"], group["betas"], group["eps"], group["weight_decay"])
+                    state = self._state(optimizer, master)
+                    updates.append((master, state["exp_avg"], state["exp_avg_sq"], param.grad, param.data, state["step"]))
+            if updates:
+                torch._foreach_add_([update[-1] for update in updates], 1.0)
+                master_updates_(updates, grad_scale, group["lr"], group["betas"], group["eps"], group["weight_decay"])
 
     @staticmethod
     def _state(optimizer: torch.optim.Optimizer, master: Tensor) -> dict[str, Tensor]:

@@ -1,0 +1,100 @@
+"""The update of a training step alone, on one GPU: bf16 weights' masters against AdamW on float32 weights.
+
+    python -m bench.optimizer            # the matrices of block_kinds' Staged MoDE model (12 layers, D=1024,
+                                         # 8 experts of width 2816 in every other block: about 450M weights)
+
+Rows, measured in the same process, each the median of --iters passes timed with CUDA events
+(the update's GPU time: the host's launches run ahead of the device in a training step):
+- torch.optim.AdamW(fused=True) on float32 weights with float32 gradients (what train.bf16_weights=false
+  steps, without the casts of the forward and backward it also pays);
+- the masters' kernel (mode/kernels/adamw.py) on float32 masters with bf16 gradients, writing the
+  bf16 copies, at each --blocks size (elements a program; 4 warps up to 2048, 8 above), one launch;
+- the same kernel with one launch per weight (the launches' gaps).
+TB/s: the bytes each update must move (AdamW: read weight, gradient and both moments, write
+weight and moments; masters: the same with a bf16 gradient, plus the bf16 copy written) over its time.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from bench.common import require_cuda
+from mode.kernels import adamw as kernel
+
+
+def matrices(args: argparse.Namespace) -> list[tuple[int, ...]]:
+    """The shapes of the matrices bf16 weights hold: attention and FFN of the dense blocks, attention
+    and the experts' stacks of the routed ones."""
+    d, f, e = args.width, args.ffn, args.experts
+    shapes: list[tuple[int, ...]] = []
+    for layer in range(args.layers):
+        shapes += [(3 * d, d), (d, d)]
+        shapes += [(2 * f, d), (d, f)] if layer % 2 == 0 else [(e, d, 2 * f), (e, f, d)]
+    return shapes
+
+
+def gpu_ms(fn, warmup: int, iters: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--ffn", type=int, default=2816)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--blocks", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=20)
+    args = parser.parse_args(argv)
+    require_cuda(parser)
+    device = torch.device("cuda")
+    shapes = matrices(args)
+    n = sum(torch.Size(s).numel() for s in shapes)
+    weights = [torch.randn(s, device=device) * 0.02 for s in shapes]
+    grads = [torch.randn(s, device=device) * 1e-3 for s in shapes]
+    print(f"card: {torch.cuda.get_device_name()}; torch {torch.__version__}; {len(shapes)} matrices, "
+          f"{n / 1e6:.0f}M weights\n")
+    print("| update | GPU ms | TB/s |")
+    print("| --- | --- | --- |")
+
+    params = [torch.nn.Parameter(w.clone()) for w in weights]
+    for p, g in zip(params, grads):
+        p.grad = g
+    adamw = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, fused=True)
+    ms = gpu_ms(adamw.step, args.warmup, args.iters)
+    print(f"| fused AdamW, float32 weights and gradients | {ms:.3f} | {n * 28 / ms / 1e9:.2f} |")
+    del adamw, params
+
+    masters = [w.clone() for w in weights]
+    updates = [(m, torch.zeros_like(m), torch.zeros_like(m), g.to(torch.bfloat16), m.to(torch.bfloat16),
+                torch.ones((), device=device)) for m, g in zip(masters, grads)]
+    scale = torch.ones((), device=device)
+    for block in args.blocks:
+        ms = gpu_ms(lambda b=block: kernel.adamw_masters_step_(updates, scale, 1e-4, (0.9, 0.95), 1e-8, 0.1, b),
+                    args.warmup, args.iters)
+        print(f"| masters' kernel, one launch, {block} elements a program | {ms:.3f} | {n * 28 / ms / 1e9:.2f} |")
+
+    def per_weight() -> None:
+        for update in updates:
+            kernel.adamw_masters_step_([update], scale, 1e-4, (0.9, 0.95), 1e-8, 0.1)
+
+    ms = gpu_ms(per_weight, args.warmup, args.iters)
+    print(f"| masters' kernel, one launch per weight, {kernel.BLOCK} elements a program | {ms:.3f} | "
+          f"{n * 28 / ms / 1e9:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
