@@ -31,10 +31,13 @@ def test_the_update_equals_adamw_and_writes_the_rounded_copy(kernel: bool, decay
     on float32 weights given the same gradients (divided by grad_scale), to float32 rounding; each
     bf16 copy is its master rounded to nearest even, bit for bit. Sizes: under one block of the
     kernel, one block, several with a partial last one, a matrix; a weight one step ahead of the
-    others (its own step count)."""
+    others (its own step count); a master 4 bytes off 16-byte alignment (the kernel leaves it to the
+    PyTorch ops)."""
     gen = torch.Generator().manual_seed(0)
-    shapes = [(7,), (1024,), (2500,), (33, 70)]
+    shapes = [(7,), (1024,), (2500,), (33, 70), (300,)]
     masters = [torch.randn(shape, generator=gen).to(DEVICE) for shape in shapes]
+    masters[-1] = torch.cat([masters[-1].new_zeros(1), masters[-1]])[1:]  # a view 4 bytes into its storage
+    assert masters[-1].data_ptr() % 16 == 4
     references = [m.clone().requires_grad_() for m in masters]
     moments = [(torch.zeros_like(m), torch.zeros_like(m)) for m in masters]
     steps = [torch.full((), 1.0 if i == 2 else 0.0, device=DEVICE) for i in range(len(shapes))]

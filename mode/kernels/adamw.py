@@ -49,22 +49,50 @@ def _adamw_masters(table_ptr, n_tensors, grad_scale_ptr, lr, beta1, beta2, log_b
     copy_ptr = tl.load(table_ptr + 4 * n_tensors + t).to(tl.pointer_type(tl.bfloat16))
     step_ptr = tl.load(table_ptr + 5 * n_tensors + t).to(tl.pointer_type(tl.float32))
     offs = (pid - tl.load(table_ptr + 7 * n_tensors + t)) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
+    # Addresses read from the table carry no alignment Triton can see: every one is 16-byte aligned
+    # (kernel_takes), said here so that whole blocks' loads and stores are vectorised.
+    w_ptrs = tl.max_contiguous(tl.multiple_of(w_ptr + offs, 16), BLOCK)
+    m_ptrs = tl.max_contiguous(tl.multiple_of(m_ptr + offs, 16), BLOCK)
+    v_ptrs = tl.max_contiguous(tl.multiple_of(v_ptr + offs, 16), BLOCK)
+    g_ptrs = tl.max_contiguous(tl.multiple_of(g_ptr + offs, 16), BLOCK)
+    copy_ptrs = tl.max_contiguous(tl.multiple_of(copy_ptr + offs, 16), BLOCK)
     step = tl.load(step_ptr)
+    grad_scale = tl.load(grad_scale_ptr)
+    mask = offs < n
+    if (pid - tl.load(table_ptr + 7 * n_tensors + t) + 1) * BLOCK <= n:  # a whole block: no mask, vectorised
+        _update(w_ptrs, m_ptrs, v_ptrs, g_ptrs, copy_ptrs, mask, step, grad_scale, lr, beta1, beta2, log_beta1,
+                log_beta2, eps, decay, MASKED=False)
+    else:
+        _update(w_ptrs, m_ptrs, v_ptrs, g_ptrs, copy_ptrs, mask, step, grad_scale, lr, beta1, beta2, log_beta1,
+                log_beta2, eps, decay, MASKED=True)
+
+
+@triton.jit
+def _update(w_ptrs, m_ptrs, v_ptrs, g_ptrs, copy_ptrs, mask, step, grad_scale, lr, beta1, beta2, log_beta1, log_beta2,
+            eps, decay, MASKED: tl.constexpr):
     correction1 = 1.0 - tl.exp(step * log_beta1)  # 1 - beta1^t
     correction2 = 1.0 - tl.exp(step * log_beta2)
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32) / tl.load(grad_scale_ptr)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-    m = tl.load(m_ptr + offs, mask=mask, other=0.0)
-    v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+    if MASKED:
+        g = tl.load(g_ptrs, mask=mask, other=0.0)
+        w = tl.load(w_ptrs, mask=mask, other=0.0)
+        m = tl.load(m_ptrs, mask=mask, other=0.0)
+        v = tl.load(v_ptrs, mask=mask, other=0.0)
+    else:
+        g = tl.load(g_ptrs)
+        w = tl.load(w_ptrs)
+        m = tl.load(m_ptrs)
+        v = tl.load(v_ptrs)
+    g = g.to(tl.float32) / grad_scale
     w = w - lr * decay * w
     m = beta1 * m + (1.0 - beta1) * g
     v = beta2 * v + (1.0 - beta2) * g * g
     w = w - (lr / correction1) * m / (tl.sqrt(v) / tl.sqrt(correction2) + eps)
-    tl.store(w_ptr + offs, w, mask=mask)
-    tl.store(m_ptr + offs, m, mask=mask)
-    tl.store(v_ptr + offs, v, mask=mask)
-    store_rounded(copy_ptr + offs, w, mask)
+    if not MASKED:
+        mask = None
+    tl.store(w_ptrs, w, mask=mask)
+    tl.store(m_ptrs, m, mask=mask)
+    tl.store(v_ptrs, v, mask=mask)
+    store_rounded(copy_ptrs, w, mask)
 
 
 # (master, exp_avg, exp_avg_sq, grad, copy, step) of one weight
@@ -92,15 +120,23 @@ def adamw_masters_step_(updates: list[Update], grad_scale: Tensor, lr: float, be
                                         num_warps=4 if block <= 2048 else 8)
 
 
+def kernel_takes(update: Update) -> bool:
+    """Whether the kernel can update it: float32 master and moments, bf16 gradient and copy, each
+    contiguous and 16-byte aligned (its whole blocks are read and written 16 bytes at a time)."""
+    master, exp_avg, exp_avg_sq, grad, copy, _ = update
+    dtypes = (torch.float32,) * 3 + (torch.bfloat16,) * 2
+    tensors = (master, exp_avg, exp_avg_sq, grad, copy)
+    return all(t.dtype == d and t.is_contiguous() and t.data_ptr() % 16 == 0 for t, d in zip(tensors, dtypes))
+
+
 def _table(updates: list[Update], block: int) -> tuple[Tensor, int]:
     """The (TABLE_ROWS, T) int64 table of updates on their device, copied from pinned memory without
     waiting for the device's queue; and the programs they take."""
     columns, first = [], 0
     for master, exp_avg, exp_avg_sq, grad, copy, step in updates:
-        if master.dtype != torch.float32 or grad.dtype != torch.bfloat16 or copy.dtype != torch.bfloat16:
-            raise TypeError("adamw_masters_step_: float32 masters with bf16 gradients and copies")
-        if not all(t.is_contiguous() for t in (master, exp_avg, exp_avg_sq, grad, copy)):
-            raise ValueError("adamw_masters_step_: the kernel reads and writes contiguous tensors only")
+        if not kernel_takes((master, exp_avg, exp_avg_sq, grad, copy, step)):
+            raise ValueError("adamw_masters_step_: float32 masters and moments, bf16 gradients and copies, "
+                             "contiguous and 16-byte aligned (kernel_takes)")
         n = master.numel()
         columns.append([t.data_ptr() for t in (master, exp_avg, exp_avg_sq, grad, copy, step)] + [n, first])
         first += triton.cdiv(n, block)

@@ -81,10 +81,12 @@ def master_updates_(updates: list[Update], grad_scale: Tensor, lr: float, betas:
     (mode/kernels/adamw.py, whose docstring gives the arithmetic), else the same in PyTorch ops.
     step: the count after this update; grad_scale: what the gradients are divided by."""
     if updates and use_triton(updates[0][0], "optimizer"):
-        from mode.kernels.adamw import adamw_masters_step_  # Triton: imported where it runs
+        from mode.kernels.adamw import adamw_masters_step_, kernel_takes  # Triton: imported where it runs
 
-        adamw_masters_step_(updates, grad_scale, lr, betas, eps, weight_decay)
-        return
+        taken = [update for update in updates if kernel_takes(update)]
+        if taken:
+            adamw_masters_step_(taken, grad_scale, lr, betas, eps, weight_decay)
+        updates = [update for update in updates if not kernel_takes(update)]  # views off 16 bytes: rare
     beta1, beta2 = betas
     for master, exp_avg, exp_avg_sq, grad, copy, step in updates:
         g = grad.float() / grad_scale
