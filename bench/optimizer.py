@@ -1,7 +1,7 @@
 """The update of a training step alone, on one GPU: bf16 weights' masters against AdamW on float32 weights.
 
     python -m bench.optimizer            # the matrices of block_kinds' Staged MoDE model (12 layers, D=1024,
-                                         # 8 experts of width 2816 in every other block: about 450M weights)
+                                         # 8 experts of width 2816 in every other block: 517M weights)
 
 Rows, measured in the same process, each the median of --iters passes timed with CUDA events
 (the update's GPU time: the host's launches run ahead of the device in a training step):
