@@ -16,11 +16,10 @@ weight and moments; masters: the same with a bf16 gradient, plus the bf16 copy w
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
-from bench.common import require_cuda
+from bench.common import require_cuda, timed
 from mode.kernels import adamw as kernel
 
 
@@ -33,20 +32,6 @@ def matrices(args: argparse.Namespace) -> list[tuple[int, ...]]:
         shapes += [(3 * d, d), (d, d)]
         shapes += [(2 * f, d), (d, f)] if layer % 2 == 0 else [(e, d, 2 * f), (e, f, d)]
     return shapes
-
-
-def gpu_ms(fn, warmup: int, iters: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -74,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     for p, g in zip(params, grads):
         p.grad = g
     adamw = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, fused=True)
-    ms = gpu_ms(adamw.step, args.warmup, args.iters)
+    ms = timed(adamw.step, args.warmup, args.iters, device)
     print(f"| fused AdamW, float32 weights and gradients | {ms:.3f} | {n * 28 / ms / 1e9:.2f} |")
     del adamw, params
 
@@ -83,15 +68,15 @@ def main(argv: list[str] | None = None) -> None:
                 torch.ones((), device=device)) for m, g in zip(masters, grads)]
     scale = torch.ones((), device=device)
     for block in args.blocks:
-        ms = gpu_ms(lambda b=block: kernel.adamw_masters_step_(updates, scale, 1e-4, (0.9, 0.95), 1e-8, 0.1, b),
-                    args.warmup, args.iters)
+        ms = timed(lambda b=block: kernel.adamw_masters_step_(updates, scale, 1e-4, (0.9, 0.95), 1e-8, 0.1, b),
+                   args.warmup, args.iters, device)
         print(f"| masters' kernel, one launch, {block} elements a program | {ms:.3f} | {n * 28 / ms / 1e9:.2f} |")
 
     def per_weight() -> None:
         for update in updates:
             kernel.adamw_masters_step_([update], scale, 1e-4, (0.9, 0.95), 1e-8, 0.1)
 
-    ms = gpu_ms(per_weight, args.warmup, args.iters)
+    ms = timed(per_weight, args.warmup, args.iters, device)
     print(f"| masters' kernel, one launch per weight, {kernel.BLOCK} elements a program | {ms:.3f} | "
           f"{n * 28 / ms / 1e9:.2f} |")
 
