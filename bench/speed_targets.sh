@@ -12,6 +12,7 @@
 #   compiled      compiled.md      bench.block_kinds: every block kind compiled
 #   step          step.md          bench.mod_step with the auto and cuDNN attention backends
 #   profile       profile.md       bench.block_profile of the MoE and MoDE blocks (where their time goes)
+#   optimizer     optimizer.md     bench.optimizer: the update alone, bf16 weights' masters against fused AdamW
 #   prefill       prefill.md       bench.prefill: prefill launches, syncs and GPU time against dense
 #   row_ops       row_ops.md       bench.row_ops: row moves and decode attention, one op at a time
 #   decode_tests  decode_tests.md  the GPU tests of the decode path (CUDA graphs, IF nodes, MoE decode)
@@ -25,15 +26,16 @@
 # PART_TIMEOUT (seconds a part may run, default 540; a part cut short says so at its end),
 # DEADLINE (seconds after which no part starts and a running one is cut short, default none),
 # GPUS (GPU indices, default 0,1,2,3), OPTIMIZER (the kinds, compiled and step parts' --optimizer:
-# adamw, the default, or train / train-float32, mode.train's step with bf16 or float32 weights).
+# train, the default, mode.train's own step (bf16 weights on a GPU); train-float32, the same with
+# float32 weights; adamw, plain fused AdamW on every float32 parameter, as campaigns before it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PY=${PYTHON:-python3} OPTIMIZER=${OPTIMIZER:-adamw}
+export PY=${PYTHON:-python3} OPTIMIZER=${OPTIMIZER:-train}
 LOG_DIR=${LOG_DIR:-${OUT:-/tmp}/speed}
 PART_TIMEOUT=${PART_TIMEOUT:-540}
 DEADLINE=${DEADLINE:-}
 IFS=, read -r -a gpus <<< "${GPUS:-0,1,2,3}"
-read -r -a parts <<< "${PARTS:-decode decode_rows kinds compiled step profile prefill row_ops decode_tests train_tests}"
+read -r -a parts <<< "${PARTS:-decode decode_rows kinds compiled step profile optimizer prefill row_ops decode_tests train_tests}"
 mkdir -p "$LOG_DIR"
 if [ -n "${TINY:-}" ]; then
   export TINY_ARG=--tiny GRAPH_MODES=eager BACKENDS=auto
@@ -59,6 +61,10 @@ part_step() {
     --optimizer "$OPTIMIZER"
 }
 part_profile() { "$PY" -m bench.block_profile $TINY_ARG --kinds moe mode_staged mode_integrated --top 8; }
+part_optimizer() {
+  [ -z "$TINY_ARG" ] || { gpu_only "the update alone"; return; }
+  "$PY" -m bench.optimizer
+}
 part_prefill() { "$PY" -m bench.prefill $TINY_ARG; }
 part_row_ops() {
   [ -z "$TINY_ARG" ] || { gpu_only "row moves and decode attention"; return; }
@@ -74,7 +80,7 @@ part_train_tests() {
   [ -z "$TINY_ARG" ] || { gpu_only "CUDA-graphed training tests"; return; }
   "$PY" -m pytest -q -rfEs -p no:cacheprovider tests/test_train.py -k "cuda_graph"
 }
-export -f gpu_only part_decode part_decode_rows part_kinds part_compiled part_step part_profile part_prefill \
+export -f gpu_only part_decode part_decode_rows part_kinds part_compiled part_step part_profile part_optimizer part_prefill \
   part_row_ops part_decode_tests part_train_tests
 
 run_part() {  # run_part GPU NAME: the part's output into LOG_DIR/NAME.md, its time and exit status last

@@ -230,17 +230,21 @@ def test_block_profile_tiny_kinds() -> None:
 def test_speed_targets_script_runs_every_part_tiny(tmp_path: Path) -> None:
     """bench/speed_targets.sh with TINY=1: each part runs its benchmark (--tiny; the compiled rows
     and the GPU tests say they need a GPU), writes its table into LOG_DIR/PART.md and ends with
-    exit 0; PARTS picks parts, an unknown one is refused; DEADLINE starts none past it."""
+    exit 0; PARTS picks parts, an unknown one is refused; DEADLINE starts none past it. The step
+    parts time mode.train's own step unless OPTIMIZER says otherwise."""
     env = {**os.environ, "TINY": "1", "PYTHON": sys.executable, "LOG_DIR": str(tmp_path)}
     out = subprocess.run(["bash", "bench/speed_targets.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=900)
     assert out.returncode == 0, out.stderr[-2000:]
     for part, header in (("decode", "| prompt | batch | model |"), ("decode_rows", "| 16 | 4 | MoD | gather"),
                          ("kinds", "| block kind |"), ("compiled", "on a GPU only"), ("step", "| mode | model |"),
-                         ("profile", "| block (forward+backward) |"), ("prefill", "| prompt | batch | model | median ms |"),
+                         ("profile", "| block (forward+backward) |"), ("optimizer", "on a GPU only"),
+                         ("prefill", "| prompt | batch | model | median ms |"),
                          ("row_ops", "on a GPU only"), ("decode_tests", "on a GPU only"), ("train_tests", "on a GPU only")):
         text = (tmp_path / f"{part}.md").read_text()
         assert text.rstrip().endswith(f"part {part}: exit 0") and header in text, (part, text[-1500:])
+        if part in ("kinds", "step"):
+            assert "the step's update: mode.train's" in text, (part, text[:1500])
     unknown = subprocess.run(["bash", "bench/speed_targets.sh"], cwd=ROOT, env={**env, "PARTS": "kinds nonsense"},
                              capture_output=True, text=True, timeout=60)
     assert unknown.returncode == 2 and "unknown part nonsense" in unknown.stderr
