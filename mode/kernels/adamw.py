@@ -48,7 +48,8 @@ def _adamw_masters(table_ptr, n_tensors, grad_scale_ptr, lr, beta1, beta2, log_b
     g_ptr = tl.load(table_ptr + 3 * n_tensors + t).to(tl.pointer_type(tl.bfloat16))
     copy_ptr = tl.load(table_ptr + 4 * n_tensors + t).to(tl.pointer_type(tl.bfloat16))
     step_ptr = tl.load(table_ptr + 5 * n_tensors + t).to(tl.pointer_type(tl.float32))
-    offs = (pid - tl.load(table_ptr + 7 * n_tensors + t)) * BLOCK + tl.arange(0, BLOCK)
+    block = pid - tl.load(table_ptr + 7 * n_tensors + t)  # this program's block of its tensor
+    offs = block * BLOCK + tl.arange(0, BLOCK)
     # Addresses read from the table carry no alignment Triton can see: every one is 16-byte aligned
     # (kernel_takes), said here so that whole blocks' loads and stores are vectorised.
     w_ptrs = tl.max_contiguous(tl.multiple_of(w_ptr + offs, 16), BLOCK)
@@ -59,7 +60,7 @@ def _adamw_masters(table_ptr, n_tensors, grad_scale_ptr, lr, beta1, beta2, log_b
     step = tl.load(step_ptr)
     grad_scale = tl.load(grad_scale_ptr)
     mask = offs < n
-    if (pid - tl.load(table_ptr + 7 * n_tensors + t) + 1) * BLOCK <= n:  # a whole block: no mask, vectorised
+    if (block + 1) * BLOCK <= n:  # a whole block: no mask, vectorised
         _update(w_ptrs, m_ptrs, v_ptrs, g_ptrs, copy_ptrs, mask, step, grad_scale, lr, beta1, beta2, log_beta1,
                 log_beta2, eps, decay, MASKED=False)
     else:

@@ -83,10 +83,11 @@ def master_updates_(updates: list[Update], grad_scale: Tensor, lr: float, betas:
     if updates and use_triton(updates[0][0], "optimizer"):
         from mode.kernels.adamw import adamw_masters_step_, kernel_takes  # Triton: imported where it runs
 
-        taken = [update for update in updates if kernel_takes(update)]
+        takes = [kernel_takes(update) for update in updates]
+        taken = [update for update, ok in zip(updates, takes) if ok]
         if taken:
             adamw_masters_step_(taken, grad_scale, lr, betas, eps, weight_decay)
-        updates = [update for update in updates if not kernel_takes(update)]  # views off 16 bytes: rare
+        updates = [update for update, ok in zip(updates, takes) if not ok]  # views off 16 bytes: rare
     beta1, beta2 = betas
     for master, exp_avg, exp_avg_sq, grad, copy, step in updates:
         g = grad.float() / grad_scale
