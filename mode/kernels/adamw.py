@@ -13,14 +13,17 @@ rounded to bf16. Arithmetic is float32, in the order of torch.optim.AdamW's fuse
     v = beta2 * v + (1 - beta2) * g^2
     w = w - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
 
-t, the tensor's step count, is read on the device (the optimizer's state keeps it there). One
-launch updates many tensors: a table on the device holds each tensor's addresses, size and first
-block, and each program finds its tensor there (a dense model's forty-odd matrices are forty-odd
-launches otherwise, with a gap after each).
+t, the tensor's step count, lr and grad_scale are read on the device, so that a CUDA graph can
+capture the update (mode/training/deferred_update.py); with an `active` flag the update is
+conditional: where it reads 0 nothing moves. One launch updates many tensors: a table on the
+device holds each tensor's addresses, size and first block, and each program finds its tensor
+there (a dense model's forty-odd matrices are forty-odd launches otherwise, with a gap after each).
+A table may be rewritten in place between a graph's replays (MastersLaunch.rebind).
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -35,12 +38,24 @@ TABLE_ROWS = 8  # master, exp_avg, exp_avg_sq, grad, copy, step addresses; size;
 
 
 @triton.jit
-def _adamw_masters(table_ptr, n_tensors, grad_scale_ptr, lr, beta1, beta2, log_beta1, log_beta2, eps, decay,
-                   BLOCK: tl.constexpr, TENSORS: tl.constexpr):
-    pid = tl.program_id(0)
+def _adamw_masters(table_ptr, n_tensors, n_blocks, grad_scale_ptr, lr_ptr, active_ptr, beta1, beta2, log_beta1,
+                   log_beta2, eps, decay, BLOCK: tl.constexpr, TENSORS: tl.constexpr, HAS_ACTIVE: tl.constexpr):
+    if HAS_ACTIVE:
+        if tl.load(active_ptr) == 0:  # no update staged: nothing moves
+            return
+    # n_blocks blocks over however many programs run: one each, or (a grid capped to leave the
+    # GPU's other SMs to the matmuls it overlaps) several each
+    for index in range(tl.program_id(0), n_blocks, tl.num_programs(0)):
+        _adamw_block(table_ptr, n_tensors, index, grad_scale_ptr, lr_ptr, beta1, beta2, log_beta1, log_beta2, eps,
+                     decay, BLOCK, TENSORS)
+
+
+@triton.jit
+def _adamw_block(table_ptr, n_tensors, index, grad_scale_ptr, lr_ptr, beta1, beta2, log_beta1, log_beta2, eps, decay,
+                 BLOCK: tl.constexpr, TENSORS: tl.constexpr):
     idx = tl.arange(0, TENSORS)
     firsts = tl.load(table_ptr + 7 * n_tensors + idx, mask=idx < n_tensors, other=1 << 62)
-    t = tl.sum((firsts <= pid).to(tl.int32), axis=0) - 1  # this program's tensor
+    t = tl.sum((firsts <= index).to(tl.int32), axis=0) - 1  # this block's tensor
     n = tl.load(table_ptr + 6 * n_tensors + t)
     w_ptr = tl.load(table_ptr + t).to(tl.pointer_type(tl.float32))
     m_ptr = tl.load(table_ptr + n_tensors + t).to(tl.pointer_type(tl.float32))
@@ -48,7 +63,7 @@ def _adamw_masters(table_ptr, n_tensors, grad_scale_ptr, lr, beta1, beta2, log_b
     g_ptr = tl.load(table_ptr + 3 * n_tensors + t).to(tl.pointer_type(tl.bfloat16))
     copy_ptr = tl.load(table_ptr + 4 * n_tensors + t).to(tl.pointer_type(tl.bfloat16))
     step_ptr = tl.load(table_ptr + 5 * n_tensors + t).to(tl.pointer_type(tl.float32))
-    block = pid - tl.load(table_ptr + 7 * n_tensors + t)  # this program's block of its tensor
+    block = index - tl.load(table_ptr + 7 * n_tensors + t)  # the block of its tensor
     offs = block * BLOCK + tl.arange(0, BLOCK)
     # Addresses read from the table carry no alignment Triton can see: every one is 16-byte aligned
     # (kernel_takes), said here so that whole blocks' loads and stores are vectorised.
@@ -59,6 +74,7 @@ def _adamw_masters(table_ptr, n_tensors, grad_scale_ptr, lr, beta1, beta2, log_b
     copy_ptrs = tl.max_contiguous(tl.multiple_of(copy_ptr + offs, 16), BLOCK)
     step = tl.load(step_ptr)
     grad_scale = tl.load(grad_scale_ptr)
+    lr = tl.load(lr_ptr)
     mask = offs < n
     if (block + 1) * BLOCK <= n:  # a whole block: no mask, vectorised
         _update(w_ptrs, m_ptrs, v_ptrs, g_ptrs, copy_ptrs, mask, step, grad_scale, lr, beta1, beta2, log_beta1,
@@ -96,29 +112,84 @@ def _update(w_ptrs, m_ptrs, v_ptrs, g_ptrs, copy_ptrs, mask, step, grad_scale, l
     store_rounded(copy_ptrs, w, mask)
 
 
+@triton.jit
+def _count_steps(table_ptr, n_tensors, active_ptr, TENSORS: tl.constexpr):
+    """Each tensor's step count + 1 where an update is staged (active), before the update reads it."""
+    idx = tl.arange(0, TENSORS)
+    step_ptrs = tl.load(table_ptr + 5 * n_tensors + idx, mask=idx < n_tensors, other=0).to(tl.pointer_type(tl.float32))
+    active = tl.load(active_ptr)
+    steps = tl.load(step_ptrs, mask=idx < n_tensors, other=0.0)
+    tl.store(step_ptrs, steps + (active != 0).to(tl.float32), mask=idx < n_tensors)
+
+
 # (master, exp_avg, exp_avg_sq, grad, copy, step) of one weight
 Update = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
 
 
-def adamw_masters_step_(updates: list[Update], grad_scale: Tensor, lr: float, betas: tuple[float, float], eps: float,
-                        weight_decay: float, block: int = BLOCK) -> None:
+def adamw_masters_step_(updates: list[Update], grad_scale: Tensor, lr: float | Tensor, betas: tuple[float, float],
+                        eps: float, weight_decay: float, block: int = BLOCK) -> None:
     """One AdamW update of each master (float32) from its grad (bf16), in place, and its copy (bf16)
     = the master rounded, in one launch per MAX_TENSORS weights (mode.training.bf16_weights.master_updates_
     has the same in PyTorch ops).
 
     step: each weight's step count after this update (0-d float32, on the device); grad_scale: 0-d
-    float32, what the gradients are divided by (1 / the clipping factor, as AdamW's grad_scale).
-    Every tensor contiguous, on one device. block: elements a program (a power of 2; bench.optimizer
-    compares them)."""
-    beta1, beta2 = betas
-    logs = [math.log(b) if b > 0 else -math.inf for b in betas]
+    float32, what the gradients are divided by (1 / the clipping factor, as AdamW's grad_scale); lr:
+    a number or a 0-d float32 tensor on the device. Every tensor contiguous, on one device. block:
+    elements a program (a power of 2; bench.optimizer compares them)."""
+    if not isinstance(lr, Tensor):
+        lr = torch.full((), lr, dtype=torch.float32, device=grad_scale.device)
+    for launch in masters_launches(updates, block):
+        launch.run(grad_scale, lr, betas, eps, weight_decay)
+
+
+@dataclass
+class MastersLaunch:
+    """One launch's table (TABLE_ROWS, T) on the device and the programs it takes, for up to
+    MAX_TENSORS weights of the same sizes in the same order each time. rebind() rewrites the table
+    in place when the tensors move (a CUDA graph that captured the launch then reads the new ones)."""
+
+    table: Tensor
+    n_tensors: int
+    programs: int
+    block: int
+    addresses: tuple[int, ...]
+
+    def rebind(self, updates: list[Update]) -> None:
+        """Point the table at updates: the same sizes as it was built for, in the same order."""
+        table, programs, addresses = _table(updates, self.block, None)
+        if (len(updates), programs) != (self.n_tensors, self.programs):
+            raise ValueError("MastersLaunch.rebind: the weights' sizes differ from the table's")
+        if addresses != self.addresses:
+            self.table.copy_(table.pin_memory() if self.table.is_cuda else table, non_blocking=True)
+            self.addresses = addresses
+
+    def run(self, grad_scale: Tensor, lr: Tensor, betas: tuple[float, float], eps: float, weight_decay: float,
+            active: Tensor | None = None, programs: int | None = None) -> None:
+        """The update (lr, grad_scale: 0-d float32 on the device). active (0-d float32): only where it
+        is nonzero, and then the step counts are advanced here first; None: always, the counts
+        already advanced by the caller. programs: at most so many programs, each updating several
+        blocks (None: a program a block)."""
+        beta1, beta2 = betas
+        logs = [math.log(b) if b > 0 else -math.inf for b in betas]
+        tensors = triton.next_power_of_2(self.n_tensors)
+        with on_device_of(grad_scale):
+            if active is not None:
+                _count_steps[(1,)](self.table, self.n_tensors, active, TENSORS=tensors)
+            grid = self.programs if programs is None else max(1, min(programs, self.programs))
+            _adamw_masters[(grid,)](
+                self.table, self.n_tensors, self.programs, grad_scale, lr, grad_scale if active is None else active, beta1, beta2,
+                *logs, eps, weight_decay, BLOCK=self.block, TENSORS=tensors, HAS_ACTIVE=active is not None,
+                num_warps=4 if self.block <= 2048 else 8)
+
+
+def masters_launches(updates: list[Update], block: int = BLOCK) -> list[MastersLaunch]:
+    """The launches that update `updates`, MAX_TENSORS weights each, their tables on the device."""
+    launches = []
     for start in range(0, len(updates), MAX_TENSORS):
         chunk = updates[start:start + MAX_TENSORS]
-        table, programs = _table(chunk, block)
-        with on_device_of(grad_scale):
-            _adamw_masters[(programs,)](table, len(chunk), grad_scale, lr, beta1, beta2, *logs, eps, weight_decay,
-                                        BLOCK=block, TENSORS=triton.next_power_of_2(len(chunk)),
-                                        num_warps=4 if block <= 2048 else 8)
+        table, programs, addresses = _table(chunk, block, chunk[0][0].device)
+        launches.append(MastersLaunch(table, len(chunk), programs, block, addresses))
+    return launches
 
 
 def kernel_takes(update: Update) -> bool:
@@ -130,19 +201,19 @@ def kernel_takes(update: Update) -> bool:
     return all(t.dtype == d and t.is_contiguous() and t.data_ptr() % 16 == 0 for t, d in zip(tensors, dtypes))
 
 
-def _table(updates: list[Update], block: int) -> tuple[Tensor, int]:
-    """The (TABLE_ROWS, T) int64 table of updates on their device, copied from pinned memory without
-    waiting for the device's queue; and the programs they take."""
+def _table(updates: list[Update], block: int, device: torch.device | None) -> tuple[Tensor, int, tuple[int, ...]]:
+    """The (TABLE_ROWS, T) int64 table of updates (on the host, or on `device`: from pinned memory,
+    without waiting for the device's queue), the programs they take and the addresses it holds."""
     columns, first = [], 0
-    for master, exp_avg, exp_avg_sq, grad, copy, step in updates:
-        if not kernel_takes((master, exp_avg, exp_avg_sq, grad, copy, step)):
+    for update in updates:
+        if not kernel_takes(update):
             raise ValueError("adamw_masters_step_: float32 masters and moments, bf16 gradients and copies, "
                              "contiguous and 16-byte aligned (kernel_takes)")
-        n = master.numel()
-        columns.append([t.data_ptr() for t in (master, exp_avg, exp_avg_sq, grad, copy, step)] + [n, first])
+        n = update[0].numel()
+        columns.append([t.data_ptr() for t in update] + [n, first])
         first += triton.cdiv(n, block)
     table = torch.tensor(columns, dtype=torch.int64).t().contiguous()  # (TABLE_ROWS, T)
-    device = updates[0][0].device
-    if device.type == "cuda":
+    addresses = tuple(int(a) for column in columns for a in column[:6])
+    if device is not None and device.type == "cuda":
         table = table.pin_memory().to(device, non_blocking=True)
-    return table, first
+    return table, first, addresses

@@ -74,12 +74,13 @@ def matrix_weights(model: nn.Module) -> list[nn.Parameter]:
     return list(found.values())
 
 
-def master_updates_(updates: list[Update], grad_scale: Tensor, lr: float, betas: tuple[float, float], eps: float,
-                    weight_decay: float) -> None:
+def master_updates_(updates: list[Update], grad_scale: Tensor, lr: float | Tensor, betas: tuple[float, float],
+                    eps: float, weight_decay: float) -> None:
     """One AdamW update of each (master, exp_avg, exp_avg_sq, grad, copy, step): the master (float32)
     from its bf16 grad, and copy = the master rounded to bf16. The kernel where it runs
     (mode/kernels/adamw.py, whose docstring gives the arithmetic), else the same in PyTorch ops.
-    step: the count after this update; grad_scale: what the gradients are divided by."""
+    step: the count after this update; grad_scale: what the gradients are divided by; lr: a number
+    or a 0-d tensor (read on the host by the PyTorch ops)."""
     if updates and use_triton(updates[0][0], "optimizer"):
         from mode.kernels.adamw import adamw_masters_step_, kernel_takes  # Triton: imported where it runs
 
@@ -88,6 +89,8 @@ def master_updates_(updates: list[Update], grad_scale: Tensor, lr: float, betas:
         if taken:
             adamw_masters_step_(taken, grad_scale, lr, betas, eps, weight_decay)
         updates = [update for update, ok in zip(updates, takes) if not ok]  # views off 16 bytes: rare
+    if isinstance(lr, Tensor) and updates:
+        lr = lr.item()
     beta1, beta2 = betas
     for master, exp_avg, exp_avg_sq, grad, copy, step in updates:
         g = grad.float() / grad_scale
@@ -124,16 +127,25 @@ class Bf16Weights:
         """One AdamW update of every master whose param has a gradient (divided by `grad_scale`, 0-d
         float32: 1 / the clipping factor), with its group's settings; the param becomes the new master
         rounded to bf16. The state is torch.optim.AdamW's (step, exp_avg, exp_avg_sq), made on the first step."""
+        for group, updates in self.updates(optimizer, self.params):
+            torch._foreach_add_([update[-1] for update in updates], 1.0)
+            master_updates_(updates, grad_scale, group["lr"], group["betas"], group["eps"], group["weight_decay"])
+
+    def updates(self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> list[tuple[dict, list[Update]]]:
+        """The updates of those of `params` (bf16 params of this object) that have a gradient, by
+        optimizer group: (the group, its updates), groups without one left out."""
+        wanted = {id(p) for p in params}
+        found = []
         for group in optimizer.param_groups:
             updates = []
             for master in group["params"]:
                 param = self.param_of.get(id(master))
-                if param is not None and param.grad is not None:
+                if param is not None and id(param) in wanted and param.grad is not None:
                     state = self._state(optimizer, master)
                     updates.append((master, state["exp_avg"], state["exp_avg_sq"], param.grad, param.data, state["step"]))
             if updates:
-                torch._foreach_add_([update[-1] for update in updates], 1.0)
-                master_updates_(updates, grad_scale, group["lr"], group["betas"], group["eps"], group["weight_decay"])
+                found.append((group, updates))
+        return found
 
     @staticmethod
     def _state(optimizer: torch.optim.Optimizer, master: Tensor) -> dict[str, Tensor]:
