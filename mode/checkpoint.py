@@ -23,7 +23,7 @@ from mode.trainable import apply_trainable
 EXECUTION_FIELDS = (
     "train.log_interval", "train.eval_interval", "train.eval_batches", "train.checkpoint_interval", "train.device",
     "train.compile", "train.compile_mode", "train.cuda_graphs", "train.attention_backend", "train.tensorboard",
-    "train.bf16_weights",
+    "train.bf16_weights", "train.overlap_update",
 )
 RESUMABLE_FIELDS = (
     "train.max_steps", "train.flops_budget", "train.progress", "train.out_dir", *EXECUTION_FIELDS,

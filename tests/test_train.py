@@ -754,6 +754,32 @@ def test_bf16_weights_train_as_float32_weights(tmp_path: Path, corpus: Path, cas
     assert [r["step"] for r in Trainer(config, resume=True).run() if "loss" in r] == [5, 6]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 weights and CUDA graphs train on a GPU")
+@pytest.mark.parametrize("case", sorted(AUTO_GRAPHED))
+def test_the_update_overlapped_with_the_next_forward_trains_as_in_the_step(tmp_path: Path, corpus: Path,
+                                                                          case: str) -> None:
+    """train.overlap_update (auto: on with bf16 weights under the default CUDA graphs) against the
+    update in the step: the same curves to the eager graphs' tolerance (the same kernels; only
+    atomics' order may differ), with an evaluation between steps (a flush) and the checkpoint at
+    the end holding the last step's weights, from which a run in the step resumes."""
+    block, routing, moe = AUTO_GRAPHED[case]
+    runs = {}
+    for overlap in (False, "auto"):
+        config = make_config(tmp_path / str(overlap), corpus, model={"block_pattern": ["dense", block]},
+                             routing=routing, moe=moe, train={"device": "cuda", "max_steps": 5, "warmup_steps": 2,
+                                                              "eval_interval": 2, "overlap_update": overlap})
+        trainer = Trainer(config)
+        assert (trainer.optimization.deferred is not None) is (overlap == "auto")
+        runs[overlap] = trainer.run()
+        assert trainer.optimization.deferred is None or not trainer.optimization.deferred.maybe_staged
+    assert_same_curves(runs[False], runs["auto"], "eager")
+    config = make_config(tmp_path / "auto", corpus, model={"block_pattern": ["dense", block]}, routing=routing, moe=moe,
+                         train={"device": "cuda", "max_steps": 7, "warmup_steps": 2, "eval_interval": 2,
+                                "overlap_update": False})
+    resumed = Trainer(config, resume=True).run()
+    assert [r["step"] for r in resumed if "loss" in r] == [6, 7]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_graphed_resume_continues_the_same_curve(tmp_path: Path, corpus: Path) -> None:
     """Under the default CUDA graphs a resumed run captures again: with random routing it must draw

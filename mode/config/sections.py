@@ -222,6 +222,15 @@ class TrainConfig(Section):
             "Checkpoints hold the float32 masters either way"
         ),
     )
+    overlap_update: StrictBool | Literal["auto"] = Field(
+        "auto",
+        description=(
+            "with bf16 weights under the eager CUDA graphs: run each step's update of the bf16 matrices inside "
+            "the next step's forward, block by block on a side stream beside its matmuls, instead of after the "
+            "backward (the same arithmetic: the same weights bit for bit). auto: wherever it can run; true: "
+            "required (an error where it cannot); false: the update runs in the step"
+        ),
+    )
     attention_backend: Literal["auto", "flash", "cudnn", "efficient", "math"] = Field(
         "auto",
         description=(

@@ -14,6 +14,7 @@ from mode.config import Config, ConfigError
 from mode.flops import train_step_flops
 from mode.routing import CausalPredictor
 from mode.training.bf16_weights import Bf16Weights, matrix_weights
+from mode.training.deferred_update import DeferredUpdate
 
 
 # ----------------------------------------------------------------------------- schedule
@@ -180,10 +181,13 @@ class TorchOptimization:
     (the eager model's CUDA graph, mode/training/graphs.py). bf16_weights: the model's matrices
     become bf16, their float32 masters in the optimizer (mode/training/bf16_weights.py); the
     model's weights for checkpoints are model_state_dict()'s, not model.state_dict()'s.
+    defer_update (with bf16_weights and kept gradients): step() stages the masters' update and the
+    next training forward runs it beside its matmuls (mode/training/deferred_update.py); flush()
+    applies a staged one (model_state_dict and state_dict do it themselves).
     """
 
     def __init__(self, model: nn.Module, config: Config, device: torch.device, keep_grads: bool = False,
-                 zero_grads: bool = True, bf16_weights: bool = False) -> None:
+                 zero_grads: bool = True, bf16_weights: bool = False, defer_update: bool = False) -> None:
         t = config.train
         self.model = model
         self.keep_grads, self.zero_grads = keep_grads, zero_grads
@@ -198,6 +202,12 @@ class TorchOptimization:
             betas=(t.beta1, t.beta2),
             fused=device.type == "cuda",
         )
+        self.deferred: DeferredUpdate | None = None
+        if defer_update:
+            if self.bf16 is None or not keep_grads or zero_grads:
+                raise ValueError("TorchOptimization(defer_update=True) needs bf16_weights and gradients kept "
+                                 "unzeroed until the next forward (keep_grads=True, zero_grads=False)")
+            self.deferred = DeferredUpdate(model, self.bf16, self.optimizer)
         if keep_grads and zero_grads:  # else their owner makes them
             for p in model.parameters():
                 if p.requires_grad and p.grad is None:
@@ -219,23 +229,37 @@ class TorchOptimization:
             self.optimizer.step()  # every parameter but the masters, which have no gradient
         if self.bf16 is not None:
             clip = _clip_factor(norm, self.grad_clip) if self.grad_clip > 0 else torch.ones_like(norm)
-            self.bf16.step(self.optimizer, clip.reciprocal())  # as clipped_gradients hands fused AdamW
+            if self.deferred is not None:  # run by the next training forward, or by flush()
+                self.deferred.stage(lr, clip.reciprocal())
+            else:
+                self.bf16.step(self.optimizer, clip.reciprocal())  # as clipped_gradients hands fused AdamW
         if self.zero_grads or not self.keep_grads:
             self.model.zero_grad(set_to_none=not self.keep_grads)
         return norm.detach()
 
+    def flush(self) -> None:
+        """Apply an update still staged (defer_update): the model's weights are then the last step's."""
+        if self.deferred is not None:
+            self.deferred.flush()
+
     def model_state_dict(self) -> dict[str, Tensor]:
         """The model's weights for a checkpoint: with bf16 weights, their float32 masters."""
+        self.flush()
         state = self.model.state_dict()
         return state if self.bf16 is None else self.bf16.masters_in(state)
 
     def load_model_state_dict(self, state: dict[str, Tensor]) -> None:
+        if self.deferred is not None:
+            self.deferred.discard()
         self.model.load_state_dict(state)
         if self.bf16 is not None:
             self.bf16.load(self.model, state)
 
     def state_dict(self) -> dict[str, Any]:
+        self.flush()
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.deferred is not None:
+            self.deferred.discard()
         self.optimizer.load_state_dict(state)

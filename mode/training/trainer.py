@@ -31,6 +31,7 @@ from mode.layers.attention import attention_backend_problem, set_attention_backe
 from mode.routing import bias_balanced_routers, set_depth_capacities
 from mode.run_folder import CHECKPOINT, CONFIG, METRICS
 from mode.training.bf16_weights import bf16_weights_apply
+from mode.training.deferred_update import overlap_update_apply
 from mode.training.evaluation import validation_metrics
 from mode.training.folder import (
     CheckpointWriteError,
@@ -155,8 +156,12 @@ class Trainer:
         bf16_weights, note = bf16_weights_apply(config, self.device, one_process=optimization is None)
         if note:
             self.notes.append(note)
+        overlap, note = overlap_update_apply(config, self.model, self.device, bf16_weights, eager_graphed)
+        if note:
+            self.notes.append(note)
         self.optimization = optimization or TorchOptimization(self.model, config, self.device, keep_grads=self.graphed,
-                                                              zero_grads=not eager_graphed, bf16_weights=bf16_weights)
+                                                              zero_grads=not eager_graphed, bf16_weights=bf16_weights,
+                                                              defer_update=overlap)
         self.graphed_step: GraphedMicroStep | None = None
         if eager_graphed:
             self.graphed_step = GraphedMicroStep(self.model, self.optimization.backward, t.grad_accum)
@@ -402,7 +407,14 @@ class Trainer:
 
     def evaluate(self) -> dict[str, Any]:
         """Validation loss and router statistics (mode.training.evaluation); leaves the RNG as it was."""
+        self.flush_update()
         return validation_metrics(self)
+
+    def flush_update(self) -> None:
+        """Apply a step's update still staged for the next forward (train.overlap_update): the model's
+        weights are then the last step's, for whatever reads them outside training."""
+        if isinstance(self.optimization, TorchOptimization):
+            self.optimization.flush()
 
     # -- the loop
     def run(self) -> list[dict[str, Any]]:
@@ -447,6 +459,7 @@ class Trainer:
                     self.progress.bar.write(f"step {step}: val_loss {evaluation['val_loss']:.4f}")
             if step % t.checkpoint_interval == 0 or step == t.max_steps:
                 self.save_checkpoint()
+        self.flush_update()
         self.progress.bar.close()
         if self.is_main:
             plot_losses(self.out_dir)
