@@ -82,28 +82,26 @@ def check_modes(parser: argparse.ArgumentParser, modes: list[str] | None) -> Non
             parser.error(f"--modes {mode!r} needs a CUDA GPU")
 
 
-OPTIMIZERS = ("adamw", "train", "train-float32", "train-in-step")
+OPTIMIZERS = ("adamw", "train", "train-float32", "train-overlapped")
 
 
 def add_optimizer_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
                         help="the step's update: fused AdamW on every float32 parameter; mode.train's step (weight "
                              "decay on matrices only, global-norm clipping folded into the update, gradients zeroed "
-                             "by the step; on a GPU the matrices in bf16 with float32 masters, train.bf16_weights, "
-                             "and under the eager CUDA graphs their update run inside the next forward, "
-                             "train.overlap_update); mode.train's step with float32 weights; or with bf16 weights "
-                             "updated in the step (train.overlap_update=false)")
+                             "by the step; on a GPU the matrices in bf16 with float32 masters, train.bf16_weights); "
+                             "mode.train's step with float32 weights; or with bf16 weights whose update runs inside "
+                             "the next forward under the eager CUDA graphs (train.overlap_update=auto)")
 
 
 def describe_optimizer(optimizer: str, device: torch.device) -> str:
     if optimizer == "adamw":
         return "fused AdamW on every float32 parameter"
-    bf16 = optimizer in ("train", "train-in-step") and device.type == "cuda"
+    bf16 = optimizer in ("train", "train-overlapped") and device.type == "cuda"
     weights = "bf16 matrices with float32 masters" if bf16 else "float32 weights"
     where = ""
-    if bf16:
-        where = (", updated in the step" if optimizer == "train-in-step" else
-                 ", updated inside the next forward under the eager CUDA graphs (train.overlap_update)")
+    if bf16 and optimizer == "train-overlapped":
+        where = ", updated inside the next forward under the eager CUDA graphs (train.overlap_update)"
     return f"mode.train's (AdamW, decay on matrices, gradients clipped at norm 1.0), {weights}{where}"
 
 
@@ -125,9 +123,10 @@ class Runner:
         self.optimization: TorchOptimization | None = None  # optimizer "train": mode.train's step
         graphed = mode == "eager + CUDA graphs"
         if optimizer in OPTIMIZERS[1:]:
-            bf16 = optimizer in ("train", "train-in-step") and device.type == "cuda"
+            bf16 = optimizer in ("train", "train-overlapped") and device.type == "cuda"
             self.optimization = TorchOptimization(self.model, config, device, keep_grads=graphed, zero_grads=not graphed,
-                                                  bf16_weights=bf16, defer_update=bf16 and graphed and optimizer == "train")
+                                                  bf16_weights=bf16,
+                                                  defer_update=bf16 and graphed and optimizer == "train-overlapped")
             self.optimizer = self.optimization.optimizer
         else:
             self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=device.type == "cuda")

@@ -135,10 +135,10 @@ KERNELS = [
     (decision, "_compact", dict(chosen_ptr="*u8", rows_ptr=I64, keep_ptr="*u8", batch=I32, width=1, BLOCK=8)),
     # AdamW on float32 masters from their bf16 gradients, writing the bf16 copies: many tensors, and one
     # (staged for a CUDA graph: conditional on `active`, each step count advanced first)
-    (adamw, "_adamw_masters", dict(table_ptr=I64, n_tensors=I32, n_blocks=I32, grad_scale_ptr=F32, lr_ptr=F32, active_ptr=F32,
+    (adamw, "_adamw_masters", dict(table_ptr=I64, n_tensors=I32, grad_scale_ptr=F32, lr_ptr=F32, active_ptr=F32,
                                    beta1="fp32", beta2="fp32", log_beta1="fp32", log_beta2="fp32", eps="fp32",
                                    decay="fp32", BLOCK=1024, TENSORS=64, HAS_ACTIVE=False)),
-    (adamw, "_adamw_masters", dict(table_ptr=I64, n_tensors=1, n_blocks=I32, grad_scale_ptr=F32, lr_ptr=F32, active_ptr=F32,
+    (adamw, "_adamw_masters", dict(table_ptr=I64, n_tensors=1, grad_scale_ptr=F32, lr_ptr=F32, active_ptr=F32,
                                    beta1="fp32", beta2="fp32", log_beta1="fp32", log_beta2="fp32", eps="fp32",
                                    decay="fp32", BLOCK=1024, TENSORS=1, HAS_ACTIVE=True)),
     (adamw, "_count_steps", dict(table_ptr=I64, n_tensors=I32, active_ptr=F32, TENSORS=8)),

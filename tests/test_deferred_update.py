@@ -101,8 +101,8 @@ def test_deferral_is_refused_where_the_gradients_would_not_wait() -> None:
 
 def test_the_staged_launch_runs_only_when_active_and_reads_its_rebound_table() -> None:
     """MastersLaunch.run with active 0 moves nothing (masters, moments, copies, step counts); with active
-    1 it advances the counts and equals the immediate kernel bit for bit, with a program a block or a
-    capped grid; rebind() points the same table at other gradients, which the next run reads."""
+    1 it advances the counts and equals the immediate kernel bit for bit; rebind() points the same
+    table at other gradients, which the next run reads."""
     from mode.kernels.adamw import adamw_masters_step_, masters_launches
 
     gen = torch.Generator().manual_seed(0)
@@ -124,10 +124,10 @@ def test_the_staged_launch_runs_only_when_active_and_reads_its_rebound_table() -
             launch.run(scale, lr, (0.9, 0.95), 1e-8, 0.1, active=torch.tensor(0.0))
         for update, saved in zip(staged, before):
             assert all(torch.equal(t, s) for t, s in zip([t for t in update if t is not None], saved))
-        for step_grads, programs in zip(grads, [None, 3]):  # a program a block; three programs for all of them
+        for step_grads in grads:
             for launch in launches:
                 launch.rebind([(m, a, b, g, c, s) for (m, a, b, _, c, s), g in zip(staged, step_grads)])
-                launch.run(scale, lr, (0.9, 0.95), 1e-8, 0.1, active=torch.tensor(1.0), programs=programs)
+                launch.run(scale, lr, (0.9, 0.95), 1e-8, 0.1, active=torch.tensor(1.0))
             updates = [(m, a, b, g, c, s) for (m, a, b, _, c, s), g in zip(immediate, step_grads)]
             torch._foreach_add_([u[-1] for u in updates], 1.0)
             adamw_masters_step_(updates, scale, lr, (0.9, 0.95), 1e-8, 0.1)
@@ -147,10 +147,12 @@ def test_where_the_overlapped_update_applies() -> None:
 
     model = LanguageModel(config())
     cpu = torch.device("cpu")
-    assert overlap_update_apply(config(), model, cpu, bf16_weights=True, eager_graphed=True) == (True, None)
-    assert overlap_update_apply(config(), model, cpu, bf16_weights=False, eager_graphed=False) == (False, None)
-    assert overlap_update_apply(config(overlap_update=False), model, cpu, True, True) == (False, None)
-    on, note = overlap_update_apply(config(), model, cpu, bf16_weights=True, eager_graphed=False)
+    assert config().train.overlap_update is False  # the default: the update runs in the step
+    assert overlap_update_apply(config(), model, cpu, bf16_weights=True, eager_graphed=True) == (False, None)
+    auto = config(overlap_update="auto")
+    assert overlap_update_apply(auto, model, cpu, bf16_weights=True, eager_graphed=True) == (True, None)
+    assert overlap_update_apply(auto, model, cpu, bf16_weights=False, eager_graphed=False) == (False, None)
+    on, note = overlap_update_apply(auto, model, cpu, bf16_weights=True, eager_graphed=False)
     assert not on and note.startswith("train.overlap_update=auto: the update runs in the step") and "cuda_graphs" in note
     for bf16, graphed, why in [(False, True, "train.bf16_weights"), (True, False, "train.cuda_graphs")]:
         with pytest.raises(ConfigError, match=f"train.overlap_update=true: .*{why}"):

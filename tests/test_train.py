@@ -758,7 +758,7 @@ def test_bf16_weights_train_as_float32_weights(tmp_path: Path, corpus: Path, cas
 @pytest.mark.parametrize("case", sorted(AUTO_GRAPHED))
 def test_the_update_overlapped_with_the_next_forward_trains_as_in_the_step(tmp_path: Path, corpus: Path,
                                                                           case: str) -> None:
-    """train.overlap_update (auto: on with bf16 weights under the default CUDA graphs) against the
+    """train.overlap_update=auto (on with bf16 weights under the default CUDA graphs) against the
     update in the step: the same curves to the eager graphs' tolerance (the same kernels; only
     atomics' order may differ), with an evaluation between steps (a flush) and the checkpoint at
     the end holding the last step's weights, from which a run in the step resumes."""
@@ -778,6 +778,21 @@ def test_the_update_overlapped_with_the_next_forward_trains_as_in_the_step(tmp_p
                                 "overlap_update": False})
     resumed = Trainer(config, resume=True).run()
     assert [r["step"] for r in resumed if "loss" in r] == [6, 7]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 weights and CUDA graphs train on a GPU")
+def test_a_capture_mid_run_applies_the_staged_update_once(tmp_path: Path, corpus: Path) -> None:
+    """An annealed capacity (routing.capacity_schedule) captures the graph again mid-run, with an
+    update staged: the capture's warm-up passes apply it once, and the curve is the update in the
+    step's."""
+    runs = {}
+    for overlap in (False, "auto"):
+        config = make_config(tmp_path / str(overlap), corpus,
+                             routing={"capacity": 0.25, "capacity_schedule": {"start": 1.0, "steps": 4, "stages": 2}},
+                             train={"device": "cuda", "max_steps": 6, "warmup_steps": 2, "eval_interval": 3,
+                                    "overlap_update": overlap})
+        runs[overlap] = Trainer(config).run()
+    assert_same_curves(runs[False], runs["auto"], "eager")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")

@@ -38,24 +38,15 @@ TABLE_ROWS = 8  # master, exp_avg, exp_avg_sq, grad, copy, step addresses; size;
 
 
 @triton.jit
-def _adamw_masters(table_ptr, n_tensors, n_blocks, grad_scale_ptr, lr_ptr, active_ptr, beta1, beta2, log_beta1,
-                   log_beta2, eps, decay, BLOCK: tl.constexpr, TENSORS: tl.constexpr, HAS_ACTIVE: tl.constexpr):
+def _adamw_masters(table_ptr, n_tensors, grad_scale_ptr, lr_ptr, active_ptr, beta1, beta2, log_beta1, log_beta2, eps,
+                   decay, BLOCK: tl.constexpr, TENSORS: tl.constexpr, HAS_ACTIVE: tl.constexpr):
     if HAS_ACTIVE:
         if tl.load(active_ptr) == 0:  # no update staged: nothing moves
             return
-    # n_blocks blocks over however many programs run: one each, or (a grid capped to leave the
-    # GPU's other SMs to the matmuls it overlaps) several each
-    for index in range(tl.program_id(0), n_blocks, tl.num_programs(0)):
-        _adamw_block(table_ptr, n_tensors, index, grad_scale_ptr, lr_ptr, beta1, beta2, log_beta1, log_beta2, eps,
-                     decay, BLOCK, TENSORS)
-
-
-@triton.jit
-def _adamw_block(table_ptr, n_tensors, index, grad_scale_ptr, lr_ptr, beta1, beta2, log_beta1, log_beta2, eps, decay,
-                 BLOCK: tl.constexpr, TENSORS: tl.constexpr):
+    index = tl.program_id(0)
     idx = tl.arange(0, TENSORS)
     firsts = tl.load(table_ptr + 7 * n_tensors + idx, mask=idx < n_tensors, other=1 << 62)
-    t = tl.sum((firsts <= index).to(tl.int32), axis=0) - 1  # this block's tensor
+    t = tl.sum((firsts <= index).to(tl.int32), axis=0) - 1  # this program's tensor
     n = tl.load(table_ptr + 6 * n_tensors + t)
     w_ptr = tl.load(table_ptr + t).to(tl.pointer_type(tl.float32))
     m_ptr = tl.load(table_ptr + n_tensors + t).to(tl.pointer_type(tl.float32))
@@ -63,7 +54,7 @@ def _adamw_block(table_ptr, n_tensors, index, grad_scale_ptr, lr_ptr, beta1, bet
     g_ptr = tl.load(table_ptr + 3 * n_tensors + t).to(tl.pointer_type(tl.bfloat16))
     copy_ptr = tl.load(table_ptr + 4 * n_tensors + t).to(tl.pointer_type(tl.bfloat16))
     step_ptr = tl.load(table_ptr + 5 * n_tensors + t).to(tl.pointer_type(tl.float32))
-    block = index - tl.load(table_ptr + 7 * n_tensors + t)  # the block of its tensor
+    block = index - tl.load(table_ptr + 7 * n_tensors + t)  # this program's block of its tensor
     offs = block * BLOCK + tl.arange(0, BLOCK)
     # Addresses read from the table carry no alignment Triton can see: every one is 16-byte aligned
     # (kernel_takes), said here so that whole blocks' loads and stores are vectorised.
@@ -164,20 +155,18 @@ class MastersLaunch:
             self.addresses = addresses
 
     def run(self, grad_scale: Tensor, lr: Tensor, betas: tuple[float, float], eps: float, weight_decay: float,
-            active: Tensor | None = None, programs: int | None = None) -> None:
+            active: Tensor | None = None) -> None:
         """The update (lr, grad_scale: 0-d float32 on the device). active (0-d float32): only where it
         is nonzero, and then the step counts are advanced here first; None: always, the counts
-        already advanced by the caller. programs: at most so many programs, each updating several
-        blocks (None: a program a block)."""
+        already advanced by the caller."""
         beta1, beta2 = betas
         logs = [math.log(b) if b > 0 else -math.inf for b in betas]
         tensors = triton.next_power_of_2(self.n_tensors)
         with on_device_of(grad_scale):
             if active is not None:
                 _count_steps[(1,)](self.table, self.n_tensors, active, TENSORS=tensors)
-            grid = self.programs if programs is None else max(1, min(programs, self.programs))
-            _adamw_masters[(grid,)](
-                self.table, self.n_tensors, self.programs, grad_scale, lr, grad_scale if active is None else active, beta1, beta2,
+            _adamw_masters[(self.programs,)](
+                self.table, self.n_tensors, grad_scale, lr, grad_scale if active is None else active, beta1, beta2,
                 *logs, eps, weight_decay, BLOCK=self.block, TENSORS=tensors, HAS_ACTIVE=active is not None,
                 num_warps=4 if self.block <= 2048 else 8)
 

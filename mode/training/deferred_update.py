@@ -83,14 +83,11 @@ class DeferredUpdate:
     An update is staged on the device (`active`), so that a captured forward runs it only when one is:
     after a flush the graph's launches find nothing to do."""
 
-    def __init__(self, model: nn.Module, bf16: Bf16Weights, optimizer: torch.optim.Optimizer,
-                 programs: int | None = None, block: int | None = None) -> None:
+    def __init__(self, model: nn.Module, bf16: Bf16Weights, optimizer: torch.optim.Optimizer) -> None:
         why = deferrable(model, bf16.params, bf16.masters[0].device)
         if why is not None:
             raise ValueError(f"DeferredUpdate: {why}")
         self.bf16, self.optimizer = bf16, optimizer
-        self.programs = programs  # the overlapped kernel's grid cap (None: a program a block)
-        self.block = block  # elements a program updates at a time (None: the kernel's own BLOCK)
         # Each weight is updated once, with the first block that holds it (MoR's shared block: its first use).
         owner: dict[int, int] = {}
         for index, block in enumerate(model.blocks):
@@ -166,7 +163,7 @@ class DeferredUpdate:
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
             for index, event in enumerate(self.events):
-                self._apply(index, self.programs)
+                self._apply(index)
                 event.record()
             self.active.zero_()
 
@@ -193,7 +190,7 @@ class DeferredUpdate:
     def _bind(self, index: int) -> list[tuple[dict, list[Any]]] | None:
         """Block index's kernel launches by optimizer group, their tables pointed at the tensors of now
         (not while a graph is captured: stage() rebinds them after it)."""
-        from mode.kernels.adamw import BLOCK, MAX_TENSORS, masters_launches  # Triton: imported where it runs
+        from mode.kernels.adamw import MAX_TENSORS, masters_launches  # Triton: imported where it runs
 
         updates = self._updates(index)
         if updates is None or torch.cuda.is_current_stream_capturing():
@@ -206,16 +203,15 @@ class DeferredUpdate:
                 for start, launch in zip(range(0, len(group_updates), MAX_TENSORS), bound[group_index]):
                     launch.rebind(group_updates[start:start + MAX_TENSORS])
             else:
-                bound[group_index] = masters_launches(group_updates, self.block or BLOCK)
+                bound[group_index] = masters_launches(group_updates)
         return self._with_groups(index)
 
     def _with_groups(self, index: int) -> list[tuple[dict, list[Any]]]:
         groups = self.optimizer.param_groups
         return [(groups[group_index], launches) for group_index, launches in self.launches[index].items()]
 
-    def _apply(self, index: int, programs: int | None = None) -> None:
-        """Block index's update, where one is staged (read on the device by the kernel); programs:
-        the kernel's grid cap."""
+    def _apply(self, index: int) -> None:
+        """Block index's update, where one is staged (read on the device by the kernel)."""
         if not self.blocks[index]:
             return
         if self.stream is None:  # the PyTorch ops (CPU): read on the host
@@ -232,5 +228,4 @@ class DeferredUpdate:
             return
         for group, launches in bound:
             for launch in launches:
-                launch.run(self.grad_scale, self.lr, group["betas"], group["eps"], group["weight_decay"], self.active,
-                           programs)
+                launch.run(self.grad_scale, self.lr, group["betas"], group["eps"], group["weight_decay"], self.active)
