@@ -22,7 +22,7 @@ checkpoints, the end of the run), flush() applies a staged update.
 from __future__ import annotations
 
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -33,6 +33,9 @@ from mode.layers.attention import CausalSelfAttention
 from mode.layers.mlp import SwiGLU
 from mode.layers.moe import MoEFFN
 from mode.training.bf16_weights import Bf16Weights, Update, master_updates_, matrix_weights
+
+if TYPE_CHECKING:  # Triton: the kernel's module is imported where it runs
+    from mode.kernels.adamw import MastersLaunch
 
 # The modules whose forward reads the bf16 matrices (experts' through their MoE FFN)
 READERS = (CausalSelfAttention, SwiGLU, MoEFFN)
@@ -104,7 +107,7 @@ class DeferredUpdate:
         self.maybe_staged = False  # False: surely nothing staged (flush has nothing to do)
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.events = [torch.cuda.Event() for _ in self.blocks] if self.stream is not None else []
-        self.launches: list[dict[int, list[Any]]] = [{} for _ in self.blocks]  # per block: group index -> launches
+        self.launches: list[dict[int, list[MastersLaunch]]] = [{} for _ in self.blocks]  # per block: group index -> launches
         self.handles = [model.register_forward_pre_hook(self._launch), model.register_forward_hook(self._join)]
         for block in model.blocks:
             for module in block.modules():
@@ -112,11 +115,6 @@ class DeferredUpdate:
                     waits = sorted({owner[id(p)] for p in module.parameters() if id(p) in owner})
                     if waits:
                         self.handles.append(module.register_forward_pre_hook(partial(self._wait, waits)))
-
-    def remove(self) -> None:
-        """Take the hooks off the model (after a flush: a staged update would never run)."""
-        for handle in self.handles:
-            handle.remove()
 
     # -- the step
     def stage(self, lr: float, grad_scale: Tensor) -> None:
@@ -187,7 +185,7 @@ class DeferredUpdate:
             return None
         return self.bf16.updates(self.optimizer, params)
 
-    def _bind(self, index: int) -> list[tuple[dict, list[Any]]] | None:
+    def _bind(self, index: int) -> list[tuple[dict, list[MastersLaunch]]] | None:
         """Block index's kernel launches by optimizer group, their tables pointed at the tensors of now
         (not while a graph is captured: stage() rebinds them after it)."""
         from mode.kernels.adamw import MAX_TENSORS, masters_launches  # Triton: imported where it runs
@@ -206,7 +204,7 @@ class DeferredUpdate:
                 bound[group_index] = masters_launches(group_updates)
         return self._with_groups(index)
 
-    def _with_groups(self, index: int) -> list[tuple[dict, list[Any]]]:
+    def _with_groups(self, index: int) -> list[tuple[dict, list[MastersLaunch]]]:
         groups = self.optimizer.param_groups
         return [(groups[group_index], launches) for group_index, launches in self.launches[index].items()]
 
