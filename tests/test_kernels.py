@@ -1197,3 +1197,84 @@ def test_moe_rows_gathered_in_the_autocast_dtype_change_nothing(scheme: str, mon
     assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
     for name, grad in runs[0][2].items():
         assert torch.equal(grad, runs[1][2][name]), name
+
+
+@pytest.mark.parametrize("copy, constants", [(True, 0), (False, 3), (True, 2)],
+                         ids=["copy slots", "constant slots", "both"])
+def test_null_add_equals_the_pytorch_ops(copy: bool, constants: int) -> None:
+    """out (bf16) + s * x + g @ v in one kernel: within one bf16 rounding of the float32 sum; every
+    gradient (out's passed through, x's in x's dtype, s's, g's and v's in float32) to float32
+    rounding. Seven tokens (a partial tile), width 1500 (over one block)."""
+    from mode.kernels.null_experts import null_add
+
+    gen = torch.Generator().manual_seed(4)
+    tokens, width = 7, 1500
+    out = torch.randn(tokens, width, generator=gen).to(torch.bfloat16).to(DEVICE)
+    x = torch.randn(tokens, width, generator=gen).to(DEVICE)
+    scale = torch.rand(tokens, generator=gen).to(DEVICE) if copy else None
+    gates = torch.rand(tokens, constants, generator=gen).to(DEVICE) if constants else None
+    v = torch.randn(constants, width, generator=gen).to(DEVICE) if constants else None
+    inputs = tuple(t for t in (out, x, scale, gates, v) if t is not None)
+
+    def split(args):
+        it = iter(args)
+        return next(it), next(it), next(it) if copy else None, next(it) if constants else None, \
+            next(it) if constants else None
+
+    def reference(*args):
+        o, xx, s, g, vv = split(args)
+        total = o.float() + (s[:, None] * xx if copy else 0.0) + (g @ vv if constants else 0.0)
+        return total + 0.0 * xx.sum()  # x takes part, as in the layer (constant slots alone: a zero gradient)
+
+    def kernel(*args):
+        o, xx, s, g, vv = split(args)
+        return null_add(o, xx, s, g, vv) + 0.0 * xx.sum()
+
+    probe = torch.randn(tokens, width, generator=gen).to(torch.bfloat16).float().to(DEVICE)
+    want, want_grads = _grads(reference, inputs, (probe,))
+    kernels_on()
+    got, got_grads = _grads(kernel, inputs, (probe,))
+    assert got[0].dtype == torch.bfloat16  # out's
+    torch.testing.assert_close(got[0].float(), want[0], **ONE_BF16_ROUNDING)
+    assert torch.equal(got_grads[0], want_grads[0])  # out's gradient passes through
+    for g, w in zip(got_grads[1:], want_grads[1:], strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kinds", [["copy"] * 2, ["constant"] * 2, ["zero", "copy", "constant"]])
+@pytest.mark.parametrize("scheme", ["expert_choice", "token_choice"])
+def test_null_experts_through_the_kernel_equal_the_pytorch_ops(scheme: str, kinds: list[str], monkeypatch) -> None:
+    """An MoE FFN with copy and constant slots (float32): its output and every parameter's and the
+    input's gradient through null_add equal the PyTorch ops' to float32 rounding."""
+    from mode.config import MoEConfig
+    from mode.kernels import null_experts
+    from mode.layers.moe import MoEFFN
+
+    calls = []
+    kernel = null_experts.null_add
+    monkeypatch.setattr(null_experts, "null_add", lambda *args: calls.append(1) or kernel(*args))
+
+    torch.manual_seed(0)
+    moe = MoEConfig(n_experts=4, n_noop=len(kinds), noop_kind=kinds, scheme=scheme, capacity_factor=1.5,
+                    **({"top_k": 2} if scheme == "token_choice" else {}))
+    ffn = MoEFFN(24, 32, moe).to(DEVICE)
+    if ffn.null_experts.constants is not None:
+        with torch.no_grad():
+            ffn.null_experts.constants.normal_()
+    x = torch.randn(2, 16, 24, device=DEVICE)
+    probe = torch.randn(2, 16, 24, device=DEVICE)
+    runs = []
+    for on in (False, True):
+        kernels_on(on)
+        ffn.zero_grad()
+        xx = x.clone().requires_grad_()
+        out, _ = ffn(xx)
+        (out * probe).sum().backward()
+        runs.append((out.detach(), xx.grad, {n: p.grad.clone() for n, p in ffn.named_parameters() if p.grad is not None}))
+    (want, want_x, want_params), (got, got_x, got_params) = runs
+    assert len(calls) == 1  # the kernels' pass alone
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_x, want_x, rtol=1e-5, atol=1e-6)
+    assert got_params.keys() == want_params.keys()
+    for name, grad in want_params.items():
+        torch.testing.assert_close(got_params[name], grad, rtol=1e-4, atol=1e-6, msg=name)

@@ -47,8 +47,9 @@ class KernelPolicy:
         cast fused in), where its output only feeds matmuls.
     topk: a depth router's (and expert choice's) top-k positions in one kernel.
     softmax_topk: token choice's router head (softmax, top-k slots, aux losses, statistics).
-    rows: the MoE layers' gather/combine through an inverse map, the depth router's gated
-        update of the residual, token choice's counting-sort layouts.
+    rows: the MoE layers' gather/combine through an inverse map, the copy and constant no-op
+        slots' outputs added in one pass, the depth router's gated update of the residual, token
+        choice's counting-sort layouts.
     expert_choice: expert choice's router head, layout and gather in one autograd function.
     decision: a routed layer's decode-step routing: its causal decision (float32 GEMV, threshold
         and the active rows) and the compaction of its chosen rows, one kernel each.

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from mode.config import MoEConfig, RoutingConfig
+from mode.kernels import use_triton
 from mode.layers.experts import Experts, check_backend, megablocks_token_choice
 from mode.layers.mlp import SwiGLU
 from mode.routing import (
@@ -56,6 +57,18 @@ class NullExperts(nn.Module):
         if self.constants is not None:
             out = out + gates.index_select(1, self.constant_slots) @ self.constants.to(gates.dtype)  # (T, C) @ (C, D)
         return out
+
+    def add_to(self, out: Tensor, x: Tensor, gates: Tensor) -> Tensor:
+        """out (T, D) plus forward(x, gates) in out's dtype: one kernel each way where the policy
+        allows (mode/kernels/null_experts.py, summed in float32), else the PyTorch ops."""
+        if not use_triton(out, "rows"):
+            return out + self(x, gates).to(out.dtype)
+        from mode.kernels.null_experts import null_add  # Triton: imported where it runs
+
+        gates = gates.float()
+        scale = (gates * self.copy).sum(-1) if "copy" in self.kinds else None  # (T,): the copy slots' gates
+        constant_gates = None if self.constants is None else gates.index_select(1, self.constant_slots)  # (T, C)
+        return null_add(out, x, scale, constant_gates, self.constants)
 
     def stats(self, gates: Tensor, valid: Tensor | None) -> dict[str, Tensor]:
         """Per kind that outputs something: the mean over tokens of its slots' summed gates (copy_gate,
@@ -129,7 +142,7 @@ class MoEFFN(nn.Module):
         that a CUDA graph can capture it."""
         out, routing = self._routed(x, valid, causal or static, static)
         if self.null_experts is not None:
-            out = out + self._null(x, routing, valid).to(out.dtype)
+            out = self._plus_null(out, x, routing, valid)
         if self.shared_expert is not None:
             out = out + self._shared(x, valid)
         return out, routing
@@ -148,10 +161,10 @@ class MoEFFN(nn.Module):
             out = self._token_choice(x.reshape(-1, x.shape[-1]), routing)
         return out.view_as(x), routing
 
-    def _null(self, x: Tensor, routing: Routing, valid: Tensor | None) -> Tensor:
-        """The no-op slots' outputs (B, S, D) (NullExperts) and their statistics, added to routing.stats.
-        Expert choice: every token at its softmax probability of each slot (no-op slots have no
-        capacity); token choice: the slots a token chose, at their gates."""
+    def _plus_null(self, out: Tensor, x: Tensor, routing: Routing, valid: Tensor | None) -> Tensor:
+        """out (B, S, D) plus the no-op slots' outputs (NullExperts), their statistics added to
+        routing.stats. Expert choice: every token at its softmax probability of each slot (no-op slots
+        have no capacity); token choice: the slots a token chose, at their gates."""
         flat = x.reshape(-1, x.shape[-1])  # (T, D)
         n_null = len(self.null_experts.kinds)
         if isinstance(routing, TokenChoiceRouting):
@@ -162,7 +175,7 @@ class MoEFFN(nn.Module):
         if rows is not None:
             gates = torch.where(rows, gates, 0)  # padding: a zero update
         routing.stats.update(self.null_experts.stats(gates, rows))
-        return self.null_experts(flat, gates).view_as(x)
+        return self.null_experts.add_to(out.reshape(-1, out.shape[-1]), flat, gates).view_as(out)
 
     def _shared(self, x: Tensor, valid: Tensor | None) -> Tensor:
         """The shared expert on every token of x (B, S, D), times its sigmoid gate where it has one;
