@@ -723,6 +723,8 @@ def _expert_choice_run(layer: torch.nn.Module, x: torch.Tensor, use: str, kernel
         loss = loss + (routing.gates * probe(routing.gates)).sum()
     if "aux" in use:
         loss = loss + 3.0 * routing.aux_loss
+    if "null" in use:
+        loss = loss + (routing.null_gates * probe(routing.null_gates)).sum()
     loss.backward()
     return routing, rows, xs.detach(), x.grad, layer.router.router.proj.weight.grad
 
@@ -765,6 +767,32 @@ def test_expert_choice_dispatch_matches_pytorch(case: str, use: str, monkeypatch
         assert use == "rows" and not got_w_grad.any()
     else:
         torch.testing.assert_close(got_w_grad, w_grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("use", ["rows gates aux null", "null"])
+@pytest.mark.parametrize("case", ["groups of 2, no-op slots", "capacity 1, odd tokens", "64 slots (56 no-op)"])
+def test_expert_choice_dispatch_with_null_gates_matches_pytorch(case: str, use: str,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Copy null experts (moe.noop_kind): the dispatch also returns every token's no-op slot
+    probabilities, equal to the PyTorch softmax's bit for bit, and their gradient reaches x and the
+    router's weight through the scores as PyTorch's does (float32 rounding, rtol 1e-5)."""
+    from mode.config import MoEConfig
+    from mode.layers.moe import MoEFFN
+
+    batch, seq, group_size, n_experts, n_noop, capacity_factor = EXPERT_CHOICE_DISPATCH_CASES[case]
+    torch.manual_seed(0)
+    layer = MoEFFN(32, 48, MoEConfig(n_experts=n_experts, n_noop=n_noop, noop_kind="copy", scheme="expert_choice",
+                                     group_size=group_size, capacity_factor=capacity_factor,
+                                     z_loss_weight=0.1)).to(DEVICE)
+    assert layer.router.null_gates
+    x = torch.randn(batch, seq, 32, device=DEVICE)
+    got_routing, _, got_xs, got_x_grad, got_w_grad = _expert_choice_run(layer, x, use, True, monkeypatch)
+    routing, _, xs, x_grad, w_grad = _expert_choice_run(layer, x, use, False, monkeypatch)
+    assert torch.equal(got_routing.positions, routing.positions) and torch.equal(got_xs, xs)
+    assert got_routing.null_gates.shape == routing.null_gates.shape == (batch // group_size, group_size * seq, n_noop)
+    assert torch.equal(got_routing.null_gates, routing.null_gates.detach())
+    torch.testing.assert_close(got_x_grad, x_grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_w_grad, w_grad, rtol=1e-5, atol=1e-6)
 
 
 def test_expert_choice_dispatch_with_a_bf16_router_matches_pytorch(monkeypatch: pytest.MonkeyPatch) -> None:

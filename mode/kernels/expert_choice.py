@@ -17,8 +17,9 @@ selection is the PyTorch path's bit for bit):
   logsumexp^2 summed over its share of the group's tokens, for the z-loss;
 - _finalize, one program: the z-loss, the weighted auxiliary loss and the statistics (the
   partial sums and the bytes added in a fixed order: deterministic);
-- _backward: the scores' gradient from the gates' and the auxiliary loss's gradients, the
-  softmax recomputed from the scores in registers; then the gather's backward
+- _backward: the scores' gradient from the gates' and the auxiliary loss's gradients (and, with
+  copy or constant null experts, those of every token's no-op slot probabilities), the softmax
+  recomputed from the scores in registers; then the gather's backward
   (mode/kernels/rows.sum_rows) adds the router's input gradient (scores' gradient @ weight) to
   each token's sum of its rows' gradients in the same pass, and the weight's gradient is one GEMM.
 
@@ -109,8 +110,9 @@ def _finalize(partial_ptr, taken_ptr, summary_ptr, aux_ptr, programs, n_tokens, 
 
 
 @triton.jit
-def _backward(logits_ptr, inverse_ptr, grad_gates_ptr, grad_aux_ptr, grad_logits_ptr, tokens, n_slots, n_experts,
-              z_scale, HAS_AUX: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr):
+def _backward(logits_ptr, inverse_ptr, grad_gates_ptr, grad_aux_ptr, grad_null_ptr, grad_logits_ptr, tokens, n_slots,
+              n_experts, z_scale, HAS_AUX: tl.constexpr, HAS_NULL: tl.constexpr, BLOCK_T: tl.constexpr,
+              BLOCK_S: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_S)
     probs, lse, row_ok, mask = softmax_rows(logits_ptr, rows, cols, tokens, n_slots)
@@ -118,6 +120,11 @@ def _backward(logits_ptr, inverse_ptr, grad_gates_ptr, grad_aux_ptr, grad_logits
     row = tl.load(inverse_ptr + rows[:, None] * n_experts + cols[None, :],
                   mask=row_ok[:, None] & (cols < n_experts)[None, :], other=-1)
     grad_probs = tl.load(grad_gates_ptr + row, mask=row >= 0, other=0.0)
+    if HAS_NULL:  # every token's no-op slot probabilities were outputs too (copy / constant null experts)
+        n_null = n_slots - n_experts
+        null = mask & (cols >= n_experts)[None, :]
+        grad_probs += tl.load(grad_null_ptr + rows[:, None] * n_null + (cols - n_experts)[None, :], mask=null,
+                              other=0.0)
     # softmax backward, plus the z-loss's: aux = z_weight * mean lse^2, d(lse^2)/dlogits = 2 lse p
     inner = tl.sum(probs * grad_probs, axis=1)
     grad = probs * (grad_probs - inner[:, None])
@@ -136,7 +143,7 @@ def _backward_launch(tokens: int, n_slots: int) -> tuple[int, int, int]:
 class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, logits: Tensor, groups: int, n_experts: int, capacity: int,
-                z_weight: float, half: bool, rows_dtype: torch.dtype) -> tuple[Tensor, ...]:
+                z_weight: float, half: bool, rows_dtype: torch.dtype, null: bool) -> tuple[Tensor, ...]:
         n_tokens, n_slots = logits.shape
         tokens = n_tokens // groups
         device = logits.device
@@ -162,15 +169,17 @@ class _Dispatch(torch.autograd.Function):
                             float(groups * capacity), 1.0 / n_tokens, z_weight, BLOCK_P=64, BLOCK_N=2048, BLOCK_E=64,
                             num_warps=8)
             rows = x.index_select(0, ids) if rows_dtype == x.dtype else gather_rows_as(x, ids, rows_dtype)  # (R, D)
+        # null: every token's no-op slot probabilities (N, S - E), an output with a gradient path
+        null_probs = probs[:, n_experts:].contiguous() if null else probs.new_empty(0)
         ctx.save_for_backward(x, weight, logits, inverse)
         ctx.z_scale, ctx.half, ctx.n_rows = 2.0 * z_weight / n_tokens, half, n_rows
         ctx.mark_non_differentiable(indices, ids, inverse, summary)
         ctx.set_materialize_grads(False)  # unused outputs' gradients stay None: no zero tensors launched
-        return rows, gates, aux, indices, ids, inverse, summary
+        return rows, gates, aux, null_probs, indices, ids, inverse, summary
 
     @staticmethod
     def backward(ctx, grad_rows: Tensor | None, grad_gates: Tensor | None, grad_aux: Tensor | None,
-                 *_: None) -> tuple[Tensor | None, ...]:
+                 grad_null: Tensor | None, *_: None) -> tuple[Tensor | None, ...]:
         x, weight, logits, inverse = ctx.saved_tensors
         n_tokens, n_slots = logits.shape
         # bf16 router (routing.router_scores): the scores' gradient rounded to bf16 for bf16 GEMMs;
@@ -182,24 +191,27 @@ class _Dispatch(torch.autograd.Function):
         block_t, block_s, programs = _backward_launch(n_tokens, n_slots)
         with on_device_of(x), torch.autocast(x.device.type, enabled=False):
             _backward[(programs,)](logits, inverse, grad_gates, logits if grad_aux is None else grad_aux.float(),
-                                   grad_logits, n_tokens, n_slots, inverse.shape[1], ctx.z_scale,
-                                   HAS_AUX=grad_aux is not None, BLOCK_T=block_t, BLOCK_S=block_s, num_warps=2)
+                                   logits if grad_null is None else grad_null.float().contiguous(), grad_logits,
+                                   n_tokens, n_slots, inverse.shape[1], ctx.z_scale, HAS_AUX=grad_aux is not None,
+                                   HAS_NULL=grad_null is not None, BLOCK_T=block_t, BLOCK_S=block_s, num_warps=2)
             grad_x = sum_rows(grad_rows, None, inverse, grad_logits, weight if ctx.half else weight.float(),
                               out_dtype=x.dtype)
             grad_weight = grad_logits.t() @ (x if ctx.half else x.float())  # (S, D)
-        return grad_x, grad_weight.to(weight.dtype), None, None, None, None, None, None, None
+        return grad_x, grad_weight.to(weight.dtype), None, None, None, None, None, None, None, None
 
 
 class Dispatch(NamedTuple):
     """expert_choice_dispatch's result. rows (R, D) = x[ids], R = E*G*C, expert-major; gates
-    (G, E, C) float32, a view of expert-major (E, G, C) memory; aux () = z_weight * z-loss (both
-    differentiable); logits (N, S) the router's scores (no gradient path); indices (G, E, C) int64
-    positions in each group, increasing; ids (R,) int64; inverse (N, E) int32: token t's row for
-    expert e, -1 for none; summary: the statistics, read through the properties below."""
+    (G, E, C) float32, a view of expert-major (E, G, C) memory; aux () = z_weight * z-loss; null_probs
+    (N, S - E) float32, every token's no-op slot probabilities, or None where not asked for (these
+    three differentiable); logits (N, S) the router's scores (no gradient path); indices (G, E, C)
+    int64 positions in each group, increasing; ids (R,) int64; inverse (N, E) int32: token t's row
+    for expert e, -1 for none; summary: the statistics, read through the properties below."""
 
     rows: Tensor
     gates: Tensor
     aux: Tensor
+    null_probs: Tensor | None
     logits: Tensor
     indices: Tensor
     ids: Tensor
@@ -237,18 +249,21 @@ def fits(n_tokens: int, groups: int, n_slots: int) -> bool:
 
 
 def expert_choice_dispatch(x: Tensor, weight: Tensor, logits: Tensor, groups: int, n_experts: int, capacity: int,
-                           z_weight: float, half: bool, rows_dtype: torch.dtype | None = None) -> Dispatch:
+                           z_weight: float, half: bool, rows_dtype: torch.dtype | None = None,
+                           null_gates: bool = False) -> Dispatch:
     """Expert choice over `groups` equal runs of the N tokens of x (N, D): each of the first n_experts
     of the S slots of logits (N, S) (float32 router scores, x @ weight.T: the gradient's path goes
     through x and weight (S, D), not through logits) takes the `capacity` tokens of each group with
     the largest softmax probability. half: the scores came from a bf16 GEMM (the backward's GEMMs
     in bf16 too); otherwise from float32 copies. rows_dtype: the rows' dtype (None: x's), rounded to
-    nearest even; their gradient is summed into x's dtype."""
+    nearest even; their gradient is summed into x's dtype. null_gates: also every token's no-op slot
+    probabilities (copy / constant null experts), their gradient added to the scores'."""
     n_tokens, n_slots = logits.shape
     if not fits(n_tokens, groups, n_slots) or not 0 < n_experts <= n_slots or not 0 < capacity <= n_tokens // groups:
         raise ValueError(f"expert_choice_dispatch: {n_tokens} tokens in {groups} groups (at most {MAX_TOKENS} a group), "
                          f"{n_slots} slots (at most {MAX_SLOTS}), {n_experts} experts, capacity {capacity}")
     out = _Dispatch.apply(x.contiguous(), weight, logits.detach().contiguous(), groups, n_experts, capacity,
-                          float(z_weight), half, rows_dtype or x.dtype)
-    rows, gates, aux, indices, ids, inverse, summary = out
-    return Dispatch(rows, gates.transpose(0, 1), aux, logits, indices, ids, inverse, summary)
+                          float(z_weight), half, rows_dtype or x.dtype, null_gates)
+    rows, gates, aux, null_probs, indices, ids, inverse, summary = out
+    return Dispatch(rows, gates.transpose(0, 1), aux, null_probs if null_gates else None, logits, indices, ids,
+                    inverse, summary)

@@ -38,11 +38,12 @@ def expert_choice_kernel_applies(x: Tensor, weight: Tensor, bias: Tensor | None,
 
 
 def expert_choice_dispatch(x: Tensor, weight: Tensor, groups: int, n_experts: int, capacity: int,
-                           z_weight: float) -> "Dispatch":
+                           z_weight: float, null_gates: bool = False) -> "Dispatch":
     """Expert choice in one autograd function (where expert_choice_kernel_applies): x (N, D) in `groups`
     equal runs, router weight (S, D), the first n_experts slots real -> mode.kernels.expert_choice.Dispatch:
-    the rows x[ids] (E*G*C, D) expert-major, gates (G, E, C), aux = z_weight * z-loss, indices (G, E, C),
-    ids, the inverse map (N, E) and the statistics. The same routing as ExpertChoiceRouter.forward,
+    the rows x[ids] (E*G*C, D) expert-major, gates (G, E, C), aux = z_weight * z-loss, with null_gates
+    every token's no-op slot probabilities (N, S - E), indices (G, E, C), ids, the inverse map (N, E)
+    and the statistics. The same routing as ExpertChoiceRouter.forward,
     expert_major_ids, expert_choice_rows and gather_rows (the selection bit for bit)."""
     from mode.kernels.expert_choice import expert_choice_dispatch as dispatch
 
@@ -50,4 +51,5 @@ def expert_choice_dispatch(x: Tensor, weight: Tensor, groups: int, n_experts: in
     with torch.autocast(device_type=x.device.type, enabled=False):
         with torch.no_grad():  # the function's backward owns the scores' gradient path
             logits = router_scores(x, weight)  # (N, S) float32
-        return dispatch(x, weight, logits, groups, n_experts, capacity, z_weight, half_router_applies(x, weight), dtype)
+        return dispatch(x, weight, logits, groups, n_experts, capacity, z_weight, half_router_applies(x, weight), dtype,
+                        null_gates)

@@ -132,11 +132,13 @@ class ExpertChoiceRouter(nn.Module):
         flat = x.reshape(-1, x.shape[-1])  # (B*S, D): group g is the g-th run of T tokens
         groups, tokens, capacity = self._groups_and_capacity(x)
         weight = self.router.proj.weight
-        if self.causal is None and not self.null_gates and expert_choice_kernel_applies(flat, weight, self.router.proj.bias, groups):
-            d = expert_choice_dispatch(flat, weight, groups, self.n_experts, capacity, self.z_loss_weight)
+        if self.causal is None and expert_choice_kernel_applies(flat, weight, self.router.proj.bias, groups):
+            d = expert_choice_dispatch(flat, weight, groups, self.n_experts, capacity, self.z_loss_weight,
+                                       self.null_gates)
             stats = _expert_stats(d.tokens_per_expert, d.processed, d.noop_fraction, d.zero, d.zero, d.z_loss)
+            null = None if d.null_probs is None else d.null_probs.view(groups, tokens, -1)  # (G, T, N)
             routing = ExpertChoiceRouting(positions=d.indices, gates=d.gates, logits=d.logits.view(groups, tokens, -1),
-                                          aux_loss=d.aux, stats=stats)
+                                          aux_loss=d.aux, stats=stats, null_gates=null)
             return routing, ExpertRows(d.ids, flat.shape[0], d.inverse), d.rows
         routing = self(x)
         rows = expert_choice_rows(expert_major_ids(routing.positions, tokens), flat)
