@@ -703,6 +703,7 @@ AUTO_GRAPHED = {
     "mod causal aux_loss": ("mod", {"causal": "aux_loss"}, {}), "mod causal predictor": ("mod", {"causal": "predictor"}, {}),
     "moe": ("moe", {}, {}), "moe token choice": ("moe", {}, {"scheme": "token_choice", "capacity_factor": 1.0}),
     "mode_staged": ("mode_staged", {}, {}), "mode_integrated": ("mode_integrated", {}, {"n_noop": 1}),
+    "mode_integrated copy and constant slots": ("mode_integrated", {}, {"n_noop": 2, "noop_kind": ["copy", "constant"]}),
 }
 
 
