@@ -42,6 +42,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--noop", type=int, default=8, help="no-op experts of Integrated MoDE")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="rounds of --iters per row, each row's interleaved with the dense model's (kept built "
+                             "beside it) so that a machine's drift hits both alike: ms are medians over rounds, the "
+                             "ratios the median of each round's ratio (eager modes only; 1: each model timed once)")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run at a small shape")
     parser.add_argument("--modes", nargs="+", choices=list(COMPILE), default=["eager"],
                         help="how the models run: a table for each (CUDA-graph modes on a GPU only)")
@@ -53,6 +57,10 @@ def main(argv: list[str] | None = None) -> None:
     selected = pick_rows(parser, args.only)
     require_cuda_unless_tiny(parser, args)
     check_modes(parser, args.modes)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
+    if args.rounds > 1 and any(COMPILE[mode] is not None for mode in args.modes):
+        parser.error("--rounds > 1 times eager modes only (compiled models compile afresh for each kind)")
     apply_routing_switches(args)
     if args.tiny:
         args.batch, args.seq, args.width, args.heads, args.layers, args.ffn, args.vocab = 2, 64, 64, 4, 2, 128, 256
@@ -70,18 +78,33 @@ def main(argv: list[str] | None = None) -> None:
         print("| block kind | fwd+bwd ms | step ms | peak GiB | forward MFLOPs/token | step ms / dense | "
               f"step time per FLOP / dense (target <= {PER_FLOP_TARGET}) |")
         print("| --- | --- | --- | --- | --- | --- | --- |")
+        dense: Runner | None = None
         dense_ms = dense_flops = None
         for name, kind, moe in selected:
             if COMPILE[mode] is not None:  # each model compiles afresh: no kind counts against another's recompile limit
                 torch._dynamo.reset()
             runner = Runner(kind_config(kind, args, moe), mode, args, device, optimizer=args.optimizer)  # one round of --iters after --warmup
-            fwd_bwd_ms, step_ms = statistics.median(runner.fwd_bwd_ms), statistics.median(runner.step_ms)
             flops = model_flops(runner.model.config).forward_per_token
-            dense_ms, dense_flops = dense_ms or step_ms, dense_flops or flops
-            per_flop = step_ms / dense_ms / (flops / dense_flops)
+            if dense_ms is None:  # the first row: the baseline (with rounds, kept for the other rows')
+                for _ in range(args.rounds - 1):
+                    runner.time_round()
+                dense_ms, dense_flops = statistics.median(runner.step_ms), flops
+                dense = runner if args.rounds > 1 else None
+                ratios = [1.0]
+            elif dense is None:
+                ratios = [statistics.median(runner.step_ms) / dense_ms]
+            else:  # round i of this row against dense's round just before it
+                for _ in range(args.rounds - 1):
+                    dense.time_round()
+                    runner.time_round()
+                ratios = [ms / base for ms, base in zip(runner.step_ms, dense.step_ms[-args.rounds:], strict=True)]
+            fwd_bwd_ms, step_ms = statistics.median(runner.fwd_bwd_ms), statistics.median(runner.step_ms)
+            step_ratio = statistics.median(ratios)
+            per_flop = step_ratio / (flops / dense_flops)
             print(f"| {name} | {fwd_bwd_ms:.2f} | {step_ms:.2f} | {gib(runner.peak_gib)} | {flops / 1e6:.1f} | "
-                  f"{step_ms / dense_ms:.3f} | {per_flop:.3f}: {verdict(per_flop <= PER_FLOP_TARGET)} |", flush=True)
-            del runner
+                  f"{step_ratio:.3f} | {per_flop:.3f}: {verdict(per_flop <= PER_FLOP_TARGET)} |", flush=True)
+            if runner is not dense:
+                del runner
             if device.type == "cuda":
                 torch.cuda.empty_cache()
 

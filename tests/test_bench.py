@@ -149,6 +149,16 @@ def test_block_kinds_tiny() -> None:
     assert number(rows[0][5]) == 1.0  # step time against dense: dense itself
 
 
+def test_block_kinds_rounds_interleave_with_dense(capsys: pytest.CaptureFixture[str]) -> None:
+    """--rounds 2: every row still printed with its ratios; at least 1, and eager modes only."""
+    rows = table_rows(run("-m", "bench.block_kinds", "--tiny", "--rounds", "2", "--only", "mod"))
+    assert [r[0] for r in rows] == ["dense", "mod"]
+    assert number(rows[0][5]) == 1.0 and number(rows[1][5]) > 0 and number(rows[1][6].split(":")[0]) > 0
+    assert "--rounds must be at least 1, got 0" in refusal("block_kinds", ["--tiny", "--rounds", "0"], capsys)
+    message = refusal("block_kinds", ["--tiny", "--rounds", "2", "--modes", "compiled"], capsys)
+    assert "--rounds > 1 times eager modes only" in message
+
+
 def test_prefill_tiny() -> None:
     """Both models at every batch, median and best wall times positive, the dense row the unit."""
     rows = table_rows(run("-m", "bench.prefill", "--tiny"))
