@@ -27,7 +27,8 @@
 # DEADLINE (seconds after which no part starts and a running one is cut short, default none),
 # GPUS (GPU indices, default 0,1,2,3), OPTIMIZER (the kinds, compiled and step parts' --optimizer:
 # train, the default, mode.train's own step (bf16 weights on a GPU); train-float32, the same with
-# float32 weights; adamw, plain fused AdamW on every float32 parameter, as campaigns before it).
+# float32 weights; adamw, plain fused AdamW on every float32 parameter, as campaigns before it),
+# KIND_ROUNDS (the kinds part's --rounds, each row interleaved with dense: default 2, 1 with TINY).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PY=${PYTHON:-python3} OPTIMIZER=${OPTIMIZER:-train}
@@ -38,9 +39,9 @@ IFS=, read -r -a gpus <<< "${GPUS:-0,1,2,3}"
 read -r -a parts <<< "${PARTS:-decode decode_rows kinds compiled step profile optimizer prefill row_ops decode_tests train_tests}"
 mkdir -p "$LOG_DIR"
 if [ -n "${TINY:-}" ]; then
-  export TINY_ARG=--tiny GRAPH_MODES=eager BACKENDS=auto
+  export TINY_ARG=--tiny GRAPH_MODES=eager BACKENDS=auto KIND_ROUNDS=${KIND_ROUNDS:-1}
 else
-  export TINY_ARG= GRAPH_MODES="eager + CUDA graphs" BACKENDS="auto cudnn"
+  export TINY_ARG= GRAPH_MODES="eager + CUDA graphs" BACKENDS="auto cudnn" KIND_ROUNDS=${KIND_ROUNDS:-2}
 fi
 
 part_decode() { "$PY" -m bench.decode $TINY_ARG; }
@@ -50,7 +51,9 @@ part_decode_rows() {
   [ -z "$TINY_ARG" ] || batch=4
   "$PY" -m bench.decode $TINY_ARG --batches $batch --models MoD "Staged MoDE" --decoder-arg compact_rows=False
 }
-part_kinds() { "$PY" -m bench.block_kinds $TINY_ARG --modes "$GRAPH_MODES" --optimizer "$OPTIMIZER"; }
+part_kinds() {
+  "$PY" -m bench.block_kinds $TINY_ARG --modes "$GRAPH_MODES" --optimizer "$OPTIMIZER" --rounds "$KIND_ROUNDS"
+}
 part_compiled() {
   [ -z "$TINY_ARG" ] || { gpu_only "compiled block kinds"; return; }
   "$PY" -m bench.block_kinds --modes compiled --optimizer "$OPTIMIZER"
