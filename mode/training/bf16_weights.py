@@ -123,11 +123,12 @@ class Bf16Weights:
     def owns(self, param: Tensor) -> bool:
         return id(param) in self.master_of
 
-    def step(self, optimizer: torch.optim.Optimizer, grad_scale: Tensor) -> None:
+    def step(self, optimizer: torch.optim.Optimizer, grad_scale: Tensor, params: list[nn.Parameter] | None = None) -> None:
         """One AdamW update of every master whose param has a gradient (divided by `grad_scale`, 0-d
         float32: 1 / the clipping factor), with its group's settings; the param becomes the new master
-        rounded to bf16. The state is torch.optim.AdamW's (step, exp_avg, exp_avg_sq), made on the first step."""
-        for group, updates in self.updates(optimizer, self.params):
+        rounded to bf16. The state is torch.optim.AdamW's (step, exp_avg, exp_avg_sq), made on the first step.
+        params: only these of this object's params (None: all)."""
+        for group, updates in self.updates(optimizer, self.params if params is None else params):
             torch._foreach_add_([update[-1] for update in updates], 1.0)
             master_updates_(updates, grad_scale, group["lr"], group["betas"], group["eps"], group["weight_decay"])
 

@@ -32,7 +32,7 @@ from mode.kernels.policy import use_triton
 from mode.layers.attention import CausalSelfAttention
 from mode.layers.mlp import SwiGLU
 from mode.layers.moe import MoEFFN
-from mode.training.bf16_weights import Bf16Weights, Update, master_updates_, matrix_weights
+from mode.training.bf16_weights import Bf16Weights, Update, matrix_weights
 
 if TYPE_CHECKING:  # Triton: the kernel's module is imported where it runs
     from mode.kernels.adamw import MastersLaunch
@@ -102,7 +102,6 @@ class DeferredUpdate:
         device = bf16.masters[0].device
         self.active = torch.zeros((), dtype=torch.float32, device=device)  # 1: an update is staged
         self.lr = torch.zeros((), dtype=torch.float32, device=device)
-        self.host_lr = 0.0
         self.grad_scale = torch.ones((), dtype=torch.float32, device=device)
         self.maybe_staged = False  # False: surely nothing staged (flush has nothing to do)
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -124,7 +123,6 @@ class DeferredUpdate:
             for index in range(len(self.blocks)):
                 self._bind(index)
         self.lr.fill_(lr)
-        self.host_lr = lr  # the PyTorch ops' (CPU), unrounded as the immediate update's
         self.grad_scale.copy_(grad_scale)
         self.active.fill_(1.0)
         self.maybe_staged = True
@@ -212,14 +210,10 @@ class DeferredUpdate:
         """Block index's update, where one is staged (read on the device by the kernel)."""
         if not self.blocks[index]:
             return
-        if self.stream is None:  # the PyTorch ops (CPU): read on the host
-            updates = self._updates(index)
-            if updates is None or not self.active.item():
+        if self.stream is None:  # the PyTorch ops (CPU): the flag read on the host, the step's own lr in the groups
+            if any(p.grad is None for p in self.blocks[index]) or not self.active.item():
                 return
-            for group, group_updates in updates:
-                torch._foreach_add_([update[-1] for update in group_updates], 1.0)
-                master_updates_(group_updates, self.grad_scale, self.host_lr, group["betas"], group["eps"],
-                                group["weight_decay"])
+            self.bf16.step(self.optimizer, self.grad_scale, self.blocks[index])
             return
         bound = self._bind(index)
         if bound is None:  # no gradient has ever existed: nothing can be staged
