@@ -22,6 +22,8 @@ state keeps torch.optim.AdamW's layout (each master in its weight's place).
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor, nn
 
@@ -31,8 +33,8 @@ from mode.layers.attention import CausalSelfAttention
 from mode.layers.experts import Experts
 from mode.layers.mlp import SwiGLU
 
-# (master, exp_avg, exp_avg_sq, grad, copy, step) of one weight: mode.kernels.adamw's Update
-Update = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
+if TYPE_CHECKING:  # Triton: the kernel's module is imported where it runs
+    from mode.kernels.adamw import Update
 
 
 def bf16_weights_apply(config: Config, device: torch.device, one_process: bool) -> tuple[bool, str | None]:

@@ -32,10 +32,10 @@ from mode.kernels.policy import use_triton
 from mode.layers.attention import CausalSelfAttention
 from mode.layers.mlp import SwiGLU
 from mode.layers.moe import MoEFFN
-from mode.training.bf16_weights import Bf16Weights, Update, matrix_weights
+from mode.training.bf16_weights import Bf16Weights, matrix_weights
 
 if TYPE_CHECKING:  # Triton: the kernel's module is imported where it runs
-    from mode.kernels.adamw import MastersLaunch
+    from mode.kernels.adamw import MastersLaunch, Update
 
 # The modules whose forward reads the bf16 matrices (experts' through their MoE FFN)
 READERS = (CausalSelfAttention, SwiGLU, MoEFFN)
