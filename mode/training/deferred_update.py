@@ -132,9 +132,7 @@ class DeferredUpdate:
         then the step's."""
         if not self.maybe_staged:
             return
-        for index in range(len(self.blocks)):
-            self._apply(index)
-        self.active.zero_()
+        self._apply_all(record=False)
         self.maybe_staged = False
 
     def discard(self) -> None:
@@ -152,16 +150,11 @@ class DeferredUpdate:
         if not self._runs(model):  # evaluation reads flushed weights
             return
         if self.stream is None:
-            for index in range(len(self.blocks)):
-                self._apply(index)
-            self.active.zero_()
+            self._apply_all(record=False)
             return
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
-            for index, event in enumerate(self.events):
-                self._apply(index)
-                event.record()
-            self.active.zero_()
+            self._apply_all(record=True)
 
     def _wait(self, blocks: list[int], module: nn.Module, args: Any) -> None:
         """A module is about to read its weights: after the updates of the blocks that own them."""
@@ -175,6 +168,15 @@ class DeferredUpdate:
             torch.cuda.current_stream().wait_stream(self.stream)
 
     # -- one block's update
+    def _apply_all(self, record: bool) -> None:
+        """Every block's update in order on the current stream (record: each block's event after
+        its own), then nothing staged."""
+        for index in range(len(self.blocks)):
+            self._apply(index)
+            if record:
+                self.events[index].record()
+        self.active.zero_()
+
     def _updates(self, index: int) -> list[tuple[dict, list[Update]]] | None:
         """Block index's updates by optimizer group; None while some weight has no gradient (a CUDA
         graph's capture, which makes them: the tables bound before it are used)."""
