@@ -19,26 +19,24 @@ import argparse
 
 import torch
 
-from bench.common import require_cuda, timed
+from bench.block_kinds import kind_config
+from bench.common import add_model_args, require_cuda, timed
 from mode.kernels import adamw as kernel
+from mode.model import LanguageModel
+from mode.training.bf16_weights import matrix_weights
 
 
-def matrices(args: argparse.Namespace) -> list[tuple[int, ...]]:
-    """The shapes of the matrices bf16 weights hold: attention and FFN of the dense blocks, attention
-    and the experts' stacks of the routed ones."""
-    d, f, e = args.width, args.ffn, args.experts
-    shapes: list[tuple[int, ...]] = []
-    for layer in range(args.layers):
-        shapes += [(3 * d, d), (d, d)]
-        shapes += [(2 * f, d), (d, f)] if layer % 2 == 0 else [(e, d, 2 * f), (e, f, d)]
-    return shapes
+def matrices(args: argparse.Namespace) -> list[torch.Size]:
+    """The shapes of the matrices bf16 weights hold (matrix_weights) in block_kinds' Staged MoDE model,
+    built on the meta device (no memory; the sequence length does not change them)."""
+    with torch.device("meta"):
+        model = LanguageModel(kind_config("mode_staged", argparse.Namespace(**vars(args), seq=2048, noop=0)))
+    return [p.shape for p in matrix_weights(model)]
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--ffn", type=int, default=2816)
-    parser.add_argument("--layers", type=int, default=12)
+    add_model_args(parser)
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--blocks", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     parser.add_argument("--warmup", type=int, default=3)
@@ -47,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     require_cuda(parser)
     device = torch.device("cuda")
     shapes = matrices(args)
-    n = sum(torch.Size(s).numel() for s in shapes)
+    n = sum(s.numel() for s in shapes)
     weights = [torch.randn(s, device=device) * 0.02 for s in shapes]
     grads = [torch.randn(s, device=device) * 1e-3 for s in shapes]
     print(f"card: {torch.cuda.get_device_name()}; torch {torch.__version__}; {len(shapes)} matrices, "
