@@ -94,10 +94,15 @@ def add_optimizer_arg(parser: argparse.ArgumentParser) -> None:
                              "the next forward under the eager CUDA graphs (train.overlap_update=auto)")
 
 
+def bf16_weights_in(optimizer: str, device: torch.device) -> bool:
+    """Whether the --optimizer's step holds the matrices in bf16 (mode.train's default on a GPU)."""
+    return optimizer in ("train", "train-overlapped") and device.type == "cuda"
+
+
 def describe_optimizer(optimizer: str, device: torch.device) -> str:
     if optimizer == "adamw":
         return "fused AdamW on every float32 parameter"
-    bf16 = optimizer in ("train", "train-overlapped") and device.type == "cuda"
+    bf16 = bf16_weights_in(optimizer, device)
     weights = "bf16 matrices with float32 masters" if bf16 else "float32 weights"
     where = ""
     if bf16 and optimizer == "train-overlapped":
@@ -108,8 +113,9 @@ def describe_optimizer(optimizer: str, device: torch.device) -> str:
 class Runner:
     """One model, its fused AdamW and a fixed batch: timed forward+backward and whole steps.
     attention: the SDPA kernel (train.attention_backend); optimizer: "adamw" (fused AdamW on every
-    parameter), "train" (mode.train's TorchOptimization, bf16 weights on a GPU) or "train-float32"
-    (the same with float32 weights)."""
+    parameter), "train" (mode.train's TorchOptimization, bf16 weights on a GPU), "train-float32"
+    (the same with float32 weights) or "train-overlapped" (bf16 weights whose update runs inside the
+    next forward under the eager CUDA graphs)."""
 
     def __init__(self, config: Config, mode: str, args: argparse.Namespace, device: torch.device,
                  attention: str = "auto", optimizer: str = "adamw") -> None:
@@ -123,7 +129,7 @@ class Runner:
         self.optimization: TorchOptimization | None = None  # optimizer "train": mode.train's step
         graphed = mode == "eager + CUDA graphs"
         if optimizer in OPTIMIZERS[1:]:
-            bf16 = optimizer in ("train", "train-overlapped") and device.type == "cuda"
+            bf16 = bf16_weights_in(optimizer, device)
             self.optimization = TorchOptimization(self.model, config, device, keep_grads=graphed, zero_grads=not graphed,
                                                   bf16_weights=bf16,
                                                   defer_update=bf16 and graphed and optimizer == "train-overlapped")
