@@ -102,9 +102,10 @@ def clipped_gradients(
     norm: Tensor,
     max_norm: float,
     apart: Sequence[tuple[list[Tensor], Tensor]] = (),
-) -> Iterator[None]:
+) -> Iterator[Tensor | None]:
     """Inside, optimizer.step() steps on the gradients times min(1, max_norm / (norm + 1e-6)),
-    clip_grad_norm_'s factor; max_norm <= 0 clips nothing.
+    clip_grad_norm_'s factor; max_norm <= 0 clips nothing. Yields what the gradients are divided
+    by, 1 / the factor (0-d, for updates outside the optimizer: bf16 weights' masters), or None.
 
     apart: more (gradients, their norm) groups, each clipped by its own norm, not counted in
     `norm` (the causal predictors: see TorchOptimization). Every gradient the optimizer steps
@@ -116,9 +117,10 @@ def clipped_gradients(
     Other optimizers get the factor multiplied into the gradients on entry.
     """
     if max_norm <= 0:
-        yield
+        yield None
         return
     coef = _clip_factor(norm, max_norm)
+    grad_scale = coef.reciprocal()
     fused = bool(optimizer.defaults.get("fused"))
     for group_grads, group_norm in apart:
         if group_grads:  # the fused step multiplies these by coef too: their own factor over it
@@ -126,11 +128,11 @@ def clipped_gradients(
             torch._foreach_mul_(group_grads, group_coef / coef if fused else group_coef)
     if not fused:
         torch._foreach_mul_(grads, coef)
-        yield
+        yield grad_scale
         return
-    optimizer.grad_scale = coef.reciprocal()  # read by Adam(W).step()
+    optimizer.grad_scale = grad_scale  # read by Adam(W).step()
     try:
-        yield
+        yield grad_scale
     finally:
         del optimizer.grad_scale  # this step only
 
@@ -225,14 +227,14 @@ class TorchOptimization:
         apart = [(predictor_grads, total_norm(predictor_grads))] if predictor_grads else []
         # bf16 weights' gradients: scaled inside their masters' update, not by clipped_gradients
         float32_grads = grads if self.bf16 is None else [p.grad for p in params if not self.bf16.owns(p)]
-        with clipped_gradients(self.optimizer, float32_grads, norm, self.grad_clip, apart):
+        with clipped_gradients(self.optimizer, float32_grads, norm, self.grad_clip, apart) as grad_scale:
             self.optimizer.step()  # every parameter but the masters, which have no gradient
-        if self.bf16 is not None:
-            clip = _clip_factor(norm, self.grad_clip) if self.grad_clip > 0 else torch.ones_like(norm)
+        if self.bf16 is not None:  # the masters divide their gradients as fused AdamW did
+            grad_scale = torch.ones_like(norm) if grad_scale is None else grad_scale
             if self.deferred is not None:  # run by the next training forward, or by flush()
-                self.deferred.stage(lr, clip.reciprocal())
+                self.deferred.stage(lr, grad_scale)
             else:
-                self.bf16.step(self.optimizer, clip.reciprocal())  # as clipped_gradients hands fused AdamW
+                self.bf16.step(self.optimizer, grad_scale)
         if self.zero_grads or not self.keep_grads:
             self.model.zero_grad(set_to_none=not self.keep_grads)
         return norm.detach()
