@@ -4,18 +4,22 @@
                                          # 8 experts of width 2816 in every other block: 517M weights)
 
 Rows, measured in the same process, each the median of --iters passes timed with CUDA events
-(the update's GPU time: the host's launches run ahead of the device in a training step):
+(the update's GPU time: the host's launches run ahead of the device in a training step, so the
+kernel's tables are built once, outside the timing):
 - torch.optim.AdamW(fused=True) on float32 weights with float32 gradients (what train.bf16_weights=false
   steps, without the casts of the forward and backward it also pays);
 - the masters' kernel (mode/kernels/adamw.py) on float32 masters with bf16 gradients, writing the
   bf16 copies, at each --blocks size (elements a program; 4 warps up to 2048, 8 above), one launch;
-- the same kernel with one launch per weight (the launches' gaps).
+- the same kernel with one launch per weight (the launches' gaps);
+- the model's other weights, float32 with float32 gradients (embedding, output head, norms, routers):
+  fused AdamW, and the masters' kernel's launch for them (what train.bf16_weights steps them with).
 TB/s: the bytes each update must move (AdamW: read weight, gradient and both moments, write
 weight and moments; masters: the same with a bf16 gradient, plus the bf16 copy written) over its time.
 """
 from __future__ import annotations
 
 import argparse
+from typing import Callable
 
 import torch
 
@@ -26,12 +30,14 @@ from mode.model import LanguageModel
 from mode.training.bf16_weights import matrix_weights
 
 
-def matrices(args: argparse.Namespace) -> list[torch.Size]:
+def matrices(args: argparse.Namespace) -> tuple[list[torch.Size], list[torch.Size]]:
     """The shapes of the matrices bf16 weights hold (matrix_weights) in block_kinds' Staged MoDE model,
-    built on the meta device (no memory; the sequence length does not change them)."""
+    and of its other (float32) weights, built on the meta device (no memory; the sequence length
+    does not change them)."""
     with torch.device("meta"):
         model = LanguageModel(kind_config("mode_staged", argparse.Namespace(**vars(args), seq=2048, noop=0)))
-    return [p.shape for p in matrix_weights(model)]
+    chosen = {id(p) for p in matrix_weights(model)}
+    return [p.shape for p in matrix_weights(model)], [p.shape for p in model.parameters() if id(p) not in chosen]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -44,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     require_cuda(parser)
     device = torch.device("cuda")
-    shapes = matrices(args)
+    shapes, float32_shapes = matrices(args)
     n = sum(s.numel() for s in shapes)
     weights = [torch.randn(s, device=device) * 0.02 for s in shapes]
     grads = [torch.randn(s, device=device) * 1e-3 for s in shapes]
@@ -66,17 +72,41 @@ def main(argv: list[str] | None = None) -> None:
                 torch.ones((), device=device)) for m, g in zip(masters, grads)]
     scale = torch.ones((), device=device)
     for block in args.blocks:
-        ms = timed(lambda b=block: kernel.adamw_masters_step_(updates, scale, 1e-4, (0.9, 0.95), 1e-8, 0.1, b),
-                   args.warmup, args.iters, device)
+        ms = timed(runs(kernel.masters_launches(updates, block), scale), args.warmup, args.iters, device)
         print(f"| masters' kernel, one launch, {block} elements a program | {ms:.3f} | {n * 28 / ms / 1e9:.2f} |")
 
-    def per_weight() -> None:
-        for update in updates:
-            kernel.adamw_masters_step_([update], scale, 1e-4, (0.9, 0.95), 1e-8, 0.1)
-
-    ms = timed(per_weight, args.warmup, args.iters, device)
+    per_weight = [launch for update in updates for launch in kernel.masters_launches([update])]
+    ms = timed(runs(per_weight, scale), args.warmup, args.iters, device)
     print(f"| masters' kernel, one launch per weight, {kernel.BLOCK} elements a program | {ms:.3f} | "
           f"{n * 28 / ms / 1e9:.2f} |")
+    float32_weights(float32_shapes, args, device)
+
+
+def runs(launches: list[kernel.MastersLaunch], scale: torch.Tensor) -> Callable[[], None]:
+    """One update by the masters' kernel through launches built beforehand (lr 1e-4, decay 0.1)."""
+    lr = torch.full_like(scale, 1e-4)
+
+    def run() -> None:
+        for launch in launches:
+            launch.run(scale, lr, (0.9, 0.95), 1e-8, 0.1)
+    return run
+
+
+def float32_weights(shapes: list[torch.Size], args: argparse.Namespace, device: torch.device) -> None:
+    """The rows of the float32 weights: fused AdamW, then the masters' kernel's float32 launch."""
+    n = sum(s.numel() for s in shapes)
+    label = f"{len(shapes)} float32 weights ({n / 1e6:.1f}M: embedding, head, norms, routers)"
+    params = [torch.nn.Parameter(torch.randn(s, device=device) * 0.02) for s in shapes]
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    adamw = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, fused=True)
+    ms = timed(adamw.step, args.warmup, args.iters, device)
+    print(f"| {label}, fused AdamW | {ms:.3f} | {n * 28 / ms / 1e9:.2f} |")
+    updates = [(p.detach(), torch.zeros_like(p), torch.zeros_like(p), p.grad, None, torch.ones((), device=device))
+               for p in params]
+    scale = torch.ones((), device=device)
+    ms = timed(runs(kernel.masters_launches(updates), scale), args.warmup, args.iters, device)
+    print(f"| {label}, masters' kernel | {ms:.3f} | {n * 28 / ms / 1e9:.2f} |")
 
 
 if __name__ == "__main__":

@@ -155,13 +155,16 @@ KERNELS = [
     (decision, "_compact", dict(chosen_ptr="*u8", rows_ptr=I64, keep_ptr="*u8", batch=I32, width=I32, BLOCK=1024)),
     (decision, "_compact", dict(chosen_ptr="*u8", rows_ptr=I64, keep_ptr="*u8", batch=I32, width=1, BLOCK=8)),
     # AdamW on float32 masters from their bf16 gradients, writing the bf16 copies: many tensors, and one
-    # (staged for a CUDA graph: conditional on `active`, each step count advanced first)
+    # (staged for a CUDA graph: conditional on `active`, each step count advanced first); float32 weights
     (adamw, "_adamw_masters", dict(table_ptr=I64, n_tensors=I32, grad_scale_ptr=F32, lr_ptr=F32, active_ptr=F32,
                                    beta1="fp32", beta2="fp32", log_beta1="fp32", log_beta2="fp32", eps="fp32",
-                                   decay="fp32", BLOCK=1024, TENSORS=64, HAS_ACTIVE=False)),
+                                   decay="fp32", BLOCK=1024, TENSORS=64, HAS_ACTIVE=False, FLOAT32=False)),
     (adamw, "_adamw_masters", dict(table_ptr=I64, n_tensors=1, grad_scale_ptr=F32, lr_ptr=F32, active_ptr=F32,
                                    beta1="fp32", beta2="fp32", log_beta1="fp32", log_beta2="fp32", eps="fp32",
-                                   decay="fp32", BLOCK=1024, TENSORS=1, HAS_ACTIVE=True)),
+                                   decay="fp32", BLOCK=1024, TENSORS=1, HAS_ACTIVE=True, FLOAT32=False)),
+    (adamw, "_adamw_masters", dict(table_ptr=I64, n_tensors=I32, grad_scale_ptr=F32, lr_ptr=F32, active_ptr=F32,
+                                   beta1="fp32", beta2="fp32", log_beta1="fp32", log_beta2="fp32", eps="fp32",
+                                   decay="fp32", BLOCK=1024, TENSORS=64, HAS_ACTIVE=False, FLOAT32=True)),
     (adamw, "_count_steps", dict(table_ptr=I64, n_tensors=I32, active_ptr=F32, TENSORS=8)),
     # the norms of the float32 residual stream into bf16 (with the residual add, and a float32 output)
     (rms_norm, "_rms_norm_fwd", dict(x_ptr=F32, a_ptr=F32, w_ptr=F32, h_ptr=F32, y_ptr=BF16, rstd_ptr=F32, width=I32,

@@ -32,23 +32,26 @@ def test_the_update_equals_adamw_and_writes_the_rounded_copy(kernel: bool, decay
     bf16 copy is its master rounded to nearest even, bit for bit. Sizes: under one block of the
     kernel, one block, several with a partial last one, a matrix; a weight one step ahead of the
     others (its own step count); a master 4 bytes off 16-byte alignment (the kernel leaves it to the
-    PyTorch ops)."""
+    PyTorch ops). In the same call, two float32 weights without copies, from float32 gradients (the
+    kernel's launch of their own)."""
     gen = torch.Generator().manual_seed(0)
-    shapes = [(7,), (1024,), (2500,), (33, 70), (300,)]
+    shapes = [(7,), (1024,), (2500,), (33, 70), (300,), (2500,), (16, 64)]
+    float32 = [False] * 5 + [True] * 2  # no copy: the weight is its own master
     masters = [torch.randn(shape, generator=gen).to(DEVICE) for shape in shapes]
-    masters[-1] = torch.cat([masters[-1].new_zeros(1), masters[-1]])[1:]  # a view 4 bytes into its storage
-    assert masters[-1].data_ptr() % 16 == 4
+    masters[4] = torch.cat([masters[4].new_zeros(1), masters[4]])[1:]  # a view 4 bytes into its storage
+    assert masters[4].data_ptr() % 16 == 4
     references = [m.clone().requires_grad_() for m in masters]
     moments = [(torch.zeros_like(m), torch.zeros_like(m)) for m in masters]
     steps = [torch.full((), 1.0 if i == 2 else 0.0, device=DEVICE) for i in range(len(shapes))]
-    copies = [m.to(torch.bfloat16) for m in masters]
+    copies = [None if f else m.to(torch.bfloat16) for m, f in zip(masters, float32)]
     adamw = torch.optim.AdamW(references, lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=decay, foreach=False)
     adamw.step()  # no gradients yet: no state
     ahead = references[2]
     adamw.state[ahead].update(step=torch.tensor(1.0), exp_avg=torch.zeros_like(ahead), exp_avg_sq=torch.zeros_like(ahead))
     scale = torch.tensor(grad_scale, device=DEVICE)
     for _ in range(3):
-        grads = [(torch.randn(shape, generator=gen) * 1e-2).to(torch.bfloat16).to(DEVICE) for shape in shapes]
+        grads = [(torch.randn(shape, generator=gen) * 1e-2).to(torch.float32 if f else torch.bfloat16).to(DEVICE)
+                 for shape, f in zip(shapes, float32)]
         for step in steps:
             step += 1
         with use_kernels(KernelPolicy(optimizer=kernel, cpu=True)):
@@ -59,7 +62,7 @@ def test_the_update_equals_adamw_and_writes_the_rounded_copy(kernel: bool, decay
         adamw.step()
         for master, reference, copy in zip(masters, references, copies):
             torch.testing.assert_close(master, reference.detach(), rtol=1e-6, atol=1e-7)
-            assert torch.equal(copy, master.to(torch.bfloat16))
+            assert copy is None or torch.equal(copy, master.to(torch.bfloat16))
     for (exp_avg, exp_avg_sq), reference in zip(moments, references):
         state = adamw.state[reference]
         torch.testing.assert_close(exp_avg, state["exp_avg"], rtol=1e-6, atol=1e-9)
@@ -125,6 +128,61 @@ def test_bf16_weights_train_as_float32_weights_under_autocast(path: Path) -> Non
     for param, master in zip(bf16.params, bf16.masters, strict=True):
         assert param.dtype == torch.bfloat16 and master.dtype == torch.float32
         assert torch.equal(param, master.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("grad_clip", [1e-3, 0.0], ids=["clipped", "unclipped"])
+def test_the_masters_kernel_steps_the_float32_weights_as_adamw_does(grad_clip: float) -> None:
+    """With bf16 weights and the kernel, the float32 weights (embeddings, head, norms, routers, causal
+    predictors) are stepped by the masters' kernel, not by torch.optim.AdamW. From the state of two
+    steps, one more step with the kernel equals AdamW's own to float32 rounding, in every weight and
+    moment. Clipped hard, so the clipping factor (and the predictors' own, routing.causal=predictor)
+    is in the update."""
+    config = load_config(ROOT / "configs" / "mode_integrated_tiny.yaml",
+                         ["--model.n_layers=2", "--model.max_seq_len=32", "--data.seq_len=32",
+                          "--routing.causal=predictor", f"--train.grad_clip={grad_clip}"])
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, config.model.vocab_size, (2, 33), generator=gen) for _ in range(3)]
+
+    def train(optimization: TorchOptimization, tokens: torch.Tensor, kernel: bool) -> None:
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            output = optimization.model(tokens[:, :-1].to(DEVICE), tokens[:, 1:].to(DEVICE))
+        (output.loss + output.aux_loss).backward()
+        with use_kernels(KernelPolicy(optimizer=kernel, cpu=True)):
+            optimization.step(1e-3)
+
+    torch.manual_seed(0)
+    start = TorchOptimization(LanguageModel(config).to(DEVICE), config, torch.device(DEVICE), bf16_weights=True)
+    for tokens in batches[:2]:
+        train(start, tokens, kernel=False)
+    buffer = io.BytesIO()
+    torch.save((start.model_state_dict(), start.optimizer.state_dict()), buffer)
+
+    def one_more_step(kernel: bool) -> tuple[TorchOptimization, int]:
+        buffer.seek(0)
+        model_state, optimizer_state = torch.load(buffer, weights_only=True, map_location=DEVICE)
+        optimization = TorchOptimization(LanguageModel(config).to(DEVICE), config, torch.device(DEVICE), bf16_weights=True)
+        optimization.load_model_state_dict(model_state)
+        optimization.optimizer.load_state_dict(optimizer_state)
+        calls = []
+        step = optimization.optimizer.step
+        optimization.optimizer.step = lambda *a, **k: calls.append(1) or step(*a, **k)
+        train(optimization, batches[2], kernel)
+        return optimization, len(calls)
+
+    (ours, calls), (adamw, adamw_calls) = one_more_step(True), one_more_step(False)
+    assert (calls, adamw_calls) == (0, 1)  # the kernel stepped every float32 weight
+    names = {id(p): name for name, p in ours.model.named_parameters() if p.dtype == torch.float32}
+    assert any("predictor" in n for n in names.values()) and any("router" in n for n in names.values())
+    state, reference = ours.model_state_dict(), adamw.model_state_dict()
+    for name in state:
+        torch.testing.assert_close(state[name], reference[name], rtol=1e-6, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
+    for group, adamw_group in zip(ours.optimizer.param_groups, adamw.optimizer.param_groups, strict=True):
+        for p, q in zip(group["params"], adamw_group["params"], strict=True):
+            for key in ("exp_avg", "exp_avg_sq"):  # float32 rounding of the moment's scale (sums cancel)
+                expected = adamw.optimizer.state[q][key]
+                torch.testing.assert_close(ours.optimizer.state[p][key], expected, rtol=1e-5,
+                                           atol=1e-6 * expected.abs().max().item(), msg=lambda m, k=key: f"{k}: {m}")
+            assert ours.optimizer.state[p]["step"].item() == adamw.optimizer.state[q]["step"].item() == 3
 
 
 def test_checkpoints_hold_the_masters_and_resume_bit_for_bit() -> None:

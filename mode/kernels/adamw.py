@@ -19,6 +19,10 @@ conditional: where it reads 0 nothing moves. One launch updates many tensors: a 
 device holds each tensor's addresses, size and first block, and each program finds its tensor
 there (a dense model's forty-odd matrices are forty-odd launches otherwise, with a gap after each).
 A table may be rewritten in place between a graph's replays (MastersLaunch.rebind).
+
+The same kernel steps the float32 parameters that have no bf16 copy (embeddings, the output head,
+norms, routers) from their float32 gradients, in a launch of their own (an update's copy None):
+torch.optim.AdamW's fused step takes some twice the time of this pass over them, in many launches.
 """
 from __future__ import annotations
 
@@ -39,7 +43,7 @@ TABLE_ROWS = 8  # master, exp_avg, exp_avg_sq, grad, copy, step addresses; size;
 
 @triton.jit
 def _adamw_masters(table_ptr, n_tensors, grad_scale_ptr, lr_ptr, active_ptr, beta1, beta2, log_beta1, log_beta2, eps,
-                   decay, BLOCK: tl.constexpr, TENSORS: tl.constexpr, HAS_ACTIVE: tl.constexpr):
+                   decay, BLOCK: tl.constexpr, TENSORS: tl.constexpr, HAS_ACTIVE: tl.constexpr, FLOAT32: tl.constexpr):
     if HAS_ACTIVE:
         if tl.load(active_ptr) == 0:  # no update staged: nothing moves
             return
@@ -51,7 +55,8 @@ def _adamw_masters(table_ptr, n_tensors, grad_scale_ptr, lr_ptr, active_ptr, bet
     w_ptr = tl.load(table_ptr + t).to(tl.pointer_type(tl.float32))
     m_ptr = tl.load(table_ptr + n_tensors + t).to(tl.pointer_type(tl.float32))
     v_ptr = tl.load(table_ptr + 2 * n_tensors + t).to(tl.pointer_type(tl.float32))
-    g_ptr = tl.load(table_ptr + 3 * n_tensors + t).to(tl.pointer_type(tl.bfloat16))
+    # FLOAT32: the weight is its own master, its gradient float32, and there is no copy to write
+    g_ptr = tl.load(table_ptr + 3 * n_tensors + t).to(tl.pointer_type(tl.float32 if FLOAT32 else tl.bfloat16))
     copy_ptr = tl.load(table_ptr + 4 * n_tensors + t).to(tl.pointer_type(tl.bfloat16))
     step_ptr = tl.load(table_ptr + 5 * n_tensors + t).to(tl.pointer_type(tl.float32))
     block = index - tl.load(table_ptr + 7 * n_tensors + t)  # this program's block of its tensor
@@ -69,15 +74,15 @@ def _adamw_masters(table_ptr, n_tensors, grad_scale_ptr, lr_ptr, active_ptr, bet
     mask = offs < n
     if (block + 1) * BLOCK <= n:  # a whole block: no mask, vectorised
         _update(w_ptrs, m_ptrs, v_ptrs, g_ptrs, copy_ptrs, mask, step, grad_scale, lr, beta1, beta2, log_beta1,
-                log_beta2, eps, decay, MASKED=False)
+                log_beta2, eps, decay, MASKED=False, HAS_COPY=not FLOAT32)
     else:
         _update(w_ptrs, m_ptrs, v_ptrs, g_ptrs, copy_ptrs, mask, step, grad_scale, lr, beta1, beta2, log_beta1,
-                log_beta2, eps, decay, MASKED=True)
+                log_beta2, eps, decay, MASKED=True, HAS_COPY=not FLOAT32)
 
 
 @triton.jit
 def _update(w_ptrs, m_ptrs, v_ptrs, g_ptrs, copy_ptrs, mask, step, grad_scale, lr, beta1, beta2, log_beta1, log_beta2,
-            eps, decay, MASKED: tl.constexpr):
+            eps, decay, MASKED: tl.constexpr, HAS_COPY: tl.constexpr):
     correction1 = 1.0 - tl.exp(step * log_beta1)  # 1 - beta1^t
     correction2 = 1.0 - tl.exp(step * log_beta2)
     if MASKED:
@@ -100,7 +105,8 @@ def _update(w_ptrs, m_ptrs, v_ptrs, g_ptrs, copy_ptrs, mask, step, grad_scale, l
     tl.store(w_ptrs, w, mask=mask)
     tl.store(m_ptrs, m, mask=mask)
     tl.store(v_ptrs, v, mask=mask)
-    store_rounded(copy_ptrs, w, mask)
+    if HAS_COPY:
+        store_rounded(copy_ptrs, w, mask)
 
 
 @triton.jit
@@ -113,15 +119,16 @@ def _count_steps(table_ptr, n_tensors, active_ptr, TENSORS: tl.constexpr):
     tl.store(step_ptrs, steps + (active != 0).to(tl.float32), mask=idx < n_tensors)
 
 
-# (master, exp_avg, exp_avg_sq, grad, copy, step) of one weight
-Update = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
+# (master, exp_avg, exp_avg_sq, grad, copy, step) of one weight; copy None: a float32 weight, its own master
+Update = tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor]
 
 
 def adamw_masters_step_(updates: list[Update], grad_scale: Tensor, lr: float | Tensor, betas: tuple[float, float],
                         eps: float, weight_decay: float, block: int = BLOCK) -> None:
     """One AdamW update of each master (float32) from its grad (bf16), in place, and its copy (bf16)
     = the master rounded, in one launch per MAX_TENSORS weights (mode.training.bf16_weights.master_updates_
-    has the same in PyTorch ops).
+    has the same in PyTorch ops). An update whose copy is None is a float32 weight with a float32
+    grad: the same update, in launches of their own.
 
     step: each weight's step count after this update (0-d float32, on the device); grad_scale: 0-d
     float32, what the gradients are divided by (1 / the clipping factor, as AdamW's grad_scale); lr:
@@ -144,11 +151,12 @@ class MastersLaunch:
     programs: int
     block: int
     addresses: tuple[int, ...]
+    float32: bool = False  # float32 weights and gradients without copies (else masters with bf16 ones)
 
     def rebind(self, updates: list[Update]) -> None:
         """Point the table at updates: the same sizes as it was built for, in the same order."""
         table, programs, addresses = _table(updates, self.block, None)
-        if (len(updates), programs) != (self.n_tensors, self.programs):
+        if (len(updates), programs, _is_float32(updates)) != (self.n_tensors, self.programs, self.float32):
             raise ValueError("MastersLaunch.rebind: the weights' sizes differ from the table's")
         if addresses != self.addresses:
             self.table.copy_(table.pin_memory() if self.table.is_cuda else table, non_blocking=True)
@@ -168,38 +176,54 @@ class MastersLaunch:
             _adamw_masters[(self.programs,)](
                 self.table, self.n_tensors, grad_scale, lr, grad_scale if active is None else active, beta1, beta2,
                 *logs, eps, weight_decay, BLOCK=self.block, TENSORS=tensors, HAS_ACTIVE=active is not None,
-                num_warps=4 if self.block <= 2048 else 8)
+                FLOAT32=self.float32, num_warps=4 if self.block <= 2048 else 8)
 
 
 def masters_launches(updates: list[Update], block: int = BLOCK) -> list[MastersLaunch]:
-    """The launches that update `updates`, MAX_TENSORS weights each, their tables on the device."""
+    """The launches that update `updates`, MAX_TENSORS weights each, their tables on the device:
+    the masters with bf16 copies first, then the float32 weights (copy None)."""
     launches = []
-    for start in range(0, len(updates), MAX_TENSORS):
-        chunk = updates[start:start + MAX_TENSORS]
-        table, programs, addresses = _table(chunk, block, chunk[0][0].device)
-        launches.append(MastersLaunch(table, len(chunk), programs, block, addresses))
+    for float32 in (False, True):
+        kind = [update for update in updates if (update[4] is None) == float32]
+        for start in range(0, len(kind), MAX_TENSORS):
+            chunk = kind[start:start + MAX_TENSORS]
+            table, programs, addresses = _table(chunk, block, chunk[0][0].device)
+            launches.append(MastersLaunch(table, len(chunk), programs, block, addresses, float32))
     return launches
 
 
 def kernel_takes(update: Update) -> bool:
-    """Whether the kernel can update it: float32 master and moments, bf16 gradient and copy, each
-    contiguous and 16-byte aligned (its whole blocks are read and written 16 bytes at a time)."""
+    """Whether the kernel can update it: float32 master and moments, bf16 gradient and copy (or a
+    float32 gradient and no copy), each contiguous and 16-byte aligned (its whole blocks are read
+    and written 16 bytes at a time), all the same size."""
     master, exp_avg, exp_avg_sq, grad, copy, _ = update
-    dtypes = (torch.float32,) * 3 + (torch.bfloat16,) * 2
-    tensors = (master, exp_avg, exp_avg_sq, grad, copy)
-    return all(t.dtype == d and t.is_contiguous() and t.data_ptr() % 16 == 0 for t, d in zip(tensors, dtypes))
+    if copy is None:
+        tensors, dtypes = (master, exp_avg, exp_avg_sq, grad), (torch.float32,) * 4
+    else:
+        tensors, dtypes = (master, exp_avg, exp_avg_sq, grad, copy), (torch.float32,) * 3 + (torch.bfloat16,) * 2
+    return all(t.dtype == d and t.is_contiguous() and t.data_ptr() % 16 == 0 and t.numel() == master.numel()
+               for t, d in zip(tensors, dtypes))
+
+
+def _is_float32(updates: list[Update]) -> bool:
+    """Whether updates are float32 weights (copy None); a launch takes one kind only."""
+    kinds = {update[4] is None for update in updates}
+    if len(kinds) > 1:
+        raise ValueError("MastersLaunch: float32 weights (copy None) and masters with copies take launches of their own")
+    return kinds == {True}
 
 
 def _table(updates: list[Update], block: int, device: torch.device | None) -> tuple[Tensor, int, tuple[int, ...]]:
     """The (TABLE_ROWS, T) int64 table of updates (on the host, or on `device`: from pinned memory,
     without waiting for the device's queue), the programs they take and the addresses it holds."""
     columns, first = [], 0
+    _is_float32(updates)
     for update in updates:
         if not kernel_takes(update):
-            raise ValueError("adamw_masters_step_: float32 masters and moments, bf16 gradients and copies, "
-                             "contiguous and 16-byte aligned (kernel_takes)")
+            raise ValueError("adamw_masters_step_: float32 masters and moments, bf16 gradients and copies (or float32 "
+                             "gradients and no copies), contiguous and 16-byte aligned (kernel_takes)")
         n = update[0].numel()
-        columns.append([t.data_ptr() for t in update] + [n, first])
+        columns.append([0 if t is None else t.data_ptr() for t in update] + [n, first])
         first += triton.cdiv(n, block)
     table = torch.tensor(columns, dtype=torch.int64).t().contiguous()  # (TABLE_ROWS, T)
     addresses = tuple(int(a) for column in columns for a in column[:6])

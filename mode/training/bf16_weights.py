@@ -79,7 +79,8 @@ def matrix_weights(model: nn.Module) -> list[nn.Parameter]:
 def master_updates_(updates: list[Update], grad_scale: Tensor, lr: float | Tensor, betas: tuple[float, float],
                     eps: float, weight_decay: float) -> None:
     """One AdamW update of each (master, exp_avg, exp_avg_sq, grad, copy, step): the master (float32)
-    from its bf16 grad, and copy = the master rounded to bf16. The kernel where it runs
+    from its bf16 grad, and copy = the master rounded to bf16 (copy None: a float32 weight from its
+    float32 grad, nothing else written). The kernel where it runs
     (mode/kernels/adamw.py, whose docstring gives the arithmetic), else the same in PyTorch ops.
     step: the count after this update; grad_scale: what the gradients are divided by; lr: a number
     or a 0-d tensor (read on the host by the PyTorch ops)."""
@@ -102,7 +103,15 @@ def master_updates_(updates: list[Update], grad_scale: Tensor, lr: float | Tenso
         correction1 = 1.0 - torch.pow(beta1, step)
         correction2 = 1.0 - torch.pow(beta2, step)
         master.sub_((lr / correction1) * exp_avg / (exp_avg_sq.sqrt() / correction2.sqrt() + eps))
-        copy.copy_(master)
+        if copy is not None:
+            copy.copy_(master)
+
+
+def step_updates(found: list[tuple[dict, list[Update]]], grad_scale: Tensor) -> None:
+    """Each (optimizer group, its updates) stepped with the group's settings, step counts first."""
+    for group, updates in found:
+        torch._foreach_add_([update[-1] for update in updates], 1.0)
+        master_updates_(updates, grad_scale, group["lr"], group["betas"], group["eps"], group["weight_decay"])
 
 
 class Bf16Weights:
@@ -130,9 +139,7 @@ class Bf16Weights:
         float32: 1 / the clipping factor), with its group's settings; the param becomes the new master
         rounded to bf16. The state is torch.optim.AdamW's (step, exp_avg, exp_avg_sq), made on the first step.
         params: only these of this object's params (None: all)."""
-        for group, updates in self.updates(optimizer, self.params if params is None else params):
-            torch._foreach_add_([update[-1] for update in updates], 1.0)
-            master_updates_(updates, grad_scale, group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        step_updates(self.updates(optimizer, self.params if params is None else params), grad_scale)
 
     def updates(self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> list[tuple[dict, list[Update]]]:
         """The updates of those of `params` (bf16 params of this object) that have a gradient, by
@@ -149,6 +156,29 @@ class Bf16Weights:
             if updates:
                 found.append((group, updates))
         return found
+
+    def float32_updates(self, optimizer: torch.optim.Optimizer) -> list[tuple[dict, list[Update]]] | None:
+        """The updates of the optimizer's float32 weights (every param but the masters) that have a
+        gradient, by group, each without a copy, for the masters' kernel to step (step_updates);
+        None where the kernel does not run or cannot take one of them: then torch.optim.AdamW's own
+        step takes them all, as it would without bf16 weights."""
+        by_group = [(group, [p for p in group["params"] if id(p) not in self.param_of and p.grad is not None])
+                    for group in optimizer.param_groups]
+        params = [p for _, group_params in by_group for p in group_params]
+        if not params or not use_triton(params[0], "optimizer"):
+            return None
+        from mode.kernels.adamw import kernel_takes  # Triton: imported where it runs
+
+        # the moments are made like the weight (contiguous, aligned): the weight stands in for them here
+        if not all(kernel_takes((p, p, p, p.grad, None, p)) for p in params):
+            return None
+        return [(group, [(p, *self._moments(optimizer, p), p.grad, None, optimizer.state[p]["step"]) for p in group_params])
+                for group, group_params in by_group if group_params]
+
+    @classmethod
+    def _moments(cls, optimizer: torch.optim.Optimizer, weight: Tensor) -> tuple[Tensor, Tensor]:
+        state = cls._state(optimizer, weight)
+        return state["exp_avg"], state["exp_avg_sq"]
 
     @staticmethod
     def _state(optimizer: torch.optim.Optimizer, master: Tensor) -> dict[str, Tensor]:

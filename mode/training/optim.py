@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from mode.config import Config, ConfigError
 from mode.flops import train_step_flops
 from mode.routing import CausalPredictor
-from mode.training.bf16_weights import Bf16Weights, matrix_weights
+from mode.training.bf16_weights import Bf16Weights, matrix_weights, step_updates
 from mode.training.deferred_update import DeferredUpdate
 
 
@@ -102,6 +102,7 @@ def clipped_gradients(
     norm: Tensor,
     max_norm: float,
     apart: Sequence[tuple[list[Tensor], Tensor]] = (),
+    step_divides: bool | None = None,
 ) -> Iterator[Tensor | None]:
     """Inside, optimizer.step() steps on the gradients times min(1, max_norm / (norm + 1e-6)),
     clip_grad_norm_'s factor; max_norm <= 0 clips nothing. Yields what the gradients are divided
@@ -114,7 +115,9 @@ def clipped_gradients(
     A fused AdamW applies the factor inside its own pass over the gradients (its grad_scale,
     with which GradScaler unscales, divides them by 1 / factor): one read and write of every
     gradient fewer than scaling them first (for 730M float32 gradients, 5.8 GB of traffic).
-    Other optimizers get the factor multiplied into the gradients on entry.
+    Other optimizers get the factor multiplied into the gradients on entry. step_divides: whether
+    the step divides the gradients by the yielded value itself (None: where the optimizer is fused;
+    True: the masters' kernel steps them instead of the optimizer).
     """
     if max_norm <= 0:
         yield None
@@ -122,12 +125,16 @@ def clipped_gradients(
     coef = _clip_factor(norm, max_norm)
     grad_scale = coef.reciprocal()
     fused = bool(optimizer.defaults.get("fused"))
+    divides = fused if step_divides is None else step_divides
     for group_grads, group_norm in apart:
-        if group_grads:  # the fused step multiplies these by coef too: their own factor over it
+        if group_grads:  # a dividing step multiplies these by coef too: their own factor over it
             group_coef = _clip_factor(group_norm, max_norm)
-            torch._foreach_mul_(group_grads, group_coef / coef if fused else group_coef)
-    if not fused:
+            torch._foreach_mul_(group_grads, group_coef / coef if divides else group_coef)
+    if not divides:
         torch._foreach_mul_(grads, coef)
+        yield grad_scale
+        return
+    if not fused:
         yield grad_scale
         return
     optimizer.grad_scale = grad_scale  # read by Adam(W).step()
@@ -227,10 +234,16 @@ class TorchOptimization:
         apart = [(predictor_grads, total_norm(predictor_grads))] if predictor_grads else []
         # bf16 weights' gradients: scaled inside their masters' update, not by clipped_gradients
         float32_grads = grads if self.bf16 is None else [p.grad for p in params if not self.bf16.owns(p)]
-        with clipped_gradients(self.optimizer, float32_grads, norm, self.grad_clip, apart) as grad_scale:
-            self.optimizer.step()  # every parameter but the masters, which have no gradient
+        # with bf16 weights the masters' kernel also steps the float32 weights, where it takes them all
+        float32_updates = None if self.bf16 is None else self.bf16.float32_updates(self.optimizer)
+        divides = None if float32_updates is None else True
+        with clipped_gradients(self.optimizer, float32_grads, norm, self.grad_clip, apart, divides) as grad_scale:
+            if float32_updates is None:
+                self.optimizer.step()  # every parameter but the masters, which have no gradient
         if self.bf16 is not None:  # the masters divide their gradients as fused AdamW did
             grad_scale = torch.ones_like(norm) if grad_scale is None else grad_scale
+            if float32_updates is not None:
+                step_updates(float32_updates, grad_scale)
             if self.deferred is not None:  # run by the next training forward, or by flush()
                 self.deferred.stage(lr, grad_scale)
             else:
