@@ -10,6 +10,7 @@
 #   decode_rows   decode_rows.md   bench.decode at batch 64 with every row computed (no compacted rows)
 #   kinds         kinds.md         bench.block_kinds: every block kind with CUDA graphs
 #   compiled      compiled.md      bench.block_kinds: every block kind compiled
+#   train_configs train_configs.md bench.train_configs: python -m mode.train on the GPU configs, per FLOP
 #   step          step.md          bench.mod_step with the auto and cuDNN attention backends
 #   profile       profile.md       bench.block_profile of the MoE and MoDE blocks (where their time goes)
 #   optimizer     optimizer.md     bench.optimizer: the update alone, bf16 weights' masters against fused AdamW
@@ -37,7 +38,7 @@ LOG_DIR=${LOG_DIR:-${OUT:-/tmp}/speed}
 PART_TIMEOUT=${PART_TIMEOUT:-540}
 DEADLINE=${DEADLINE:-}
 IFS=, read -r -a gpus <<< "${GPUS:-0,1,2,3}"
-read -r -a parts <<< "${PARTS:-decode decode_rows kinds compiled step profile optimizer prefill row_ops decode_tests train_tests}"
+read -r -a parts <<< "${PARTS:-decode decode_rows kinds compiled train_configs step profile optimizer prefill row_ops decode_tests train_tests}"
 mkdir -p "$LOG_DIR"
 if [ -n "${TINY:-}" ]; then
   export TINY_ARG=--tiny GRAPH_MODES=eager BACKENDS=auto KIND_ROUNDS=${KIND_ROUNDS:-1}
@@ -59,6 +60,7 @@ part_compiled() {
   [ -z "$TINY_ARG" ] || { gpu_only "compiled block kinds"; return; }
   "$PY" -m bench.block_kinds --modes compiled --optimizer "$OPTIMIZER"
 }
+part_train_configs() { "$PY" -m bench.train_configs $TINY_ARG; }
 part_step() {
   [ -n "$TINY_ARG" ] || modes=compiled
   "$PY" -m bench.mod_step $TINY_ARG --modes "$GRAPH_MODES" ${modes:-} --attention-backend $BACKENDS \
@@ -86,7 +88,7 @@ part_train_tests() {
     -k "cuda_graph or bf16 or overlapped or capture_mid_run or resume_continues"
   "$PY" -m pytest -q -rfEs -p no:cacheprovider tests/test_kernels.py tests/test_bf16_weights.py
 }
-export -f gpu_only part_decode part_decode_rows part_kinds part_compiled part_step part_profile part_optimizer part_prefill \
+export -f gpu_only part_decode part_decode_rows part_kinds part_compiled part_train_configs part_step part_profile part_optimizer part_prefill \
   part_row_ops part_decode_tests part_train_tests
 
 run_part() {  # run_part GPU NAME: the part's output into LOG_DIR/NAME.md, its time and exit status last

@@ -159,6 +159,20 @@ def test_block_kinds_rounds_interleave_with_dense(capsys: pytest.CaptureFixture[
     assert "--rounds > 1 times eager modes only" in message
 
 
+def test_train_configs_tiny(capsys: pytest.CaptureFixture[str]) -> None:
+    """python -m mode.train on two tiny configs: tokens/s and FLOPs a token positive, the ratio
+    against dense from them (dense the unit); dense must come first, a missing config is refused."""
+    rows = table_rows(run("-m", "bench.train_configs", "--tiny", "--configs", "dense", "mod"))
+    assert [r[0] for r in rows] == ["dense", "mod"]
+    (dense_rate, dense_flops), (rate, flops) = [(number(r[1]), number(r[2])) for r in rows]
+    assert min(dense_rate, dense_flops, rate, flops) > 0 and flops < dense_flops
+    assert number(rows[0][4].split(":")[0]) == 1.0
+    ratio = number(rows[1][4].split(":")[0])
+    assert ratio == pytest.approx(dense_rate * dense_flops / (rate * flops), rel=2e-2)  # table rounding
+    assert "the first must be dense" in refusal("train_configs", ["--tiny", "--configs", "mod", "dense"], capsys)
+    assert "no such file" in refusal("train_configs", ["--tiny", "--configs", "dense", "nonsense"], capsys)
+
+
 def test_prefill_tiny() -> None:
     """Both models at every batch, median and best wall times positive, the dense row the unit."""
     rows = table_rows(run("-m", "bench.prefill", "--tiny"))
@@ -248,6 +262,7 @@ def test_speed_targets_script_runs_every_part_tiny(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr[-2000:]
     for part, header in (("decode", "| prompt | batch | model |"), ("decode_rows", "| 16 | 4 | MoD | gather"),
                          ("kinds", "| block kind |"), ("compiled", "on a GPU only"), ("step", "| mode | model |"),
+                         ("train_configs", "| mode_integrated |"),
                          ("profile", "| block (forward+backward) |"), ("optimizer", "on a GPU only"),
                          ("prefill", "| prompt | batch | model | median ms |"),
                          ("row_ops", "on a GPU only"), ("decode_tests", "on a GPU only"), ("train_tests", "on a GPU only")):

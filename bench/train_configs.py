@@ -1,0 +1,87 @@
+"""python -m mode.train's own throughput on the GPU configs, per FLOP against the dense one.
+
+    python -m bench.train_configs                  # configs/{dense,mod,moe,mode_staged,mode_integrated}_gpu.yaml
+    python -m bench.train_configs --tiny           # the *_tiny.yaml configs on the CPU: a smoke run
+
+Each config trains --steps steps as a user runs it (`python -m mode.train --config ...`, every
+setting of the file kept, the run folder a temporary one; evaluation and checkpoints only at the
+end, outside the timed windows). tokens/s: the median of the run's log windows (metrics.jsonl,
+train.log_interval steps each) after the first --skip of them (CUDA graph capture and warm-up).
+Time per FLOP against dense: (dense's tokens/s x its training FLOPs a token) over (this one's x its
+own), the FLOPs from mode.flops (3 x the analytic forward). The configs differ in more than their
+block kind (an expert's width, the capacity factor): the FLOPs count what each one computes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from mode.config import load_config
+from mode.flops import model_flops
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ["dense", "mod", "moe", "mode_staged", "mode_integrated"]
+
+
+def window_rates(metrics: Path, skip: int) -> list[float]:
+    """The tokens/s of each training log window in metrics.jsonl after the first `skip`."""
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    rates = [r["tokens_per_s"] for r in records if "tokens_per_s" in r]
+    if len(rates) <= skip:
+        raise SystemExit(f"{metrics}: {len(rates)} log windows, none after the first {skip} (--steps too few)")
+    return rates[skip:]
+
+
+def train(path: Path, steps: int, run_dir: Path, tiny: bool) -> Path:
+    """Run python -m mode.train on path for `steps` steps in run_dir; its metrics.jsonl."""
+    overrides = [f"--train.max_steps={steps}", f"--train.eval_interval={steps}",
+                 f"--train.checkpoint_interval={steps}", f"--train.out_dir={run_dir}"]
+    if tiny:
+        overrides += ["--train.device=cpu", "--train.log_interval=2", "--train.eval_batches=1"]
+    out = subprocess.run([sys.executable, "-m", "mode.train", "--config", str(path), *overrides], cwd=ROOT,
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"python -m mode.train --config {path} failed:\n{out.stderr[-3000:]}")
+    return run_dir / "metrics.jsonl"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--configs", nargs="+", default=CONFIGS, metavar="NAME",
+                        help="configs/NAME_gpu.yaml (NAME_tiny.yaml with --tiny); dense first is the baseline")
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--skip", type=int, default=3, help="log windows left out at the start")
+    parser.add_argument("--tiny", action="store_true", help="the tiny configs on the CPU")
+    args = parser.parse_args(argv)
+    suffix = "tiny" if args.tiny else "gpu"
+    paths = [ROOT / "configs" / f"{name}_{suffix}.yaml" for name in args.configs]
+    missing = [str(p) for p in paths if not p.exists()]
+    if missing:
+        parser.error(f"--configs: no such file {missing[0]}")
+    if args.configs[0] != "dense":
+        parser.error("--configs: the first must be dense (the baseline)")
+    if args.tiny:
+        args.steps, args.skip = min(args.steps, 8), min(args.skip, 1)
+    print(f"python -m mode.train, {args.steps} steps a config, tokens/s the median of the log windows after "
+          f"the first {args.skip}\n")
+    print("| config | tokens/s | training MFLOPs/token | TFLOP/s | time per FLOP / dense (target <= 1.15) |")
+    print("| --- | --- | --- | --- | --- |")
+    dense_rate = None
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, path in zip(args.configs, paths):
+            rate = statistics.median(window_rates(train(path, args.steps, Path(tmp) / name, args.tiny), args.skip))
+            flops = model_flops(load_config(path, [])).train_per_token
+            dense_rate = dense_rate or rate * flops
+            ratio = dense_rate / (rate * flops)
+            verdict = "met" if ratio <= 1.15 else "missed"
+            print(f"| {name} | {rate:,.0f} | {flops / 1e6:.1f} | {rate * flops / 1e12:.1f} | {ratio:.3f}: {verdict} |",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
