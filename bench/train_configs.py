@@ -2,6 +2,7 @@
 
     python -m bench.train_configs                  # configs/{dense,mod,moe,mode_staged,mode_integrated}_gpu.yaml
     python -m bench.train_configs --tiny           # the *_tiny.yaml configs on the CPU: a smoke run
+    python -m bench.train_configs --set train.overlap_update=true   # every config with a setting changed
 
 Each config trains --steps steps as a user runs it (`python -m mode.train --config ...`, every
 setting of the file kept, the run folder a temporary one; evaluation and checkpoints only at the
@@ -37,10 +38,11 @@ def window_rates(metrics: Path, skip: int) -> list[float]:
     return rates[skip:]
 
 
-def train(path: Path, steps: int, run_dir: Path, tiny: bool) -> Path:
-    """Run python -m mode.train on path for `steps` steps in run_dir; its metrics.jsonl."""
+def train(path: Path, steps: int, run_dir: Path, tiny: bool, settings: list[str]) -> Path:
+    """Run python -m mode.train on path for `steps` steps in run_dir, with settings (section.field=value)
+    over the file's; its metrics.jsonl."""
     overrides = [f"--train.max_steps={steps}", f"--train.eval_interval={steps}",
-                 f"--train.checkpoint_interval={steps}", f"--train.out_dir={run_dir}"]
+                 f"--train.checkpoint_interval={steps}", f"--train.out_dir={run_dir}", *(f"--{s}" for s in settings)]
     if tiny:
         overrides += ["--train.device=cpu", "--train.log_interval=2", "--train.eval_batches=1"]
     out = subprocess.run([sys.executable, "-m", "mode.train", "--config", str(path), *overrides], cwd=ROOT,
@@ -57,7 +59,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--skip", type=int, default=3, help="log windows left out at the start")
     parser.add_argument("--tiny", action="store_true", help="the tiny configs on the CPU")
+    parser.add_argument("--set", nargs="+", default=[], metavar="SECTION.FIELD=VALUE",
+                        help="settings over every config's (mode.train's --section.field=value, without the dashes)")
     args = parser.parse_args(argv)
+    bad = [s for s in args.set if s.startswith("-") or "=" not in s]
+    if bad:
+        parser.error(f"--set: {bad[0]!r} is not SECTION.FIELD=VALUE")
     suffix = "tiny" if args.tiny else "gpu"
     paths = [ROOT / "configs" / f"{name}_{suffix}.yaml" for name in args.configs]
     missing = [str(p) for p in paths if not p.exists()]
@@ -67,15 +74,16 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--configs: the first must be dense (the baseline)")
     if args.tiny:
         args.steps, args.skip = min(args.steps, 8), min(args.skip, 1)
-    print(f"python -m mode.train, {args.steps} steps a config, tokens/s the median of the log windows after "
-          f"the first {args.skip}\n")
+    settings = f", with {' '.join(args.set)}" if args.set else ""
+    print(f"python -m mode.train, {args.steps} steps a config{settings}, tokens/s the median of the log windows "
+          f"after the first {args.skip}\n")
     print("| config | tokens/s | training MFLOPs/token | TFLOP/s | time per FLOP / dense (target <= 1.15) |")
     print("| --- | --- | --- | --- | --- |")
     dense_rate = None
     with tempfile.TemporaryDirectory() as tmp:
         for name, path in zip(args.configs, paths):
-            rate = statistics.median(window_rates(train(path, args.steps, Path(tmp) / name, args.tiny), args.skip))
-            flops = model_flops(load_config(path, [])).train_per_token
+            rate = statistics.median(window_rates(train(path, args.steps, Path(tmp) / name, args.tiny, args.set), args.skip))
+            flops = model_flops(load_config(path, [f"--{s}" for s in args.set])).train_per_token
             dense_rate = dense_rate or rate * flops
             ratio = dense_rate / (rate * flops)
             verdict = "met" if ratio <= 1.15 else "missed"

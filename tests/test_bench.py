@@ -160,9 +160,12 @@ def test_block_kinds_rounds_interleave_with_dense(capsys: pytest.CaptureFixture[
 
 
 def test_train_configs_tiny(capsys: pytest.CaptureFixture[str]) -> None:
-    """python -m mode.train on two tiny configs: tokens/s and FLOPs a token positive, the ratio
-    against dense from them (dense the unit); dense must come first, a missing config is refused."""
-    rows = table_rows(run("-m", "bench.train_configs", "--tiny", "--configs", "dense", "mod"))
+    """python -m mode.train on two tiny configs with a setting changed: tokens/s and FLOPs a token
+    positive, the ratio against dense from them (dense the unit); dense must come first, a missing
+    config and a malformed setting are refused."""
+    out = run("-m", "bench.train_configs", "--tiny", "--configs", "dense", "mod", "--set", "train.batch_size=4")
+    assert "with train.batch_size=4" in out
+    rows = table_rows(out)
     assert [r[0] for r in rows] == ["dense", "mod"]
     (dense_rate, dense_flops), (rate, flops) = [(number(r[1]), number(r[2])) for r in rows]
     assert min(dense_rate, dense_flops, rate, flops) > 0 and flops < dense_flops
@@ -171,6 +174,7 @@ def test_train_configs_tiny(capsys: pytest.CaptureFixture[str]) -> None:
     assert ratio == pytest.approx(dense_rate * dense_flops / (rate * flops), rel=2e-2)  # table rounding
     assert "the first must be dense" in refusal("train_configs", ["--tiny", "--configs", "mod", "dense"], capsys)
     assert "no such file" in refusal("train_configs", ["--tiny", "--configs", "dense", "nonsense"], capsys)
+    assert "is not SECTION.FIELD=VALUE" in refusal("train_configs", ["--tiny", "--set", "train.lr"], capsys)
 
 
 def test_prefill_tiny() -> None:
