@@ -14,7 +14,7 @@ cached cast sums them in a plain eager step.)
 Which matrices: the attention projections, the dense FFNs' and the experts' (matrix_weights), the
 ones only autocast matmuls read. Embeddings (the float32 residual stream starts there), the output
 head (the loss adds into its float32 gradient itself), norms, routers and causal predictors
-(computed in float32) stay float32.
+(computed in float32) stay float32; the same kernel steps them (float32_updates), with no copy.
 
 Outside the step the masters are the model's weights: TorchOptimization.model_state_dict() puts
 them in checkpoints, so a checkpoint is the same with or without bf16 weights, and the optimizer
