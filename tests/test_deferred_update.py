@@ -14,6 +14,8 @@ from mode.kernels.policy import KernelPolicy, use_kernels
 from mode.model import LanguageModel
 from mode.training.optim import TorchOptimization
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = sorted((ROOT / "configs").glob("*_tiny.yaml"))
 
@@ -102,32 +104,35 @@ def test_deferral_is_refused_where_the_gradients_would_not_wait() -> None:
 def test_the_staged_launch_runs_only_when_active_and_reads_its_rebound_table() -> None:
     """MastersLaunch.run with active 0 moves nothing (masters, moments, copies, step counts); with active
     1 it advances the counts and equals the immediate kernel bit for bit; rebind() points the same
-    table at other gradients, which the next run reads."""
+    table at other gradients, which the next run reads. On the GPU where there is one (Triton's
+    interpreter on CPU tensors otherwise)."""
     from mode.kernels.adamw import adamw_masters_step_, masters_launches
 
     gen = torch.Generator().manual_seed(0)
     shapes = [(7,), (1024,), (2500,), (33, 70)]
 
     def weights():
-        masters = [torch.randn(shape, generator=torch.Generator().manual_seed(i)) for i, shape in enumerate(shapes)]
-        return [(m, torch.zeros_like(m), torch.zeros_like(m), None, m.to(torch.bfloat16), torch.zeros(()))
+        masters = [torch.randn(shape, generator=torch.Generator().manual_seed(i)).to(DEVICE)
+                   for i, shape in enumerate(shapes)]
+        return [(m, torch.zeros_like(m), torch.zeros_like(m), None, m.to(torch.bfloat16), torch.zeros((), device=DEVICE))
                 for m in masters]
 
     staged, immediate = weights(), weights()
-    grads = [[(torch.randn(shape, generator=gen) * 1e-2).to(torch.bfloat16) for shape in shapes] for _ in range(2)]
+    grads = [[(torch.randn(shape, generator=gen) * 1e-2).to(torch.bfloat16).to(DEVICE) for shape in shapes]
+             for _ in range(2)]
     with_grads = [(m, a, b, g, c, s) for (m, a, b, _, c, s), g in zip(staged, grads[0])]
     launches = masters_launches(with_grads)
-    lr, scale = torch.tensor(2e-3), torch.tensor(1.5)
+    lr, scale = torch.tensor(2e-3, device=DEVICE), torch.tensor(1.5, device=DEVICE)
     before = [[t.clone() for t in update if t is not None] for update in staged]
     with use_kernels(KernelPolicy(optimizer=True, cpu=True)):
         for launch in launches:
-            launch.run(scale, lr, (0.9, 0.95), 1e-8, 0.1, active=torch.tensor(0.0))
+            launch.run(scale, lr, (0.9, 0.95), 1e-8, 0.1, active=torch.tensor(0.0, device=DEVICE))
         for update, saved in zip(staged, before):
             assert all(torch.equal(t, s) for t, s in zip([t for t in update if t is not None], saved))
         for step_grads in grads:
             for launch in launches:
                 launch.rebind([(m, a, b, g, c, s) for (m, a, b, _, c, s), g in zip(staged, step_grads)])
-                launch.run(scale, lr, (0.9, 0.95), 1e-8, 0.1, active=torch.tensor(1.0))
+                launch.run(scale, lr, (0.9, 0.95), 1e-8, 0.1, active=torch.tensor(1.0, device=DEVICE))
             updates = [(m, a, b, g, c, s) for (m, a, b, _, c, s), g in zip(immediate, step_grads)]
             torch._foreach_add_([u[-1] for u in updates], 1.0)
             adamw_masters_step_(updates, scale, lr, (0.9, 0.95), 1e-8, 0.1)
