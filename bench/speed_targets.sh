@@ -18,7 +18,7 @@
 #   row_ops       row_ops.md       bench.row_ops: row moves and decode attention, one op at a time
 #   decode_tests  decode_tests.md  the GPU tests of the decode path (CUDA graphs, IF nodes, MoE decode)
 #   train_tests   train_tests.md   the GPU tests of CUDA-graphed training (bf16 weights, the overlapped
-#                                  update) and of the kernels
+#                                  update and its staged launch) and of the kernels
 #
 # PARTS (default: all, in that order) names the parts to run. They are dealt out to the GPUs in
 # turn: each GPU runs its parts one after another, the GPUs at once. Before any part starts,
@@ -86,7 +86,7 @@ part_train_tests() {
   [ -z "$TINY_ARG" ] || { gpu_only "CUDA-graphed training tests"; return; }
   "$PY" -m pytest -q -rfEs -p no:cacheprovider tests/test_train.py \
     -k "cuda_graph or bf16 or overlapped or capture_mid_run or resume_continues"
-  "$PY" -m pytest -q -rfEs -p no:cacheprovider tests/test_kernels.py tests/test_bf16_weights.py
+  "$PY" -m pytest -q -rfEs -p no:cacheprovider tests/test_kernels.py tests/test_bf16_weights.py tests/test_deferred_update.py
 }
 export -f gpu_only part_decode part_decode_rows part_kinds part_compiled part_train_configs part_step part_profile part_optimizer part_prefill \
   part_row_ops part_decode_tests part_train_tests
