@@ -151,8 +151,7 @@ class Bf16Weights:
             for master in group["params"]:
                 param = self.param_of.get(id(master))
                 if param is not None and id(param) in wanted and param.grad is not None:
-                    state = self._state(optimizer, master)
-                    updates.append((master, state["exp_avg"], state["exp_avg_sq"], param.grad, param.data, state["step"]))
+                    updates.append(self._update(optimizer, master, param.grad, param.data))
             if updates:
                 found.append((group, updates))
         return found
@@ -172,13 +171,14 @@ class Bf16Weights:
         # the moments are made like the weight (contiguous, aligned): the weight stands in for them here
         if not all(kernel_takes((p, p, p, p.grad, None, p)) for p in params):
             return None
-        return [(group, [(p, *self._moments(optimizer, p), p.grad, None, optimizer.state[p]["step"]) for p in group_params])
+        return [(group, [self._update(optimizer, p, p.grad, None) for p in group_params])
                 for group, group_params in by_group if group_params]
 
     @classmethod
-    def _moments(cls, optimizer: torch.optim.Optimizer, weight: Tensor) -> tuple[Tensor, Tensor]:
-        state = cls._state(optimizer, weight)
-        return state["exp_avg"], state["exp_avg_sq"]
+    def _update(cls, optimizer: torch.optim.Optimizer, master: Tensor, grad: Tensor, copy: Tensor | None) -> Update:
+        """(master, exp_avg, exp_avg_sq, grad, copy, step) of one weight, its AdamW state made if new."""
+        state = cls._state(optimizer, master)
+        return master, state["exp_avg"], state["exp_avg_sq"], grad, copy, state["step"]
 
     @staticmethod
     def _state(optimizer: torch.optim.Optimizer, master: Tensor) -> dict[str, Tensor]:
