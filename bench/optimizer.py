@@ -59,13 +59,8 @@ def main(argv: list[str] | None = None) -> None:
     print("| update | GPU ms | TB/s |")
     print("| --- | --- | --- |")
 
-    params = [torch.nn.Parameter(w.clone()) for w in weights]
-    for p, g in zip(params, grads):
-        p.grad = g
-    adamw = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, fused=True)
-    ms = timed(adamw.step, args.warmup, args.iters, device)
+    ms = fused_adamw_ms(weights, grads, args, device)
     print(f"| fused AdamW, float32 weights and gradients | {ms:.3f} | {n * 28 / ms / 1e9:.2f} |")
-    del adamw, params
 
     masters = [w.clone() for w in weights]
     updates = [(m, torch.zeros_like(m), torch.zeros_like(m), g.to(torch.bfloat16), m.to(torch.bfloat16),
@@ -82,6 +77,16 @@ def main(argv: list[str] | None = None) -> None:
     float32_weights(float32_shapes, args, device)
 
 
+def fused_adamw_ms(weights: list[torch.Tensor], grads: list[torch.Tensor], args: argparse.Namespace,
+                   device: torch.device) -> float:
+    """GPU ms of one torch.optim.AdamW(fused=True) step over copies of weights with these gradients."""
+    params = [torch.nn.Parameter(w.clone()) for w in weights]
+    for p, g in zip(params, grads):
+        p.grad = g
+    adamw = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, fused=True)
+    return timed(adamw.step, args.warmup, args.iters, device)
+
+
 def runs(launches: list[kernel.MastersLaunch], scale: torch.Tensor) -> Callable[[], None]:
     """One update by the masters' kernel through launches built beforehand (lr 1e-4, decay 0.1)."""
     lr = torch.full_like(scale, 1e-4)
@@ -96,14 +101,12 @@ def float32_weights(shapes: list[torch.Size], args: argparse.Namespace, device: 
     """The rows of the float32 weights: fused AdamW, then the masters' kernel's float32 launch."""
     n = sum(s.numel() for s in shapes)
     label = f"{len(shapes)} float32 weights ({n / 1e6:.1f}M: embedding, head, norms, routers)"
-    params = [torch.nn.Parameter(torch.randn(s, device=device) * 0.02) for s in shapes]
-    for p in params:
-        p.grad = torch.randn_like(p) * 1e-3
-    adamw = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, fused=True)
-    ms = timed(adamw.step, args.warmup, args.iters, device)
+    weights = [torch.randn(s, device=device) * 0.02 for s in shapes]
+    grads = [torch.randn(s, device=device) * 1e-3 for s in shapes]
+    ms = fused_adamw_ms(weights, grads, args, device)
     print(f"| {label}, fused AdamW | {ms:.3f} | {n * 28 / ms / 1e9:.2f} |")
-    updates = [(p.detach(), torch.zeros_like(p), torch.zeros_like(p), p.grad, None, torch.ones((), device=device))
-               for p in params]
+    updates = [(w, torch.zeros_like(w), torch.zeros_like(w), g, None, torch.ones((), device=device))
+               for w, g in zip(weights, grads)]
     scale = torch.ones((), device=device)
     ms = timed(runs(kernel.masters_launches(updates), scale), args.warmup, args.iters, device)
     print(f"| {label}, masters' kernel | {ms:.3f} | {n * 28 / ms / 1e9:.2f} |")

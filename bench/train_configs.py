@@ -79,13 +79,13 @@ def main(argv: list[str] | None = None) -> None:
           f"after the first {args.skip}\n")
     print("| config | tokens/s | training MFLOPs/token | TFLOP/s | time per FLOP / dense (target <= 1.15) |")
     print("| --- | --- | --- | --- | --- |")
-    dense_rate = None
+    dense_flop_rate = None  # dense's training FLOP/s: the baseline
     with tempfile.TemporaryDirectory() as tmp:
         for name, path in zip(args.configs, paths):
             rate = statistics.median(window_rates(train(path, args.steps, Path(tmp) / name, args.tiny, args.set), args.skip))
             flops = model_flops(load_config(path, [f"--{s}" for s in args.set])).train_per_token
-            dense_rate = dense_rate or rate * flops
-            ratio = dense_rate / (rate * flops)
+            dense_flop_rate = dense_flop_rate or rate * flops
+            ratio = dense_flop_rate / (rate * flops)
             verdict = "met" if ratio <= 1.15 else "missed"
             print(f"| {name} | {rate:,.0f} | {flops / 1e6:.1f} | {rate * flops / 1e12:.1f} | {ratio:.3f}: {verdict} |",
                   flush=True)
