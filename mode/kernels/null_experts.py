@@ -9,8 +9,9 @@ slots' matmul, their sum, its cast and the add, and as many again in the backwar
   once to out's dtype; s (T,): each token's gates of its copy slots summed; g (T, C): its gates of
   the constant slots; v (C, D): the constants;
 - backward, from grad (T, D) (which is also out's gradient): grad_x = s * grad in x's dtype, and
-  grad_s = <grad, x>, grad_g = grad @ v^T in float32, in one pass over the rows; grad_v = g^T @ grad
-  (a matmul over the tokens).
+  grad_s = <grad, x>, grad_g = grad @ v^T, grad_v = g^T @ grad in float32, in one pass over the
+  rows: each program sums grad_v over its tile of rows, and the tiles' sums are added after it
+  (a fixed order, so the result does not vary run to run).
 """
 from __future__ import annotations
 
@@ -21,9 +22,11 @@ from torch import Tensor
 
 from mode.kernels.common import on_device_of, store_rounded
 
-# (tokens, columns) tiles; the backward walks a row tile's columns BACKWARD_BLOCK_D at a time
+# (tokens, columns) tiles; the backward walks a row tile's columns BACKWARD_BLOCK_D at a time. Its
+# tiles are tall: each one writes a (C, D) partial sum of grad_v, which its rows amortise, and its
+# sums over slots and rows are matmuls (at least 16 a side).
 BLOCK_T, BLOCK_D, WARPS = 2, 1024, 4
-BACKWARD_BLOCK_T, BACKWARD_BLOCK_D, BACKWARD_WARPS = 4, 512, 4
+BACKWARD_BLOCK_T, BACKWARD_BLOCK_D, BACKWARD_WARPS = 64, 64, 4
 
 
 @triton.jit
@@ -47,32 +50,40 @@ def _null_add(out_ptr, x_ptr, scale_ptr, gates_ptr, v_ptr, res_ptr, tokens, widt
 
 
 @triton.jit
-def _null_add_backward(grad_ptr, x_ptr, scale_ptr, v_ptr, grad_x_ptr, grad_scale_ptr, grad_gates_ptr, tokens, width,
-                       C: tl.constexpr, C_POW2: tl.constexpr, HAS_COPY: tl.constexpr, BLOCK_T: tl.constexpr,
-                       BLOCK_D: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+def _null_add_backward(grad_ptr, x_ptr, scale_ptr, gates_ptr, v_ptr, grad_x_ptr, grad_scale_ptr, grad_gates_ptr,
+                       grad_v_ptr, tokens, width, C: tl.constexpr, C_DOT: tl.constexpr, HAS_COPY: tl.constexpr,
+                       GRAD_V: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    tile = tl.program_id(0).to(tl.int64)
+    t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = t < tokens
-    slots = tl.arange(0, C_POW2)
-    s = tl.load(scale_ptr + t, mask=t_ok, other=0.0) if HAS_COPY else tl.zeros((BLOCK_T,), dtype=tl.float32)
+    slots = tl.arange(0, C_DOT)  # the constant slots, padded to a matmul's smallest side
+    slot_ok = slots < C
+    scale = tl.load(scale_ptr + t, mask=t_ok, other=0.0) if HAS_COPY else tl.zeros((BLOCK_T,), dtype=tl.float32)
+    # rows past the end and padded slots read gate 0: they add nothing to grad_v
+    gates = tl.load(gates_ptr + t[:, None] * C + slots[None, :], mask=t_ok[:, None] & slot_ok[None, :], other=0.0)
     dot = tl.zeros((BLOCK_T,), dtype=tl.float32)
-    grad_gates = tl.zeros((BLOCK_T, C_POW2), dtype=tl.float32)
+    grad_gates = tl.zeros((BLOCK_T, C_DOT), dtype=tl.float32)
     for start in range(0, width, BLOCK_D):
         d = start + tl.arange(0, BLOCK_D)
         d_ok = d < width
         mask = t_ok[:, None] & d_ok[None, :]
         at = t[:, None] * width + d[None, :]
-        g = tl.load(grad_ptr + at, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(grad_ptr + at, mask=mask, other=0.0).to(tl.float32)  # (BLOCK_T, BLOCK_D)
         if HAS_COPY:
             x = tl.load(x_ptr + at, mask=mask, other=0.0).to(tl.float32)
             dot += tl.sum(g * x, axis=1)
-            store_rounded(grad_x_ptr + at, g * s[:, None], mask)
-        for c in tl.static_range(C):
-            v = tl.load(v_ptr + c * width + d, mask=d_ok, other=0.0).to(tl.float32)
-            grad_gates += tl.where(slots[None, :] == c, tl.sum(g * v[None, :], axis=1)[:, None], 0.0)
+            store_rounded(grad_x_ptr + at, g * scale[:, None], mask)
+        if C > 0:  # float32 products and sums ("ieee": no TF32 rounding of the operands)
+            v_mask = slot_ok[:, None] & d_ok[None, :]
+            v = tl.load(v_ptr + slots[:, None] * width + d[None, :], mask=v_mask, other=0.0).to(tl.float32)
+            grad_gates = tl.dot(g, tl.trans(v), grad_gates, input_precision="ieee")  # (BLOCK_T, C_DOT)
+            if GRAD_V:  # this tile's rows' share of grad_v (C_DOT, BLOCK_D)
+                share = tl.dot(tl.trans(gates), g, input_precision="ieee")
+                tl.store(grad_v_ptr + (tile * C + slots[:, None]) * width + d[None, :], share, mask=v_mask)
     if HAS_COPY:
         tl.store(grad_scale_ptr + t, dot, mask=t_ok)
     if C > 0:
-        tl.store(grad_gates_ptr + t[:, None] * C + slots[None, :], grad_gates, mask=t_ok[:, None] & (slots < C)[None, :])
+        tl.store(grad_gates_ptr + t[:, None] * C + slots[None, :], grad_gates, mask=t_ok[:, None] & slot_ok[None, :])
 
 
 class NullAdd(torch.autograd.Function):
@@ -108,16 +119,18 @@ class NullAdd(torch.autograd.Function):
         grad_scale = None if scale is None else torch.empty(tokens, dtype=torch.float32, device=grad.device)
         grad_gates = None if gates is None else torch.empty(tokens, n_constants, dtype=torch.float32,
                                                             device=grad.device)
+        tiles = triton.cdiv(tokens, BACKWARD_BLOCK_T)
+        grad_v = constants is not None and ctx.needs_input_grad[4]
+        tile_sums = torch.empty(tiles, n_constants, width, dtype=torch.float32, device=grad.device) if grad_v else None
         with on_device_of(grad):
-            _null_add_backward[(triton.cdiv(tokens, BACKWARD_BLOCK_T),)](
-                grad, x, grad if scale is None else scale, grad if constants is None else constants,
-                grad if grad_x is None else grad_x, grad if grad_scale is None else grad_scale,
-                grad if grad_gates is None else grad_gates, tokens, width, C=n_constants,
-                C_POW2=triton.next_power_of_2(max(n_constants, 1)), HAS_COPY=scale is not None,
+            _null_add_backward[(tiles,)](
+                grad, x, grad if scale is None else scale, grad if gates is None else gates,
+                grad if constants is None else constants, grad if grad_x is None else grad_x,
+                grad if grad_scale is None else grad_scale, grad if grad_gates is None else grad_gates,
+                grad if tile_sums is None else tile_sums, tokens, width, C=n_constants,
+                C_DOT=max(16, triton.next_power_of_2(n_constants)), HAS_COPY=scale is not None, GRAD_V=grad_v,
                 BLOCK_T=BACKWARD_BLOCK_T, BLOCK_D=BACKWARD_BLOCK_D, num_warps=BACKWARD_WARPS)
-        grad_constants = None
-        if constants is not None and ctx.needs_input_grad[4]:
-            grad_constants = (gates.t() @ grad.float()).to(constants.dtype)  # (C, T) @ (T, D)
+        grad_constants = None if tile_sums is None else tile_sums.sum(0).to(constants.dtype)  # (C, D)
         return grad, grad_x, grad_scale, grad_gates, grad_constants
 
 
