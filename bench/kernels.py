@@ -3,7 +3,9 @@
     python -m bench.kernels   # rotary on qkv (B=8, S=2048, 16 heads of 64), SwiGLU (16k rows, F=4096),
                               # GELU times row gates (an MoE layer's GELU experts, 16k rows, F=4096),
                               # the loss's softmax cross-entropy + gradient on one chunk (2048 x 32k),
-                              # and the whole fused loss (16k tokens, 32k vocabulary, width 1024)
+                              # copy and constant null slots added to an MoE FFN's output (16k rows,
+                              # width 1024, 8 constants), and the whole fused loss (16k tokens, 32k
+                              # vocabulary, width 1024)
 
 Rows, measured in the same process: the eager PyTorch ops the model runs without the kernels,
 the same ops under torch.compile (what a compiled model gets), and the Triton kernel; for the
@@ -31,6 +33,7 @@ from torch import Tensor
 from bench.common import gpu_busy_ms, host_queue_ms, require_cuda, timed
 from mode.kernels.cross_entropy import cross_entropy_and_grad
 from mode.kernels.gelu import gated_gelu
+from mode.kernels.null_experts import null_add
 from mode.kernels.rotary import rotary_qkv
 from mode.kernels.swiglu import swiglu as swiglu_kernel
 from mode.layers import loss as loss_module
@@ -64,6 +67,11 @@ def torch_cross_entropy(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor
     return loss, probs.scatter_add_(1, t, probs.new_full(t.shape, -1.0)).to(logits.dtype)
 
 
+def torch_null_add(out: Tensor, x: Tensor, scale: Tensor, gates: Tensor, constants: Tensor) -> Tensor:
+    """NullExperts.add_to's PyTorch path: out + (s * x + g @ v), the slots' sum rounded to out's dtype."""
+    return out + (scale.unsqueeze(-1) * x + gates @ constants).to(out.dtype)  # (T, D) + (T, 1) * (T, D) + (T, C) @ (C, D)
+
+
 def fwd_bwd(fn: Callable[..., object], inputs: list[Tensor], extra: tuple[Tensor, ...] = ()) -> Callable[[], None]:
     def run() -> None:
         for t in inputs:
@@ -84,7 +92,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--ffn", type=int, default=4096, help="SwiGLU (h is 2F wide) and GELU hidden width F")
     parser.add_argument("--vocab", type=int, default=32768, help="loss chunk: 2048 rows of this many logits")
-    parser.add_argument("--width", type=int, default=1024, help="the whole loss: hidden width")
+    parser.add_argument("--width", type=int, default=1024, help="the null slots and the whole loss: hidden width")
+    parser.add_argument("--constants", type=int, default=8, help="the null slots: constant slots")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=50)
     args = parser.parse_args(argv)
@@ -98,6 +107,11 @@ def main(argv: list[str] | None = None) -> None:
     gates = torch.rand(tokens, device=device, requires_grad=True)
     logits = torch.randn(2048, args.vocab, device=device, dtype=torch.bfloat16)
     targets = torch.randint(0, args.vocab, (2048,), device=device)
+    ffn_out = torch.randn(tokens, args.width, device=device, dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(tokens, args.width, device=device, requires_grad=True)  # the float32 residual stream
+    copy_gates = torch.rand(tokens, device=device, requires_grad=True)
+    constant_gates = torch.rand(tokens, args.constants, device=device, requires_grad=True)
+    constants = torch.randn(args.constants, args.width, device=device, requires_grad=True)
     qkv_bytes = qkv.numel() * 2 * 4  # qkv and the outputs, then their gradients
     h_bytes = (h.numel() + h.numel() // 2) * 2 * 2 + h.numel() * 2  # h, out, grads (+ h again in the backward)
     cases = [
@@ -111,10 +125,15 @@ def main(argv: list[str] | None = None) -> None:
         ("loss chunk: cross-entropy and p - one_hot", logits.numel() * 2 * 2, [logits], (targets,),
          [("PyTorch eager", torch_cross_entropy), ("PyTorch compiled", torch.compile(torch_cross_entropy)),
           ("Triton kernel", cross_entropy_and_grad)]),
+        # out, x, the result; the gradient, x again, x's gradient (out's is the incoming one)
+        ("copy and constant null slots added", ffn_out.numel() * (2 + 4 + 2 + 2 + 4 + 4),
+         [ffn_out, x, copy_gates, constant_gates, constants], (),
+         [("PyTorch eager", torch_null_add), ("PyTorch compiled", torch.compile(torch_null_add)),
+          ("Triton kernel", null_add)]),
     ]
     print(f"card: {torch.cuda.get_device_name()}; torch {torch.__version__}; bf16; rotary on ({args.batch}, {args.seq}, 3, "
           f"{args.heads}, {args.head_dim}); SwiGLU on ({tokens}, {2 * args.ffn}); GELU on ({tokens}, {args.ffn}); loss chunk (2048, {args.vocab}); "
-          f"median of {args.iters}\n")
+          f"null slots ({tokens}, {args.width}) with {args.constants} constants; median of {args.iters}\n")
     print("| op | implementation | ms, synchronised | GPU busy ms | x Triton (busy) | TB/s (busy, minimum traffic) |")
     print("| --- | --- | --- | --- | --- | --- |")
     for op, traffic, inputs, extra, impls in cases:
