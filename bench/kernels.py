@@ -68,7 +68,9 @@ def torch_cross_entropy(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor
 
 
 def torch_null_add(out: Tensor, x: Tensor, scale: Tensor, gates: Tensor, constants: Tensor) -> Tensor:
-    """NullExperts.add_to's PyTorch path: out + (s * x + g @ v), the slots' sum rounded to out's dtype."""
+    """The null slots' sum in PyTorch ops, on the inputs the kernel takes (the copy slots' summed gates s,
+    the constant slots' gates g), as NullExperts.add_to adds it without the kernel: out + (s * x + g @ v),
+    the sum rounded to out's dtype."""
     return out + (scale.unsqueeze(-1) * x + gates @ constants).to(out.dtype)  # (T, D) + (T, 1) * (T, D) + (T, C) @ (C, D)
 
 
