@@ -1,6 +1,6 @@
 """The static decode step's compacted rows (Decoder's compact_rows): a routed layer computes only
 the rows its tokens chose, moved into the first W rows on the device, nothing where no row chose
-it, and every row where more than W did. Each way gives what the masked step (every row
+it, and where more than W did, the first W so and the rest in a second, masked pass. Each way gives what the masked step (every row
 computed) and the full causal forward give. Tiny float64 models on CPU (F64_TOL as in
 test_generate.py), where the host picks the way; on a GPU the captured graph's IF nodes pick.
 """
@@ -11,7 +11,7 @@ import torch
 
 from mode.generate import Decoder
 from mode.inference.decoder import COMPACT_MAX_SMALL_BATCH, COMPACT_MIN_LARGE_BATCH, compaction_pays
-from mode.layers.chunks import CompactRows, MaskedRows, StaticStep, if_nodes_available
+from mode.layers.chunks import SKIP_TEST_MAX_EXPECTED, CompactRows, MaskedRows, StaticStep, if_nodes_available
 from mode.layers.kv_cache import attend_used
 from mode.layers.mod import MoDBlock
 from tests.test_generate import F64_TOL, make_model
@@ -33,13 +33,14 @@ def forced_model(pattern: str, bias: float | None):
 
 @pytest.fixture
 def ways(monkeypatch) -> list:
-    """The way each routed layer's static step went: CompactRows, MaskedRows, or None (no row chose it)."""
+    """The passes each routed layer's static step ran, as a tuple of plan types: (CompactRows,),
+    (CompactRows, MaskedRows) where more rows chose it than W holds, (MaskedRows,), or () (no row)."""
     seen, routed = [], StaticStep.routed
 
     def spy(self, x, cache, chosen, capacity, body):
         kinds = []
         out = routed(self, x, cache, chosen, capacity, lambda rows: kinds.append(type(rows)) or body(rows))
-        seen.append(kinds[0] if kinds else None)
+        seen.append(tuple(kinds))
         return out
 
     monkeypatch.setattr(StaticStep, "routed", spy)
@@ -56,8 +57,11 @@ def decode(model, tokens: torch.Tensor, active: torch.Tensor | None = None, **kw
     return torch.stack(logits, 1), decoder  # (B, S - PROMPT + 1, V)
 
 
+COMPACT, BOTH = (CompactRows,), (CompactRows, MaskedRows)
+
+
 @pytest.mark.parametrize("bias, expect", [
-    (None, {CompactRows, MaskedRows}), (-1e3, {None}), (1e3, {MaskedRows}),  # None: some layers may skip
+    (None, {COMPACT, BOTH}), (-1e3, {()}), (1e3, {BOTH}),  # (): some layers may skip
 ])
 @pytest.mark.parametrize("pattern", ["mod", "mode_staged"])
 def test_compact_rows_equal_the_masked_step_and_the_full_forward(pattern: str, bias, expect, ways) -> None:
@@ -65,12 +69,12 @@ def test_compact_rows_equal_the_masked_step_and_the_full_forward(pattern: str, b
     torch.manual_seed(3)
     tokens = torch.randint(0, 256, (B, S))
     full = model(tokens, routing_mode="causal").logits.float()[:, PROMPT - 1:]
-    # W = ceil(6 * 0.25 * 2) = 3 of 6 rows (the default slack): some steps fit, some fall back
+    # W = ceil(6 * 0.25 * 2) = 3 of 6 rows (the default slack): some steps fit, some overflow
     compact, compacted = decode(model, tokens, compact_rows=True)
-    assert expect <= set(ways) <= expect | {None}
+    assert expect <= set(ways) <= expect | {()}
     ways.clear()
     masked, reference = decode(model, tokens, compact_rows=False)
-    assert set(ways) == {MaskedRows}
+    assert set(ways) == {(MaskedRows,)}
     assert (compact - full).abs().max() <= F64_TOL and (compact - masked).abs().max() <= F64_TOL
     for a, b in zip(compacted.caches, reference.caches):
         assert torch.equal(a.lengths, b.lengths)
@@ -85,7 +89,7 @@ def test_finished_rows_leave_no_trace_in_compacted_rows(pattern: str, ways) -> N
     tokens = torch.randint(0, 256, (B, S))
     active = torch.tensor([True, False, True, True, False, True])
     compact, compacted = decode(model, tokens, active, compact_rows=True)
-    assert CompactRows in ways
+    assert COMPACT in ways
     masked, reference = decode(model, tokens, active, compact_rows=False)
     assert (compact - masked).abs().max() <= F64_TOL
     for a, b in zip(compacted.caches, reference.caches):
@@ -126,10 +130,12 @@ needs_if_nodes = pytest.mark.skipif(
 
 @needs_if_nodes
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("batch, bias", [(8, None), (8, -1e3), (8, 1e3), (1, None)])
+@pytest.mark.parametrize("batch, bias", [(8, None), (8, -1e3), (8, 1e3), (1, None), (32, None), (32, -1e3), (32, 1e3)])
 def test_if_nodes_replay_the_compacted_step(dtype: torch.dtype, batch: int, bias) -> None:
     """The captured step with IF nodes runs the kernels the eager compacted step runs (the host
-    picking): identical logits and caches; float32 (SDPA, no flash): the masked step's logits."""
+    picking): identical logits and caches; float32 (SDPA, no flash): the masked step's logits.
+    Batch 32 (8 rows expected to choose a layer, above SKIP_TEST_MAX_EXPECTED): its compacted pass
+    runs every step, with no row chosen (-1e3) as padding only."""
     model = forced_model("mod", bias).to("cuda", dtype)
     torch.manual_seed(5)
     tokens = torch.randint(0, 256, (batch, S), device="cuda")
@@ -143,7 +149,8 @@ def test_if_nodes_replay_the_compacted_step(dtype: torch.dtype, batch: int, bias
     (graph, graphed), (eager, eager_decoder), (masked, _) = runs.values()
     assert graphed._graph is not None and graphed.compact_rows and eager_decoder._graph is None
     assert Decoder(model, 64, S).compact_rows is False  # the default between the batches where it pays
-    assert Decoder(model, batch, S).compact_rows is True
+    assert Decoder(model, batch, S).compact_rows is compaction_pays(batch)
+    assert (batch * 0.25 > SKIP_TEST_MAX_EXPECTED) == (batch == 32)
     assert torch.equal(graph, eager)
     for a, b in zip(graphed.caches, eager_decoder.caches):
         assert torch.equal(a.lengths, b.lengths) and torch.equal(a.kv[:, :, :-1], b.kv[:, :, :-1])

@@ -36,6 +36,11 @@ from mode.layers.rotary import RotaryAngles
 # Gather-step windows are rounded up to a multiple of this many slots: aligned mask rows for
 # the memory-efficient kernel (no padding copy) and one shape per 16 steps instead of one per step.
 WINDOW_ALIGN = 16
+# A captured routed layer tests for "no row chose it" (an IF node around its compacted pass) only
+# where its expected chosen rows, batch x capacity, are at most this: there no chosen row is a
+# common step ((1 - capacity)^batch). Above it the pass runs every step: entering a taken IF node's
+# body costs the graph more than the rare empty layer saves.
+SKIP_TEST_MAX_EXPECTED = 4.0
 
 
 class HostPlannedChunk:
@@ -368,11 +373,12 @@ class StaticStep:
     (B,): each row's first slot in the packed cache; packed: the attention's layout.
 
     slack: a routed layer (routed()) computes only its chosen rows, compacted into the first
-    W = ceil(B * capacity * slack) rows (CompactRows), where they fit; None: every row
-    (MaskedRows). graph: the CUDA graph being captured, whose IF nodes pick between the two on
-    the device; without one the host reads the count (one sync per routed layer). warm: a
-    warm-up before capture, with no active row: both run (writing scratch slots only), so that
-    every kernel has run once."""
+    W = ceil(B * capacity * slack) rows (CompactRows), and any chosen rows past those W in a
+    second, masked pass (MaskedRows); None: every row, masked. graph: the CUDA graph being
+    captured, whose IF nodes run the second pass only where more than W rows chose (and, at
+    small batches, skip a layer no row chose) on the device; without one the host reads the count
+    (one sync per routed layer). warm: a warm-up before capture, with no active row: every pass
+    runs (writing scratch slots only), so that every kernel has run once."""
 
     fp32_router = True
 
@@ -397,30 +403,45 @@ class StaticStep:
                body: Callable[["MaskedRows | CompactRows"], Tensor]) -> Tensor:
         """A routed layer's step: body(plan) -> the step's new hidden states (B, 1, D) for a row plan;
         chosen (B, 1): the rows the layer's decision took, active ones only (decision_mask),
-        capacity: the share it was trained to take. No row chosen: nothing computed; up to W:
-        those rows compacted; more: every row. Under capture the new states go into x itself
-        (the step's own tensor), so a skipped layer costs its decision and one IF node."""
+        capacity: the share it was trained to take. Compacted: the first W chosen rows as W rows,
+        any more in a second, masked pass; no row chosen: nothing computed (tested on the device
+        only at small batches). The new states go into x itself (the step's own tensor)."""
         chosen = chosen.view(-1)  # (B,)
         if self.slack is None:
             return body(MaskedRows(self, x, cache, chosen))
         batch = chosen.shape[0]
         width = min(max(math.ceil(batch * capacity * self.slack), 1), batch)
-        fits = width < batch  # W = B would compute every row anyway, in another order
-        compact = lambda: body(CompactRows(self, x, cache, chosen, width))  # noqa: E731
-        masked = lambda: body(MaskedRows(self, x, cache, chosen))  # noqa: E731
-        if self.warm:
-            if fits:
-                compact()
-            return masked()
-        if self.graph is None:
-            taken = int(chosen.sum())  # the host picks: the layer's one sync
-            return x if taken == 0 else compact() if fits and taken <= width else masked()
-        if fits:
-            with graph_if.captured_if_count(self.graph, chosen, 0, width):
-                x.copy_(compact())
-        with graph_if.captured_if_count(self.graph, chosen, width if fits else 0, batch):
-            x.copy_(masked())
+        count = int(chosen.sum()) if self.graph is None and not self.warm else None  # the host's one sync
+        skip_test = batch * capacity <= SKIP_TEST_MAX_EXPECTED
+        if width == batch:  # W = B would compute every row anyway, in another order
+            self._run_if(lambda: x.copy_(body(MaskedRows(self, x, cache, chosen))), chosen, 0, batch, skip_test, count)
+            return x
+        first: list[CompactRows] = []
+
+        def compacted() -> None:
+            first.append(CompactRows(self, x, cache, chosen, width))
+            body(first[0])  # in place: the first W chosen rows
+
+        def past_width() -> None:
+            rest = chosen.index_fill(0, first[0].rows, False)  # (B,): the chosen rows past the first W
+            x.copy_(body(MaskedRows(self, x, cache, rest)))
+
+        self._run_if(compacted, chosen, 0, batch, skip_test, count)
+        self._run_if(past_width, chosen, width, batch, True, count)
         return x
+
+    def _run_if(self, run: Callable[[], object], flags: Tensor, lo: int, hi: int, test: bool,
+                count: int | None) -> None:
+        """run() where lo < flags.sum() <= hi: count, where the host counted; else, under capture and
+        where test, an IF node; else always (so the warm-up runs every kernel once)."""
+        if count is not None:
+            if lo < count <= hi:
+                run()
+        elif self.graph is not None and test:
+            with graph_if.captured_if_count(self.graph, flags, lo, hi):
+                run()
+        else:
+            run()
 
 
 class MaskedRows:
@@ -442,7 +463,7 @@ class MaskedRows:
         row writes to its scratch slot (max_len), so the cache holds exactly the chosen tokens, and
         reads one slot (its output is discarded). Eager under torch.compile: the cache is written
         in place."""
-        return attend_static(self.step, self.cache, q, kv, self.chosen, self.chosen)
+        return attend_static(self.step, self.cache, q, kv, self.chosen)
 
     def put(self, x: Tensor, new: Tensor) -> Tensor:
         return torch.where(self.chosen.view(-1, 1, 1), new, x)
@@ -479,12 +500,12 @@ class CompactRows:
     def attend(self, q: Tensor, kv: Tensor) -> Tensor:
         """q (W, 1, H, hd) and kv (W, 1, 2, Hkv, hd), q and k rotated -> (W, 1, H, hd): MaskedRows.attend
         on the W rows; the attention reads their regions of the packed cache."""
-        # every chosen row is among the W: their lengths grow, as MaskedRows's do
-        return attend_static(self.step, self.cache, q, kv, self.keep, self.chosen, self.rows)
+        return attend_static(self.step, self.cache, q, kv, self.keep, self.rows)
 
     def put(self, x: Tensor, new: Tensor) -> Tensor:
-        """A copy of the step's hidden states x (B, 1, D) with the chosen rows' new states new (W, 1, D)."""
-        return x.index_copy(0, self.rows, torch.where(self.keep.view(-1, 1, 1), new.to(x.dtype), self.x))
+        """The step's hidden states x (B, 1, D), in place, with the kept rows' new states new (W, 1, D)
+        (a padding row writes back its own state)."""
+        return x.index_copy_(0, self.rows, torch.where(self.keep.view(-1, 1, 1), new.to(x.dtype), self.x))
 
     def add(self, x: Tensor, update: Tensor) -> Tensor:
         return self.put(x, self.x + update.to(self.x.dtype))
@@ -498,13 +519,13 @@ def compact_rows_reference(chosen: Tensor, width: int) -> tuple[Tensor, Tensor]:
     return rows, chosen.index_select(0, rows)
 
 
-def attend_static(step: StaticStep, cache: LayerCache, q: Tensor, kv: Tensor, keep: Tensor, chosen: Tensor,
+def attend_static(step: StaticStep, cache: LayerCache, q: Tensor, kv: Tensor, keep: Tensor,
                   rows: Tensor | None = None) -> Tensor:
     """A static step's attention for the rows computed: q (n, 1, H, hd) and kv (n, 1, 2, Hkv, hd), q
     and k rotated -> (n, 1, H, hd). rows (n,): the batch rows computed, ascending (None: every row);
-    keep (n,): those the layer chose, which write their key and value at their length and attend
-    over their cache and themselves; any other writes its scratch slot (max_len) and reads one
-    slot, its output discarded. chosen (B,): every row the layer chose, whose length grows."""
+    keep (n,): those the layer chose, which write their key and value at their length, attend
+    over their cache and themselves, and grow; any other writes its scratch slot (max_len) and
+    reads one slot, its output discarded."""
     q, kv = q[:, 0], kv[:, 0].transpose(0, 1)  # (n, H, hd), (2, n, Hkv, hd)
     lengths, base = cache.lengths_dev, step.row_base  # (B,) each
     if rows is not None:
@@ -512,6 +533,10 @@ def attend_static(step: StaticStep, cache: LayerCache, q: Tensor, kv: Tensor, ke
     slot = torch.where(keep, lengths, cache.max_len)
     packed = cache.kv.view(2, -1, *kv.shape[2:])  # (2, B * (max_len + 1), Hkv, hd)
     packed.index_copy_(1, base + slot, kv.to(cache.kv.dtype))
-    used = torch.where(keep, lengths + 1, 1)  # before the lengths grow (lengths may be lengths_dev itself)
-    cache.lengths_dev.add_(chosen)
+    grown = lengths + keep  # (n,): computed before lengths_dev grows (lengths may be it)
+    used = torch.where(keep, grown, 1)
+    if rows is None:
+        cache.lengths_dev.copy_(grown)
+    else:
+        cache.lengths_dev.index_copy_(0, rows, grown)
     return attend_used(q, cache, used, step.packed, rows).unsqueeze(1)
