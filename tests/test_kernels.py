@@ -866,12 +866,13 @@ def _dropless_rows_by_pytorch(slots: torch.Tensor, positions: torch.Tensor, n_ex
     return order // slots.shape[1], torch.where(computed, order, n), inverse.view(slots.shape), ends
 
 
-@pytest.mark.parametrize("tokens, top_k, n_experts, n_noop", [(1, 1, 4, 0), (700, 2, 8, 2), (3000, 1, 8, 0),
-                                                              (2500, 2, 40, 3), (600, 4, 3, 1)])
+@pytest.mark.parametrize("tokens, top_k, n_experts, n_noop", [(1, 1, 4, 0), (70, 1, 8, 1), (700, 2, 8, 2),
+                                                              (3000, 1, 8, 0), (2500, 2, 40, 3), (600, 4, 3, 1)])
 def test_dropless_rows_kernel_matches_a_stable_argsort(tokens: int, top_k: int, n_experts: int, n_noop: int) -> None:
     """The counting sort (mode/kernels/sort_rows.py) equals the argsort layout exactly: each row's token
     and gate index, each assignment's row (-1 for no-op slots and for padding, position -1), each
-    expert's row end; one program and many (1024 assignments each with 8 experts, 128 with 40)."""
+    expert's row end; one program (a block sized to the assignments) and many (1024 assignments
+    each with 8 experts, 128 with 40)."""
     from mode.kernels import sort_rows
 
     slots = torch.stack([torch.randperm(n_experts + n_noop)[:top_k] for _ in range(tokens)]).to(DEVICE)

@@ -36,9 +36,11 @@ from torch import Tensor
 from mode.kernels.common import on_device_of
 
 # A program holds a (BLOCK_N, keys) one-hot tile and every program's (blocks, keys) counts, keys =
-# E + 1 rounded up to a power of two: BLOCK_N = TILE // keys assignments (1024 for 8 experts).
+# E + 1 rounded up to a power of two: BLOCK_N = TILE // keys assignments (1024 for 8 experts), or
+# the assignments rounded up to a power of two where fewer (at least MIN_BLOCK_N).
 TILE = 16384
 MAX_KEYS = 128
+MIN_BLOCK_N = 16
 
 
 @triton.jit
@@ -134,9 +136,11 @@ def _place_capacity(slots_ptr, counts_ptr, positions_ptr, table_ptr, ids_ptr, in
 
 
 def _tiles(n_assignments: int, n_experts: int) -> tuple[int, int, int]:
-    """(keys, assignments per program, programs)."""
+    """(keys, assignments per program, programs). A program's block is no larger than the
+    assignments need (a decode step's few rows): a tile of TILE elements costs its one program
+    tens of microseconds however few of them are used."""
     keys = triton.next_power_of_2(n_experts + 1)
-    block_n = TILE // keys
+    block_n = min(TILE // keys, max(triton.next_power_of_2(n_assignments), MIN_BLOCK_N))
     return keys, block_n, triton.cdiv(n_assignments, block_n)
 
 
