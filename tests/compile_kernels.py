@@ -146,6 +146,11 @@ KERNELS = [
     # a depth router's gated update of the float32 residual, and its backward (float32 incoming gradient)
     (rows, "_add_gated_rows", dict(x_ptr=F32, ids_ptr=I64, gates_ptr=F32, rows_ptr=BF16, n_rows=I32, width=I32,
                                    BLOCK_R=4, BLOCK_D=256)),
+    # a compacted decode step's routed update, bf16 rows into bf16 and float32 hidden states
+    (rows, "_put_gated_rows", dict(x_ptr=BF16, ids_ptr=I64, keep_ptr="*u8", a_ptr=BF16, b_ptr=BF16, gates_ptr=F32,
+                                   n_rows=I32, width=I32, BLOCK_R=4, BLOCK_D=256)),
+    (rows, "_put_gated_rows", dict(x_ptr=F32, ids_ptr=I64, keep_ptr="*u8", a_ptr=BF16, b_ptr=BF16, gates_ptr=F32,
+                                   n_rows=I32, width=I32, BLOCK_R=4, BLOCK_D=256)),
     (rows, "_combine_backward", dict(grad_ptr=F32, ids_ptr=I64, rows_ptr=BF16, gates_ptr=F32, grad_rows_ptr=BF16,
                                      grad_gates_ptr=F32, n_rows=I32, width=I32, BLOCK_R=4, BLOCK_D=512)),
     (rows, "_combine_backward", dict(grad_ptr=BF16, ids_ptr=I64, rows_ptr=BF16, gates_ptr=F32, grad_rows_ptr=BF16,
@@ -155,8 +160,10 @@ KERNELS = [
                                n_rows=1, width=I32, HAS_BIAS=False, HAS_ACTIVE=True, BLOCK_R=4, BLOCK_D=512)),
     (decision, "_decide", dict(x_ptr=BF16, w_ptr=F32, b_ptr=F32, active_ptr="*u8", scores_ptr=F32, chosen_ptr="*u8",
                                n_rows=I32, width=I32, HAS_BIAS=True, HAS_ACTIVE=False, BLOCK_R=4, BLOCK_D=512)),
-    (decision, "_compact", dict(chosen_ptr="*u8", rows_ptr=I64, keep_ptr="*u8", batch=I32, width=I32, BLOCK=1024)),
-    (decision, "_compact", dict(chosen_ptr="*u8", rows_ptr=I64, keep_ptr="*u8", batch=I32, width=1, BLOCK=8)),
+    (decision, "_compact", dict(chosen_ptr="*u8", lengths_ptr=I64, base_ptr=I64, rows_ptr=I64, keep_ptr="*u8",
+                                write_ptr=I64, used_ptr=I64, batch=I32, width=I32, max_len=I32, BLOCK=1024)),
+    (decision, "_compact", dict(chosen_ptr="*u8", lengths_ptr=I64, base_ptr=I64, rows_ptr=I64, keep_ptr="*u8",
+                                write_ptr=I64, used_ptr=I64, batch=I32, width=1, max_len=I32, BLOCK=8)),
     # AdamW on float32 masters from their bf16 gradients, writing the bf16 copies: many tensors, and one
     # (staged for a CUDA graph: conditional on `active`, each step count advanced first); float32 weights
     (adamw, "_adamw_masters", dict(table_ptr=I64, n_tensors=I32, grad_scale_ptr=F32, lr_ptr=F32, active_ptr=F32,

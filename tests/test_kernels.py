@@ -1032,6 +1032,8 @@ def test_the_decode_decision_is_the_same_with_and_without_its_kernel() -> None:
 @pytest.mark.parametrize("batch, width, count", [(1, 1, 0), (1, 1, 1), (8, 2, 1), (64, 9, 9), (64, 9, 20), (1000, 160, 0),
                                                  (1000, 160, 117)])
 def test_compact_rows_equal_the_sorting_reference(batch: int, width: int, count: int) -> None:
+    """The compaction kernel's rows, kept flags, cache slots and grown lengths equal the PyTorch
+    reference's exactly (more rows chosen than W holds: the first W chosen kept)."""
     from mode.kernels.decision import compact_rows
     from mode.layers.chunks import compact_rows_reference
 
@@ -1039,13 +1041,47 @@ def test_compact_rows_equal_the_sorting_reference(batch: int, width: int, count:
     chosen = torch.zeros(batch, dtype=torch.bool)
     chosen[torch.randperm(batch, generator=gen)[:count]] = True
     chosen = chosen.to(DEVICE)
-    rows, keep = compact_rows(chosen, width)
-    want_rows, want_keep = compact_rows_reference(chosen, width)
+    lengths = torch.randint(0, 40, (batch,), generator=gen).to(DEVICE)
+    base, max_len = torch.arange(batch, device=DEVICE) * 41, 40
+    got_lengths, want_lengths = lengths.clone(), lengths.clone()
+    got = compact_rows(chosen, width, got_lengths, base, max_len)
+    want = compact_rows_reference(chosen, width, want_lengths, base, max_len)
+    for name, a, b in zip(("rows", "keep", "write_at", "used"), got, want):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    rows, keep, write_at, used = got
     assert rows.dtype == torch.int64 and keep.dtype == torch.bool
-    assert torch.equal(rows, want_rows) and torch.equal(keep, want_keep)
     assert int(keep.sum()) == min(count, width) and torch.equal(keep, chosen[rows])
+    assert torch.equal(got_lengths, want_lengths)
+    assert int((got_lengths - lengths).sum()) == min(count, width) and torch.equal(got_lengths[rows], lengths[rows] + keep)
+    assert torch.equal(write_at, base[rows] + torch.where(keep, lengths[rows], max_len))
+    assert torch.equal(used, torch.where(keep, lengths[rows] + 1, 1))
     with pytest.raises(ValueError, match="width 0"):
-        compact_rows(chosen, 0)
+        compact_rows(chosen, 0, lengths, base, max_len)
+
+
+@pytest.mark.parametrize("x_dtype, dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16),
+                                            (torch.float32, torch.float32)])
+def test_put_gated_rows_equals_the_pytorch_ops(x_dtype: torch.dtype, dtype: torch.dtype) -> None:
+    """A compacted decode step's routed update in one kernel (rows.put_gated_rows_) equals
+    GatedAdd.add_gated's PyTorch ops bit for bit: x[ids] + round(gate * round(a + b)) where
+    kept; padding rows and rows not listed untouched."""
+    from mode.kernels.rows import put_gated_rows_
+
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(9, 300, generator=gen).to(DEVICE, x_dtype)
+    ids = torch.tensor([0, 2, 3, 5, 8], device=DEVICE)
+    keep = torch.tensor([True, False, True, True, False], device=DEVICE)
+    a, b = (torch.randn(5, 300, generator=gen).to(DEVICE, dtype) for _ in range(2))
+    gates = torch.rand(5, generator=gen).to(DEVICE)
+    update = a + b
+    torch.mul(update, gates.unsqueeze(-1), out=update)
+    want = x.clone()
+    want[ids[keep]] = x[ids[keep]] + update[keep].to(x_dtype)
+    got = x.clone()
+    put_gated_rows_(got, ids, keep, a, b, gates)
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="a is"):
+        put_gated_rows_(got, ids, keep, a, b.float() if dtype != torch.float32 else b.bfloat16(), gates)
 
 
 def test_the_library_imports_and_decodes_without_triton() -> None:

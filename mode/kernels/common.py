@@ -38,6 +38,18 @@ def store_rounded(ptr, x, mask):
 
 
 @triton.jit
+def rounded_as(x, ptr):
+    """Float32 x rounded to nearest even in ptr's dtype, as float32 again (what a PyTorch op in
+    that dtype would have stored); the interpreter's truncation corrected as in store_rounded."""
+    if _INTERPRETED:
+        if ptr.dtype.element_ty == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            return bits.to(tl.float32, bitcast=True)
+    return x.to(ptr.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
 def softmax_rows(logits_ptr, rows, cols, tokens, n_slots):
     """Load a (BLOCK_T, BLOCK_S) tile of float32 logits (rows of n_slots; rows >= tokens are padding):
     probabilities (0 outside), logsumexp per row, masks. The routers' heads share it (softmax_topk,

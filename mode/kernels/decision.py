@@ -5,8 +5,9 @@
   the and with the active rows); a skipped layer of a CUDA-graphed step costs little more than
   its decision, so here it is one pass over x in float32.
 - compact_rows: the W rows a layer computes where its chosen rows fit in W (the chosen ones and,
-  as padding, the first others, in row order). As PyTorch ops (mode.layers.chunks'
-  compact_rows_reference), two sorts and a gather; here one program's prefix sums.
+  as padding, the first others, in row order), the cache slot each writes and attends over, and
+  the kept rows' lengths grown. As PyTorch ops (mode.layers.chunks' compact_rows_reference), two
+  sorts and about ten small kernels; here one program's prefix sums.
 """
 from __future__ import annotations
 
@@ -66,7 +67,8 @@ COMPACT_MAX_BATCH = 16384  # one program holds the batch's flags
 
 
 @triton.jit
-def _compact(chosen_ptr, rows_ptr, keep_ptr, batch, width, BLOCK: tl.constexpr):
+def _compact(chosen_ptr, lengths_ptr, base_ptr, rows_ptr, keep_ptr, write_ptr, used_ptr, batch, width, max_len,
+             BLOCK: tl.constexpr):
     i = tl.arange(0, BLOCK)
     ok = i < batch
     chosen = tl.load(chosen_ptr + i, mask=ok, other=0).to(tl.int32)
@@ -76,20 +78,34 @@ def _compact(chosen_ptr, rows_ptr, keep_ptr, batch, width, BLOCK: tl.constexpr):
     take = (chosen == 1) | ((other == 1) & (tl.cumsum(other, axis=0) <= width - count))
     slot = tl.cumsum(take.to(tl.int32), axis=0) - 1  # its place among the taken, in row order
     put = take & (slot < width)
+    kept = put & (chosen == 1)
+    length = tl.load(lengths_ptr + i, mask=put, other=0)
+    base = tl.load(base_ptr + i, mask=put, other=0)
     tl.store(rows_ptr + slot, i.to(tl.int64), mask=put)
     tl.store(keep_ptr + slot, chosen.to(tl.uint8), mask=put)
+    tl.store(write_ptr + slot, base + tl.where(kept, length, max_len), mask=put)
+    tl.store(used_ptr + slot, tl.where(kept, length + 1, 1).to(tl.int64), mask=put)
+    tl.store(lengths_ptr + i, length + 1, mask=kept)
 
 
-def compact_rows(chosen: Tensor, width: int) -> tuple[Tensor, Tensor]:
-    """chosen (B,) bool, W <= B -> (rows (W,) int64 ascending, keep (W,) bool: chosen[rows]): the
-    chosen rows and, as padding, the first unchosen ones, in row order; where more than W rows
-    chose, the first W chosen."""
+def compact_rows(chosen: Tensor, width: int, lengths: Tensor, base: Tensor,
+                 max_len: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """A compacted routed layer's rows and cache slots. chosen (B,) bool, W <= B; lengths (B,) int64
+    each row's cache length (grown in place for the kept rows), base (B,) int64 each row's first
+    packed slot, max_len its scratch slot -> rows (W,) int64 ascending, keep (W,) bool
+    (chosen[rows]), write_at (W,) int64 the packed slot each row writes (its length, or scratch
+    where not kept), used (W,) int64 the slots it attends over (its length + 1, or 1). The rows: the
+    chosen ones and, as padding, the first unchosen ones, in row order; where more than W chose,
+    the first W chosen."""
     batch = chosen.shape[0]
     if not 0 < width <= batch or batch > COMPACT_MAX_BATCH:
         raise ValueError(f"compact_rows: width {width} for {batch} rows (at most {COMPACT_MAX_BATCH})")
-    rows = torch.empty(width, device=chosen.device, dtype=torch.int64)
+    if lengths.dtype != torch.int64 or base.dtype != torch.int64 or not lengths.is_contiguous():
+        raise ValueError("compact_rows: lengths (contiguous) and base must be int64")
+    rows, write_at, used = (torch.empty(width, device=chosen.device, dtype=torch.int64) for _ in range(3))
     keep = torch.empty(width, device=chosen.device, dtype=torch.bool)
     with on_device_of(chosen):
-        _compact[(1,)](chosen.contiguous().view(torch.uint8), rows, keep.view(torch.uint8), batch, width,
-                       BLOCK=triton.next_power_of_2(batch), num_warps=4 if batch <= 2048 else 8)
-    return rows, keep
+        _compact[(1,)](chosen.contiguous().view(torch.uint8), lengths, base.contiguous(), rows, keep.view(torch.uint8),
+                       write_at, used, batch, width, max_len, BLOCK=triton.next_power_of_2(batch),
+                       num_warps=4 if batch <= 2048 else 8)
+    return rows, keep, write_at, used

@@ -15,6 +15,8 @@ owns through an inverse map instead and writes its sum once:
                grad_gates[r] = <rows[r], grad[ids[r]]> (float32) in one pass;
 - add_gated_rows_: x[ids[r]] += gates[r] * rows[r] in place, for distinct ids (a depth router's
                gated update of the residual; its backward is combine_backward);
+- put_gated_rows_: x[ids[r]] += round(gates[r] * round(a[r] + b[r])) in place for the kept rows,
+               rounding as the PyTorch ops do (a compacted decode step's routed update);
 - gather_rows_as: out[r] = x[ids[r]] in another dtype (the float32 stream's rows gathered straight
                into the experts' bf16, the rounding their matmuls' autocast would make).
 
@@ -31,7 +33,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from mode.kernels.common import on_device_of, store_rounded
+from mode.kernels.common import on_device_of, rounded_as, store_rounded
 
 # Tiles: the fastest tried for each kernel with 16k bf16 rows of 1024 from 8 experts (expert choice's
 # layout). sum_rows skips a step j that no token of its tile has a row at, so few tokens a tile pay;
@@ -109,6 +111,24 @@ def _add_gated_rows(x_ptr, ids_ptr, gates_ptr, rows_ptr, n_rows, width, BLOCK_R:
     store_rounded(target, total, mask)
 
 
+@triton.jit
+def _put_gated_rows(x_ptr, ids_ptr, keep_ptr, a_ptr, b_ptr, gates_ptr, n_rows, width, BLOCK_R: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    r_ok = r < n_rows
+    keep = tl.load(keep_ptr + r, mask=r_ok, other=0) != 0
+    mask = keep[:, None] & (d < width)[None, :]
+    token = tl.load(ids_ptr + r, mask=r_ok, other=0).to(tl.int64)
+    gate = tl.load(gates_ptr + r, mask=r_ok, other=0.0).to(tl.float32)
+    at = r[:, None] * width + d[None, :]
+    update = rounded_as(tl.load(a_ptr + at, mask=mask, other=0.0).to(tl.float32)
+                        + tl.load(b_ptr + at, mask=mask, other=0.0).to(tl.float32), a_ptr)
+    update = rounded_as(rounded_as(update * gate[:, None], a_ptr), x_ptr)
+    target = x_ptr + token[:, None] * width + d[None, :]
+    store_rounded(target, tl.load(target, mask=mask, other=0.0).to(tl.float32) + update, mask)
+
+
 # ----------------------------------------------------------------------------- launches
 def sum_rows(rows: Tensor, gates: Tensor | None, inverse: Tensor, scores_grad: Tensor | None = None,
              weight: Tensor | None = None, out_dtype: torch.dtype | None = None) -> Tensor:
@@ -160,6 +180,22 @@ def add_gated_rows_(x: Tensor, ids: Tensor, gates: Tensor, rows: Tensor) -> None
     _add_gated_rows[(triton.cdiv(n_rows, ADD_BLOCK_R), triton.cdiv(width, ADD_BLOCK_D))](
         x, ids, gates, rows, n_rows, width, BLOCK_R=ADD_BLOCK_R, BLOCK_D=ADD_BLOCK_D, num_warps=ADD_WARPS,
     )
+
+
+def put_gated_rows_(x: Tensor, ids: Tensor, keep: Tensor, a: Tensor, b: Tensor, gates: Tensor) -> None:
+    """x (T, D) at row ids[r] (distinct) += gates[r] * (a[r] + b[r]) in place where keep[r]; a, b
+    (R, D) in one dtype, gates (R,) float32: a + b rounded to their dtype, times the gate rounded
+    again, then to x's dtype and added, rounded once (torch's ops on those dtypes). Call on x's
+    device (on_device_of)."""
+    if a.dtype != b.dtype:
+        raise ValueError(f"put_gated_rows_: a is {a.dtype}, b is {b.dtype}")
+    ids, keep, a, b, gates = ids.contiguous(), keep.contiguous(), a.contiguous(), b.contiguous(), gates.contiguous()
+    n_rows, width = a.shape
+    if n_rows:
+        _put_gated_rows[(triton.cdiv(n_rows, ADD_BLOCK_R), triton.cdiv(width, ADD_BLOCK_D))](
+            x, ids, keep.view(torch.uint8), a, b, gates, n_rows, width, BLOCK_R=ADD_BLOCK_R, BLOCK_D=ADD_BLOCK_D,
+            num_warps=ADD_WARPS, enable_fp_fusion=False,  # no fused multiply-add: the ops round apart
+        )
 
 
 def gather_rows_as(x: Tensor, ids: Tensor, dtype: torch.dtype) -> Tensor:

@@ -36,11 +36,23 @@ from mode.layers.rotary import RotaryAngles
 # Gather-step windows are rounded up to a multiple of this many slots: aligned mask rows for
 # the memory-efficient kernel (no padding copy) and one shape per 16 steps instead of one per step.
 WINDOW_ALIGN = 16
+ROWS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the rows kernels take
 # A captured routed layer tests for "no row chose it" (an IF node around its compacted pass) only
 # where its expected chosen rows, batch x capacity, are at most this: there no chosen row is a
 # common step ((1 - capacity)^batch). Above it the pass runs every step: entering a taken IF node's
 # body costs the graph more than the rare empty layer saves.
 SKIP_TEST_MAX_EXPECTED = 4.0
+
+
+class GatedAdd:
+    """What every row plan's add_gated does: a routed layer's x_i + g_i * (a_i + out_i)."""
+
+    def add_gated(self, x: Tensor, a: Tensor, out: Tensor, gates: Tensor) -> Tensor:
+        """x with the computed rows' a + out (each (n, ..., D)) times their float32 gates (n, ...)
+        added: the product rounded once to the update's dtype, as forward."""
+        update = a + out
+        torch.mul(update, gates.unsqueeze(-1), out=update)
+        return self.add(x, update)
 
 
 class HostPlannedChunk:
@@ -96,7 +108,7 @@ class Prefill(HostPlannedChunk):
         return ChunkTokens(self, x, cache, chosen, counts, count_list)
 
 
-class PrefillPlan:
+class PrefillPlan(GatedAdd):
     """What both prefill plans share: the m rows computed, those with any chosen token (rows (m,)
     on the device; None: every row), with their cached lengths and chosen counts (host lists) and
     K, the largest count; the cache write and the attention in the (m, K) layout, each row's
@@ -291,7 +303,7 @@ class GatherStep(HostPlannedChunk):
         return GatherRows(self, x, cache, None if rows.numel() == x.shape[0] else rows)
 
 
-class GatherRows:
+class GatherRows(GatedAdd):
     """The rows rows_cpu (host, sorted; None: every row) of a gather step: x (n, 1, D). Their new
     states go into the step's hidden states in place (the decoder's own tensor)."""
 
@@ -444,7 +456,7 @@ class StaticStep:
             run()
 
 
-class MaskedRows:
+class MaskedRows(GatedAdd):
     """Every row of a static step computed; chosen (B,) bool: the rows that keep the result."""
 
     valid = None  # an MoE FFN computes every row too: masking its rows costs more kernels than it saves
@@ -472,7 +484,7 @@ class MaskedRows:
         return torch.where(self.chosen.view(-1, 1, 1), x + update.to(x.dtype), x)
 
 
-class CompactRows:
+class CompactRows(GatedAdd):
     """The W rows of a static step a routed layer computes where its chosen rows fit in W: the
     chosen rows and, as padding, the first unchosen ones, in row order: rows (W,), keep (W,)
     bool (chosen). A padding row writes only its scratch slot and keeps its state. No host value."""
@@ -480,14 +492,14 @@ class CompactRows:
     static = True
 
     def __init__(self, step: StaticStep, x: Tensor, cache: LayerCache, chosen: Tensor, width: int) -> None:
-        # in row order: the packed cache regions then ascend, as flash's cu_k expects
+        # in row order: the packed cache regions then ascend, as flash's cu_k expects; the kept
+        # rows' lengths grow here, their slots (write_at, used) taken before
+        compact = compact_rows_reference
         if use_triton(x, "decision"):
-            from mode.kernels.decision import compact_rows
-
-            rows, self.keep = compact_rows(chosen, width)  # (W,) each
-        else:
-            rows, self.keep = compact_rows_reference(chosen, width)
-        self.step, self.cache, self.chosen, self.rows = step, cache, chosen, rows
+            from mode.kernels.decision import compact_rows as compact
+        rows, self.keep, self.write_at, self.used = compact(chosen, width, cache.lengths_dev, step.row_base,
+                                                            cache.max_len)  # (W,) each
+        self.step, self.cache, self.rows = step, cache, rows
         self.valid = self.keep.view(-1, 1)  # (W, 1): an MoE FFN skips the padding
         self.x = x.index_select(0, rows)  # (W, 1, D)
         angles = step.angles
@@ -500,7 +512,7 @@ class CompactRows:
     def attend(self, q: Tensor, kv: Tensor) -> Tensor:
         """q (W, 1, H, hd) and kv (W, 1, 2, Hkv, hd), q and k rotated -> (W, 1, H, hd): MaskedRows.attend
         on the W rows; the attention reads their regions of the packed cache."""
-        return attend_static(self.step, self.cache, q, kv, self.keep, self.rows)
+        return attend_written(self.step, self.cache, q, kv, self.write_at, self.used, self.rows)
 
     def put(self, x: Tensor, new: Tensor) -> Tensor:
         """The step's hidden states x (B, 1, D), in place, with the kept rows' new states new (W, 1, D)
@@ -510,33 +522,53 @@ class CompactRows:
     def add(self, x: Tensor, update: Tensor) -> Tensor:
         return self.put(x, self.x + update.to(self.x.dtype))
 
+    def add_gated(self, x: Tensor, a: Tensor, out: Tensor, gates: Tensor) -> Tensor:
+        """GatedAdd.add_gated's rounding, into x's kept rows in place: on a GPU one kernel for the
+        sum, the gate, the add and the write."""
+        if not (use_triton(x, "rows") and x.dtype in ROWS_DTYPES and a.dtype in ROWS_DTYPES):
+            return super().add_gated(x, a, out, gates)
+        from mode.kernels.common import on_device_of
+        from mode.kernels.rows import put_gated_rows_
 
-def compact_rows_reference(chosen: Tensor, width: int) -> tuple[Tensor, Tensor]:
-    """chosen (B,) bool -> (rows (W,) ascending, keep (W,) bool): the chosen rows and, as padding,
-    the first unchosen ones (chosen rows first by a stable sort, the first W back in row order);
-    mode.kernels.decision.compact_rows in PyTorch ops."""
+        width = x.shape[-1]
+        with on_device_of(x):
+            put_gated_rows_(x.view(-1, width), self.rows, self.keep, a.reshape(-1, width), out.reshape(-1, width),
+                            gates.reshape(-1))  # (B, D) from (W, D)
+        return x
+
+
+def compact_rows_reference(chosen: Tensor, width: int, lengths: Tensor, base: Tensor,
+                           max_len: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """mode.kernels.decision.compact_rows in PyTorch ops: (rows, keep, write_at, used), each (W,),
+    lengths grown in place for the kept rows. The rows: the chosen ones by a stable sort, the first
+    W back in row order."""
     rows = (~chosen).byte().argsort(stable=True)[:width].sort().values  # (W,)
-    return rows, chosen.index_select(0, rows)
+    keep = chosen.index_select(0, rows)
+    length = lengths.index_select(0, rows)
+    write_at = base.index_select(0, rows) + torch.where(keep, length, max_len)
+    used = torch.where(keep, length + 1, 1)
+    lengths.index_copy_(0, rows, length + keep)
+    return rows, keep, write_at, used
 
 
-def attend_static(step: StaticStep, cache: LayerCache, q: Tensor, kv: Tensor, keep: Tensor,
-                  rows: Tensor | None = None) -> Tensor:
-    """A static step's attention for the rows computed: q (n, 1, H, hd) and kv (n, 1, 2, Hkv, hd), q
-    and k rotated -> (n, 1, H, hd). rows (n,): the batch rows computed, ascending (None: every row);
-    keep (n,): those the layer chose, which write their key and value at their length, attend
-    over their cache and themselves, and grow; any other writes its scratch slot (max_len) and
-    reads one slot, its output discarded."""
+def attend_static(step: StaticStep, cache: LayerCache, q: Tensor, kv: Tensor, keep: Tensor) -> Tensor:
+    """A static step's attention over every row: q (B, 1, H, hd) and kv (B, 1, 2, Hkv, hd), q and k
+    rotated -> (B, 1, H, hd). keep (B,): the rows the layer chose, which write their key and value
+    at their length, attend over their cache and themselves, and grow; any other writes its
+    scratch slot (max_len) and reads one slot, its output discarded."""
+    lengths = cache.lengths_dev  # (B,)
+    write_at = step.row_base + torch.where(keep, lengths, cache.max_len)
+    used = torch.where(keep, lengths + 1, 1)  # before the lengths grow
+    lengths.add_(keep)
+    return attend_written(step, cache, q, kv, write_at, used)
+
+
+def attend_written(step: StaticStep, cache: LayerCache, q: Tensor, kv: Tensor, write_at: Tensor, used: Tensor,
+                   rows: Tensor | None = None) -> Tensor:
+    """Keys and values kv (n, 1, 2, Hkv, hd) written at packed slots write_at (n,), then each query
+    of q (n, 1, H, hd) over its row's first used (n,) slots -> (n, 1, H, hd). rows (n,): the batch
+    rows computed, ascending (None: every row)."""
     q, kv = q[:, 0], kv[:, 0].transpose(0, 1)  # (n, H, hd), (2, n, Hkv, hd)
-    lengths, base = cache.lengths_dev, step.row_base  # (B,) each
-    if rows is not None:
-        lengths, base = lengths.index_select(0, rows), base.index_select(0, rows)  # (n,) each
-    slot = torch.where(keep, lengths, cache.max_len)
     packed = cache.kv.view(2, -1, *kv.shape[2:])  # (2, B * (max_len + 1), Hkv, hd)
-    packed.index_copy_(1, base + slot, kv.to(cache.kv.dtype))
-    grown = lengths + keep  # (n,): computed before lengths_dev grows (lengths may be it)
-    used = torch.where(keep, grown, 1)
-    if rows is None:
-        cache.lengths_dev.copy_(grown)
-    else:
-        cache.lengths_dev.index_copy_(0, rows, grown)
+    packed.index_copy_(1, write_at, kv.to(cache.kv.dtype))
     return attend_used(q, cache, used, step.packed, rows).unsqueeze(1)

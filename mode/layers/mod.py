@@ -59,10 +59,7 @@ class MoDBlock(nn.Module):
     def _update(self, x: Tensor, rows, scores: Tensor) -> Tensor:
         """x_i + g(r_i) * f_i for the tokens of a row plan (scores: the router's (B, n))."""
         a, _, out = self.block.cached_parts(rows)
-        update = a + out
-        # f = Attn + FFN times the float32 gate, rounded once to the update's dtype, as forward
-        torch.mul(update, apply_gate(rows.take(scores), self.router.gate).unsqueeze(-1), out=update)
-        return rows.add(x, update)
+        return rows.add_gated(x, a, out, apply_gate(rows.take(scores), self.router.gate))
 
     def decide(self, x: Tensor, weights: tuple[Tensor, Tensor | None] | None = None,
                mask: Tensor | None = None) -> tuple[Tensor, Tensor]:

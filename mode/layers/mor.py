@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import torch
 from torch import Tensor, nn
 
 from mode.config import ModelConfig, MoRConfig, RoutingConfig
@@ -114,9 +113,7 @@ class MoRBlock(nn.Module):
             if rows is None:  # no token goes on: later recursions take none either
                 return x
             a, _, out = self.block.cached_parts(rows)
-            update = a + out
-            torch.mul(update, apply_gate(rows.take(scores), router.gate).unsqueeze(-1), out=update)
-            x = rows.add(x, update)
+            x = rows.add_gated(x, a, out, apply_gate(rows.take(scores), router.gate))
         return x
 
     def router_weights(self) -> list[tuple[Tensor, Tensor | None] | None]:
