@@ -19,8 +19,8 @@ Every block runs through its one incremental method, `block.forward_cached(x, ca
 the chunk says how (mode/layers/chunks.py): a prefill chunk, the gather decode step (the rows a
 layer chose computed alone, one host sync per routed layer; its cost follows the rows computed)
 or the static decode step (no host sync: captured once as a CUDA graph and replayed; a routed
-layer computes its chosen rows compacted, or every row where more chose it than the compacted
-width holds, picked by the graph's conditional nodes; an MoE FFN's static pass keeps its routing
+layer computes its chosen rows compacted, and any past the compacted width in a second pass
+over every row, the graph's conditional nodes deciding; an MoE FFN's static pass keeps its routing
 on the device, so every block kind is captured). Attention runs on the SDPA backends without
 per-shape state (flash, memory-efficient, math): decode shapes change every step and cuDNN
 attention builds and caches an execution plan per shape.
@@ -64,8 +64,8 @@ ROUTED_ROWS = ("auto", "gather", "masked")
 MASKED_MIN_BATCH = 16
 # The static step's compacted rows (Decoder's compact_rows): a routed layer computes only the
 # rows its tokens chose, moved on the device into the first W = ceil(B * capacity * slack) rows
-# (1 <= W <= B); a step where more rows chose it computes every row. The slack over the layer's
-# trained capacity keeps the fallback rare while W stays well below B.
+# (1 <= W <= B); a step where more rows chose it runs the rest in a second pass over every row.
+# The slack over the layer's trained capacity keeps that pass rare while W stays well below B.
 ROW_SLACK = 2.0
 # Where compact_rows=None turns them on (with the CUDA graph's conditional nodes): up to
 # COMPACT_MAX_SMALL_BATCH rows, where a routed layer that no row chose is often skipped whole,
@@ -157,8 +157,9 @@ class Decoder:
     a GPU, for every block kind: an MoE FFN runs its static pass, MoEFFN.forward); compile:
     torch.compile the static step's per-layer call.
     compact_rows: the static step computes a routed (MoD / Staged MoDE) layer's chosen rows only,
-    compacted into W = ceil(batch * capacity * row_slack) rows (see ROW_SLACK), and nothing where
-    no row chose it. Under the CUDA graph its conditional nodes pick on the device; without one
+    compacted into W = ceil(batch * capacity * row_slack) rows (see ROW_SLACK), and, at small
+    batches (mode.layers.chunks.SKIP_TEST_MAX_EXPECTED), nothing where no row chose it. Under the
+    CUDA graph its conditional nodes pick on the device; without one
     the host reads each routed layer's count (one sync). None: wherever that adds no sync, that
     is in the CUDA graph where this torch has conditional nodes, and pays (batch at most
     COMPACT_MAX_SMALL_BATCH or at least COMPACT_MIN_LARGE_BATCH); not with compile.
