@@ -45,6 +45,10 @@ KERNELS = [
                                      seq=I32, cos_stride_b=I32, cos_stride_s=I32, dq_sb=I32, dq_ss=I32, dq_sh=I32,
                                      dk_sb=I32, dk_ss=I32, dk_sh=I32, dv_sb=I32, dv_ss=I32, dv_sh=I32,
                                      H=16, HALF=32, BLOCK_H=16, BLOCK_D=32)),
+    # the cached forward's in-place rotation of q and k: 16 + 16 heads of 64
+    (rotary, "_rotate_in_place", dict(x_ptr=BF16, cos_ptr=F32, sin_ptr=F32, seq=I32, stride_n=I32, stride_s=I32,
+                                      stride_h=I32, cos_stride_b=I32, cos_stride_s=I32, H=32, HALF=32, BLOCK_H=32,
+                                      BLOCK_D=32)),
     (swiglu, "_swiglu_fwd", dict(h_ptr=BF16, gates_ptr=BF16, out_ptr=BF16, width=I32, GATED=False, BLOCK=4096)),
     (swiglu, "_swiglu_fwd", dict(h_ptr=BF16, gates_ptr=F32, out_ptr=BF16, width=I32, GATED=True, BLOCK=4096)),
     (swiglu, "_swiglu_bwd", dict(h_ptr=BF16, grad_ptr=BF16, dh_ptr=BF16, width=I32, BLOCK=1024)),

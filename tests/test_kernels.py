@@ -105,6 +105,28 @@ def test_rotary_qkv_rejects_tables_that_do_not_fit() -> None:
         rotary_qkv(qkv, angles.cos_full, angles.sin_signed)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("per_row", [False, True], ids=["shared angles", "a row's own angles"])
+def test_rotate_in_place_equals_rotate(dtype: torch.dtype, per_row: bool) -> None:
+    """The cached forward's rotation of q and k inside a qkv projection (rotate_in_place, strided
+    heads) equals rotate_'s PyTorch ops bit for bit, and leaves v untouched."""
+    from mode.kernels.rotary import rotate_in_place
+    from mode.layers.rotary import rotate_
+
+    n, seq, heads, kv_heads, head_dim = 3, 4, 3, 2, 12  # 5 rotated heads, half-dim 6: masked lanes
+    rotary = RotaryEmbedding(head_dim, 64, 10000.0).to(DEVICE)
+    positions = torch.randint(0, 64, (n if per_row else 1, seq), device=DEVICE)
+    angles = rotary.angles(positions)
+    qkv = torch.randn(n, seq, heads + 2 * kv_heads, head_dim, device=DEVICE).to(dtype)
+    got, want = qkv.clone(), qkv.clone()
+    rotate_in_place(got[:, :, : heads + kv_heads], angles.cos_full, angles.sin_signed)
+    kernels_on(False)  # rotate_'s PyTorch ops
+    rotate_(want[:, :, : heads + kv_heads], angles)
+    assert torch.equal(got, want) and torch.equal(got[:, :, heads + kv_heads:], qkv[:, :, heads + kv_heads:])
+    with pytest.raises(ValueError, match="angle tables"):
+        rotate_in_place(got[:, :, : heads + kv_heads], angles.cos_full[:, :2], angles.sin_signed[:, :2])
+
+
 @pytest.mark.parametrize("shape", [(7, 2 * 24), (3, 5, 2 * 1500)], ids=["rows", "experts, width over one block"])
 def test_swiglu_matches_silu_times_up(shape: tuple[int, ...]) -> None:
     h = torch.randn(*shape, device=DEVICE).bfloat16()

@@ -6,6 +6,10 @@ where the gradients of q, k and v are also assembled into the qkv gradient by ze
 copies and sums. Here the forward reads qkv once and writes rotated q, k and a copy of v;
 the backward reads the three gradients (any strides, as attention returns them) and writes
 the qkv gradient once. Arithmetic in float32, as mode.layers.rotary.apply_rotary.
+
+rotate_in_place: the cached forward's rotation (mode.layers.rotary.rotate_) of q and k inside
+the qkv projection, where PyTorch runs four generic elementwise kernels (a cat, two broadcast
+products and their sum); one pass, with rotate_'s rounding exactly (no fused multiply-add).
 """
 from __future__ import annotations
 
@@ -76,6 +80,26 @@ def _rotary_qkv_bwd(
         tl.store(dqkv_ptr + base + 2 * width + offs + half * HALF, tl.load(dv + half * HALF, mask=mask), mask=mask)
 
 
+@triton.jit
+def _rotate_in_place(x_ptr, cos_ptr, sin_ptr, seq, stride_n, stride_s, stride_h, cos_stride_b, cos_stride_s,
+                     H: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)  # n * seq + s
+    n, s = token // seq, token % seq
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (heads < H) & (d < HALF)
+    first = x_ptr + n * stride_n + s * stride_s + heads * stride_h + d  # (BLOCK_H, BLOCK_D): first halves
+    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
+    angle = n * cos_stride_b + s * cos_stride_s + d
+    cos1 = tl.load(cos_ptr + angle, mask=d < HALF, other=0.0)  # cos_full = (cos, cos)
+    cos2 = tl.load(cos_ptr + angle + HALF, mask=d < HALF, other=0.0)
+    sin1 = tl.load(sin_ptr + angle, mask=d < HALF, other=0.0)  # sin_signed = (-sin, sin)
+    sin2 = tl.load(sin_ptr + angle + HALF, mask=d < HALF, other=0.0)
+    store_rounded(first, x1 * cos1 + x2 * sin1, mask)  # x * cos_full + rotate_half(x) * sin_signed
+    store_rounded(first + HALF, x2 * cos2 + x1 * sin2, mask)
+
+
 def _row_strides(t: Tensor) -> tuple[int, int, int]:
     """(B, S, H, hd) with a unit last stride -> its (b, s, h) strides in elements."""
     return t.stride(0), t.stride(1), t.stride(2)
@@ -135,3 +159,23 @@ def rotary_qkv(qkv: Tensor, cos_full: Tensor, sin_signed: Tensor) -> tuple[Tenso
     if cos_full.shape != sin_signed.shape or cos_full.shape[0] not in (1, batch) or cos_full.shape[1:] != (seq, 1, qkv.shape[-1]):
         raise ValueError(f"rotary_qkv: angle tables {tuple(cos_full.shape)} do not fit qkv {tuple(qkv.shape)}")
     return _RotaryQKV.apply(qkv, cos_full, sin_signed)
+
+
+def rotate_in_place(x: Tensor, cos_full: Tensor, sin_signed: Tensor) -> None:
+    """x (N, S, heads, hd) with a unit last stride (q and k heads of a qkv projection) rotated in place
+    by float32 angle tables (N or 1, S, 1, hd): x * cos_full + rotate_half(x) * sin_signed in
+    float32, rounded once into x's dtype."""
+    n, seq, heads, head_dim = x.shape
+    if head_dim % 2 or x.stride(-1) != 1 or cos_full.dtype != torch.float32 or sin_signed.dtype != torch.float32:
+        raise ValueError(f"rotate_in_place: x {tuple(x.shape)} (unit last stride, even head_dim), float32 tables")
+    if cos_full.shape != sin_signed.shape or cos_full.shape[0] not in (1, n) or cos_full.shape[1:] != (seq, 1, head_dim):
+        raise ValueError(f"rotate_in_place: angle tables {tuple(cos_full.shape)} do not fit x {tuple(x.shape)}")
+    cos_full, sin_signed = _unit_last(cos_full), _unit_last(sin_signed)
+    half = head_dim // 2
+    if n * seq:
+        with on_device_of(x):
+            _rotate_in_place[(n * seq,)](
+                x, cos_full, sin_signed, seq, *_row_strides(x), *_angle_strides(cos_full), H=heads, HALF=half,
+                BLOCK_H=triton.next_power_of_2(heads), BLOCK_D=triton.next_power_of_2(half),
+                enable_fp_fusion=False,  # the products and their sum round apart, as in PyTorch
+            )

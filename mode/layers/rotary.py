@@ -8,6 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from mode.config import RopeScaling
+from mode.kernels import use_triton
 
 
 @dataclass
@@ -114,5 +115,11 @@ def rotate_(x: Tensor, angles: RotaryAngles) -> None:
     into x's dtype as it is written."""
     half = x.shape[-1] // 2
     shape = (angles.cos_full.shape[0], x.shape[1], 1, x.shape[-1])
+    cos, sin = angles.cos_full.view(shape), angles.sin_signed.view(shape)
+    if cos.dtype == torch.float32 and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and use_triton(x):
+        from mode.kernels.rotary import rotate_in_place
+
+        rotate_in_place(x, cos, sin)  # one kernel for the four below
+        return
     rotate_half = torch.cat((x[..., half:], x[..., :half]), dim=-1)  # (x2, x1)
-    torch.add(x * angles.cos_full.view(shape), rotate_half * angles.sin_signed.view(shape), out=x)
+    torch.add(x * cos, rotate_half * sin, out=x)
