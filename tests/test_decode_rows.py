@@ -100,6 +100,42 @@ def test_finished_rows_leave_no_trace_in_compacted_rows(pattern: str, ways) -> N
     assert compacted.positions.tolist() == [S, PROMPT + 2, S, S, PROMPT + 2, S]
 
 
+@pytest.mark.parametrize("pattern", ["mod", "mode_staged"])
+def test_compacted_decode_through_the_kernels_equals_the_pytorch_ops(pattern: str, monkeypatch, ways) -> None:
+    """The compacted step through its kernels (Triton's interpreter on CPU, as on a GPU): the
+    compaction with its slots and lengths, the gated update into the kept rows and the rotation
+    of q and k in place each run, and the logits and caches are the PyTorch ops' (float32)."""
+    from mode.kernels import KernelPolicy, decision, rotary, rows, use_kernels
+
+    model = forced_model(pattern, None).float()
+    for name in ("cos", "sin", "cos_full", "sin_signed"):  # float32 tables, as a model built in float32 keeps
+        setattr(model.rotary, name, getattr(model.rotary, name).float())
+    torch.manual_seed(3)
+    tokens = torch.randint(0, 256, (B, S))
+    calls = {name: 0 for name in ("compact_rows", "put_gated_rows_", "rotate_in_place")}
+    for module in (decision, rows, rotary):
+        for name in calls:
+            if hasattr(module, name):
+                original = getattr(module, name)
+
+                def counted(*args, _name=name, _original=original, **kwargs):
+                    calls[_name] += 1
+                    return _original(*args, **kwargs)
+
+                monkeypatch.setattr(module, name, counted)
+    with use_kernels(KernelPolicy(cpu=True)):
+        fast, fast_decoder = decode(model, tokens, compact_rows=True)
+    assert all(calls.values()), calls
+    assert {COMPACT, BOTH} <= set(ways)
+    with use_kernels(KernelPolicy(enabled=False)):
+        plain, plain_decoder = decode(model, tokens, compact_rows=True)
+    torch.testing.assert_close(fast, plain, rtol=1e-4, atol=1e-4)
+    for a, b in zip(fast_decoder.caches, plain_decoder.caches):
+        assert torch.equal(a.lengths, b.lengths)
+        for row, n in enumerate(a.lengths.tolist()):
+            torch.testing.assert_close(a.kv[:, row, :n], b.kv[:, row, :n], rtol=1e-4, atol=1e-4)
+
+
 def test_compact_rows_are_checked_and_default_where_they_add_no_sync() -> None:
     mod, staged = make_model("mod"), make_model("mode_staged")
     assert not Decoder(mod, 2, 8, routed_rows="masked").compact_rows  # CPU, no graph: no sync added
