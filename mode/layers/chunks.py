@@ -32,11 +32,11 @@ from mode.kernels import graph_if, use_triton
 from mode.layers.attention import expand_kv
 from mode.layers.kv_cache import LayerCache, PackedRows, attend_used, to_device
 from mode.layers.rotary import RotaryAngles
+from mode.routing.expert_rows import rows_kernel_applies
 
 # Gather-step windows are rounded up to a multiple of this many slots: aligned mask rows for
 # the memory-efficient kernel (no padding copy) and one shape per 16 steps instead of one per step.
 WINDOW_ALIGN = 16
-ROWS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the rows kernels take
 # A captured routed layer tests for "no row chose it" (an IF node around its compacted pass) only
 # where its expected chosen rows, batch x capacity, are at most this: there no chosen row is a
 # common step ((1 - capacity)^batch). Above it the pass runs every step: entering a taken IF node's
@@ -428,17 +428,13 @@ class StaticStep:
         if width == batch:  # W = B would compute every row anyway, in another order
             self._run_if(lambda: x.copy_(body(MaskedRows(self, x, cache, chosen))), chosen, 0, batch, skip_test, count)
             return x
-        first: list[CompactRows] = []
-
-        def compacted() -> None:
-            first.append(CompactRows(self, x, cache, chosen, width))
-            body(first[0])  # in place: the first W chosen rows
 
         def past_width() -> None:
-            rest = chosen.index_fill(0, first[0].rows, False)  # (B,): the chosen rows past the first W
+            rest = chosen & (chosen.cumsum(0) > width)  # (B,): the chosen rows past the first W
             x.copy_(body(MaskedRows(self, x, cache, rest)))
 
-        self._run_if(compacted, chosen, 0, batch, skip_test, count)
+        # in place: the first W chosen rows
+        self._run_if(lambda: body(CompactRows(self, x, cache, chosen, width)), chosen, 0, batch, skip_test, count)
         self._run_if(past_width, chosen, width, batch, True, count)
         return x
 
@@ -525,7 +521,7 @@ class CompactRows(GatedAdd):
     def add_gated(self, x: Tensor, a: Tensor, out: Tensor, gates: Tensor) -> Tensor:
         """GatedAdd.add_gated's rounding, into x's kept rows in place: on a GPU one kernel for the
         sum, the gate, the add and the write."""
-        if not (use_triton(x, "rows") and x.dtype in ROWS_DTYPES and a.dtype in ROWS_DTYPES):
+        if not (rows_kernel_applies(x) and rows_kernel_applies(a)):
             return super().add_gated(x, a, out, gates)
         from mode.kernels.common import on_device_of
         from mode.kernels.rows import put_gated_rows_
