@@ -102,12 +102,14 @@ def test_finished_rows_leave_no_trace_in_compacted_rows(pattern: str, ways) -> N
 
 @pytest.mark.parametrize("pattern", ["mod", "mode_staged"])
 def test_compacted_decode_through_the_kernels_equals_the_pytorch_ops(pattern: str, monkeypatch, ways) -> None:
-    """The compacted step through its kernels (Triton's interpreter on CPU, as on a GPU): the
-    compaction with its slots and lengths, the gated update into the kept rows and the rotation
-    of q and k in place each run, and the logits and caches are the PyTorch ops' (float32)."""
+    """The compacted step through its kernels (Triton's interpreter on CPU; compiled on a GPU, in
+    the eager static step, whose host picks the passes as here): the compaction with its slots
+    and lengths, the gated update into the kept rows and the rotation of q and k in place each
+    run, and the logits and caches are the PyTorch ops' (float32)."""
     from mode.kernels import KernelPolicy, decision, rotary, rows, use_kernels
 
-    model = forced_model(pattern, None).float()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = forced_model(pattern, None).float().to(device)
     for name in ("cos", "sin", "cos_full", "sin_signed"):  # float32 tables, as a model built in float32 keeps
         setattr(model.rotary, name, getattr(model.rotary, name).float())
     torch.manual_seed(3)
@@ -124,11 +126,11 @@ def test_compacted_decode_through_the_kernels_equals_the_pytorch_ops(pattern: st
 
                 monkeypatch.setattr(module, name, counted)
     with use_kernels(KernelPolicy(cpu=True)):
-        fast, fast_decoder = decode(model, tokens, compact_rows=True)
+        fast, fast_decoder = decode(model, tokens, compact_rows=True, cuda_graph=False)
     assert all(calls.values()), calls
     assert {COMPACT, BOTH} <= set(ways)
     with use_kernels(KernelPolicy(enabled=False)):
-        plain, plain_decoder = decode(model, tokens, compact_rows=True)
+        plain, plain_decoder = decode(model, tokens, compact_rows=True, cuda_graph=False)
     torch.testing.assert_close(fast, plain, rtol=1e-4, atol=1e-4)
     for a, b in zip(fast_decoder.caches, plain_decoder.caches):
         assert torch.equal(a.lengths, b.lengths)
