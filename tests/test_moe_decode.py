@@ -22,7 +22,7 @@ from mode.layers.chunks import if_nodes_available
 from mode.layers.moe import MoEFFN
 from mode.model import LanguageModel
 from tests.test_decode_rows import decode
-from tests.test_generate import F64_TOL, PATTERNS, S, make_model, spread_weights_
+from tests.test_generate import F64_TOL, PATTERNS, S, decoded_logits, make_model, spread_weights_
 
 MOE_PATTERNS = [p for p, (_, extra) in PATTERNS.items() if "moe" in extra]
 PROMPT = 5  # as test_decode_rows.decode
@@ -83,6 +83,37 @@ def test_static_experts_equal_the_causal_experts(case: str, grouped: bool, monke
             torch.testing.assert_close(routing.stats[name], value, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("case", list(FFN_CASES))
+@torch.no_grad()
+def test_a_pass_without_statistics_computes_the_same_and_reports_none(case: str) -> None:
+    """with_stats=False (the cached passes': nothing reads a decode step's statistics) changes no
+    output, causal or static, and leaves the routing's stats empty, the no-op slots' included."""
+    ffn = moe_ffn(case, torch.float64)
+    x = torch.randn(3, 7, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    valid = torch.rand(3, 7, generator=torch.Generator().manual_seed(2)) < 0.7
+    for kwargs in (dict(causal=True), dict(static=True)):
+        want, want_routing = ffn(x, valid, **kwargs)
+        got, routing = ffn(x, valid, with_stats=False, **kwargs)
+        assert torch.equal(got, want) and want_routing.stats and routing.stats == {}
+
+
+def test_the_cached_passes_compute_no_routing_statistics(monkeypatch) -> None:
+    """Prefill and both decode steps of a Staged MoDE model never build statistics (each was a
+    chain of small kernels in every routed layer of a step); a training forward still does."""
+    import mode.routing.expert_router as expert_router
+
+    built = []
+    expert_stats = expert_router._expert_stats
+    monkeypatch.setattr(expert_router, "_expert_stats", lambda *a: built.append(1) or expert_stats(*a))
+    model = make_model("mode_staged_token_choice", "aux_loss", n_layers=2)
+    tokens = torch.randint(0, 256, (3, S))
+    for routed_rows in ("gather", "masked"):
+        decoded_logits(model, tokens, PROMPT, routed_rows)
+    assert built == []
+    model(tokens)
+    assert built
+
+
 @torch.no_grad()
 def test_padding_rows_get_no_expert() -> None:
     """A static pass's padding rows (valid False) get an exact zero update, as the causal path's."""
@@ -128,8 +159,8 @@ def staged_model(**moe) -> LanguageModel:
 def static_calls(model: LanguageModel, monkeypatch) -> list:
     """Each MoE FFN call's static flag, recorded."""
     seen, forward = [], MoEFFN.forward
-    monkeypatch.setattr(MoEFFN, "forward", lambda self, x, valid=None, causal=False, static=False: (
-        seen.append(static) or forward(self, x, valid, causal, static)))
+    monkeypatch.setattr(MoEFFN, "forward", lambda self, x, valid=None, causal=False, static=False, with_stats=True: (
+        seen.append(static) or forward(self, x, valid, causal, static, with_stats)))
     return seen
 
 
@@ -209,8 +240,8 @@ def test_the_host_read_check_fails_the_causal_experts(pattern: str, monkeypatch)
     decoder = Decoder(model, 3, 16, routed_rows="masked", compact_rows=False)
     decoder.prefill([[1, 2, 3], [4, 5], [6, 7, 8, 9]])
     forward = MoEFFN.forward
-    monkeypatch.setattr(MoEFFN, "forward", lambda self, x, valid=None, causal=False, static=False: forward(
-        self, x, valid, causal or static))
+    monkeypatch.setattr(MoEFFN, "forward", lambda self, x, valid=None, causal=False, static=False, with_stats=True: (
+        forward(self, x, valid, causal or static, with_stats=with_stats)))
     with pytest.raises(Exception, match="host read|data-dependent|dynamic|DynamicOutputShape|DataDependent"):
         run_static_step_checked(decoder)
 

@@ -78,12 +78,13 @@ class TransformerBlock(nn.Module):
         a static decode step (rows.static) computes its experts with no host sync."""
         a = self.attn.forward_cached(self.attn_norm(rows.x), rows)
         h = rows.x + a
-        out, _ = self._ffn(self.ffn_norm(h), rows.valid, causal=True, static=rows.static)
+        out, _ = self._ffn(self.ffn_norm(h), rows.valid, causal=True, static=rows.static, with_stats=False)
         return a, h, out
 
     def _ffn(self, x: Tensor, valid: Tensor | None = None, causal: bool = False,
-             static: bool = False) -> tuple[Tensor, Routing | None]:
+             static: bool = False, with_stats: bool = True) -> tuple[Tensor, Routing | None]:
         """A routed FFN (MoEFFN) returns (output, Routing); a dense one its output alone. static: a
-        static decode step's rows (an MoE FFN then routes with no host sync, MoEFFN.forward)."""
-        out = self.ffn(x, valid, causal, static) if isinstance(self.ffn, MoEFFN) else self.ffn(x)
+        static decode step's rows (an MoE FFN then routes with no host sync, MoEFFN.forward).
+        with_stats: the routing's statistics (the cached passes drop them: nothing reads them there)."""
+        out = self.ffn(x, valid, causal, static, with_stats) if isinstance(self.ffn, MoEFFN) else self.ffn(x)
         return out if isinstance(out, tuple) else (out, None)

@@ -134,25 +134,27 @@ class MoEFFN(nn.Module):
         self.shared_expert_gate = nn.Linear(d_model, 1, bias=False) if moe.shared_expert_gate else None
 
     def forward(self, x: Tensor, valid: Tensor | None = None, causal: bool = False,
-                static: bool = False) -> tuple[Tensor, Routing]:
+                static: bool = False, with_stats: bool = True) -> tuple[Tensor, Routing]:
         """valid (B, S) bool: under causal routing, False rows are padding: no expert computes
         them (their output is 0) and the statistics leave them out. None: every row is a token.
         causal: route as sampling does (see the routers). static: a decode step's pass, routed
         causally with no host sync and no shape that depends on the routing (_static_experts), so
-        that a CUDA graph can capture it."""
-        out, routing = self._routed(x, valid, causal or static, static)
+        that a CUDA graph can capture it. with_stats: compute the routing's statistics (False: its
+        stats are empty; inference, where nothing reads them, skips their kernels)."""
+        out, routing = self._routed(x, valid, causal or static, static, with_stats)
         if self.null_experts is not None:
-            out = self._plus_null(out, x, routing, valid)
+            out = self._plus_null(out, x, routing, valid, with_stats)
         if self.shared_expert is not None:
             out = out + self._shared(x, valid)
         return out, routing
 
-    def _routed(self, x: Tensor, valid: Tensor | None, causal: bool, static: bool = False) -> tuple[Tensor, Routing]:
+    def _routed(self, x: Tensor, valid: Tensor | None, causal: bool, static: bool = False,
+                with_stats: bool = True) -> tuple[Tensor, Routing]:
         """The routed experts' part of forward: (their output (B, S, D), the routing)."""
         if isinstance(self.router, ExpertChoiceRouter) and not causal:
             routing, rows, xs = self.router.route(x)
             return self._expert_choice(routing, rows, xs).view_as(x), routing
-        routing = self.router(x, valid, causal)
+        routing = self.router(x, valid, causal, with_stats)
         if static:
             out = self._static_experts(x.reshape(-1, x.shape[-1]), routing)
         elif isinstance(routing, CausalExpertRouting):
@@ -161,7 +163,8 @@ class MoEFFN(nn.Module):
             out = self._token_choice(x.reshape(-1, x.shape[-1]), routing)
         return out.view_as(x), routing
 
-    def _plus_null(self, out: Tensor, x: Tensor, routing: Routing, valid: Tensor | None) -> Tensor:
+    def _plus_null(self, out: Tensor, x: Tensor, routing: Routing, valid: Tensor | None,
+                   with_stats: bool = True) -> Tensor:
         """out (B, S, D) plus the no-op slots' outputs (NullExperts), their statistics added to
         routing.stats. Expert choice: every token at its softmax probability of each slot (no-op slots
         have no capacity); token choice: the slots a token chose, at their gates."""
@@ -174,7 +177,8 @@ class MoEFFN(nn.Module):
         rows = None if valid is None else valid.reshape(-1, 1)
         if rows is not None:
             gates = torch.where(rows, gates, 0)  # padding: a zero update
-        routing.stats.update(self.null_experts.stats(gates, rows))
+        if with_stats:
+            routing.stats.update(self.null_experts.stats(gates, rows))
         return self.null_experts.add_to(out.reshape(-1, out.shape[-1]), flat, gates).view_as(out)
 
     def _shared(self, x: Tensor, valid: Tensor | None) -> Tensor:

@@ -88,13 +88,14 @@ class ExpertChoiceRouter(nn.Module):
         probs = logits.softmax(-1)[..., : self.n_experts]
         return self.causal.logits(x, logits[..., : self.n_experts]) > 0, probs
 
-    def forward(self, x: Tensor, valid: Tensor | None = None, causal: bool = False
+    def forward(self, x: Tensor, valid: Tensor | None = None, causal: bool = False, with_stats: bool = True
                 ) -> ExpertChoiceRouting | CausalExpertRouting:
         """x (B, S, D). valid (B, S) bool, causal mode only: rows that are padding (False) go to
         no expert and count in no statistic (Staged MoDE under causal routing passes its own).
-        causal: route by the causal decision (a CausalExpertRouting), else top-C."""
+        causal: route by the causal decision (a CausalExpertRouting), else top-C. with_stats: False
+        leaves the causal routing's statistics empty (inference); top-C always has them."""
         if causal:
-            return self._causal_forward(x, valid)
+            return self._causal_forward(x, valid, with_stats)
         groups, tokens, capacity = self._groups_and_capacity(x)
         logits = self.router(x).reshape(groups, tokens, -1)  # (G, T, E+N), float32
         every = logits.softmax(-1)
@@ -152,16 +153,18 @@ class ExpertChoiceRouter(nn.Module):
         tokens = self.group_size * seq
         return batch // self.group_size, tokens, capacity_to_k(tokens, self.capacity_factor / self.router.n_slots)
 
-    def _causal_forward(self, x: Tensor, valid: Tensor | None) -> CausalExpertRouting:
+    def _causal_forward(self, x: Tensor, valid: Tensor | None, with_stats: bool = True) -> CausalExpertRouting:
         """Each real expert takes the rows its causal decision chose (variable counts)."""
         chosen, probs = self.decide(x)  # (B, S, E) each
         if valid is not None:
             chosen = chosen & valid.unsqueeze(-1)
-        processed = masked_mean(chosen.any(-1), valid)
-        stats = _expert_stats(
-            chosen.reshape(-1, self.n_experts).sum(0), processed, 1 - processed,
-            processed.new_zeros(()), processed.new_zeros(()), processed.new_zeros(()),
-        )
+        stats = {}
+        if with_stats:
+            processed = masked_mean(chosen.any(-1), valid)
+            stats = _expert_stats(
+                chosen.reshape(-1, self.n_experts).sum(0), processed, 1 - processed,
+                processed.new_zeros(()), processed.new_zeros(()), processed.new_zeros(()),
+            )
         logits = self.router(x)
         null = logits.softmax(-1)[..., self.n_experts :] if self.null_gates else None  # (B, S, N)
         return CausalExpertRouting(
@@ -218,11 +221,13 @@ class TokenChoiceRouter(nn.Module):
         self.lb_loss_weight = lb_loss_weight
         self.z_loss_weight = z_loss_weight
 
-    def forward(self, x: Tensor, valid: Tensor | None = None, causal: bool = False) -> TokenChoiceRouting:
+    def forward(self, x: Tensor, valid: Tensor | None = None, causal: bool = False,
+                with_stats: bool = True) -> TokenChoiceRouting:
         """x (B, S, D). valid (B, S) bool, causal mode only: rows that are padding (False) are
         computed by no expert and left out of the shares and counts in the statistics (Staged
         MoDE under causal routing); the auxiliary losses still see every row. causal: sampling's
-        routing (no capacity): token choice is causal already, causal routing only drops the capacity."""
+        routing (no capacity): token choice is causal already, causal routing only drops the capacity.
+        with_stats: False leaves stats empty (inference: nothing reads them)."""
         logits = self.router(self._jittered(x)).reshape(1, -1, self.router.n_slots)  # (1, T, E+N), float32
         tokens, n_slots = logits.shape[1:]
         # Under causal routing (sampling) capacity dropping, which depends on the other tokens of
@@ -234,13 +239,16 @@ class TokenChoiceRouter(nn.Module):
         positions, layout = capacity_positions(head.slots, self.n_experts, capacity, x)  # (T, k), eager CUDA: (E, C)
         if valid is not None and causal:
             positions = torch.where(valid.reshape(-1, 1), positions, -1)  # padding: no expert computes it
+        if not with_stats:
+            stats = {}
+        elif valid is not None and causal:
             stats = self._stats_of_rows(head, positions, valid.reshape(-1, 1))
         else:
             # top-1: a token is processed when its one assignment is computed
             processed = head.computed_fraction if self.top_k == 1 else (positions >= 0).any(-1).float().mean()
             stats = _expert_stats(head.tokens_per_expert, processed, head.noop_fraction, head.dropped_fraction,
                                   head.lb_loss, head.z_loss)
-        if self.expert_bias is not None:
+        if self.expert_bias is not None and with_stats:
             # What the bias update needs: the assignments each real expert was chosen for (before any
             # capacity), padding rows left out; the trainer sums them over micro-batches and processes.
             chosen = head.slots if valid is None or not causal else torch.where(valid.reshape(-1, 1), head.slots, n_slots)
