@@ -182,6 +182,36 @@ def test_static_decode_with_moe_ffns_equals_the_full_causal_forward(pattern: str
     assert (finished[active] - got[active]).abs().max() <= F64_TOL
 
 
+@pytest.mark.parametrize("compact_rows", [False, True])
+def test_a_static_step_gives_experts_only_the_kept_rows(compact_rows: bool, monkeypatch) -> None:
+    """In a static step an MoE FFN's grouped experts compute the rows the step keeps and no other
+    (every row, masked, or the compacted W): so they read only the experts those rows chose."""
+    from mode.layers.experts import Experts
+
+    model = make_model("mode_staged_token_choice", "aux_loss", n_layers=3).float()
+    for module in model.modules():
+        if isinstance(module, Experts):
+            module.use_by_ends = True  # the GPU's grouped GEMMs over device-side ends, on CPU
+    calls, forward, by_ends = [], MoEFFN.forward, Experts.by_ends
+
+    def recorded_forward(self, x, valid=None, causal=False, static=False, with_stats=True):
+        if static:  # [rows kept x top-k, rows held], then by_ends' rows computed
+            calls.append([int(valid.sum()) * self.router.top_k, x.shape[0]])
+        return forward(self, x, valid, causal, static, with_stats)
+
+    def recorded_by_ends(self, xs, ends, *args, **kwargs):
+        if calls and len(calls[-1]) == 2:  # a static pass's (the prefill's run by ends too)
+            calls[-1].append(int(ends[-1]))
+        return by_ends(self, xs, ends, *args, **kwargs)
+
+    monkeypatch.setattr(MoEFFN, "forward", recorded_forward)
+    monkeypatch.setattr(Experts, "by_ends", recorded_by_ends)
+    torch.manual_seed(6)
+    decode(model, torch.randint(0, 256, (6, S)), compact_rows=compact_rows)
+    assert calls and all(computed == kept for kept, _, computed in calls)  # top-k rows of each kept row
+    assert any(kept < rows * 2 for kept, rows, _ in calls)  # some step keeps fewer rows than it holds
+
+
 @pytest.mark.parametrize("moe", [
     dict(scheme="token_choice", top_k=1, dropless=True),  # bench/decode.py's Staged MoDE
     dict(scheme="token_choice", top_k=2, n_noop=1, noop_kind="constant", shared_expert_d=16),

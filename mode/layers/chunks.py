@@ -455,11 +455,12 @@ class StaticStep:
 class MaskedRows(GatedAdd):
     """Every row of a static step computed; chosen (B,) bool: the rows that keep the result."""
 
-    valid = None  # an MoE FFN computes every row too: masking its rows costs more kernels than it saves
     static = True  # no host sync and static shapes in every layer part, an MoE FFN's included
 
     def __init__(self, step: StaticStep, x: Tensor, cache: LayerCache, chosen: Tensor) -> None:
         self.step, self.x, self.cache, self.chosen, self.angles = step, x, cache, chosen, step.angles
+        # (B, 1): an MoE FFN gives the other rows no expert, so it reads only the kept rows' experts
+        self.valid = chosen.view(-1, 1)
 
     def take(self, t: Tensor) -> Tensor:
         return t
