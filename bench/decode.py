@@ -55,8 +55,15 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from bench.common import add_model_args, require_cuda_unless_tiny, sync, verdict
-from bench.prefill import MODELS, build_models, calibrate_routers, make_config, time_settings
-from mode.flops import model_flops
+from bench.prefill import (
+    MODELS,
+    PREFILL_SLACK,
+    PREFILL_TARGET_BATCHES,
+    build_models,
+    calibrate_routers,
+    prefill_flop_ratio,
+    time_settings,
+)
 from mode.generate import DECODE_SDPA_BACKENDS, ROUTED_ROWS, Decoder
 from mode.layers.mod import MoDBlock
 from mode.model import LanguageModel
@@ -66,8 +73,6 @@ from mode.model import LanguageModel
 DECODE_TARGETS = {(1, 128): 1.4, (64, 2048): 1.6, (1024, 128): 1.4}
 DECODE_FLOOR = 0.97
 DECODE_REPORTED = {(64, 128)}
-PREFILL_TARGET_BATCHES = (1, 64)
-PREFILL_SLACK = 1.15  # routed prefill time / dense's at most its FLOP ratio times this
 CALIBRATION_ROWS = 64  # the routers are calibrated on at most this many of a setting's prompts
 
 
@@ -149,15 +154,6 @@ def does_not_fit(need: int, budget: int | None) -> str | None:
     if budget is None or need <= budget:
         return None
     return f"does not fit ({need / 2**30:.0f} GiB; {budget / 2**30:.0f} GiB free)"
-
-
-def prefill_flop_ratio(args: argparse.Namespace, name: str, prompt: int) -> float:
-    """A prefill's forward FLOPs over the dense model's: every block on the prompt's tokens (mode.flops,
-    routed blocks at --capacity) plus the LM head on one token per row."""
-    def flops(model: str) -> float:
-        report = model_flops(make_config(model, args, prompt + args.new_tokens, prompt), seq_len=prompt)
-        return prompt * sum(report.per_block) + report.lm_head
-    return flops(name) / flops("dense")
 
 
 def decode_target(batch: int, prompt: int) -> float | None:

@@ -25,8 +25,9 @@ from dataclasses import dataclass
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench.common import add_model_args, require_cuda_unless_tiny, sync
+from bench.common import add_model_args, require_cuda_unless_tiny, sync, verdict
 from mode.config import Config, config_from_dict
+from mode.flops import model_flops
 from mode.inference.decoder import DECODE_SDPA_BACKENDS, Decoder
 from mode.layers.mod import MoDBlock
 from mode.model import LanguageModel
@@ -34,6 +35,11 @@ from mode.model import LanguageModel
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
 HOST_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpyAsync", "cudaMemcpy")
 
+
+# The target: a routed model's prefill time over dense's at most its FLOP ratio times PREFILL_SLACK,
+# at these batches (bench.decode's prefill column has the same).
+PREFILL_TARGET_BATCHES = (1, 64)
+PREFILL_SLACK = 1.15
 
 # The models compared, by their table name: block_pattern, and whether the routed blocks' FFN is an MoE.
 MODELS = {"dense": (["dense"], False), "MoD": (["dense", "mod"], False), "Staged MoDE": (["dense", "mode_staged"], True)}
@@ -54,6 +60,23 @@ def make_config(name: str, args: argparse.Namespace, max_seq_len: int, seq_len: 
         sections["moe"] = {"n_experts": 4 if args.tiny else 8, "scheme": "token_choice", "top_k": 1,
                            "dropless": True, "activation": "swiglu", "backend": "torch"}
     return config_from_dict(sections, "bench")
+
+
+def prefill_flop_ratio(args: argparse.Namespace, name: str, prompt: int) -> float:
+    """A prefill's forward FLOPs over the dense model's: every block on the prompt's tokens (mode.flops,
+    routed blocks at --capacity) plus the LM head on one token per row."""
+    def flops(model: str) -> float:
+        report = model_flops(make_config(model, args, prompt + 1, prompt), seq_len=prompt)
+        return prompt * sum(report.per_block) + report.lm_head
+    return flops(name) / flops("dense")
+
+
+def prefill_target(args: argparse.Namespace, name: str, prompt: int, batch: int, ratio: float) -> str:
+    """The table's target cell for a model's prefill time over dense's, ratio."""
+    if name == "dense" or batch not in PREFILL_TARGET_BATCHES:
+        return "-"
+    limit = prefill_flop_ratio(args, name, prompt) * PREFILL_SLACK
+    return f"<= {limit:.2f} x: {verdict(ratio <= limit)}"
 
 
 def build_models(names: list[str], args: argparse.Namespace, max_seq_len: int, device: torch.device,
@@ -169,12 +192,13 @@ def main(argv: list[str] | None = None) -> None:
             for name, t in times.items():
                 ratio = t.median_ms / times["dense"].median_ms
                 rows.append(f"| {prompt} | {batch} | {name} | {t.median_ms:.2f} | {t.best_ms:.2f} | {t.gpu_busy_ms:.2f} | "
-                            f"{t.launches} | {t.host_waits} | {ratio:.2f} |")
+                            f"{t.launches} | {t.host_waits} | {ratio:.2f} | {prefill_target(args, name, prompt, batch, ratio)} |")
     print(f"\nPrefill, {card}, {str(dtype).removeprefix('torch.')}: D={args.width}, {args.heads} heads, "
           f"{args.layers} layers, vocab {args.vocab}, ffn {args.ffn}; MoD: every other block routed, causal method (a), "
           f"target share {args.capacity}; Staged MoDE: MoD with a top-1 MoE in the routed blocks; median of {args.repeats} prefills after {args.warmup} warm-up\n")
-    print("| prompt | batch | model | median ms | best ms | GPU busy ms | kernel launches | host syncs + copies | x dense |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| prompt | batch | model | median ms | best ms | GPU busy ms | kernel launches | host syncs + copies | x dense | "
+          "target (FLOP ratio x 1.15) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     print("\n".join(rows))
 
 

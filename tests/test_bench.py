@@ -183,6 +183,8 @@ def test_prefill_tiny() -> None:
     assert [(r[1], r[2]) for r in rows] == [("1", "dense"), ("1", "MoD"), ("4", "dense"), ("4", "MoD")]
     assert all(number(r[3]) > 0 and number(r[4]) > 0 and number(r[4]) <= number(r[3]) for r in rows)
     assert all(number(r[8]) == 1.0 for r in rows if r[2] == "dense")
+    # the target, the FLOP ratio (0.565 at 16 tokens) x 1.15, at batch 1 only of the tiny batches
+    assert [r[9] for r in rows] == ["-", f"<= 0.65 x: {'met' if number(rows[1][8]) <= 0.65 else 'missed'}", "-", "-"]
 
 
 def test_conversion_tiny() -> None:
