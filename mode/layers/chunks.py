@@ -542,10 +542,16 @@ def compact_rows_reference(chosen: Tensor, width: int, lengths: Tensor, base: Te
     rows = (~chosen).byte().argsort(stable=True)[:width].sort().values  # (W,)
     keep = chosen.index_select(0, rows)
     length = lengths.index_select(0, rows)
-    write_at = base.index_select(0, rows) + torch.where(keep, length, max_len)
-    used = torch.where(keep, length + 1, 1)
+    write_at, used = written_slots(keep, length, base.index_select(0, rows), max_len)
     lengths.index_copy_(0, rows, length + keep)
     return rows, keep, write_at, used
+
+
+def written_slots(keep: Tensor, lengths: Tensor, base: Tensor, max_len: int) -> tuple[Tensor, Tensor]:
+    """A static step's rows' cache slots, each (n,): the packed slot each writes (base + its length
+    where kept, else its scratch slot max_len) and the slots it attends over (length + 1 where kept,
+    else 1), from its lengths before they grow."""
+    return base + torch.where(keep, lengths, max_len), torch.where(keep, lengths + 1, 1)
 
 
 def attend_static(step: StaticStep, cache: LayerCache, q: Tensor, kv: Tensor, keep: Tensor) -> Tensor:
@@ -554,8 +560,7 @@ def attend_static(step: StaticStep, cache: LayerCache, q: Tensor, kv: Tensor, ke
     at their length, attend over their cache and themselves, and grow; any other writes its
     scratch slot (max_len) and reads one slot, its output discarded."""
     lengths = cache.lengths_dev  # (B,)
-    write_at = step.row_base + torch.where(keep, lengths, cache.max_len)
-    used = torch.where(keep, lengths + 1, 1)  # before the lengths grow
+    write_at, used = written_slots(keep, lengths, step.row_base, cache.max_len)
     lengths.add_(keep)
     return attend_written(step, cache, q, kv, write_at, used)
 
