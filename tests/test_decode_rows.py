@@ -1,8 +1,9 @@
 """The static decode step's compacted rows (Decoder's compact_rows): a routed layer computes only
 the rows its tokens chose, moved into the first W rows on the device, nothing where no row chose
-it, and where more than W did, the first W so and the rest in a second, masked pass. Each way gives what the masked step (every row
-computed) and the full causal forward give. Tiny float64 models on CPU (F64_TOL as in
-test_generate.py), where the host picks the way; on a GPU the captured graph's IF nodes pick.
+it, and where more than W did, the first W so and the rest in a second, masked pass. Each way
+gives what the masked step (every row computed) and the full causal forward give. Tiny float64
+models on CPU (F64_TOL as in test_generate.py), where the host picks the way; on a GPU the
+captured graph's IF nodes pick.
 """
 from __future__ import annotations
 
