@@ -237,12 +237,13 @@ class TokenChoiceRouter(nn.Module):
                                  self.lb_loss_weight, self.z_loss_weight, self.score,
                                  self.expert_bias)  # gates, slots (T, k) each
         positions, layout = capacity_positions(head.slots, self.n_experts, capacity, x)  # (T, k), eager CUDA: (E, C)
-        if valid is not None and causal:
-            positions = torch.where(valid.reshape(-1, 1), positions, -1)  # padding: no expert computes it
+        rows = valid.reshape(-1, 1) if valid is not None and causal else None  # (T, 1): the real tokens
+        if rows is not None:
+            positions = torch.where(rows, positions, -1)  # padding: no expert computes it
         if not with_stats:
             stats = {}
-        elif valid is not None and causal:
-            stats = self._stats_of_rows(head, positions, valid.reshape(-1, 1))
+        elif rows is not None:
+            stats = self._stats_of_rows(head, positions, rows)
         else:
             # top-1: a token is processed when its one assignment is computed
             processed = head.computed_fraction if self.top_k == 1 else (positions >= 0).any(-1).float().mean()
@@ -251,7 +252,7 @@ class TokenChoiceRouter(nn.Module):
         if self.expert_bias is not None and with_stats:
             # What the bias update needs: the assignments each real expert was chosen for (before any
             # capacity), padding rows left out; the trainer sums them over micro-batches and processes.
-            chosen = head.slots if valid is None or not causal else torch.where(valid.reshape(-1, 1), head.slots, n_slots)
+            chosen = head.slots if rows is None else torch.where(rows, head.slots, n_slots)
             stats["expert_load"] = count_ids(chosen, n_slots + 1)[: self.n_experts].float()
         # The k probabilities over their sum: the softmax of the top-k logits alone.
         gates = head.gates / head.gates.sum(-1, keepdim=True) if self.renormalize else head.gates
