@@ -152,9 +152,12 @@ KERNELS = [
                                    BLOCK_R=4, BLOCK_D=256)),
     # a compacted decode step's routed update, bf16 rows into bf16 and float32 hidden states
     (rows, "_put_gated_rows", dict(x_ptr=BF16, ids_ptr=I64, keep_ptr="*u8", a_ptr=BF16, b_ptr=BF16, gates_ptr=F32,
-                                   n_rows=I32, width=I32, BLOCK_R=4, BLOCK_D=256)),
+                                   n_rows=I32, width=I32, HAS_KEEP=True, BLOCK_R=4, BLOCK_D=256)),
     (rows, "_put_gated_rows", dict(x_ptr=F32, ids_ptr=I64, keep_ptr="*u8", a_ptr=BF16, b_ptr=BF16, gates_ptr=F32,
-                                   n_rows=I32, width=I32, BLOCK_R=4, BLOCK_D=256)),
+                                   n_rows=I32, width=I32, HAS_KEEP=True, BLOCK_R=4, BLOCK_D=256)),
+    # a prefill's routed update of its packed tokens: every row kept
+    (rows, "_put_gated_rows", dict(x_ptr=BF16, ids_ptr=I64, keep_ptr=I64, a_ptr=BF16, b_ptr=BF16, gates_ptr=F32,
+                                   n_rows=I32, width=I32, HAS_KEEP=False, BLOCK_R=4, BLOCK_D=256)),
     (rows, "_combine_backward", dict(grad_ptr=F32, ids_ptr=I64, rows_ptr=BF16, gates_ptr=F32, grad_rows_ptr=BF16,
                                      grad_gates_ptr=F32, n_rows=I32, width=I32, BLOCK_R=4, BLOCK_D=512)),
     (rows, "_combine_backward", dict(grad_ptr=BF16, ids_ptr=I64, rows_ptr=BF16, gates_ptr=F32, grad_rows_ptr=BF16,

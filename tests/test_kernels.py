@@ -1083,16 +1083,18 @@ def test_compact_rows_equal_the_sorting_reference(batch: int, width: int, count:
 
 @pytest.mark.parametrize("x_dtype, dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16),
                                             (torch.float32, torch.float32)])
-def test_put_gated_rows_equals_the_pytorch_ops(x_dtype: torch.dtype, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("some_kept", [True, False])
+def test_put_gated_rows_equals_the_pytorch_ops(x_dtype: torch.dtype, dtype: torch.dtype, some_kept: bool) -> None:
     """A compacted decode step's routed update in one kernel (rows.put_gated_rows_) equals
     GatedAdd.add_gated's PyTorch ops bit for bit: x[ids] + round(gate * round(a + b)) where
-    kept; padding rows and rows not listed untouched."""
+    kept; padding rows and rows not listed untouched. keep None (a prefill's packed tokens):
+    every listed row."""
     from mode.kernels.rows import put_gated_rows_
 
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(9, 300, generator=gen).to(DEVICE, x_dtype)
     ids = torch.tensor([0, 2, 3, 5, 8], device=DEVICE)
-    keep = torch.tensor([True, False, True, True, False], device=DEVICE)
+    keep = torch.tensor([True, False, True, True, False] if some_kept else [True] * 5, device=DEVICE)
     a, b = (torch.randn(5, 300, generator=gen).to(DEVICE, dtype) for _ in range(2))
     gates = torch.rand(5, generator=gen).to(DEVICE)
     update = a + b
@@ -1100,7 +1102,7 @@ def test_put_gated_rows_equals_the_pytorch_ops(x_dtype: torch.dtype, dtype: torc
     want = x.clone()
     want[ids[keep]] = x[ids[keep]] + update[keep].to(x_dtype)
     got = x.clone()
-    put_gated_rows_(got, ids, keep, a, b, gates)
+    put_gated_rows_(got, ids, keep if some_kept else None, a, b, gates)
     assert torch.equal(got, want)
     with pytest.raises(ValueError, match="a is"):
         put_gated_rows_(got, ids, keep, a, b.float() if dtype != torch.float32 else b.bfloat16(), gates)

@@ -13,7 +13,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from mode.generate import Decoder, layer_step
 from mode.layers import chunks
-from mode.layers.chunks import GatherStep, StaticStep
+from mode.layers.chunks import FreshTokens, GatherStep, Prefill, StaticStep
 from mode.layers.kv_cache import LayerCache, PackedRows
 from tests.test_generate import F64_TOL, make_model
 
@@ -154,6 +154,113 @@ def test_a_routed_prefill_layer_runs_a_fixed_number_of_ops() -> None:
     counts = {(batch, n): top_level_ops(uneven_prefill(routed, rotary, batch, n, 0.3)) for batch, n in ((2, 12), (16, 12), (16, 40))}
     assert len(set(counts.values())) == 1, counts
     assert counts[2, 12] <= 2 * top_level_ops(uneven_prefill(dense, rotary, 2, 12, 2.0))
+
+
+def test_token_order_puts_each_row_first_in_its_cache() -> None:
+    """Prefill.token_order: the chosen tokens' flat ids first, row after row, each row's in order;
+    on a fresh cache where flash attention's variable-length kernel runs, row b's r-th chosen
+    token's packed cache slot b * (max_len + 1) + r and the rows' cumulative counts; neither where
+    a row's cache holds tokens already, with one row, or without that kernel."""
+    chosen = chosen_tokens()
+    positions, valid, counts = torch.arange(S).expand(B, S), torch.ones(B, S, dtype=torch.bool), torch.full((B,), S)
+    chunk = Prefill(None, positions, valid, counts, flash_varlen=True)
+    cache = LayerCache.empty(B, S, 4, 8, torch.float64, torch.device("cpu"))
+    order = chunk.token_order(chosen, cache)
+    total = int(chosen.sum())
+    assert order.order[:total].tolist() == [b * S + j for b in range(B) for j in chosen[b].nonzero().flatten().tolist()]
+    assert order.slots[:total].tolist() == [b * (S + 1) + r for b in range(B) for r in range(int(chosen[b].sum()))]
+    assert order.cu.tolist() == [0, 4, 11, 11, 23] and order.cu.dtype == torch.int32
+    assert Prefill(None, positions, valid, counts).token_order(chosen, cache).slots is None
+    one_row = LayerCache.empty(1, S, 4, 8, torch.float64, torch.device("cpu"))
+    assert chunk.token_order(chosen[:1], one_row).slots is None
+    cache.lengths_cpu[2] = 1
+    assert chunk.token_order(chosen, cache).slots is None
+
+
+@pytest.mark.parametrize("owns_hidden", [False, True])
+@torch.no_grad()
+def test_a_routed_prefill_update_through_its_kernel_equals_the_pytorch_ops(owns_hidden: bool,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gated update of a routed layer's packed tokens in one kernel (rows.put_gated_rows_;
+    Triton's interpreter on CPU, float32 on a GPU) gives the PyTorch ops' hidden states, into the chunk's own tensor
+    where it owns it and into a copy, leaving the caller's untouched, where it does not."""
+    from mode.kernels import KernelPolicy, use_kernels
+    from mode.kernels import rows as row_kernels
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # Triton's interpreter only without a GPU
+    model = make_model("mod").float().to(device)
+    for name in ("cos", "sin", "cos_full", "sin_signed"):  # float32 tables, as a model built in float32 keeps
+        setattr(model.rotary, name, getattr(model.rotary, name).float())
+    block, rotary = model.blocks[1], model.rotary
+    x = torch.randn(B, S, D, generator=torch.Generator().manual_seed(6)).to(device)
+    chosen = chosen_tokens().to(device)
+    positions = torch.arange(S, device=device).expand(B, S)
+    valid, counts = torch.ones(B, S, dtype=torch.bool, device=device), torch.full((B,), S)
+    calls, put = [], row_kernels.put_gated_rows_
+    monkeypatch.setattr(row_kernels, "put_gated_rows_", lambda *args: calls.append(1) or put(*args))
+
+    def run(policy: KernelPolicy) -> tuple[torch.Tensor, torch.Tensor]:
+        given = x.clone()
+        chunk = Prefill(rotary, positions, valid, counts, owns_hidden=owns_hidden)
+        cache = LayerCache.empty(B, S, 4, 8, torch.float32, torch.device(device))
+        with use_kernels(policy):
+            return given, block.forward_cached(given, cache, chunk, chosen=chosen)
+
+    given, fast = run(KernelPolicy(cpu=True))
+    assert calls == [1]
+    _, plain = run(KernelPolicy(enabled=False))
+    assert calls == [1]
+    torch.testing.assert_close(fast, plain, rtol=1e-5, atol=1e-5)
+    assert torch.equal(fast[~chosen], x[~chosen])
+    if owns_hidden:
+        assert fast.data_ptr() == given.data_ptr()
+    else:
+        assert torch.equal(given, x)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flash attention's variable-length kernel needs a GPU")
+@pytest.mark.parametrize("pattern", ["mod", "mode_staged", "dense"])
+@torch.no_grad()
+def test_a_fresh_prefill_through_flash_varlen_equals_the_padded_layout_and_the_full_forward(
+        pattern: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ragged prompts (one empty) on fresh caches, bf16 on a GPU: the packed tokens attending through
+    flash attention's variable-length kernel (FreshTokens) give the (m, K) layout's logits and
+    caches, and each prompt's full causal forward; decode steps after either agree too."""
+    model = make_model(pattern, "aux_loss", n_layers=3).to("cuda", torch.bfloat16)
+    torch.manual_seed(8)
+    lengths = (3, 12, 0, 7)
+    tokens = torch.randint(0, 256, (len(lengths), 12))
+    prompts = [tokens[b, :n].tolist() for b, n in enumerate(lengths)]
+    made = []
+    original = FreshTokens.__init__
+
+    def spy(self, *args, **kwargs):
+        made.append(1)
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(FreshTokens, "__init__", spy)
+    results = {}
+    for flash in (True, False):
+        decoder = Decoder(model, len(lengths), 16)
+        assert decoder._flash_varlen
+        decoder._flash_varlen = flash  # the prefill's packed tokens then take the (m, K) layout
+        before = len(made)
+        logits = [decoder.prefill(prompts)]
+        assert (len(made) > before) == flash
+        decoder._flash_varlen = True
+        follow = torch.randint(0, 256, (len(lengths),), generator=torch.Generator().manual_seed(2))
+        logits.append(decoder.step(follow))
+        results[flash] = torch.stack(logits), decoder
+    (fresh, fresh_decoder), (padded, padded_decoder) = results[True], results[False]
+    torch.testing.assert_close(fresh, padded, rtol=2e-2, atol=2e-2)
+    for a, b in zip(fresh_decoder.caches, padded_decoder.caches):
+        assert torch.equal(a.lengths_cpu, b.lengths_cpu) if a.lengths_dev is None else torch.equal(a.lengths, b.lengths)
+        for row, n in enumerate(a.lengths.tolist()):
+            torch.testing.assert_close(a.kv[:, row, :n], b.kv[:, row, :n], rtol=2e-2, atol=2e-2)
+    for b, n in enumerate(lengths):
+        if n:
+            full = model(tokens[b : b + 1, :n].cuda(), routing_mode="causal").logits.float()[0, -1]
+            torch.testing.assert_close(fresh[0, b], full, rtol=5e-2, atol=5e-2)
 
 
 def test_prompts_become_one_right_padded_batch() -> None:

@@ -260,7 +260,8 @@ class Decoder:
         if int((self.positions + counts).max()) > self.max_len:
             raise ValueError(f"a sequence would exceed the decoder's max_len ({self.max_len})")
         positions = (self.positions.unsqueeze(1) + torch.arange(n)).clamp(max=model.config.model.max_seq_len - 1)
-        chunk = Prefill(model.rotary, to_device(positions, self.device), to_device(valid_cpu, self.device), counts)
+        chunk = Prefill(model.rotary, to_device(positions, self.device), to_device(valid_cpu, self.device), counts,
+                        flash_varlen=self._packed.flash, owns_hidden=True)
         x = model.embed(to_device(tokens, self.device))
         with self._inference():
             for block, cache in zip(model.blocks, self.block_caches):

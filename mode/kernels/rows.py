@@ -16,7 +16,8 @@ owns through an inverse map instead and writes its sum once:
 - add_gated_rows_: x[ids[r]] += gates[r] * rows[r] in place, for distinct ids (a depth router's
                gated update of the residual; its backward is combine_backward);
 - put_gated_rows_: x[ids[r]] += round(gates[r] * round(a[r] + b[r])) in place for the kept rows,
-               rounding as the PyTorch ops do (a compacted decode step's routed update);
+               rounding as the PyTorch ops do (a compacted decode step's routed update, and a
+               prefill's routed update of its packed tokens);
 - gather_rows_as: out[r] = x[ids[r]] in another dtype (the float32 stream's rows gathered straight
                into the experts' bf16, the rounding their matmuls' autocast would make).
 
@@ -112,12 +113,15 @@ def _add_gated_rows(x_ptr, ids_ptr, gates_ptr, rows_ptr, n_rows, width, BLOCK_R:
 
 
 @triton.jit
-def _put_gated_rows(x_ptr, ids_ptr, keep_ptr, a_ptr, b_ptr, gates_ptr, n_rows, width, BLOCK_R: tl.constexpr,
-                    BLOCK_D: tl.constexpr):
+def _put_gated_rows(x_ptr, ids_ptr, keep_ptr, a_ptr, b_ptr, gates_ptr, n_rows, width, HAS_KEEP: tl.constexpr,
+                    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     r_ok = r < n_rows
-    keep = tl.load(keep_ptr + r, mask=r_ok, other=0) != 0
+    if HAS_KEEP:
+        keep = tl.load(keep_ptr + r, mask=r_ok, other=0) != 0
+    else:
+        keep = r_ok
     mask = keep[:, None] & (d < width)[None, :]
     token = tl.load(ids_ptr + r, mask=r_ok, other=0).to(tl.int64)
     gate = tl.load(gates_ptr + r, mask=r_ok, other=0.0).to(tl.float32)
@@ -182,19 +186,20 @@ def add_gated_rows_(x: Tensor, ids: Tensor, gates: Tensor, rows: Tensor) -> None
     )
 
 
-def put_gated_rows_(x: Tensor, ids: Tensor, keep: Tensor, a: Tensor, b: Tensor, gates: Tensor) -> None:
-    """x (T, D) at row ids[r] (distinct) += gates[r] * (a[r] + b[r]) in place where keep[r]; a, b
-    (R, D) in one dtype, gates (R,) float32: a + b rounded to their dtype, times the gate rounded
-    again, then to x's dtype and added, rounded once (torch's ops on those dtypes). Call on x's
-    device (on_device_of)."""
+def put_gated_rows_(x: Tensor, ids: Tensor, keep: Tensor | None, a: Tensor, b: Tensor, gates: Tensor) -> None:
+    """x (T, D) at row ids[r] (distinct) += gates[r] * (a[r] + b[r]) in place where keep[r] (None:
+    every row); a, b (R, D) in one dtype, gates (R,) float32: a + b rounded to their dtype, times
+    the gate rounded again, then to x's dtype and added, rounded once (torch's ops on those
+    dtypes). Call on x's device (on_device_of)."""
     if a.dtype != b.dtype:
         raise ValueError(f"put_gated_rows_: a is {a.dtype}, b is {b.dtype}")
-    ids, keep, a, b, gates = ids.contiguous(), keep.contiguous(), a.contiguous(), b.contiguous(), gates.contiguous()
+    ids, a, b, gates = ids.contiguous(), a.contiguous(), b.contiguous(), gates.contiguous()
+    keep_arg = ids if keep is None else keep.contiguous().view(torch.uint8)  # any pointer without keep
     n_rows, width = a.shape
     if n_rows:
         _put_gated_rows[(triton.cdiv(n_rows, ADD_BLOCK_R), triton.cdiv(width, ADD_BLOCK_D))](
-            x, ids, keep.view(torch.uint8), a, b, gates, n_rows, width, BLOCK_R=ADD_BLOCK_R, BLOCK_D=ADD_BLOCK_D,
-            num_warps=ADD_WARPS, enable_fp_fusion=False,  # no fused multiply-add: the ops round apart
+            x, ids, keep_arg, a, b, gates, n_rows, width, HAS_KEEP=keep is not None, BLOCK_R=ADD_BLOCK_R,
+            BLOCK_D=ADD_BLOCK_D, num_warps=ADD_WARPS, enable_fp_fusion=False,  # no fused multiply-add: the ops round apart
         )
 
 

@@ -9,8 +9,11 @@ enters the layer's cache.
 
 - Prefill: a chunk of any length per row. The chosen tokens of every row are packed into one
   sequence for the token-wise parts (norms, projections, FFN), so a layer computes exactly the
-  tokens it took; only the attention lays them out per row. Rows with none are not computed.
-  On a fresh cache, plain causal attention. Host counts, so one sync per routed layer.
+  tokens it took; only the attention lays them out per row (on a fresh cache where flash
+  attention's variable-length kernel runs, not even that: each row's packed tokens are a
+  sequence of their own). Rows with none are not computed. On a fresh cache, plain causal
+  attention. Host counts, so one sync per routed layer; what the counts do not decide is queued
+  on the device before it.
 - GatherStep: one token per row; only the rows the layer processes are computed (index_select)
   and updated in place in the step's own hidden states. Lengths on the host; a routed layer's
   decision goes to the host (its one sync).
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -72,12 +76,19 @@ class HostPlannedChunk:
 # ----------------------------------------------------------------------------- prefill
 class Prefill(HostPlannedChunk):
     """A chunk of n new tokens per row. positions (B, n): absolute positions (device); valid (B, n)
-    bool (device): the row's real tokens; counts (B,): valid.sum(1) on the host."""
+    bool (device): the row's real tokens; counts (B,): valid.sum(1) on the host.
+
+    flash_varlen: flash attention's variable-length kernel runs here (kv_cache.flash_varlen_available);
+    on a fresh cache the packed tokens then attend as they are (FreshTokens). owns_hidden: the
+    hidden states a block gets are the caller's own, to update in place (the decoder's; a caller
+    that keeps its input passes False, and a routed layer then updates a copy)."""
 
     fp32_router = False  # the router module decides, as the model's forward does
 
-    def __init__(self, rotary: nn.Module, positions: Tensor, valid: Tensor, counts: Tensor) -> None:
+    def __init__(self, rotary: nn.Module, positions: Tensor, valid: Tensor, counts: Tensor,
+                 flash_varlen: bool = False, owns_hidden: bool = False) -> None:
         self.rotary, self.positions, self.valid, self.counts = rotary, positions, valid, counts
+        self.flash_varlen, self.owns_hidden = flash_varlen, owns_hidden
         self.count_list = counts.tolist()
         self.every_token = min(self.count_list) == positions.shape[1]  # no padding: valid is all True
         self._angles: RotaryAngles | None = None
@@ -93,11 +104,14 @@ class Prefill(HostPlannedChunk):
         """The plan for the valid tokens (chosen (B, n) bool: those of them a routed layer took):
         whole rows where every row computed takes its whole chunk, else the chosen tokens packed;
         None when no row has any."""
+        order = None
         if chosen is None:
             chosen, counts, count_list = self.valid, self.counts, self.count_list
         else:
             if not self.every_token:
                 chosen = chosen & self.valid
+            # queued before the sync: the device works through them while the host waits
+            order = self.token_order(chosen, cache)
             counts = chosen.sum(1).cpu()  # the layer's one sync
             count_list = counts.tolist()
         computed = [c for c in count_list if c]
@@ -105,7 +119,37 @@ class Prefill(HostPlannedChunk):
             return None
         if min(computed) == x.shape[1]:
             return ChunkRows(self, x, cache, counts, count_list)
-        return ChunkTokens(self, x, cache, chosen, counts, count_list)
+        if order is None:
+            order = self.token_order(chosen, cache)
+        plan = ChunkTokens if order.slots is None else FreshTokens
+        return plan(self, x, cache, order, counts, count_list)
+
+    def token_order(self, chosen: Tensor, cache: LayerCache) -> "TokenOrder":
+        """What a packed plan needs of chosen (B, n) that the host's counts do not decide: the chosen
+        tokens first, row after row, each row's in order (a stable sort) and, for FreshTokens (a
+        fresh cache of more than one row where flash_varlen), each one's cache slot and the rows'
+        cumulative counts."""
+        order = chosen.view(-1).argsort(descending=True, stable=True)  # (B * n,)
+        batch, slots = chosen.shape[0], cache.kv.shape[2]
+        # one row: ChunkTokens' (1, T) layout is already its (m, K) one, with no padding
+        if batch == 1 or not self.flash_varlen or int(cache.lengths_cpu.max()) > 0:
+            return TokenOrder(order)
+        # token j of row b, the r-th it chose (r from 1), goes to row b's slot r - 1 of the packed cache
+        before = torch.arange(-1, batch * slots - 1, slots, device=chosen.device)  # (B,): row b's slot 0, less 1
+        slot = (chosen.cumsum(1) + before.unsqueeze(1)).view(-1).index_select(0, order)  # (B * n,)
+        cu = torch.zeros(batch + 1, dtype=torch.int32, device=chosen.device)
+        torch.cumsum(chosen.sum(1), 0, dtype=torch.int32, out=cu[1:])  # (B + 1,): row b's tokens start at cu[b]
+        return TokenOrder(order, slot, cu)
+
+
+@dataclass
+class TokenOrder:
+    """Prefill.token_order: order (B * n,) the chosen tokens' flat ids first; slots (B * n,) each
+    one's packed cache slot and cu (B + 1,) int32 the rows' cumulative counts (FreshTokens only)."""
+
+    order: Tensor
+    slots: Tensor | None = None
+    cu: Tensor | None = None
 
 
 class PrefillPlan(GatedAdd):
@@ -207,12 +251,11 @@ class ChunkTokens(PrefillPlan):
     a layer (norms, projections, FFN) computes them alone; only the attention lays them out per
     row, (m, K), padding each row to K tokens (none where every row chose K)."""
 
-    def __init__(self, chunk: Prefill, x: Tensor, cache: LayerCache, chosen: Tensor, counts: Tensor,
+    def __init__(self, chunk: Prefill, x: Tensor, cache: LayerCache, order: TokenOrder, counts: Tensor,
                  count_list: list[int]) -> None:
         super().__init__(x, cache, counts, count_list)
-        self.n, self.total = x.shape[1], sum(self.count_list)
-        # flat token ids of the chosen tokens, in order (a stable sort: True first)
-        self.src = chosen.view(-1).argsort(descending=True, stable=True)[: self.total]  # (T,)
+        self.n, self.total, self.owns_hidden = x.shape[1], sum(self.count_list), chunk.owns_hidden
+        self.src = order.order[: self.total]  # (T,): flat ids of the chosen tokens, in order
         self.x = self.take(x)  # (1, T, D)
         angles = chunk.angles  # (B, n, 1, hd) each -> (1, T, 1, hd)
         self.angles = RotaryAngles(self.take(angles.cos_full), self.take(angles.sin_signed))
@@ -258,6 +301,46 @@ class ChunkTokens(PrefillPlan):
     def add(self, x: Tensor, update: Tensor) -> Tensor:
         """put() of the chosen tokens' states plus update (1, T, D), in their dtype."""
         return self.put(x, self.x + update.to(self.x.dtype))
+
+    def add_gated(self, x: Tensor, a: Tensor, out: Tensor, gates: Tensor) -> Tensor:
+        """GatedAdd.add_gated's rounding; on a GPU one kernel for the sum, the gate, the add and the
+        write, into x itself where the chunk owns it (else into a copy)."""
+        if not (rows_kernel_applies(x) and rows_kernel_applies(a)):
+            return super().add_gated(x, a, out, gates)
+        from mode.kernels.common import on_device_of
+        from mode.kernels.rows import put_gated_rows_
+
+        target, width = (x if self.owns_hidden else x.clone()), x.shape[-1]
+        with on_device_of(x):
+            put_gated_rows_(target.view(-1, width), self.src, None, a.view(-1, width), out.view(-1, width),
+                            gates.view(-1))  # (B * n, D) from (T, D)
+        return target
+
+
+class FreshTokens(ChunkTokens):
+    """ChunkTokens on a fresh cache where flash attention's variable-length kernel runs: the packed
+    tokens attend as they are, each row a sequence of its own, with no (m, K) layout and no padding
+    computed; their cache slots come from the device (TokenOrder)."""
+
+    def __init__(self, chunk: Prefill, x: Tensor, cache: LayerCache, order: TokenOrder, counts: Tensor,
+                 count_list: list[int]) -> None:
+        super().__init__(chunk, x, cache, order, counts, count_list)
+        self.slot_at, self.cu = order.slots[: self.total], order.cu  # (T,), (B + 1,)
+
+    def attend(self, q: Tensor, kv: Tensor) -> Tensor:
+        """q (1, T, H, hd) and kv (1, T, 2, Hkv, hd), q and k rotated -> (1, T, H, hd): each row's
+        tokens attend causally over themselves (flash groups the query heads itself); the keys and
+        values join the cache."""
+        cache = self.cache
+        packed = cache.kv.view(2, -1, *cache.kv.shape[3:])  # (2, B * (max_len + 1), Hkv, hd)
+        kv = kv[0].transpose(0, 1)  # (2, T, Hkv, hd)
+        packed.index_copy_(1, self.slot_at, kv.to(cache.kv.dtype))
+        keys, values = kv.unbind(0)  # (T, Hkv, hd) each
+        y = torch.ops.aten._flash_attention_forward(
+            q[0], keys, values, self.cu, self.cu, self.width, self.width, 0.0, True, False,
+        )[0]  # (T, H, hd)
+        cache.lengths_cpu += self.counts
+        return y.unsqueeze(0)
 
 
 # ----------------------------------------------------------------------------- gather decode step
