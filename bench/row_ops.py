@@ -12,7 +12,11 @@ Rows (median microseconds, CUDA events, same process and card):
   the memory-efficient backend with the (B, 1, 1, L) length mask a routed layer's decode uses,
   flash attention's variable-length kernel over the packed cache and mode's decode attention
   kernel (mode/kernels/decode_attention.py), beside the time to read the cache once at the
-  card's nominal bandwidth (--bandwidth, TB/s).
+  card's nominal bandwidth (--bandwidth, TB/s);
+- a decode step's experts (8 SwiGLU experts, 1024 x 2816) over 8 to 1024 rows sorted by expert:
+  torch._grouped_mm and mode's grouped kernel (mode/kernels/grouped_mm.py), each replayed in a
+  CUDA graph (the GPU's time, as a captured decode step runs them), beside reading the used
+  experts' weights once.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from bench.common import require_cuda, timed
 from mode.kernels.decode_attention import decode_attention
+from mode.kernels.grouped_mm import grouped_rows_mm
 
 
 def row(name: str, fn: Callable[[], object], device: torch.device) -> None:
@@ -93,6 +98,42 @@ def main(argv: list[str] | None = None) -> None:
         row(f"decode attention, mode's Triton kernel, {label}", lambda: decode_attention(q_packed, cache, used), device)
     nominal = 2 * batch * heads * length * head_dim * 2 / (args.bandwidth * 1e12) * 1e6
     print(f"| reading the cache once at {args.bandwidth} TB/s | {nominal:.1f} |")
+    grouped_products(args.bandwidth, device)
+
+
+def graphed_us(fn: Callable[[], object], device: torch.device, calls: int = 20) -> float:
+    """Microseconds of one call of fn, replayed as a CUDA graph of `calls` calls back to back: the
+    GPU's time, as a captured decode step runs it, without the host's launch."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return timed(graph.replay, 3, 10, device) * 1e3 / calls
+
+
+def grouped_products(bandwidth: float, device: torch.device) -> None:
+    """A decode step's experts: 8 SwiGLU experts of width 2816 on D=1024 (Staged MoDE's in
+    bench.decode), both products over R rows sorted by expert, torch._grouped_mm against mode's
+    grouped kernel, each in a CUDA graph as a decode step runs them, beside reading the weights of
+    the experts the rows use once."""
+    experts, width, hidden = 8, 1024, 2816
+    w_in = torch.randn(experts, width, 2 * hidden, device=device, dtype=torch.bfloat16) / width ** 0.5
+    w_out = torch.randn(experts, hidden, width, device=device, dtype=torch.bfloat16) / hidden ** 0.5
+    for rows in (8, 64, 256, 1024):
+        generator = torch.Generator(device=device).manual_seed(rows)
+        counts = torch.bincount(torch.randint(0, experts, (rows,), device=device, generator=generator), minlength=experts)
+        ends = counts.cumsum(0).to(torch.int32)
+        x = torch.randn(rows, width, device=device, dtype=torch.bfloat16)
+        h = torch.randn(rows, hidden, device=device, dtype=torch.bfloat16)
+        for label, w, inputs in (("[gate | up]", w_in, x), ("down", w_out, h)):
+            for name, fn in (("torch._grouped_mm", lambda: torch._grouped_mm(inputs, w, offs=ends)),
+                             ("mode's grouped kernel", lambda: grouped_rows_mm(inputs, w, ends))):
+                print(f"| experts' {label}, {rows} rows, {name}, in a CUDA graph | {graphed_us(fn, device):.1f} |", flush=True)
+            nominal = int((counts > 0).sum()) * w[0].numel() * 2 / (bandwidth * 1e12) * 1e6
+            print(f"| experts' {label}, {rows} rows: reading their weights once at {bandwidth} TB/s | {nominal:.1f} |")
 
 
 if __name__ == "__main__":

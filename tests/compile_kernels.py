@@ -25,6 +25,7 @@ from mode.kernels import (  # noqa: E402
     decode_attention,
     expert_choice,
     gelu,
+    grouped_mm,
     null_experts,
     rms_norm,
     rotary,
@@ -155,6 +156,11 @@ KERNELS = [
                                    n_rows=I32, width=I32, HAS_KEEP=True, BLOCK_R=4, BLOCK_D=256)),
     (rows, "_put_gated_rows", dict(x_ptr=F32, ids_ptr=I64, keep_ptr="*u8", a_ptr=BF16, b_ptr=BF16, gates_ptr=F32,
                                    n_rows=I32, width=I32, HAS_KEEP=True, BLOCK_R=4, BLOCK_D=256)),
+    # a decode step's experts: [gate | up] and down over a few bf16 rows
+    (grouped_mm, "_grouped_rows_mm", dict(x_ptr=BF16, w_ptr=BF16, ends_ptr=I32P, out_ptr=BF16, K=I32, N=I32,
+                                          BLOCK_M=16, BLOCK_N=128, BLOCK_K=64)),
+    (grouped_mm, "_grouped_rows_mm", dict(x_ptr=BF16, w_ptr=BF16, ends_ptr=I32P, out_ptr=BF16, K=I32, N=I32,
+                                          BLOCK_M=64, BLOCK_N=64, BLOCK_K=128)),
     # a prefill's routed update of its packed tokens: every row kept
     (rows, "_put_gated_rows", dict(x_ptr=BF16, ids_ptr=I64, keep_ptr=I64, a_ptr=BF16, b_ptr=BF16, gates_ptr=F32,
                                    n_rows=I32, width=I32, HAS_KEEP=False, BLOCK_R=4, BLOCK_D=256)),

@@ -1108,6 +1108,56 @@ def test_put_gated_rows_equals_the_pytorch_ops(x_dtype: torch.dtype, dtype: torc
         put_gated_rows_(got, ids, keep, a, b.float() if dtype != torch.float32 else b.bfloat16(), gates)
 
 
+@pytest.mark.parametrize("rows", [9, 40, 100])  # one 16-row tile or several an expert; 64-row tiles
+def test_grouped_rows_mm_equals_each_experts_product(rows: int) -> None:
+    """The decode step's grouped GEMM (grouped_mm.grouped_rows_mm): each expert's rows times its
+    weights, float32 sums rounded once (bf16), experts without rows and rows past the last end
+    left alone; an expert with more rows than a tile takes several."""
+    from mode.kernels.grouped_mm import grouped_rows_mm
+
+    gen = torch.Generator().manual_seed(8)
+    depth, width, experts = 48, 40, 5
+    x = torch.randn(rows, depth, generator=gen).to(DEVICE, torch.bfloat16)
+    w = (torch.randn(experts, depth, width, generator=gen) / depth ** 0.5).to(DEVICE, torch.bfloat16)
+    counts = [rows // 4, 0, rows // 2, rows // 8, 0]  # experts 1 and 4 without rows; the rest past the end
+    ends = torch.tensor(counts, device=DEVICE).cumsum(0).to(torch.int32)
+    got = grouped_rows_mm(x, w, ends)
+    start = 0
+    for e, end in enumerate(ends.tolist()):
+        want = (x[start:end].float() @ w[e].float()).to(torch.bfloat16)
+        torch.testing.assert_close(got[start:end], want, rtol=1e-2, atol=1e-2)
+        start = end
+    assert got.shape == (rows, width) and got.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="bf16 / fp16"):
+        grouped_rows_mm(x.float(), w.float(), ends)
+    with pytest.raises(ValueError, match="do not fit"):
+        grouped_rows_mm(x, w[:, :-1], ends)
+
+
+@torch.no_grad()
+def test_a_decode_steps_experts_run_the_grouped_kernel_and_equal_torch_grouped_mm() -> None:
+    """Experts.by_ends over a decode step's few bf16 rows, no gradient: mode's grouped kernel for
+    both products, equal to torch._grouped_mm's within bf16 rounding on the computed rows; with a
+    gradient to compute, or more than FEW_ROWS rows, torch._grouped_mm runs."""
+    from mode.kernels import KernelPolicy, use_kernels
+    from mode.layers.experts import FEW_ROWS, Experts
+
+    experts = Experts(4, 32, 48, "swiglu").to(DEVICE, torch.bfloat16)
+    gen = torch.Generator().manual_seed(9)
+    xs = torch.randn(20, 32, generator=gen).to(DEVICE, torch.bfloat16)
+    ends = torch.tensor([5, 5, 12, 17], device=DEVICE, dtype=torch.int32)
+    with use_kernels(KernelPolicy(cpu=True)):
+        assert experts.few_rows_kernel_applies(xs, torch.bfloat16)
+        fast = experts.by_ends(xs, ends, on_device=True)
+        assert not experts.few_rows_kernel_applies(xs.new_empty(FEW_ROWS + 1, 32), torch.bfloat16)
+        with torch.enable_grad():
+            assert not experts.few_rows_kernel_applies(xs, torch.bfloat16)
+    with use_kernels(KernelPolicy(enabled=False)):
+        assert not experts.few_rows_kernel_applies(xs, torch.bfloat16)
+        plain = experts.by_ends(xs, ends, on_device=True)
+    torch.testing.assert_close(fast[:17], plain[:17], rtol=2e-2, atol=2e-2)
+
+
 def test_the_library_imports_and_decodes_without_triton() -> None:
     """Triton is a test extra on CPU: `import mode` and a decode must not need it (the kernels are
     imported where the policy picks them, never at module import)."""

@@ -31,9 +31,9 @@ from torch import Tensor
 KERNEL_CHOICES = ("triton", "torch")
 
 Op = Literal["elementwise", "norm", "topk", "softmax_topk", "rows", "expert_choice", "decision", "decode_attention",
-             "optimizer"]
+             "grouped_mm", "optimizer"]
 OPS: tuple[str, ...] = ("elementwise", "norm", "topk", "softmax_topk", "rows", "expert_choice", "decision",
-                        "decode_attention", "optimizer")
+                        "decode_attention", "grouped_mm", "optimizer")
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,8 @@ class KernelPolicy:
         and the active rows) and the compaction of its chosen rows, one kernel each.
     decode_attention: a decode step's single-query attention over its KV cache, one program per
         row and head (no padded query tile), where the step has rows enough.
+    grouped_mm: the experts' grouped GEMMs over a decode step's few rows (inference), each
+        expert's weights streamed once.
     optimizer: AdamW on a float32 master weight writing its bf16 copy in the same pass
         (train.bf16_weights).
     cpu: also CPU tensors, through Triton's interpreter (tests); CUDA-only PyTorch paths (the
@@ -70,6 +72,7 @@ class KernelPolicy:
     expert_choice: bool = True
     decision: bool = True
     decode_attention: bool = True
+    grouped_mm: bool = True
     optimizer: bool = True
     cpu: bool = False
 

@@ -17,7 +17,9 @@ Token choice without a capacity (dropless) has a third layout on a GPU (Experts.
   rows past the last end (no-op slots) are never computed. On the torch backend nothing is read
   on the host: no sync, static shapes, so the pass can be one CUDA graph, eager or compiled.
 A decode step (MoEFFN's static path, on any backend) runs by ends through torch._grouped_mm where
-that is one kernel (grouped_mm_applies), else every_row: every expert on every row, gated.
+that is one kernel (grouped_mm_applies), else every_row: every expert on every row, gated. Its few
+rows (at most FEW_ROWS, with no gradient) go through mode's grouped kernel instead, which streams
+each chosen expert's weights once (mode/kernels/grouped_mm.py).
 
 Backends (config `moe.backend`), identical in results up to rounding:
 - torch:        padded -> two batched matmuls; by ends -> two torch._grouped_mm (the ends are its
@@ -45,6 +47,10 @@ BACKENDS = ("torch", "grouped_gemm", "megablocks")
 # that reads them on the host, so the host-count paths run there.
 _GROUPED_MM_CAPABILITIES = ((9, 0),)
 _MODULES = {"grouped_gemm": "grouped_gemm.ops", "megablocks": "megablocks.ops"}
+# Up to this many rows (a decode step's assignments) by_ends runs mode's grouped kernel, which
+# streams each expert's weights once (mode/kernels/grouped_mm.py): 1.6 to 2.3 x faster than
+# torch._grouped_mm from 8 to 256 rows on an H200, slower at 1024 (bench.row_ops).
+FEW_ROWS = 256
 
 
 def check_backend(name: str) -> None:
@@ -146,10 +152,18 @@ class Experts(nn.Module):
             ys = _gmm_mlp(self, xs, torch.diff(ends, prepend=ends.new_zeros(1)), gates)
         else:
             dtype = _compute_dtype(xs)  # bf16 where it applies; the CPU tests run it in float32
+            mm = _few_rows_mm if self.few_rows_kernel_applies(xs, dtype) else _grouped_mm
             with torch.autocast("cuda", enabled=False):
-                h = torch._grouped_mm(xs.to(dtype), self.w_in.to(dtype), offs=ends)  # (R, 2F or F)
-                ys = torch._grouped_mm(self.act(h, gates), self.w_out.to(dtype), offs=ends)  # (R, D)
+                h = mm(xs.to(dtype), self.w_in.to(dtype), ends)  # (R, 2F or F)
+                ys = mm(self.act(h, gates), self.w_out.to(dtype), ends)  # (R, D)
         return ys if computed is None else torch.where(computed.unsqueeze(-1), ys, 0)
+
+    def few_rows_kernel_applies(self, xs: Tensor, dtype: torch.dtype) -> bool:
+        """Whether by_ends' GEMMs over rows xs (R, D) in dtype run as mode's grouped kernel
+        (mode/kernels/grouped_mm.py): a decode step's few rows (at most FEW_ROWS), 16-bit, with no
+        gradient to compute, where the kernel policy allows it."""
+        return (xs.shape[0] <= FEW_ROWS and dtype in (torch.bfloat16, torch.float16) and not torch.is_grad_enabled()
+                and use_triton(xs, "grouped_mm"))
 
     def every_row(self, x: Tensor) -> Tensor:
         """x (T, D) -> (E, T, D): every expert on every row, two batched matmuls (static shapes, any
@@ -164,6 +178,16 @@ class Experts(nn.Module):
             return torch.cat([self.act(c @ self.w_in[e], g) @ self.w_out[e]
                               for e, (c, g) in enumerate(zip(chunks, row_gates))])
         return _gmm_mlp(self, xs, counts, gates)
+
+
+def _grouped_mm(x: Tensor, w: Tensor, ends: Tensor) -> Tensor:
+    return torch._grouped_mm(x, w, offs=ends)
+
+
+def _few_rows_mm(x: Tensor, w: Tensor, ends: Tensor) -> Tensor:
+    from mode.kernels.grouped_mm import grouped_rows_mm  # Triton: imported where it runs
+
+    return grouped_rows_mm(x, w, ends)
 
 
 def _compute_dtype(x: Tensor) -> torch.dtype:
