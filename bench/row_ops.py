@@ -128,7 +128,7 @@ def grouped_products(bandwidth: float, device: torch.device) -> None:
         ends = counts.cumsum(0).to(torch.int32)
         x = torch.randn(rows, width, device=device, dtype=torch.bfloat16)
         h = torch.randn(rows, hidden, device=device, dtype=torch.bfloat16)
-        for label, w, inputs in (("[gate | up]", w_in, x), ("down", w_out, h)):
+        for label, w, inputs in (("gate and up", w_in, x), ("down", w_out, h)):
             for name, fn in (("torch._grouped_mm", lambda: torch._grouped_mm(inputs, w, offs=ends)),
                              ("mode's grouped kernel", lambda: grouped_rows_mm(inputs, w, ends))):
                 print(f"| experts' {label}, {rows} rows, {name}, in a CUDA graph | {graphed_us(fn, device):.1f} |", flush=True)

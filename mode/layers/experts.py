@@ -48,8 +48,8 @@ BACKENDS = ("torch", "grouped_gemm", "megablocks")
 _GROUPED_MM_CAPABILITIES = ((9, 0),)
 _MODULES = {"grouped_gemm": "grouped_gemm.ops", "megablocks": "megablocks.ops"}
 # Up to this many rows (a decode step's assignments) by_ends runs mode's grouped kernel, which
-# streams each expert's weights once (mode/kernels/grouped_mm.py): 1.6 to 2.3 x faster than
-# torch._grouped_mm from 8 to 256 rows on an H200, slower at 1024 (bench.row_ops).
+# streams each expert's weights once (mode/kernels/grouped_mm.py): faster than torch._grouped_mm
+# up to 256 rows, slower at 1024 (bench.row_ops).
 FEW_ROWS = 256
 
 
