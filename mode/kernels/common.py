@@ -31,10 +31,16 @@ def store_rounded(ptr, x, mask):
     """
     if _INTERPRETED:
         if ptr.dtype.element_ty == tl.bfloat16:
-            bits = x.to(tl.uint32, bitcast=True)
-            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-            x = bits.to(tl.float32, bitcast=True)
+            x = _bf16_nearest_even(x)
     tl.store(ptr, x.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _bf16_nearest_even(x):
+    """Float32 x rounded to nearest even in bf16, as float32, by its bits (the interpreter truncates)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -43,9 +49,7 @@ def rounded_as(x, ptr):
     that dtype would have stored); the interpreter's truncation corrected as in store_rounded."""
     if _INTERPRETED:
         if ptr.dtype.element_ty == tl.bfloat16:
-            bits = x.to(tl.uint32, bitcast=True)
-            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-            return bits.to(tl.float32, bitcast=True)
+            return _bf16_nearest_even(x)
     return x.to(ptr.dtype.element_ty).to(tl.float32)
 
 

@@ -58,6 +58,25 @@ class GatedAdd:
         torch.mul(update, gates.unsqueeze(-1), out=update)
         return self.add(x, update)
 
+    @staticmethod
+    def put_gated(target: Tensor, ids: Tensor, keep: Tensor | None, a: Tensor, out: Tensor, gates: Tensor) -> Tensor:
+        """add_gated's rounding in one kernel (rows.put_gated_rows_), in place: target (..., D) at flat
+        rows ids (n,) += gates * (a + out) where keep (n,) (None: every row); a, out (n, ..., D)."""
+        from mode.kernels.common import on_device_of
+        from mode.kernels.rows import put_gated_rows_
+
+        width = target.shape[-1]
+        with on_device_of(target):
+            put_gated_rows_(target.view(-1, width), ids, keep, a.reshape(-1, width), out.reshape(-1, width),
+                            gates.reshape(-1))
+        return target
+
+
+def write_packed(cache: LayerCache, slots: Tensor, kv: Tensor) -> None:
+    """Keys and values kv (2, n, Hkv, hd) into the cache's packed (2, B * (max_len + 1), Hkv, hd) view
+    at slots (n,)."""
+    cache.kv.view(2, -1, *cache.kv.shape[3:]).index_copy_(1, slots, kv.to(cache.kv.dtype))
+
 
 class HostPlannedChunk:
     """A chunk whose select() plans a layer's rows on the host (None: no row to compute)."""
@@ -136,9 +155,10 @@ class Prefill(HostPlannedChunk):
             return TokenOrder(order)
         # token j of row b, the r-th it chose (r from 1), goes to row b's slot r - 1 of the packed cache
         before = torch.arange(-1, batch * slots - 1, slots, device=chosen.device)  # (B,): row b's slot 0, less 1
-        slot = (chosen.cumsum(1) + before.unsqueeze(1)).view(-1).index_select(0, order)  # (B * n,)
+        rank = chosen.cumsum(1)  # (B, n); its last column: each row's count
+        slot = (rank + before.unsqueeze(1)).view(-1).index_select(0, order)  # (B * n,)
         cu = torch.zeros(batch + 1, dtype=torch.int32, device=chosen.device)
-        torch.cumsum(chosen.sum(1), 0, dtype=torch.int32, out=cu[1:])  # (B + 1,): row b's tokens start at cu[b]
+        torch.cumsum(rank[:, -1], 0, dtype=torch.int32, out=cu[1:])  # (B + 1,): row b's tokens start at cu[b]
         return TokenOrder(order, slot, cu)
 
 
@@ -288,8 +308,8 @@ class ChunkTokens(PrefillPlan):
             self._write_rows(kv.view(m, width, *kv.shape[2:]))
             return self._attention(q.view(m, width, *q.shape[2:])).reshape(q.shape)
         padded_at, slot_at = self._layout()
-        cache, heads = self.cache.kv, q.shape[2:]
-        cache.view(2, -1, *cache.shape[3:]).index_copy_(1, slot_at, kv[0].transpose(0, 1).to(cache.dtype))
+        heads = q.shape[2:]
+        write_packed(self.cache, slot_at, kv[0].transpose(0, 1))  # (2, T, Hkv, hd)
         padded = q.new_zeros(m * width, *heads).index_copy_(0, padded_at, q[0])  # (m * K, H, hd)
         y = self._attention(padded.view(m, width, *heads))  # (m, K, H, hd)
         return y.reshape(m * width, *heads).index_select(0, padded_at).unsqueeze(0)  # (1, T, H, hd)
@@ -307,14 +327,7 @@ class ChunkTokens(PrefillPlan):
         write, into x itself where the chunk owns it (else into a copy)."""
         if not (rows_kernel_applies(x) and rows_kernel_applies(a)):
             return super().add_gated(x, a, out, gates)
-        from mode.kernels.common import on_device_of
-        from mode.kernels.rows import put_gated_rows_
-
-        target, width = (x if self.owns_hidden else x.clone()), x.shape[-1]
-        with on_device_of(x):
-            put_gated_rows_(target.view(-1, width), self.src, None, a.view(-1, width), out.view(-1, width),
-                            gates.view(-1))  # (B * n, D) from (T, D)
-        return target
+        return self.put_gated(x if self.owns_hidden else x.clone(), self.src, None, a, out, gates)  # (B, n, D)
 
 
 class FreshTokens(ChunkTokens):
@@ -331,15 +344,13 @@ class FreshTokens(ChunkTokens):
         """q (1, T, H, hd) and kv (1, T, 2, Hkv, hd), q and k rotated -> (1, T, H, hd): each row's
         tokens attend causally over themselves (flash groups the query heads itself); the keys and
         values join the cache."""
-        cache = self.cache
-        packed = cache.kv.view(2, -1, *cache.kv.shape[3:])  # (2, B * (max_len + 1), Hkv, hd)
         kv = kv[0].transpose(0, 1)  # (2, T, Hkv, hd)
-        packed.index_copy_(1, self.slot_at, kv.to(cache.kv.dtype))
+        write_packed(self.cache, self.slot_at, kv)
         keys, values = kv.unbind(0)  # (T, Hkv, hd) each
         y = torch.ops.aten._flash_attention_forward(
             q[0], keys, values, self.cu, self.cu, self.width, self.width, 0.0, True, False,
         )[0]  # (T, H, hd)
-        cache.lengths_cpu += self.counts
+        self.cache.lengths_cpu += self.counts
         return y.unsqueeze(0)
 
 
@@ -607,14 +618,7 @@ class CompactRows(GatedAdd):
         sum, the gate, the add and the write."""
         if not (rows_kernel_applies(x) and rows_kernel_applies(a)):
             return super().add_gated(x, a, out, gates)
-        from mode.kernels.common import on_device_of
-        from mode.kernels.rows import put_gated_rows_
-
-        width = x.shape[-1]
-        with on_device_of(x):
-            put_gated_rows_(x.view(-1, width), self.rows, self.keep, a.reshape(-1, width), out.reshape(-1, width),
-                            gates.reshape(-1))  # (B, D) from (W, D)
-        return x
+        return self.put_gated(x, self.rows, self.keep, a, out, gates)  # (B, 1, D)
 
 
 def compact_rows_reference(chosen: Tensor, width: int, lengths: Tensor, base: Tensor,
@@ -654,6 +658,5 @@ def attend_written(step: StaticStep, cache: LayerCache, q: Tensor, kv: Tensor, w
     of q (n, 1, H, hd) over its row's first used (n,) slots -> (n, 1, H, hd). rows (n,): the batch
     rows computed, ascending (None: every row)."""
     q, kv = q[:, 0], kv[:, 0].transpose(0, 1)  # (n, H, hd), (2, n, Hkv, hd)
-    packed = cache.kv.view(2, -1, *kv.shape[2:])  # (2, B * (max_len + 1), Hkv, hd)
-    packed.index_copy_(1, write_at, kv.to(cache.kv.dtype))
+    write_packed(cache, write_at, kv)
     return attend_used(q, cache, used, step.packed, rows).unsqueeze(1)
