@@ -901,10 +901,55 @@ def test_dropless_rows_kernel_matches_a_stable_argsort(tokens: int, top_k: int, 
     positions = torch.where(slots < n_experts, 0, -1)
     positions[torch.rand(tokens, device=DEVICE) < 0.1] = -1  # padding rows: no expert computes them
     assert sort_rows.fits(slots.numel(), n_experts)
-    got = sort_rows.dropless_rows(slots, positions, n_experts)
+    gates = torch.rand(tokens, top_k, device=DEVICE)
+    *got, row_gates = sort_rows.dropless_rows(slots, positions, n_experts, gates)
     want = _dropless_rows_by_pytorch(slots, positions, n_experts)
     for name, a, b in zip(("ids", "gate_index", "inverse", "ends"), got, want):
         assert a.dtype == b.dtype and torch.equal(a, b), name
+    # each row's gate: the gates padded with a 0 (the uncomputed rows'), indexed by gate_index
+    want_gates = torch.cat([gates.reshape(-1), gates.new_zeros(1)]).index_select(0, want[1])
+    assert row_gates.dtype == gates.dtype and torch.equal(row_gates, want_gates)
+    assert torch.equal(row_gates == 0, want[1] == slots.numel())  # a 0 exactly where no expert computes the row
+    assert sort_rows.dropless_rows(slots, positions, n_experts)[4] is None
+
+
+@pytest.mark.parametrize("kernels", [False, True])
+def test_dropless_layout_gives_each_row_its_gate(kernels: bool) -> None:
+    """token_choice.dropless_rows with gates: each row's gate is the gates padded with a 0 at its
+    gate_index, through the counting sort's kernel (kernels, no gradient) or the PyTorch ops; with
+    gates that need a gradient it still reaches them, the kernel or not."""
+    from mode.routing import dropless_positions, dropless_rows
+
+    slots = torch.stack([torch.randperm(6)[:2] for _ in range(40)]).to(DEVICE)  # 4 experts, 2 no-op slots
+    valid = torch.rand(40, 1, device=DEVICE) < 0.8
+    positions = dropless_positions(slots, 4, valid)
+    x = torch.randn(40, 8, device=DEVICE)
+    gates = torch.rand(40, 2, device=DEVICE, requires_grad=True)
+    policy = KernelPolicy(cpu=True) if kernels else KernelPolicy(enabled=False)
+    with use_kernels(policy):
+        with torch.no_grad():
+            layout = dropless_rows(slots, positions, 4, x, gates)
+        trained = dropless_rows(slots, positions, 4, x, gates)
+    want = torch.cat([gates.reshape(-1), gates.new_zeros(1)]).index_select(0, layout.gate_index)
+    assert (layout.rows.inverse is not None) == kernels
+    assert torch.equal(layout.gates, want.detach()) and torch.equal(trained.gates, want)
+    assert (layout.gates == 0).sum() == (positions < 0).sum()  # no-op slots and padding rows: a 0 gate
+    trained.gates.sum().backward()
+    assert torch.equal(gates.grad, (positions >= 0).float())
+
+
+def test_dropless_positions_equal_positions_in_expert() -> None:
+    """dropless_positions: positions_in_expert without a capacity (0, or -1 for a no-op slot), and
+    -1 for every assignment of a row marked False (padding)."""
+    from mode.routing import dropless_positions
+
+    slots = torch.randint(0, 7, (50, 3), device=DEVICE)  # 5 experts, 2 no-op slots
+    rows = torch.rand(50, 1, device=DEVICE) < 0.7
+    want = torch.where(slots < 5, 0, -1)
+    assert torch.equal(dropless_positions(slots, 5), want)
+    got = dropless_positions(slots, 5, rows)
+    assert got.dtype == torch.int64 and torch.equal(got, torch.where(rows, want, -1))
+    assert (got == 0).any() and (got[~rows.expand_as(got)] == -1).all()
 
 
 @pytest.mark.parametrize("tokens, top_k, n_experts, n_noop, capacity", [(1, 1, 4, 0, 1), (700, 2, 8, 2, 90),

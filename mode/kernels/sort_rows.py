@@ -12,8 +12,9 @@ the host's time than the GPU's. With E + 1 keys a counting sort does it in two:
   then this key's rows in earlier blocks, read from those counts in a fixed order), plus the
   assignment's rank among its block's assignments of the same key (a cumulative sum over a one-hot
   tile). It writes, per row, the token (ids) and the assignment whose gate the row takes (N, a
-  zero gate the caller pads, for rows no expert computes); per assignment, its row or -1 (the
-  inverse map); program 0 writes each expert's row end (the grouped GEMMs' offsets).
+  zero gate the caller pads, for rows no expert computes), and where the caller needs no gradient
+  to them, the gate itself; per assignment, its row or -1 (the inverse map); program 0 writes
+  each expert's row end (the grouped GEMMs' offsets).
 
 With a capacity (capacity_rows), the same sort runs in GShard's priority order (every first
 choice, then every second: rank-major keys, no-op slots sharing key E): _count, then
@@ -89,8 +90,9 @@ def _block_ranks(counts_ptr, key, p_ok, pid, programs, BLOCK_K: tl.constexpr, BL
 
 
 @triton.jit
-def _place(slots_ptr, positions_ptr, counts_ptr, ids_ptr, gate_index_ptr, inverse_ptr, ends_ptr, n, n_experts,
-           programs, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr):
+def _place(slots_ptr, positions_ptr, counts_ptr, gates_ptr, ids_ptr, gate_index_ptr, row_gates_ptr, inverse_ptr,
+           ends_ptr, n, n_experts, programs, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+           BLOCK_P: tl.constexpr, HAS_GATES: tl.constexpr):
     pid = tl.program_id(0)
     a = pid.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     a_ok = a < n
@@ -105,6 +107,9 @@ def _place(slots_ptr, positions_ptr, counts_ptr, ids_ptr, gate_index_ptr, invers
     computed = key < n_experts
     tl.store(ids_ptr + row, a // K, mask=a_ok)
     tl.store(gate_index_ptr + row, tl.where(computed, a, n), mask=a_ok)
+    if HAS_GATES:  # each row's gate: the assignment's, 0 where no expert computes it
+        gate = tl.load(gates_ptr + a, mask=a_ok & computed, other=0.0)
+        tl.store(row_gates_ptr + row, gate, mask=a_ok)
     tl.store(inverse_ptr + a, tl.where(computed, row, -1).to(tl.int32), mask=a_ok)
 
 
@@ -151,11 +156,15 @@ def fits(n_assignments: int, n_experts: int) -> bool:
     return keys <= MAX_KEYS and triton.next_power_of_2(programs) * keys <= TILE
 
 
-def dropless_rows(slots: Tensor, positions: Tensor, n_experts: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def dropless_rows(slots: Tensor, positions: Tensor, n_experts: int, gates: Tensor | None = None
+                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
     """slots, positions (T, k) int64 (position < 0: no expert computes the assignment) ->
     ids (N,) int64 each row's token, gate_index (N,) int64 each row's assignment (N where no
     expert computes it), inverse (T, k) int32 each assignment's row (-1 where none), ends (E,)
-    int32 each expert's row end; N = T*k rows sorted by expert, stable, uncomputed ones last."""
+    int32 each expert's row end; N = T*k rows sorted by expert, stable, uncomputed ones last.
+    gates (T, k) given: also each row's gate (N,) in gates' dtype, 0 where no expert computes it
+    (what indexing the gates padded with a 0 by gate_index gives, without its three launches);
+    else None. No gradient reaches gates."""
     tokens, top_k = slots.shape
     n = tokens * top_k
     block_k, block_n, programs = _tiles(n, n_experts)
@@ -165,15 +174,22 @@ def dropless_rows(slots: Tensor, positions: Tensor, n_experts: int) -> tuple[Ten
     gate_index = torch.empty(n, dtype=torch.int64, device=slots.device)
     inverse = torch.empty(tokens, top_k, dtype=torch.int32, device=slots.device)
     ends = torch.empty(n_experts, dtype=torch.int32, device=slots.device)
+    row_gates = None
+    if gates is not None:
+        if gates.shape != slots.shape:
+            raise ValueError(f"sort_rows.dropless_rows: gates {tuple(gates.shape)} must match slots {tuple(slots.shape)}")
+        gates = gates.detach().contiguous()
+        row_gates = torch.empty(n, dtype=gates.dtype, device=slots.device)
     if n == 0:
-        return ids, gate_index, inverse, ends.zero_()
+        return ids, gate_index, inverse, ends.zero_(), row_gates
     with on_device_of(slots):
         _count[(programs,)](slots, positions, counts, n, n, n_experts, K=top_k, RANK_MAJOR=False, BLOCK_N=block_n,
                             BLOCK_K=block_k)
-        _place[(programs,)](slots, positions, counts, ids, gate_index, inverse, ends, n, n_experts, programs,
-                            K=top_k, BLOCK_N=block_n, BLOCK_K=block_k,
-                            BLOCK_P=triton.next_power_of_2(programs))
-    return ids, gate_index, inverse, ends
+        _place[(programs,)](slots, positions, counts, gates if gates is not None else slots, ids, gate_index,
+                            row_gates if row_gates is not None else ids, inverse, ends, n, n_experts, programs,
+                            K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_P=triton.next_power_of_2(programs),
+                            HAS_GATES=gates is not None)
+    return ids, gate_index, inverse, ends, row_gates
 
 
 def capacity_rows(slots: Tensor, n_experts: int, capacity: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:

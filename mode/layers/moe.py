@@ -27,6 +27,7 @@ from mode.routing import (
     count_ids,
     dropless_rows,
     gather_rows,
+    padded_gates,
     rows_by_slot,
     slot_table,
     sort_by_expert,
@@ -231,10 +232,9 @@ class MoEFFN(nn.Module):
         n_experts = self.experts.n_experts
         slots, positions, gates = static_assignments(routing, n_experts)  # (T, J) each
         if self.experts.static_grouped_applies(x):
-            rows, gate_index, ends, computed = dropless_rows(slots, positions, n_experts, x)
-            row_gates = torch.cat([gates.reshape(-1), gates.new_zeros(1)]).index_select(0, gate_index)  # (T*J,)
-            return self._experts_combined(gather_rows(x, rows), row_gates, rows, ends=ends, computed=computed,
-                                          on_device=True)  # (T, D)
+            layout = dropless_rows(slots, positions, n_experts, x, gates)  # its rows' gates: (T*J,)
+            return self._experts_combined(gather_rows(x, layout.rows), layout.gates, layout.rows, ends=layout.ends,
+                                          computed=layout.computed, on_device=True)  # (T, D)
         ys = self.experts.every_row(x)  # (E, T, D)
         weights = expert_weights(slots, positions, gates, n_experts).t().to(ys.dtype)  # (E, T)
         return (weights.unsqueeze(-1) * ys).sum(0)  # (T, D)
@@ -264,8 +264,7 @@ class MoEFFN(nn.Module):
         if self.experts.backend == "megablocks":
             return megablocks_token_choice(self.experts, x, routing)
         top_k = routing.slots.shape[1]
-        # (T*k + 1,): a 0 gate for empty rows (F.pad showed a host-device copy each way in an eager trace)
-        gates = torch.cat([routing.gates.reshape(-1), routing.gates.new_zeros(1)])
+        gates = padded_gates(routing.gates)  # (T*k + 1,): a 0 gate for empty rows
         if routing.capacity is not None and self.experts.backend == "torch":
             if routing.layout is not None:  # built by the router's counting sort with the positions
                 table, rows = routing.layout
@@ -286,6 +285,7 @@ class MoEFFN(nn.Module):
         the no-op ones last, where the grouped GEMMs stop (ends[-1]); the inverse map leaves those
         rows out (or, without one, the experts zero them) and their gate is the padded 0, so nothing
         past the end is ever read."""
-        rows, gate_index, ends, computed = dropless_rows(routing.slots, routing.positions, self.experts.n_experts, x)
-        row_gates = gates.index_select(0, gate_index)
-        return self._experts_combined(gather_rows(x, rows), row_gates, rows, ends=ends, computed=computed)  # (T, D)
+        layout = dropless_rows(routing.slots, routing.positions, self.experts.n_experts, x)
+        row_gates = gates.index_select(0, layout.gate_index)
+        return self._experts_combined(gather_rows(x, layout.rows), row_gates, layout.rows, ends=layout.ends,
+                                      computed=layout.computed)  # (T, D)

@@ -15,6 +15,7 @@ from mode.routing.token_choice import (
     TokenChoiceHead,
     balanced_bias_step,
     capacity_positions,
+    dropless_positions,
     router_z_loss,
     token_choice_capacity,
     token_choice_head,
@@ -236,10 +237,11 @@ class TokenChoiceRouter(nn.Module):
         head = token_choice_head(logits.view(tokens, n_slots), self.top_k, self.n_experts, capacity,
                                  self.lb_loss_weight, self.z_loss_weight, self.score,
                                  self.expert_bias)  # gates, slots (T, k) each
-        positions, layout = capacity_positions(head.slots, self.n_experts, capacity, x)  # (T, k), eager CUDA: (E, C)
         rows = valid.reshape(-1, 1) if valid is not None and causal else None  # (T, 1): the real tokens
-        if rows is not None:
-            positions = torch.where(rows, positions, -1)  # padding: no expert computes it
+        if capacity is None:  # padding: no expert computes it
+            positions, layout = dropless_positions(head.slots, self.n_experts, rows), None  # (T, k)
+        else:  # not causal: every row is a token
+            positions, layout = capacity_positions(head.slots, self.n_experts, capacity, x)  # (T, k), eager CUDA: (E, C)
         if not with_stats:
             stats = {}
         elif rows is not None:

@@ -29,10 +29,13 @@ from mode.routing.selection import (
 )
 from mode.routing.token_choice import (
     CapacityRows,
+    DroplessRows,
     TokenChoiceHead,
     capacity_positions,
+    dropless_positions,
     dropless_rows,
     load_balancing_loss,
+    padded_gates,
     positions_in_expert,
     router_z_loss,
     slot_table,
@@ -44,11 +47,11 @@ from mode.routing.token_choice import (
 )
 
 __all__ = [
-    "CapacityRows", "DepthRoute", "ExpertRows", "TokenChoiceHead", "_AddGatedRows", "_HalfRouterScores",
+    "CapacityRows", "DepthRoute", "DroplessRows", "ExpertRows", "TokenChoiceHead", "_AddGatedRows", "_HalfRouterScores",
     "_RouteTokens", "add_gated_tokens", "apply_gate", "capacity_positions", "capacity_to_k", "combine_rows",
-    "combine_tokens", "count_ids", "dropless_rows", "expert_choice_dispatch", "expert_choice_kernel_applies",
+    "combine_tokens", "count_ids", "dropless_positions", "dropless_rows", "expert_choice_dispatch", "expert_choice_kernel_applies",
     "expert_choice_rows", "expert_major_ids", "flat_indices", "gather_rows", "gather_tokens", "half_router_applies",
-    "load_balancing_loss", "positions_in_expert", "random_scores", "route_tokens", "router_scores", "router_z_loss",
+    "load_balancing_loss", "padded_gates", "positions_in_expert", "random_scores", "route_tokens", "router_scores", "router_z_loss",
     "rows_by_slot", "rows_kernel_applies", "scatter_add_tokens", "slot_table", "softmax_topk_kernel_applies",
     "sort_all_by_expert", "sort_by_expert", "split_tokens", "token_choice_capacity", "token_choice_head",
     "token_choice_rows", "token_mask", "top_k_flat", "top_k_positions", "top_k_slots", "topk_kernel_applies",

@@ -114,7 +114,7 @@ def positions_in_expert(slots: Tensor, n_experts: int, capacity: int | None) -> 
     computed (0) and the grouped layout orders the rows by sorting on the expert (sort_by_expert).
     """
     if capacity is None:
-        return torch.where(slots < n_experts, 0, -1)
+        return dropless_positions(slots, n_experts)
     tokens, k = slots.shape
     ranked = slots.t().reshape(-1)  # (k*T,) rank-major: priority order
     # One row per expert, every no-op slot sharing one extra row (their positions are discarded);
@@ -125,6 +125,17 @@ def positions_in_expert(slots: Tensor, n_experts: int, capacity: int | None) -> 
     keep = (ranked < n_experts) & (position < capacity)
     position = torch.where(keep, position, -1)
     return position.view(k, tokens).t()  # (T, k)
+
+
+def dropless_positions(slots: Tensor, n_experts: int, rows: Tensor | None = None) -> Tensor:
+    """Dropless token choice's positions_in_expert: slots (T, k) -> 0 where a real expert computes
+    the assignment, -1 for a no-op slot and, rows (T, 1) bool given, for a row that is False
+    (padding). Two or three launches, not where's four or six (it fills each scalar first): a decode
+    step routes every routed layer's tokens through here."""
+    computed = slots < n_experts
+    if rows is not None:
+        computed = computed & rows
+    return computed.add(-1)  # bool + int: int64
 
 
 class CapacityRows(NamedTuple):
@@ -195,30 +206,53 @@ def sort_all_by_expert(slots: Tensor, positions: Tensor, n_experts: int) -> tupl
     return order, key.index_select(0, order) < n_experts, ends
 
 
-def dropless_rows(slots: Tensor, positions: Tensor, n_experts: int, x: Tensor
-                  ) -> tuple[ExpertRows, Tensor, Tensor, Tensor | None]:
+class DroplessRows(NamedTuple):
+    """Token choice's sync-free dropless layout: every one of the N = T*k assignments a row, sorted
+    by expert, the ones no expert computes last (dropless_rows)."""
+
+    rows: ExpertRows  # over the N rows
+    gate_index: Tensor  # (N,) int64: each row's assignment, N where no expert computes it
+    ends: Tensor  # (E,) int32: each expert's row end
+    computed: Tensor | None  # (N,) bool, only where there is no inverse map (see dropless_rows)
+    gates: Tensor | None  # (N,): each row's gate, 0 where no expert computes it; None unless asked for
+
+
+def dropless_rows(slots: Tensor, positions: Tensor, n_experts: int, x: Tensor, gates: Tensor | None = None
+                  ) -> DroplessRows:
     """Token choice's sync-free dropless layout of the tokens x (T, D): every assignment a row,
-    sorted by expert (sort_all_by_expert), the uncomputed ones last -> (ExpertRows over the N = T*k
-    rows, gate_index (N,) each row's assignment or N where no expert computes it (the caller's
-    padded zero gate), ends (E,) int32, and computed).
+    sorted by expert (sort_all_by_expert), the uncomputed ones last. gates (T, k) given: each row's
+    gate too, a 0 where no expert computes the row (differentiable where gates need a gradient).
 
     With the inverse map (the row kernels: eager CUDA) the uncomputed rows are left out of it and
     computed is None; on eager CUDA the layout is two Triton launches (mode/kernels/sort_rows.py, a
-    counting sort) instead of about 17 PyTorch ops. Without it (torch.compile) the gather's backward
-    and the combine read every row: computed (N,) bool is returned for the experts to mask with."""
+    counting sort) instead of about 17 PyTorch ops, which also write the rows' gates where no
+    gradient is needed. Without it (torch.compile) the gather's backward and the combine read every
+    row: computed (N,) bool is returned for the experts to mask with."""
     tokens, top_k = slots.shape
     inverse_map = rows_kernel_applies(x)
     if inverse_map:
         from mode.kernels import sort_rows
 
         if sort_rows.fits(slots.numel(), n_experts):
-            ids, gate_index, inverse, ends = sort_rows.dropless_rows(slots, positions, n_experts)
-            return ExpertRows(ids, tokens, inverse), gate_index, ends, None
+            in_kernel = gates is not None and not (gates.requires_grad and torch.is_grad_enabled())
+            ids, gate_index, inverse, ends, row_gates = sort_rows.dropless_rows(
+                slots, positions, n_experts, gates if in_kernel else None)
+            if gates is not None and not in_kernel:
+                row_gates = padded_gates(gates).index_select(0, gate_index)
+            return DroplessRows(ExpertRows(ids, tokens, inverse), gate_index, ends, None, row_gates)
     order, computed, ends = sort_all_by_expert(slots, positions, n_experts)
     gate_index = torch.where(computed, order, slots.numel())
+    row_gates = None if gates is None else padded_gates(gates).index_select(0, gate_index)
     if inverse_map:
-        return rows_by_slot(order // top_k, order % top_k, top_k, x, computed), gate_index, ends, None
-    return ExpertRows(order // top_k, tokens, None), gate_index, ends, computed
+        return DroplessRows(rows_by_slot(order // top_k, order % top_k, top_k, x, computed), gate_index, ends, None,
+                            row_gates)
+    return DroplessRows(ExpertRows(order // top_k, tokens, None), gate_index, ends, computed, row_gates)
+
+
+def padded_gates(gates: Tensor) -> Tensor:
+    """gates (T, k) -> (T*k + 1,): a 0 gate at index T*k for the rows no expert computes (a cat:
+    F.pad showed a host-device copy each way in an eager trace)."""
+    return torch.cat([gates.reshape(-1), gates.new_zeros(1)])
 
 
 def router_z_loss(logits: Tensor) -> Tensor:
