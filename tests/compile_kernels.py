@@ -160,9 +160,18 @@ KERNELS = [
                                    BLOCK_R=4, BLOCK_D=256)),
     # a compacted decode step's routed update, bf16 rows into bf16 and float32 hidden states
     (rows, "_put_gated_rows", dict(x_ptr=BF16, ids_ptr=I64, keep_ptr="*u8", a_ptr=BF16, b_ptr=BF16, gates_ptr=F32,
-                                   n_rows=I32, width=I32, HAS_KEEP=True, BLOCK_R=4, BLOCK_D=256)),
+                                   n_rows=I32, width=I32, HAS_IDS=True, HAS_KEEP=True, GATE=0, BLOCK_R=4,
+                                   BLOCK_D=256)),
     (rows, "_put_gated_rows", dict(x_ptr=F32, ids_ptr=I64, keep_ptr="*u8", a_ptr=BF16, b_ptr=BF16, gates_ptr=F32,
-                                   n_rows=I32, width=I32, HAS_KEEP=True, BLOCK_R=4, BLOCK_D=256)),
+                                   n_rows=I32, width=I32, HAS_IDS=True, HAS_KEEP=True, GATE=0, BLOCK_R=4,
+                                   BLOCK_D=256)),
+    # the router's scores gated in the kernel: compacted rows (sigmoid) and a masked step (identity)
+    (rows, "_put_gated_rows", dict(x_ptr=BF16, ids_ptr=I64, keep_ptr="*u8", a_ptr=BF16, b_ptr=BF16, gates_ptr=F32,
+                                   n_rows=I32, width=I32, HAS_IDS=True, HAS_KEEP=True, GATE=2, BLOCK_R=4,
+                                   BLOCK_D=256)),
+    (rows, "_put_gated_rows", dict(x_ptr=BF16, ids_ptr=BF16, keep_ptr="*u8", a_ptr=BF16, b_ptr=BF16, gates_ptr=F32,
+                                   n_rows=I32, width=I32, HAS_IDS=False, HAS_KEEP=True, GATE=1, BLOCK_R=4,
+                                   BLOCK_D=256)),
     # a decode step's experts: [gate | up] and down over a few bf16 rows
     (grouped_mm, "_grouped_rows_mm", dict(x_ptr=BF16, w_ptr=BF16, ends_ptr=I32P, out_ptr=BF16, K=I32, N=I32,
                                           BLOCK_M=16, BLOCK_N=128, BLOCK_K=64)),
@@ -170,7 +179,8 @@ KERNELS = [
                                           BLOCK_M=64, BLOCK_N=64, BLOCK_K=128)),
     # a prefill's routed update of its packed tokens: every row kept
     (rows, "_put_gated_rows", dict(x_ptr=BF16, ids_ptr=I64, keep_ptr=I64, a_ptr=BF16, b_ptr=BF16, gates_ptr=F32,
-                                   n_rows=I32, width=I32, HAS_KEEP=False, BLOCK_R=4, BLOCK_D=256)),
+                                   n_rows=I32, width=I32, HAS_IDS=True, HAS_KEEP=False, GATE=2, BLOCK_R=4,
+                                   BLOCK_D=256)),
     (rows, "_combine_backward", dict(grad_ptr=F32, ids_ptr=I64, rows_ptr=BF16, gates_ptr=F32, grad_rows_ptr=BF16,
                                      grad_gates_ptr=F32, n_rows=I32, width=I32, BLOCK_R=4, BLOCK_D=512)),
     (rows, "_combine_backward", dict(grad_ptr=BF16, ids_ptr=I64, rows_ptr=BF16, gates_ptr=F32, grad_rows_ptr=BF16,

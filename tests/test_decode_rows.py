@@ -15,7 +15,8 @@ from mode.inference.decoder import COMPACT_MAX_SMALL_BATCH, COMPACT_MIN_LARGE_BA
 from mode.layers.chunks import SKIP_TEST_MAX_EXPECTED, CompactRows, MaskedRows, StaticStep, if_nodes_available
 from mode.layers.kv_cache import attend_used
 from mode.layers.mod import MoDBlock
-from tests.test_generate import F64_TOL, make_model
+from mode.model import LanguageModel
+from tests.test_generate import F64_TOL, make_config, make_model, spread_weights_
 
 S, B, PROMPT = 16, 6, 5
 
@@ -137,6 +138,34 @@ def test_compacted_decode_through_the_kernels_equals_the_pytorch_ops(pattern: st
         assert torch.equal(a.lengths, b.lengths)
         for row, n in enumerate(a.lengths.tolist()):
             torch.testing.assert_close(a.kv[:, row, :n], b.kv[:, row, :n], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("gate", ["sigmoid", "identity"])
+@pytest.mark.parametrize("pattern", ["mod", "mode_staged"])
+def test_a_masked_step_through_the_gated_kernel_equals_the_pytorch_ops(pattern: str, gate: str, monkeypatch) -> None:
+    """The masked static step (every row computed) through the kernels: each routed layer's update
+    of the chosen rows is one kernel that also gathers and gates the router's scores (Triton's
+    interpreter on CPU; compiled on a GPU), in the step's own hidden states; the logits and caches
+    are the PyTorch ops' (float32), for either gate function."""
+    from mode.kernels import KernelPolicy, rows, use_kernels
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    model = spread_weights_(LanguageModel(make_config(pattern, "aux_loss", 3, gate=gate))).float().to(device)
+    for name in ("cos", "sin", "cos_full", "sin_signed"):  # float32 tables, as a model built in float32 keeps
+        setattr(model.rotary, name, getattr(model.rotary, name).float())
+    tokens = torch.randint(0, 256, (B, S), generator=torch.Generator().manual_seed(3))
+    gates, put = [], rows.put_gated_rows_
+    monkeypatch.setattr(rows, "put_gated_rows_", lambda *args: gates.append(args[-1]) or put(*args))
+    with use_kernels(KernelPolicy(cpu=True)):
+        fast, fast_decoder = decode(model, tokens, compact_rows=False, cuda_graph=False)
+    assert gates and set(gates) == {gate}  # every routed layer's update, its gate applied in the kernel
+    with use_kernels(KernelPolicy(enabled=False)):
+        plain, plain_decoder = decode(model, tokens, compact_rows=False, cuda_graph=False)
+    torch.testing.assert_close(fast, plain, rtol=1e-4, atol=1e-4)
+    for a, b in zip(fast_decoder.caches, plain_decoder.caches):
+        assert torch.equal(a.lengths, b.lengths)
+        torch.testing.assert_close(a.kv, b.kv, rtol=1e-4, atol=1e-4)
 
 
 def test_compact_rows_are_checked_and_default_where_they_add_no_sync() -> None:

@@ -16,7 +16,8 @@ owns through an inverse map instead and writes its sum once:
 - add_gated_rows_: x[ids[r]] += gates[r] * rows[r] in place, for distinct ids (a depth router's
                gated update of the residual; its backward is combine_backward);
 - put_gated_rows_: x[ids[r]] += round(gates[r] * round(a[r] + b[r])) in place for the kept rows,
-               rounding as the PyTorch ops do (a compacted decode step's routed update, and a
+               rounding as the PyTorch ops do, the gate optionally a depth router's g(score) of
+               the row's token (a decode step's routed update, compacted or masked, and a
                prefill's routed update of its packed tokens);
 - gather_rows_as: out[r] = x[ids[r]] in another dtype (the float32 stream's rows gathered straight
                into the experts' bf16, the rounding their matmuls' autocast would make).
@@ -112,9 +113,14 @@ def _add_gated_rows(x_ptr, ids_ptr, gates_ptr, rows_ptr, n_rows, width, BLOCK_R:
     store_rounded(target, total, mask)
 
 
+# put_gated_rows_'s gates: each row's own (GIVEN), or a router score per row of x, gated there
+_GIVEN, _SCORE, _SIGMOID = (tl.constexpr(i) for i in range(3))
+GATE_KINDS = {None: 0, "identity": 1, "sigmoid": 2}
+
+
 @triton.jit
-def _put_gated_rows(x_ptr, ids_ptr, keep_ptr, a_ptr, b_ptr, gates_ptr, n_rows, width, HAS_KEEP: tl.constexpr,
-                    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+def _put_gated_rows(x_ptr, ids_ptr, keep_ptr, a_ptr, b_ptr, gates_ptr, n_rows, width, HAS_IDS: tl.constexpr,
+                    HAS_KEEP: tl.constexpr, GATE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     r_ok = r < n_rows
@@ -123,8 +129,16 @@ def _put_gated_rows(x_ptr, ids_ptr, keep_ptr, a_ptr, b_ptr, gates_ptr, n_rows, w
     else:
         keep = r_ok
     mask = keep[:, None] & (d < width)[None, :]
-    token = tl.load(ids_ptr + r, mask=r_ok, other=0).to(tl.int64)
-    gate = tl.load(gates_ptr + r, mask=r_ok, other=0.0).to(tl.float32)
+    if HAS_IDS:
+        token = tl.load(ids_ptr + r, mask=r_ok, other=0).to(tl.int64)
+    else:
+        token = r
+    if GATE == _GIVEN:
+        gate = tl.load(gates_ptr + r, mask=r_ok, other=0.0).to(tl.float32)
+    else:
+        gate = tl.load(gates_ptr + token, mask=r_ok, other=0.0).to(tl.float32)
+        if GATE == _SIGMOID:
+            gate = tl.sigmoid(gate)
     at = r[:, None] * width + d[None, :]
     update = rounded_as(tl.load(a_ptr + at, mask=mask, other=0.0).to(tl.float32)
                         + tl.load(b_ptr + at, mask=mask, other=0.0).to(tl.float32), a_ptr)
@@ -186,20 +200,27 @@ def add_gated_rows_(x: Tensor, ids: Tensor, gates: Tensor, rows: Tensor) -> None
     )
 
 
-def put_gated_rows_(x: Tensor, ids: Tensor, keep: Tensor | None, a: Tensor, b: Tensor, gates: Tensor) -> None:
-    """x (T, D) at row ids[r] (distinct) += gates[r] * (a[r] + b[r]) in place where keep[r] (None:
-    every row); a, b (R, D) in one dtype, gates (R,) float32: a + b rounded to their dtype, times
-    the gate rounded again, then to x's dtype and added, rounded once (torch's ops on those
-    dtypes). Call on x's device (on_device_of)."""
+def put_gated_rows_(x: Tensor, ids: Tensor | None, keep: Tensor | None, a: Tensor, b: Tensor, gates: Tensor,
+                    gate: str | None = None) -> None:
+    """x (T, D) at row ids[r] (distinct; None: row r) += gates[r] * (a[r] + b[r]) in place where
+    keep[r] (None: every row); a, b (R, D) in one dtype, gates (R,) float32: a + b rounded to their
+    dtype, times the gate rounded again, then to x's dtype and added, rounded once (torch's ops on
+    those dtypes). gate "identity" / "sigmoid": gates (T,) float32 are router scores, one per row of
+    x, and row r's gate is g(gates[ids[r]]) (mode.routing.apply_gate's g; the sigmoid here may
+    differ from torch's in the last bit). Call on x's device (on_device_of)."""
     if a.dtype != b.dtype:
         raise ValueError(f"put_gated_rows_: a is {a.dtype}, b is {b.dtype}")
-    ids, a, b, gates = ids.contiguous(), a.contiguous(), b.contiguous(), gates.contiguous()
-    keep_arg = ids if keep is None else keep.contiguous().view(torch.uint8)  # any pointer without keep
+    if gate not in GATE_KINDS:
+        raise ValueError(f"put_gated_rows_: unknown gate {gate!r} (expected one of {list(GATE_KINDS)})")
+    a, b, gates = a.contiguous(), b.contiguous(), gates.contiguous()
+    ids_arg = a if ids is None else ids.contiguous()  # any pointer without ids
+    keep_arg = ids_arg if keep is None else keep.contiguous().view(torch.uint8)  # any pointer without keep
     n_rows, width = a.shape
     if n_rows:
         _put_gated_rows[(triton.cdiv(n_rows, ADD_BLOCK_R), triton.cdiv(width, ADD_BLOCK_D))](
-            x, ids, keep_arg, a, b, gates, n_rows, width, HAS_KEEP=keep is not None, BLOCK_R=ADD_BLOCK_R,
-            BLOCK_D=ADD_BLOCK_D, num_warps=ADD_WARPS, enable_fp_fusion=False,  # no fused multiply-add: the ops round apart
+            x, ids_arg, keep_arg, a, b, gates, n_rows, width, HAS_IDS=ids is not None, HAS_KEEP=keep is not None,
+            GATE=GATE_KINDS[gate], BLOCK_R=ADD_BLOCK_R, BLOCK_D=ADD_BLOCK_D, num_warps=ADD_WARPS,
+            enable_fp_fusion=False,  # no fused multiply-add: the ops round apart
         )
 
 

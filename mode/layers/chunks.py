@@ -36,6 +36,7 @@ from mode.kernels import graph_if, use_triton
 from mode.layers.attention import expand_kv
 from mode.layers.kv_cache import LayerCache, PackedRows, attend_used, to_device
 from mode.layers.rotary import RotaryAngles
+from mode.routing import apply_gate
 from mode.routing.expert_rows import rows_kernel_applies
 
 # Gather-step windows are rounded up to a multiple of this many slots: aligned mask rows for
@@ -49,26 +50,51 @@ SKIP_TEST_MAX_EXPECTED = 4.0
 
 
 class GatedAdd:
-    """What every row plan's add_gated does: a routed layer's x_i + g_i * (a_i + out_i)."""
+    """What every row plan's add_gated does: a routed layer's x_i + g_i * (a_i + out_i). Where the
+    row kernels run (eager CUDA) a plan naming kernel_rows does it in one kernel (put_gated)."""
+
+    def kernel_rows(self, x: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None] | None:
+        """Where put_gated writes this plan's update of x: (the tensor, the flat row of it each
+        computed row goes to (None: the same row), which computed rows keep it (None: all)); None:
+        the PyTorch ops (take and add)."""
+        return None
 
     def add_gated(self, x: Tensor, a: Tensor, out: Tensor, gates: Tensor) -> Tensor:
         """x with the computed rows' a + out (each (n, ..., D)) times their float32 gates (n, ...)
         added: the product rounded once to the update's dtype, as forward."""
+        target = self._kernel_rows(x, a)
+        if target is not None:
+            return self.put_gated(*target, a, out, gates)
         update = a + out
         torch.mul(update, gates.unsqueeze(-1), out=update)
         return self.add(x, update)
 
+    def add_scored(self, x: Tensor, a: Tensor, out: Tensor, scores: Tensor, gate: str) -> Tensor:
+        """add_gated with each computed row's gate g(score) of its depth router's scores (B, n), one
+        per token of x, g the router's gate function (apply_gate): on a GPU the gather and g run
+        inside put_gated's kernel."""
+        target = self._kernel_rows(x, a)
+        if target is None:
+            return self.add_gated(x, a, out, apply_gate(self.take(scores), gate))
+        return self.put_gated(*target, a, out, scores, gate)
+
+    def _kernel_rows(self, x: Tensor, a: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None] | None:
+        return self.kernel_rows(x) if rows_kernel_applies(x) and rows_kernel_applies(a) else None
+
     @staticmethod
-    def put_gated(target: Tensor, ids: Tensor, keep: Tensor | None, a: Tensor, out: Tensor, gates: Tensor) -> Tensor:
+    def put_gated(target: Tensor, ids: Tensor | None, keep: Tensor | None, a: Tensor, out: Tensor, gates: Tensor,
+                  gate: str | None = None) -> Tensor:
         """add_gated's rounding in one kernel (rows.put_gated_rows_), in place: target (..., D) at flat
-        rows ids (n,) += gates * (a + out) where keep (n,) (None: every row); a, out (n, ..., D)."""
+        rows ids (n,) (None: row r) += gates * (a + out) where keep (n,) (None: every row); a, out
+        (n, ..., D). gate given: gates are router scores, one per row of target, and each row's gate
+        is gate's g of its target row's score."""
         from mode.kernels.common import on_device_of
         from mode.kernels.rows import put_gated_rows_
 
         width = target.shape[-1]
         with on_device_of(target):
             put_gated_rows_(target.view(-1, width), ids, keep, a.reshape(-1, width), out.reshape(-1, width),
-                            gates.reshape(-1))
+                            gates.reshape(-1), gate)
         return target
 
 
@@ -322,12 +348,9 @@ class ChunkTokens(PrefillPlan):
         """put() of the chosen tokens' states plus update (1, T, D), in their dtype."""
         return self.put(x, self.x + update.to(self.x.dtype))
 
-    def add_gated(self, x: Tensor, a: Tensor, out: Tensor, gates: Tensor) -> Tensor:
-        """GatedAdd.add_gated's rounding; on a GPU one kernel for the sum, the gate, the add and the
-        write, into x itself where the chunk owns it (else into a copy)."""
-        if not (rows_kernel_applies(x) and rows_kernel_applies(a)):
-            return super().add_gated(x, a, out, gates)
-        return self.put_gated(x if self.owns_hidden else x.clone(), self.src, None, a, out, gates)  # (B, n, D)
+    def kernel_rows(self, x: Tensor) -> tuple[Tensor, Tensor, None]:
+        """The packed tokens' rows of x (B, n, D) itself where the chunk owns it, else of a copy."""
+        return x if self.owns_hidden else x.clone(), self.src, None
 
 
 class FreshTokens(ChunkTokens):
@@ -574,6 +597,10 @@ class MaskedRows(GatedAdd):
     def add(self, x: Tensor, update: Tensor) -> Tensor:
         return torch.where(self.chosen.view(-1, 1, 1), x + update.to(x.dtype), x)
 
+    def kernel_rows(self, x: Tensor) -> tuple[Tensor, None, Tensor]:
+        """x's (B, 1, D) chosen rows, in place: a routed layer's states are the step's own (routed())."""
+        return x, None, self.chosen
+
 
 class CompactRows(GatedAdd):
     """The W rows of a static step a routed layer computes where its chosen rows fit in W: the
@@ -613,12 +640,9 @@ class CompactRows(GatedAdd):
     def add(self, x: Tensor, update: Tensor) -> Tensor:
         return self.put(x, self.x + update.to(self.x.dtype))
 
-    def add_gated(self, x: Tensor, a: Tensor, out: Tensor, gates: Tensor) -> Tensor:
-        """GatedAdd.add_gated's rounding, into x's kept rows in place: on a GPU one kernel for the
-        sum, the gate, the add and the write."""
-        if not (rows_kernel_applies(x) and rows_kernel_applies(a)):
-            return super().add_gated(x, a, out, gates)
-        return self.put_gated(x, self.rows, self.keep, a, out, gates)  # (B, 1, D)
+    def kernel_rows(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x's (B, 1, D) kept rows, in place."""
+        return x, self.rows, self.keep
 
 
 def compact_rows_reference(chosen: Tensor, width: int, lengths: Tensor, base: Tensor,

@@ -13,7 +13,7 @@ from mode.kernels import use_triton
 from mode.layers.block import BlockInfo, TransformerBlock
 from mode.layers.kv_cache import LayerCache
 from mode.layers.rotary import RotaryAngles
-from mode.routing import DepthRouter, add_gated_tokens, apply_gate
+from mode.routing import DepthRouter, add_gated_tokens
 
 
 class MoDBlock(nn.Module):
@@ -59,7 +59,7 @@ class MoDBlock(nn.Module):
     def _update(self, x: Tensor, rows, scores: Tensor) -> Tensor:
         """x_i + g(r_i) * f_i for the tokens of a row plan (scores: the router's (B, n))."""
         a, _, out = self.block.cached_parts(rows)
-        return rows.add_gated(x, a, out, apply_gate(rows.take(scores), self.router.gate))
+        return rows.add_scored(x, a, out, scores, self.router.gate)
 
     def decide(self, x: Tensor, weights: tuple[Tensor, Tensor | None] | None = None,
                mask: Tensor | None = None) -> tuple[Tensor, Tensor]:

@@ -17,7 +17,7 @@ from mode.layers.block import BlockInfo, TransformerBlock
 from mode.layers.kv_cache import LayerCache
 from mode.layers.mod import decide, router_snapshot
 from mode.layers.rotary import RotaryAngles
-from mode.routing import DepthRouter, DepthRouting, add_gated_tokens, apply_gate, gather_tokens
+from mode.routing import DepthRouter, DepthRouting, add_gated_tokens, gather_tokens
 
 
 class MoRBlock(nn.Module):
@@ -113,7 +113,7 @@ class MoRBlock(nn.Module):
             if rows is None:  # no token goes on: later recursions take none either
                 return x
             a, _, out = self.block.cached_parts(rows)
-            x = rows.add_gated(x, a, out, apply_gate(rows.take(scores), router.gate))
+            x = rows.add_scored(x, a, out, scores, router.gate)
         return x
 
     def router_weights(self) -> list[tuple[Tensor, Tensor | None] | None]:
