@@ -1153,13 +1153,15 @@ def test_put_gated_rows_equals_the_pytorch_ops(x_dtype: torch.dtype, dtype: torc
         put_gated_rows_(got, ids, keep, a, b.float() if dtype != torch.float32 else b.bfloat16(), gates)
 
 
+@pytest.mark.parametrize("score_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("gate", ["identity", "sigmoid"])
 @pytest.mark.parametrize("by_id", [True, False])
-def test_put_gated_rows_gates_a_router_score_per_row(gate: str, by_id: bool) -> None:
+def test_put_gated_rows_gates_a_router_score_per_row(gate: str, by_id: bool, score_dtype: torch.dtype) -> None:
     """put_gated_rows_ with a gate function: each row's gate is g of the router score of the row of x
-    it updates (scores one per row of x), as apply_gate(scores[ids]) before the kernel: bit for bit
-    with the identity, to float32 rounding with the sigmoid (Triton's may differ in the last bit);
-    ids None: row r of x itself, keep marking the rows updated (a masked decode step)."""
+    it updates (scores one per row of x), as apply_gate(scores[ids]) before the kernel, in the
+    scores' dtype: bit for bit with the identity, to the scores' rounding with the sigmoid (Triton's
+    may differ in the last bit); ids None: row r of x itself, keep marking the rows updated (a
+    masked decode step)."""
     from mode.kernels.rows import put_gated_rows_
     from mode.routing import apply_gate
 
@@ -1169,14 +1171,15 @@ def test_put_gated_rows_gates_a_router_score_per_row(gate: str, by_id: bool) -> 
     rows = ids if by_id else torch.arange(9, device=DEVICE)
     keep = torch.rand(rows.shape[0], generator=gen).to(DEVICE) < 0.6
     a, b = (torch.randn(rows.shape[0], 300, generator=gen).to(DEVICE) for _ in range(2))
-    scores = torch.randn(9, generator=gen).to(DEVICE)
+    scores = torch.randn(9, generator=gen).to(DEVICE, score_dtype)
     want, got = x.clone(), x.clone()
     put_gated_rows_(want, rows, keep, a, b, apply_gate(scores[rows], gate))
     put_gated_rows_(got, ids, keep, a, b, scores, gate)
     if gate == "identity":
         assert torch.equal(got, want)
-    else:
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    else:  # one unit in the last place of the scores' dtype at most
+        tol = 1e-6 if score_dtype == torch.float32 else 2 ** -8
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
     assert torch.equal(got[rows[~keep]], x[rows[~keep]]) and not torch.equal(got, x)
     with pytest.raises(ValueError, match="unknown gate"):
         put_gated_rows_(got, ids, keep, a, b, scores, "relu")

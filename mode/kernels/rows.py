@@ -113,7 +113,8 @@ def _add_gated_rows(x_ptr, ids_ptr, gates_ptr, rows_ptr, n_rows, width, BLOCK_R:
     store_rounded(target, total, mask)
 
 
-# put_gated_rows_'s gates: each row's own (GIVEN), or a router score per row of x, gated there
+# put_gated_rows_'s gates: each row's own (GIVEN), or a router score per row of x, taken as it is
+# (SCORE) or through a sigmoid (SIGMOID)
 _GIVEN, _SCORE, _SIGMOID = (tl.constexpr(i) for i in range(3))
 GATE_KINDS = {None: 0, "identity": 1, "sigmoid": 2}
 
@@ -137,8 +138,8 @@ def _put_gated_rows(x_ptr, ids_ptr, keep_ptr, a_ptr, b_ptr, gates_ptr, n_rows, w
         gate = tl.load(gates_ptr + r, mask=r_ok, other=0.0).to(tl.float32)
     else:
         gate = tl.load(gates_ptr + token, mask=r_ok, other=0.0).to(tl.float32)
-        if GATE == _SIGMOID:
-            gate = tl.sigmoid(gate)
+        if GATE == _SIGMOID:  # in the scores' dtype, as torch.sigmoid on them
+            gate = rounded_as(tl.sigmoid(gate), gates_ptr)
     at = r[:, None] * width + d[None, :]
     update = rounded_as(tl.load(a_ptr + at, mask=mask, other=0.0).to(tl.float32)
                         + tl.load(b_ptr + at, mask=mask, other=0.0).to(tl.float32), a_ptr)
@@ -206,8 +207,9 @@ def put_gated_rows_(x: Tensor, ids: Tensor | None, keep: Tensor | None, a: Tenso
     keep[r] (None: every row); a, b (R, D) in one dtype, gates (R,) float32: a + b rounded to their
     dtype, times the gate rounded again, then to x's dtype and added, rounded once (torch's ops on
     those dtypes). gate "identity" / "sigmoid": gates (T,) float32 are router scores, one per row of
-    x, and row r's gate is g(gates[ids[r]]) (mode.routing.apply_gate's g; the sigmoid here may
-    differ from torch's in the last bit). Call on x's device (on_device_of)."""
+    x (in any float dtype), and row r's gate is g(gates[ids[r]]) (mode.routing.apply_gate's g, in
+    the scores' dtype; the sigmoid here may differ from torch's in the last bit). Call on x's device
+    (on_device_of)."""
     if a.dtype != b.dtype:
         raise ValueError(f"put_gated_rows_: a is {a.dtype}, b is {b.dtype}")
     if gate not in GATE_KINDS:
