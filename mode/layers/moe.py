@@ -264,6 +264,8 @@ class MoEFFN(nn.Module):
         if self.experts.backend == "megablocks":
             return megablocks_token_choice(self.experts, x, routing)
         top_k = routing.slots.shape[1]
+        if routing.capacity is None and self.experts.by_ends_applies(x):
+            return self._dropless_by_ends(x, routing)
         gates = padded_gates(routing.gates)  # (T*k + 1,): a 0 gate for empty rows
         if routing.capacity is not None and self.experts.backend == "torch":
             if routing.layout is not None:  # built by the router's counting sort with the positions
@@ -274,18 +276,15 @@ class MoEFFN(nn.Module):
             xs = gather_rows(x, rows).view(*table.shape, x.shape[1])  # (E, C, D)
             # index_select: its backward is one index_add (indexing's is a sort-based index_put)
             return self._experts_combined(xs, gates.index_select(0, table.reshape(-1)), rows)  # (T, D)
-        if routing.capacity is None and self.experts.by_ends_applies(x):
-            return self._dropless_by_ends(x, routing, gates)
         table, counts = sort_by_expert(routing.slots, routing.positions, self.experts.n_experts)  # (M,), (E,)
         rows = rows_by_slot(table // top_k, table % top_k, top_k, x)  # a token's j-th choice: its slot j
         return self._experts_combined(gather_rows(x, rows), gates.index_select(0, table), rows, counts)  # (T, D)
 
-    def _dropless_by_ends(self, x: Tensor, routing: TokenChoiceRouting, gates: Tensor) -> Tensor:
+    def _dropless_by_ends(self, x: Tensor, routing: TokenChoiceRouting) -> Tensor:
         """Dropless token choice on static rows: all T*k assignments, sorted by expert on the device,
         the no-op ones last, where the grouped GEMMs stop (ends[-1]); the inverse map leaves those
-        rows out (or, without one, the experts zero them) and their gate is the padded 0, so nothing
-        past the end is ever read."""
-        layout = dropless_rows(routing.slots, routing.positions, self.experts.n_experts, x)
-        row_gates = gates.index_select(0, layout.gate_index)
-        return self._experts_combined(gather_rows(x, layout.rows), row_gates, layout.rows, ends=layout.ends,
+        rows out (or, without one, the experts zero them) and their gate is 0, so nothing past the
+        end is ever read."""
+        layout = dropless_rows(routing.slots, routing.positions, self.experts.n_experts, x, routing.gates)
+        return self._experts_combined(gather_rows(x, layout.rows), layout.gates, layout.rows, ends=layout.ends,
                                       computed=layout.computed)  # (T, D)
