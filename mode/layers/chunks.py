@@ -50,7 +50,7 @@ SKIP_TEST_MAX_EXPECTED = 4.0
 
 
 class GatedAdd:
-    """What every row plan's add_gated does: a routed layer's x_i + g_i * (a_i + out_i). Where the
+    """What every row plan's add_scored does: a routed layer's x_i + g_i * (a_i + out_i). Where the
     row kernels run (eager CUDA) a plan naming kernel_rows does it in one kernel (put_gated)."""
 
     def kernel_rows(self, x: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None] | None:
@@ -61,25 +61,19 @@ class GatedAdd:
 
     def add_gated(self, x: Tensor, a: Tensor, out: Tensor, gates: Tensor) -> Tensor:
         """x with the computed rows' a + out (each (n, ..., D)) times their float32 gates (n, ...)
-        added: the product rounded once to the update's dtype, as forward."""
-        target = self._kernel_rows(x, a)
-        if target is not None:
-            return self.put_gated(*target, a, out, gates)
+        added: the product rounded once to the update's dtype, as forward (PyTorch ops)."""
         update = a + out
         torch.mul(update, gates.unsqueeze(-1), out=update)
         return self.add(x, update)
 
     def add_scored(self, x: Tensor, a: Tensor, out: Tensor, scores: Tensor, gate: str) -> Tensor:
         """add_gated with each computed row's gate g(score) of its depth router's scores (B, n), one
-        per token of x, g the router's gate function (apply_gate): on a GPU the gather and g run
-        inside put_gated's kernel."""
-        target = self._kernel_rows(x, a)
+        per token of x, g the router's gate function (apply_gate): where the row kernels run and
+        the plan names kernel_rows, the gather, g and the update are put_gated's one kernel."""
+        target = self.kernel_rows(x) if rows_kernel_applies(x) and rows_kernel_applies(a) else None
         if target is None:
             return self.add_gated(x, a, out, apply_gate(self.take(scores), gate))
         return self.put_gated(*target, a, out, scores, gate)
-
-    def _kernel_rows(self, x: Tensor, a: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None] | None:
-        return self.kernel_rows(x) if rows_kernel_applies(x) and rows_kernel_applies(a) else None
 
     @staticmethod
     def put_gated(target: Tensor, ids: Tensor | None, keep: Tensor | None, a: Tensor, out: Tensor, gates: Tensor,
