@@ -15,10 +15,21 @@ kernel's tables are built once, outside the timing):
   fused AdamW, and the masters' kernel's launch for them (what train.bf16_weights steps them with).
 TB/s: the bytes each update must move (AdamW: read weight, gradient and both moments, write
 weight and moments; masters: the same with a bf16 gradient, plus the bf16 copy written) over its time.
+
+Then the gradients' global norm that clipping reads, over the same weights' gradients (bf16 for the
+matrices, float32 for the rest): torch._foreach_norm by dtype (total_norm's PyTorch ops) against
+the norm kernel (mode/kernels/grad_norm.py), its tables built beforehand.
+
+Last, mode.train's whole update (TorchOptimization.step with bf16 weights: the norm, clipping and
+every weight's update) of block_kinds' models (--models), each step started on an idle GPU: the
+host's ms to queue it and the wall ms until the GPU is done, with the step's plan kept from step to
+step (as training keeps it while the gradients stay in place) and built afresh at every step.
 """
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
 from typing import Callable
 
 import torch
@@ -28,6 +39,7 @@ from bench.common import add_model_args, require_cuda, timed
 from mode.kernels import adamw as kernel
 from mode.model import LanguageModel
 from mode.training.bf16_weights import matrix_weights
+from mode.training.optim import TorchOptimization, total_norm
 
 
 def matrices(args: argparse.Namespace) -> tuple[list[torch.Size], list[torch.Size]]:
@@ -47,6 +59,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--blocks", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--models", nargs="+", default=["dense", "mode_staged", "mode_integrated"],
+                        help="block_kinds' models whose whole update (mode.train's step) is timed")
     args = parser.parse_args(argv)
     require_cuda(parser)
     device = torch.device("cuda")
@@ -75,6 +89,57 @@ def main(argv: list[str] | None = None) -> None:
     print(f"| masters' kernel, one launch per weight, {kernel.BLOCK} elements a program | {ms:.3f} | "
           f"{n * 28 / ms / 1e9:.2f} |")
     float32_weights(float32_shapes, args, device)
+    norms([g.to(torch.bfloat16) for g in grads] + [torch.randn(s, device=device) * 1e-3 for s in float32_shapes],
+          args, device)
+    whole_steps(args, device)
+
+
+def norms(grads: list[torch.Tensor], args: argparse.Namespace, device: torch.device) -> None:
+    """The rows of the global norm: total_norm's PyTorch ops, then the norm kernel."""
+    from mode.kernels.grad_norm import GradNorm
+
+    size = sum(g.numel() * g.element_size() for g in grads)
+    label = f"global norm of {len(grads)} gradients ({size / 1e9:.2f} GB)"
+    print("\n| norm | GPU ms | TB/s |")
+    print("| --- | --- | --- |")
+    ms = timed(lambda: total_norm(grads), args.warmup, args.iters, device)
+    print(f"| {label}, torch._foreach_norm by dtype | {ms:.3f} | {size / ms / 1e9:.2f} |")
+    norm = GradNorm(grads)
+    ms = timed(norm, args.warmup, args.iters, device)
+    print(f"| {label}, norm kernel | {ms:.3f} | {size / ms / 1e9:.2f} |")
+
+
+def whole_steps(args: argparse.Namespace, device: torch.device) -> None:
+    """The rows of mode.train's whole update, each of --models with its gradients from one short batch."""
+    print("\n| model | weights | the step's plan | host ms | wall ms |")
+    print("| --- | --- | --- | --- | --- |")
+    for kind in args.models:
+        config = kind_config(kind, argparse.Namespace(**vars(args), seq=2048, noop=8))
+        torch.manual_seed(0)
+        model = LanguageModel(config).to(device)
+        optimization = TorchOptimization(model, config, device, keep_grads=True, zero_grads=False, bf16_weights=True)
+        tokens = torch.randint(0, args.vocab, (1, 257), device=device)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            output = model(tokens[:, :-1], tokens[:, 1:])
+        (output.loss + output.aux_loss).backward()
+        weights = sum(p.numel() for p in model.parameters())
+        for kept in (True, False):
+            host, wall = [], []
+            for i in range(args.warmup + args.iters):
+                if not kept:
+                    optimization.plan = None
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                optimization.step(1e-4)
+                queued = time.perf_counter()
+                torch.cuda.synchronize()
+                if i >= args.warmup:
+                    host.append((queued - start) * 1e3)
+                    wall.append((time.perf_counter() - start) * 1e3)
+            print(f"| {kind} | {weights / 1e6:.0f}M | {'kept' if kept else 'built each step'} | "
+                  f"{statistics.median(host):.2f} | {statistics.median(wall):.2f} |", flush=True)
+        del model, optimization, output
+        torch.cuda.empty_cache()
 
 
 def fused_adamw_ms(weights: list[torch.Tensor], grads: list[torch.Tensor], args: argparse.Namespace,

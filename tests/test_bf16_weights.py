@@ -69,6 +69,37 @@ def test_the_update_equals_adamw_and_writes_the_rounded_copy(kernel: bool, decay
         torch.testing.assert_close(exp_avg_sq, state["exp_avg_sq"], rtol=1e-6, atol=1e-12)
 
 
+def test_the_norm_kernel_equals_total_norm_and_reads_the_gradients_of_now() -> None:
+    """GradNorm (one launch a dtype) equals the float64 norm to float32 rounding, and total_norm's
+    PyTorch ops to theirs, over bf16 and float32 gradients of sizes under, at and over its block, more of them than one launch takes;
+    called again it reads the same addresses' new values, the same bit for bit for the same values.
+    On the GPU where there is one (Triton's interpreter on CPU tensors otherwise)."""
+    from mode.kernels.grad_norm import BLOCK, MAX_TENSORS, GradNorm
+    from mode.training.optim import total_norm
+
+    gen = torch.Generator().manual_seed(0)
+    sizes = [1, 7, BLOCK, BLOCK + 3, 3 * BLOCK - 1] + [5] * 2 * MAX_TENSORS  # two bf16 launches
+    grads = [(torch.randn(n, generator=gen) * 10.0 ** (i % 5 - 2)).to(torch.bfloat16 if i % 3 else torch.float32)
+             .to(DEVICE) for i, n in enumerate(sizes)]
+    grads.append(torch.randn(6, 40, generator=gen).to(DEVICE))  # a matrix
+    with pytest.raises(ValueError, match="GradNorm"):
+        GradNorm(grads + [grads[-1].t()])
+    norm = GradNorm(grads)
+    assert len(norm.launches) == 3
+
+    def exact() -> torch.Tensor:
+        return torch.cat([g.double().flatten() for g in grads]).norm().float()
+
+    first = norm()
+    torch.testing.assert_close(first, exact(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(first, total_norm(grads), rtol=1e-5, atol=0)  # its per-tensor sums round more
+    assert torch.equal(first, norm())
+    for g in grads:
+        g.mul_(-0.5)
+    torch.testing.assert_close(norm(), exact(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(norm(), first * 0.5, rtol=1e-6, atol=0)
+
+
 def _tiny(path: Path):
     return load_config(path, ["--model.n_layers=2", "--model.max_seq_len=32", "--data.seq_len=32"])
 
@@ -183,6 +214,60 @@ def test_the_masters_kernel_steps_the_float32_weights_as_adamw_does(grad_clip: f
                 torch.testing.assert_close(ours.optimizer.state[p][key], expected, rtol=1e-5,
                                            atol=1e-6 * expected.abs().max().item(), msg=lambda m, k=key: f"{k}: {m}")
             assert ours.optimizer.state[p]["step"].item() == adamw.optimizer.state[q]["step"].item() == 3
+
+
+def test_the_step_plan_is_kept_while_the_gradients_stay_and_rebuilt_when_one_moves() -> None:
+    """TorchOptimization keeps its step plan (which gradients the norms read, the masters' kernel
+    tables) while every gradient stays at its address, and builds a new one when a gradient moves, a
+    parameter loses its gradient, the kernel policy changes or the optimizer state is loaded. Each
+    step equals, bit for bit, a step whose plan is built afresh (the kernel, Triton's interpreter on
+    CPU), in every weight, master and moment."""
+    config = load_config(ROOT / "configs" / "mode_integrated_tiny.yaml",
+                         ["--model.n_layers=2", "--model.max_seq_len=32", "--data.seq_len=32", "--model.d_model=32",
+                          "--model.n_heads=2", "--model.d_ff=64", "--routing.causal=predictor",
+                          "--train.grad_clip=1e-3"])
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, config.model.vocab_size, (2, 33), generator=gen).to(DEVICE) for _ in range(5)]
+
+    def built() -> TorchOptimization:
+        torch.manual_seed(0)
+        return TorchOptimization(LanguageModel(config).to(DEVICE), config, torch.device(DEVICE), keep_grads=True,
+                                 zero_grads=False, bf16_weights=True)
+
+    kept, fresh = built(), built()
+    plans = []
+    for index, tokens in enumerate(batches):
+        for optimization in (kept, fresh):
+            with torch.autocast(DEVICE, dtype=torch.bfloat16):
+                output = optimization.model(tokens[:, :-1], tokens[:, 1:])
+            for p in optimization.model.parameters():  # kept gradients, written afresh as a CUDA graph does
+                p.grad = torch.zeros_like(p) if p.grad is None else p.grad.zero_()
+            (output.loss + output.aux_loss).backward()
+            if index == 2:  # a gradient moves
+                optimization.model.lm_head.weight.grad = optimization.model.lm_head.weight.grad.clone()
+            if index == 3:  # a parameter without a gradient: AdamW leaves it alone
+                optimization.model.norm.weight.grad = None
+        fresh.plan = None
+        with use_kernels(KernelPolicy(optimizer=True, cpu=True)):
+            kept.step(1e-3)
+            fresh.step(1e-3)
+        plans.append(kept.plan)
+        for a, b in zip(kept.model.parameters(), fresh.model.parameters(), strict=True):
+            assert torch.equal(a, b)
+        for a, b in zip(kept.optimizer.param_groups, fresh.optimizer.param_groups, strict=True):
+            for p, q in zip(a["params"], b["params"], strict=True):
+                assert torch.equal(p, q)
+                state, reference = kept.optimizer.state[p], fresh.optimizer.state[q]
+                assert state.keys() == reference.keys()
+                assert all(torch.equal(state[k], reference[k]) for k in state)
+    assert plans[0].masters_step is not None and plans[0].float32_step is not None
+    assert plans[1] is plans[0] and plans[2] is not plans[1] and plans[3] is not plans[2]
+    assert plans[4] is not plans[3]  # the norm's gradient is back
+    with use_kernels(KernelPolicy(optimizer=False)):  # the policy changed: the PyTorch ops, a plan without launches
+        kept.step(1e-3)
+    assert kept.plan is not plans[4] and kept.plan.masters_step is None
+    kept.load_state_dict(kept.state_dict())
+    assert kept.plan is None
 
 
 def test_checkpoints_hold_the_masters_and_resume_bit_for_bit() -> None:

@@ -114,6 +114,40 @@ def step_updates(found: list[tuple[dict, list[Update]]], grad_scale: Tensor) -> 
         master_updates_(updates, grad_scale, group["lr"], group["betas"], group["eps"], group["weight_decay"])
 
 
+class MastersStep:
+    """step_updates' work as the masters' kernel launches (mode/kernels/adamw.py), their tables built
+    once: each run() steps the same weights from gradients at the same addresses (the caller keeps
+    that true: TorchOptimization rebuilds it when a gradient moves). Building the tables takes the
+    host milliseconds for a model with experts; running them takes one launch per MAX_TENSORS weights."""
+
+    def __init__(self, found: list[tuple[dict, list[Update]]]) -> None:
+        from mode.kernels.adamw import masters_launches  # Triton: imported where it runs
+
+        device = found[0][1][0][0].device
+        self.groups = [(group, [update[-1] for update in updates], masters_launches(updates),
+                        torch.zeros((), dtype=torch.float32, device=device))  # the group's lr, read on the device
+                       for group, updates in found]
+
+    @classmethod
+    def of(cls, found: list[tuple[dict, list[Update]]]) -> MastersStep | None:
+        """found's launches; None where the kernel does not run or does not take every update (then
+        step_updates steps them, leaving the rest to PyTorch ops)."""
+        updates = [update for _, group_updates in found for update in group_updates]
+        if not updates or not use_triton(updates[0][0], "optimizer"):
+            return None
+        from mode.kernels.adamw import kernel_takes  # Triton: imported where it runs
+
+        return cls(found) if all(kernel_takes(update) for update in updates) else None
+
+    def run(self, grad_scale: Tensor) -> None:
+        """One update, as step_updates(found, grad_scale) with each group's settings as they are now."""
+        for group, steps, launches, lr in self.groups:
+            torch._foreach_add_(steps, 1.0)
+            lr.fill_(group["lr"])
+            for launch in launches:
+                launch.run(grad_scale, lr, group["betas"], group["eps"], group["weight_decay"])
+
+
 class Bf16Weights:
     """params (float32, on one device) turned into bf16, each with a float32 master: the masters
     take the params' places in the optimizer's groups (in_groups), and step() updates them from the

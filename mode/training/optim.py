@@ -4,17 +4,22 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Iterator, Protocol, Sequence, runtime_checkable
 
 import torch
 from torch import Tensor, nn
 
 from mode.config import Config, ConfigError
 from mode.flops import train_step_flops
+from mode.kernels.policy import kernel_policy, use_triton
 from mode.routing import CausalPredictor
-from mode.training.bf16_weights import Bf16Weights, matrix_weights, step_updates
+from mode.training.bf16_weights import Bf16Weights, MastersStep, matrix_weights
 from mode.training.deferred_update import DeferredUpdate
+
+if TYPE_CHECKING:  # Triton: the kernel's module is imported where it runs
+    from mode.kernels.grad_norm import GradNorm
 
 
 # ----------------------------------------------------------------------------- schedule
@@ -156,6 +161,16 @@ def total_norm(grads: list[Tensor]) -> Tensor:
     return torch.linalg.vector_norm(torch.stack(norms))
 
 
+def grad_norm(grads: list[Tensor]) -> GradNorm | None:
+    """The kernel that norms grads (mode/kernels/grad_norm.py), where it runs and takes them all;
+    None: total_norm's PyTorch ops."""
+    if not grads or not use_triton(grads[0], "optimizer"):
+        return None
+    from mode.kernels.grad_norm import GradNorm  # Triton: imported where it runs
+
+    return GradNorm(grads) if all(GradNorm.takes(g) for g in grads) and len({g.device for g in grads}) == 1 else None
+
+
 def _clip_factor(norm: Tensor, max_norm: float) -> Tensor:
     return (max_norm / (norm + 1e-6)).clamp(max=1.0)
 
@@ -174,6 +189,25 @@ def split_predictor_parameters(model: nn.Module, predictor_ids: frozenset[int]) 
     """(the model's parameters, the causal predictors' parameters: predictor_parameter_ids), each with a gradient."""
     params = [p for p in model.parameters() if p.grad is not None]
     return [p for p in params if id(p) not in predictor_ids], [p for p in params if id(p) in predictor_ids]
+
+
+@dataclass
+class StepPlan:
+    """What TorchOptimization.step finds in its model each step: which gradients its norms and
+    clipping read, and the masters' kernel launches. Finding it walks every parameter and builds the
+    kernel's tables, host milliseconds for a model with experts, so a plan is kept while `key` holds:
+    every weight and gradient at the same address (a freed gradient comes back from the caching
+    allocator where it was), the same kernel policy, the same optimizer state object (load_state_dict
+    replaces it). It holds no gradient: a freed one must be free to come back."""
+
+    key: tuple
+    state: dict  # the optimizer's state when built: the launches' tables point at its moments
+    model: list[int]  # indices into TorchOptimization.params of the gradients in the global norm
+    predictors: list[int]  # the causal predictors', clipped by a norm of their own
+    scaled: list[int]  # those clipped_gradients scales (with bf16 weights, the masters' are divided in their update)
+    norm: GradNorm | None  # the kernel's norm of the model's gradients (None: total_norm's PyTorch ops)
+    float32_step: MastersStep | None  # with bf16 weights, the float32 weights' launches (None: optimizer.step)
+    masters_step: MastersStep | None  # the masters' launches (None: Bf16Weights.step, or the deferred update)
 
 
 class TorchOptimization:
@@ -211,6 +245,8 @@ class TorchOptimization:
             betas=(t.beta1, t.beta2),
             fused=device.type == "cuda",
         )
+        self.params = list(model.parameters())
+        self.plan: StepPlan | None = None  # built by the first step, kept while the gradients stay in place
         self.deferred: DeferredUpdate | None = None
         if defer_update:
             if self.bf16 is None or not keep_grads or zero_grads:
@@ -228,29 +264,53 @@ class TorchOptimization:
     def step(self, lr: float) -> Tensor:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        params, predictor_params = split_predictor_parameters(self.model, self.predictor_ids)
-        grads, predictor_grads = [p.grad for p in params], [p.grad for p in predictor_params]
-        norm = total_norm(grads)
+        grads_now = [p.grad for p in self.params]
+        plan = self._plan(grads_now)
+        grads, predictor_grads = [grads_now[i] for i in plan.model], [grads_now[i] for i in plan.predictors]
+        norm = total_norm(grads) if plan.norm is None else plan.norm()
         apart = [(predictor_grads, total_norm(predictor_grads))] if predictor_grads else []
         # bf16 weights' gradients: scaled inside their masters' update, not by clipped_gradients
-        float32_grads = grads if self.bf16 is None else [p.grad for p in params if not self.bf16.owns(p)]
+        float32_grads = [grads_now[i] for i in plan.scaled]
         # with bf16 weights the masters' kernel also steps the float32 weights, where it takes them all
-        float32_updates = None if self.bf16 is None else self.bf16.float32_updates(self.optimizer)
-        divides = None if float32_updates is None else True
+        divides = None if plan.float32_step is None else True
         with clipped_gradients(self.optimizer, float32_grads, norm, self.grad_clip, apart, divides) as grad_scale:
-            if float32_updates is None:
+            if plan.float32_step is None:
                 self.optimizer.step()  # every parameter but the masters, which have no gradient
         if self.bf16 is not None:  # the masters divide their gradients as fused AdamW did
             grad_scale = torch.ones_like(norm) if grad_scale is None else grad_scale
-            if float32_updates is not None:
-                step_updates(float32_updates, grad_scale)
+            if plan.float32_step is not None:
+                plan.float32_step.run(grad_scale)
             if self.deferred is not None:  # run by the next training forward, or by flush()
                 self.deferred.stage(lr, grad_scale)
-            else:
+            elif plan.masters_step is not None:
+                plan.masters_step.run(grad_scale)
+            else:  # the PyTorch ops, or a weight the kernel does not take
                 self.bf16.step(self.optimizer, grad_scale)
         if self.zero_grads or not self.keep_grads:
             self.model.zero_grad(set_to_none=not self.keep_grads)
         return norm.detach()
+
+    def _plan(self, grads: list[Tensor | None]) -> StepPlan:
+        """The step's plan for these gradients (of self.params): the last one while its key holds."""
+        key = (kernel_policy(), tuple((p.data_ptr(), 0 if g is None else g.data_ptr()) for p, g in zip(self.params, grads)))
+        plan = self.plan
+        if plan is None or plan.key != key or plan.state is not self.optimizer.state:
+            plan = self.plan = self._new_plan(key, grads)
+        return plan
+
+    def _new_plan(self, key: tuple, grads: list[Tensor | None]) -> StepPlan:
+        with_grads = [i for i, g in enumerate(grads) if g is not None]
+        predictors = [i for i in with_grads if id(self.params[i]) in self.predictor_ids]
+        model = [i for i in with_grads if id(self.params[i]) not in self.predictor_ids]
+        norm = grad_norm([grads[i] for i in model])
+        if self.bf16 is None:
+            return StepPlan(key, self.optimizer.state, model, predictors, model, norm, None, None)
+        scaled = [i for i in model if not self.bf16.owns(self.params[i])]
+        float32_updates = self.bf16.float32_updates(self.optimizer)
+        float32_step = None if float32_updates is None else MastersStep(float32_updates)
+        masters_step = None if self.deferred is not None else MastersStep.of(
+            self.bf16.updates(self.optimizer, self.bf16.params))
+        return StepPlan(key, self.optimizer.state, model, predictors, scaled, norm, float32_step, masters_step)
 
     def flush(self) -> None:
         """Apply an update still staged (defer_update): the model's weights are then the last step's."""
@@ -264,6 +324,7 @@ class TorchOptimization:
         return state if self.bf16 is None else self.bf16.masters_in(state)
 
     def load_model_state_dict(self, state: dict[str, Tensor]) -> None:
+        self.plan = None
         if self.deferred is not None:
             self.deferred.discard()
         self.model.load_state_dict(state)
@@ -275,6 +336,7 @@ class TorchOptimization:
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.plan = None  # it holds the replaced state's moments
         if self.deferred is not None:
             self.deferred.discard()
         self.optimizer.load_state_dict(state)

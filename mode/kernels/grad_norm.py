@@ -1,0 +1,82 @@
+"""The global 2-norm of many gradients that clipping reads, in one launch per dtype.
+
+torch._foreach_norm takes a launch per group of tensors and per dtype, its per-tensor norms then
+stacked and normed again: for a model with experts, some 30 launches reading the bf16 gradients
+at about half the card's bandwidth. Here a table on the device holds each gradient's address,
+size and first block (as the masters' update's table does, mode/kernels/adamw.py); each program
+sums the squares of one block in float32 and writes that one partial sum, and the partials are
+summed after it. Every sum is float32, as total_norm's per-tensor sums are (mode/training/optim.py);
+only the grouping of the additions differs. The blocks are fixed by the table, so the norm is the
+same bit for bit from step to step for the same gradients.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from mode.kernels.common import on_device_of
+
+BLOCK = 4096  # elements a program
+MAX_TENSORS = 256  # gradients a launch takes; more take more launches
+
+
+@triton.jit
+def _block_squares(table_ptr, n_tensors, out_ptr, BLOCK: tl.constexpr, TENSORS: tl.constexpr,
+                   FLOAT32: tl.constexpr):
+    """Program i: the sum of squares of block i (in the table's order of gradients and their blocks)."""
+    index = tl.program_id(0)
+    idx = tl.arange(0, TENSORS)
+    firsts = tl.load(table_ptr + 2 * n_tensors + idx, mask=idx < n_tensors, other=1 << 62)
+    t = tl.sum((firsts <= index).to(tl.int32), axis=0) - 1  # this program's gradient
+    n = tl.load(table_ptr + n_tensors + t)
+    g_ptr = tl.load(table_ptr + t).to(tl.pointer_type(tl.float32 if FLOAT32 else tl.bfloat16))
+    offs = (index - tl.load(table_ptr + 2 * n_tensors + t)) * BLOCK + tl.arange(0, BLOCK)
+    g = tl.load(g_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+    tl.store(out_ptr + index, tl.sum(g * g, axis=0))
+
+
+class GradNorm:
+    """The 2-norm of a fixed list of gradients (their addresses, sizes and dtypes, bf16 or float32),
+    its tables built once: each call reads the tensors at those addresses now (the caller keeps them
+    there: TorchOptimization's step plan)."""
+
+    def __init__(self, grads: list[Tensor]) -> None:
+        if not grads or not all(self.takes(g) for g in grads):
+            raise ValueError("GradNorm: bf16 or float32 gradients, contiguous, on one device (GradNorm.takes)")
+        device = grads[0].device
+        self.launches: list[tuple[Tensor, int, int, int, bool]] = []  # (table, tensors, first partial, blocks, float32)
+        programs = 0
+        for dtype in (torch.bfloat16, torch.float32):
+            kind = [g for g in grads if g.dtype == dtype]
+            for start in range(0, len(kind), MAX_TENSORS):
+                chunk = kind[start:start + MAX_TENSORS]
+                table, blocks = _table(chunk, device)
+                self.launches.append((table, len(chunk), programs, blocks, dtype == torch.float32))
+                programs += blocks
+        self.partials = torch.empty(programs, dtype=torch.float32, device=device)  # one sum a block
+
+    @staticmethod
+    def takes(grad: Tensor) -> bool:
+        return grad.dtype in (torch.bfloat16, torch.float32) and grad.is_contiguous() and grad.numel() > 0
+
+    def __call__(self) -> Tensor:
+        """The norm, 0-d float32 on the gradients' device."""
+        with on_device_of(self.partials):
+            for table, tensors, first, blocks, float32 in self.launches:
+                _block_squares[(blocks,)](table, tensors, self.partials[first:], BLOCK=BLOCK,
+                                          TENSORS=triton.next_power_of_2(tensors), FLOAT32=float32, num_warps=8)
+        return self.partials.sum().sqrt()
+
+
+def _table(grads: list[Tensor], device: torch.device) -> tuple[Tensor, int]:
+    """The (3, T) int64 table (address, size, first block) of grads on the device, and their blocks."""
+    columns, first = [], 0
+    for g in grads:
+        columns.append([g.data_ptr(), g.numel(), first])
+        first += triton.cdiv(g.numel(), BLOCK)
+    table = torch.tensor(columns, dtype=torch.int64).t().contiguous()  # (3, T)
+    if device.type == "cuda":
+        table = table.pin_memory().to(device, non_blocking=True)
+    return table, first
