@@ -23,7 +23,9 @@ the norm kernel (mode/kernels/grad_norm.py), its tables built beforehand.
 Last, mode.train's whole update (TorchOptimization.step with bf16 weights: the norm, clipping and
 every weight's update) of block_kinds' models (--models), each step started on an idle GPU: the
 host's ms to queue it and the wall ms until the GPU is done, with the step's plan kept from step to
-step (as training keeps it while the gradients stay in place) and built afresh at every step.
+step (as training keeps it), with every gradient moved before each step (the plan's tables
+rewritten, as where zero_grad frees the gradients and the backward allocates them elsewhere), and
+built afresh at every step.
 """
 from __future__ import annotations
 
@@ -123,11 +125,15 @@ def whole_steps(args: argparse.Namespace, device: torch.device) -> None:
             output = model(tokens[:, :-1], tokens[:, 1:])
         (output.loss + output.aux_loss).backward()
         weights = sum(p.numel() for p in model.parameters())
-        for kept in (True, False):
-            host, wall = [], []
+        for plan in ("kept", "gradients moved", "built each step"):
+            host, wall, moved = [], [], []
             for i in range(args.warmup + args.iters):
-                if not kept:
+                if plan == "built each step":
                     optimization.plan = None
+                if plan == "gradients moved":  # as zero_grad(set_to_none) and the next backward may leave them
+                    moved = [p.grad for p in model.parameters()]  # the old ones kept: the new ones land elsewhere
+                    for p in model.parameters():
+                        p.grad = p.grad.clone()
                 torch.cuda.synchronize()
                 start = time.perf_counter()
                 optimization.step(1e-4)
@@ -136,9 +142,9 @@ def whole_steps(args: argparse.Namespace, device: torch.device) -> None:
                 if i >= args.warmup:
                     host.append((queued - start) * 1e3)
                     wall.append((time.perf_counter() - start) * 1e3)
-            print(f"| {kind} | {weights / 1e6:.0f}M | {'kept' if kept else 'built each step'} | "
-                  f"{statistics.median(host):.2f} | {statistics.median(wall):.2f} |", flush=True)
-        del model, optimization, output
+            print(f"| {kind} | {weights / 1e6:.0f}M | {plan} | {statistics.median(host):.2f} | "
+                  f"{statistics.median(wall):.2f} |", flush=True)
+        del model, optimization, output, moved
         torch.cuda.empty_cache()
 
 

@@ -217,11 +217,12 @@ def test_the_masters_kernel_steps_the_float32_weights_as_adamw_does(grad_clip: f
 
 
 def test_the_step_plan_is_kept_while_the_gradients_stay_and_rebuilt_when_one_moves() -> None:
-    """TorchOptimization keeps its step plan (which gradients the norms read, the masters' kernel
-    tables) while every gradient stays at its address, and builds a new one when a gradient moves, a
-    parameter loses its gradient, the kernel policy changes or the optimizer state is loaded. Each
-    step equals, bit for bit, a step whose plan is built afresh (the kernel, Triton's interpreter on
-    CPU), in every weight, master and moment."""
+    """TorchOptimization keeps its step plan (which gradients the norms read, the kernels' tables)
+    from step to step; where a gradient moved it rewrites the tables' addresses; it builds a new one
+    when a parameter loses or regains its gradient, the kernel policy changes or the optimizer state
+    is loaded. Each step equals, bit for bit, a step whose plan is built afresh (the kernels, Triton's
+    interpreter on CPU), in every weight, master and moment. The moved gradient's old memory is kept
+    and scaled, so a table still reading it would step differently."""
     config = load_config(ROOT / "configs" / "mode_integrated_tiny.yaml",
                          ["--model.n_layers=2", "--model.max_seq_len=32", "--data.seq_len=32", "--model.d_model=32",
                           "--model.n_heads=2", "--model.d_ff=64", "--routing.causal=predictor",
@@ -235,7 +236,7 @@ def test_the_step_plan_is_kept_while_the_gradients_stay_and_rebuilt_when_one_mov
                                  zero_grads=False, bf16_weights=True)
 
     kept, fresh = built(), built()
-    plans = []
+    plans, left = [], []
     for index, tokens in enumerate(batches):
         for optimization in (kept, fresh):
             with torch.autocast(DEVICE, dtype=torch.bfloat16):
@@ -243,8 +244,11 @@ def test_the_step_plan_is_kept_while_the_gradients_stay_and_rebuilt_when_one_mov
             for p in optimization.model.parameters():  # kept gradients, written afresh as a CUDA graph does
                 p.grad = torch.zeros_like(p) if p.grad is None else p.grad.zero_()
             (output.loss + output.aux_loss).backward()
-            if index == 2:  # a gradient moves
-                optimization.model.lm_head.weight.grad = optimization.model.lm_head.weight.grad.clone()
+            if index == 2:  # gradients move, their old memory changed: a matrix (bf16) and the head (float32)
+                for p in (optimization.model.blocks[1].ffn.experts.w_in, optimization.model.lm_head.weight):
+                    left.append(p.grad)
+                    p.grad = p.grad.clone()
+                    left[-1].mul_(100.0)
             if index == 3:  # a parameter without a gradient: AdamW leaves it alone
                 optimization.model.norm.weight.grad = None
         fresh.plan = None
@@ -261,7 +265,7 @@ def test_the_step_plan_is_kept_while_the_gradients_stay_and_rebuilt_when_one_mov
                 assert state.keys() == reference.keys()
                 assert all(torch.equal(state[k], reference[k]) for k in state)
     assert plans[0].masters_step is not None and plans[0].float32_step is not None
-    assert plans[1] is plans[0] and plans[2] is not plans[1] and plans[3] is not plans[2]
+    assert plans[1] is plans[0] and plans[2] is plans[1] and plans[3] is not plans[2]
     assert plans[4] is not plans[3]  # the norm's gradient is back
     with use_kernels(KernelPolicy(optimizer=False)):  # the policy changed: the PyTorch ops, a plan without launches
         kept.step(1e-3)

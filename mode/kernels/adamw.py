@@ -39,6 +39,8 @@ from mode.kernels.common import on_device_of, store_rounded
 BLOCK = 1024  # elements a program (4 warps): the fastest of 1024-8192 on an H200 (python -m bench.optimizer)
 MAX_TENSORS = 256  # tensors a launch takes; more take more launches
 TABLE_ROWS = 8  # master, exp_avg, exp_avg_sq, grad, copy, step addresses; size; first block
+ADDRESSES = 6  # the table's rows of addresses
+GRAD_ROW = 3  # the one of gradients
 
 
 @triton.jit
@@ -226,7 +228,7 @@ def _table(updates: list[Update], block: int, device: torch.device | None) -> tu
         columns.append([0 if t is None else t.data_ptr() for t in update] + [n, first])
         first += triton.cdiv(n, block)
     table = torch.tensor(columns, dtype=torch.int64).t().contiguous()  # (TABLE_ROWS, T)
-    addresses = tuple(int(a) for column in columns for a in column[:6])
+    addresses = tuple(int(a) for column in columns for a in column[:ADDRESSES])
     if device is not None and device.type == "cuda":
         table = table.pin_memory().to(device, non_blocking=True)
     return table, first, addresses

@@ -20,6 +20,7 @@ from mode.kernels.common import on_device_of
 
 BLOCK = 4096  # elements a program
 MAX_TENSORS = 256  # gradients a launch takes; more take more launches
+ADDRESS_ROW = 0  # the table's row of gradient addresses
 
 
 @triton.jit
@@ -40,13 +41,14 @@ def _block_squares(table_ptr, n_tensors, out_ptr, BLOCK: tl.constexpr, TENSORS: 
 class GradNorm:
     """The 2-norm of a fixed list of gradients (their addresses, sizes and dtypes, bf16 or float32),
     its tables built once: each call reads the tensors at those addresses now (the caller keeps them
-    there: TorchOptimization's step plan)."""
+    there, or rewrites a table's ADDRESS_ROW where one moved: TorchOptimization's step plan)."""
 
     def __init__(self, grads: list[Tensor]) -> None:
         if not grads or not all(self.takes(g) for g in grads):
             raise ValueError("GradNorm: bf16 or float32 gradients, contiguous, on one device (GradNorm.takes)")
         device = grads[0].device
         self.launches: list[tuple[Tensor, int, int, int, bool]] = []  # (table, tensors, first partial, blocks, float32)
+        self.addresses: list[list[int]] = []  # each launch's gradients' addresses, in its table's order
         programs = 0
         for dtype in (torch.bfloat16, torch.float32):
             kind = [g for g in grads if g.dtype == dtype]
@@ -54,6 +56,7 @@ class GradNorm:
                 chunk = kind[start:start + MAX_TENSORS]
                 table, blocks = _table(chunk, device)
                 self.launches.append((table, len(chunk), programs, blocks, dtype == torch.float32))
+                self.addresses.append([g.data_ptr() for g in chunk])
                 programs += blocks
         self.partials = torch.empty(programs, dtype=torch.float32, device=device)  # one sum a block
 

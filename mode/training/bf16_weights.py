@@ -34,7 +34,7 @@ from mode.layers.experts import Experts
 from mode.layers.mlp import SwiGLU
 
 if TYPE_CHECKING:  # Triton: the kernel's module is imported where it runs
-    from mode.kernels.adamw import Update
+    from mode.kernels.adamw import MastersLaunch, Update
 
 
 def bf16_weights_apply(config: Config, device: torch.device, one_process: bool) -> tuple[bool, str | None]:
@@ -116,8 +116,8 @@ def step_updates(found: list[tuple[dict, list[Update]]], grad_scale: Tensor) -> 
 
 class MastersStep:
     """step_updates' work as the masters' kernel launches (mode/kernels/adamw.py), their tables built
-    once: each run() steps the same weights from gradients at the same addresses (the caller keeps
-    that true: TorchOptimization rebuilds it when a gradient moves). Building the tables takes the
+    once: each run() steps the same weights from the gradients at the tables' addresses (the caller
+    keeps them true: TorchOptimization's step plan rewrites a table's GRAD_ROW where a gradient moved). Building the tables takes the
     host milliseconds for a model with experts; running them takes one launch per MAX_TENSORS weights."""
 
     def __init__(self, found: list[tuple[dict, list[Update]]]) -> None:
@@ -138,6 +138,9 @@ class MastersStep:
         from mode.kernels.adamw import kernel_takes  # Triton: imported where it runs
 
         return cls(found) if all(kernel_takes(update) for update in updates) else None
+
+    def launches(self) -> list[MastersLaunch]:
+        return [launch for _, _, launches, _ in self.groups for launch in launches]
 
     def run(self, grad_scale: Tensor) -> None:
         """One update, as step_updates(found, grad_scale) with each group's settings as they are now."""

@@ -171,6 +171,25 @@ def grad_norm(grads: list[Tensor]) -> GradNorm | None:
     return GradNorm(grads) if all(GradNorm.takes(g) for g in grads) and len({g.device for g in grads}) == 1 else None
 
 
+def grad_columns(addresses: tuple[int, ...], norm: GradNorm | None,
+                 steps: list[MastersStep | None]) -> list[GradColumns]:
+    """The gradient-address rows of the norm's and the updates' tables, each column traced to its
+    parameter by the address it holds (addresses: each parameter's gradient's, 0 for none)."""
+    if norm is None and not any(steps):
+        return []
+    from mode.kernels.adamw import ADDRESSES, GRAD_ROW  # Triton: imported where it runs
+    from mode.kernels.grad_norm import ADDRESS_ROW
+
+    param_at = {address: i for i, address in enumerate(addresses) if address}
+    columns = [] if norm is None else [
+        GradColumns(launch[0], ADDRESS_ROW, [param_at[a] for a in held]) for launch, held in zip(norm.launches, norm.addresses)]
+    for step in steps:
+        for launch in [] if step is None else step.launches():
+            held = launch.addresses[GRAD_ROW::ADDRESSES]  # (the ones it was built with: point_at leaves them)
+            columns.append(GradColumns(launch.table, GRAD_ROW, [param_at[a] for a in held]))
+    return columns
+
+
 def _clip_factor(norm: Tensor, max_norm: float) -> Tensor:
     return (max_norm / (norm + 1e-6)).clamp(max=1.0)
 
@@ -192,22 +211,45 @@ def split_predictor_parameters(model: nn.Module, predictor_ids: frozenset[int]) 
 
 
 @dataclass
+class GradColumns:
+    """One kernel table's row of gradient addresses, and the parameters (indices into
+    TorchOptimization.params) whose gradients its columns read, in order."""
+
+    table: Tensor
+    row: int
+    params: list[int]
+
+    def point_at(self, addresses: tuple[int, ...]) -> None:
+        """Rewrite the row from the parameters' gradient addresses (of all params), in stream order."""
+        row = torch.tensor([addresses[i] for i in self.params], dtype=torch.int64)
+        self.table[self.row].copy_(row.pin_memory() if self.table.is_cuda else row, non_blocking=True)
+
+
+@dataclass
 class StepPlan:
     """What TorchOptimization.step finds in its model each step: which gradients its norms and
-    clipping read, and the masters' kernel launches. Finding it walks every parameter and builds the
-    kernel's tables, host milliseconds for a model with experts, so a plan is kept while `key` holds:
-    every weight and gradient at the same address (a freed gradient comes back from the caching
-    allocator where it was), the same kernel policy, the same optimizer state object (load_state_dict
-    replaces it). It holds no gradient: a freed one must be free to come back."""
+    clipping read, and the kernels' launches (the norm, the masters' and float32 weights' updates).
+    Finding it walks every parameter and builds the kernels' tables, host milliseconds for a model
+    with experts, so a plan is kept while `key` holds: every weight at the same address, the same
+    parameters with a gradient, the same kernel policy, the same optimizer state object
+    (load_state_dict replaces it). Where only gradients moved (freed by zero_grad and allocated
+    again elsewhere) the tables' address rows are rewritten (`columns`). It holds no gradient."""
 
     key: tuple
     state: dict  # the optimizer's state when built: the launches' tables point at its moments
+    addresses: tuple[int, ...]  # each parameter's gradient address the tables hold (0: none)
     model: list[int]  # indices into TorchOptimization.params of the gradients in the global norm
     predictors: list[int]  # the causal predictors', clipped by a norm of their own
     scaled: list[int]  # those clipped_gradients scales (with bf16 weights, the masters' are divided in their update)
     norm: GradNorm | None  # the kernel's norm of the model's gradients (None: total_norm's PyTorch ops)
     float32_step: MastersStep | None  # with bf16 weights, the float32 weights' launches (None: optimizer.step)
     masters_step: MastersStep | None  # the masters' launches (None: Bf16Weights.step, or the deferred update)
+    columns: list[GradColumns]  # every table's gradient addresses
+
+    def point_at(self, addresses: tuple[int, ...]) -> None:
+        for columns in self.columns:
+            columns.point_at(addresses)
+        self.addresses = addresses
 
 
 class TorchOptimization:
@@ -291,26 +333,31 @@ class TorchOptimization:
         return norm.detach()
 
     def _plan(self, grads: list[Tensor | None]) -> StepPlan:
-        """The step's plan for these gradients (of self.params): the last one while its key holds."""
-        key = (kernel_policy(), tuple((p.data_ptr(), 0 if g is None else g.data_ptr()) for p, g in zip(self.params, grads)))
+        """The step's plan for these gradients (of self.params): the last one while its key holds,
+        pointed at where the gradients are now."""
+        addresses = tuple(0 if g is None else g.data_ptr() for g in grads)
+        key = (kernel_policy(), tuple(p.data_ptr() for p in self.params), tuple(a == 0 for a in addresses))
         plan = self.plan
         if plan is None or plan.key != key or plan.state is not self.optimizer.state:
-            plan = self.plan = self._new_plan(key, grads)
+            plan = self.plan = self._new_plan(key, grads, addresses)
+        elif plan.addresses != addresses:
+            plan.point_at(addresses)
         return plan
 
-    def _new_plan(self, key: tuple, grads: list[Tensor | None]) -> StepPlan:
+    def _new_plan(self, key: tuple, grads: list[Tensor | None], addresses: tuple[int, ...]) -> StepPlan:
         with_grads = [i for i, g in enumerate(grads) if g is not None]
         predictors = [i for i in with_grads if id(self.params[i]) in self.predictor_ids]
         model = [i for i in with_grads if id(self.params[i]) not in self.predictor_ids]
         norm = grad_norm([grads[i] for i in model])
-        if self.bf16 is None:
-            return StepPlan(key, self.optimizer.state, model, predictors, model, norm, None, None)
-        scaled = [i for i in model if not self.bf16.owns(self.params[i])]
-        float32_updates = self.bf16.float32_updates(self.optimizer)
-        float32_step = None if float32_updates is None else MastersStep(float32_updates)
-        masters_step = None if self.deferred is not None else MastersStep.of(
-            self.bf16.updates(self.optimizer, self.bf16.params))
-        return StepPlan(key, self.optimizer.state, model, predictors, scaled, norm, float32_step, masters_step)
+        scaled, float32_step, masters_step = model, None, None
+        if self.bf16 is not None:
+            scaled = [i for i in model if not self.bf16.owns(self.params[i])]
+            float32_updates = self.bf16.float32_updates(self.optimizer)
+            float32_step = None if float32_updates is None else MastersStep(float32_updates)
+            masters_step = None if self.deferred is not None else MastersStep.of(
+                self.bf16.updates(self.optimizer, self.bf16.params))
+        return StepPlan(key, self.optimizer.state, addresses, model, predictors, scaled, norm, float32_step,
+                        masters_step, grad_columns(addresses, norm, [float32_step, masters_step]))
 
     def flush(self) -> None:
         """Apply an update still staged (defer_update): the model's weights are then the last step's."""
