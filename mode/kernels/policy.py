@@ -58,7 +58,7 @@ class KernelPolicy:
     grouped_mm: the experts' grouped GEMMs over a decode step's few rows (inference), each
         expert's weights streamed once.
     optimizer: AdamW on a float32 master weight writing its bf16 copy in the same pass
-        (train.bf16_weights).
+        (train.bf16_weights), and the gradients' global norm that clipping reads.
     cpu: also CPU tensors, through Triton's interpreter (tests); CUDA-only PyTorch paths (the
         bf16 router GEMM) take their CPU fallbacks then.
     """
