@@ -117,8 +117,9 @@ def step_updates(found: list[tuple[dict, list[Update]]], grad_scale: Tensor) -> 
 class MastersStep:
     """step_updates' work as the masters' kernel launches (mode/kernels/adamw.py), their tables built
     once: each run() steps the same weights from the gradients at the tables' addresses (the caller
-    keeps them true: TorchOptimization's step plan rewrites a table's GRAD_ROW where a gradient moved). Building the tables takes the
-    host milliseconds for a model with experts; running them takes one launch per MAX_TENSORS weights."""
+    keeps them true: TorchOptimization's step plan rewrites a table's GRAD_ROW where a gradient
+    moved). Building the tables takes the host milliseconds for a model with experts; running them
+    takes one launch per MAX_TENSORS weights."""
 
     def __init__(self, found: list[tuple[dict, list[Update]]]) -> None:
         from mode.kernels.adamw import masters_launches  # Triton: imported where it runs

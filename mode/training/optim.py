@@ -308,8 +308,8 @@ class TorchOptimization:
             group["lr"] = lr
         grads_now = [p.grad for p in self.params]
         plan = self._plan(grads_now)
-        grads, predictor_grads = [grads_now[i] for i in plan.model], [grads_now[i] for i in plan.predictors]
-        norm = total_norm(grads) if plan.norm is None else plan.norm()
+        predictor_grads = [grads_now[i] for i in plan.predictors]
+        norm = total_norm([grads_now[i] for i in plan.model]) if plan.norm is None else plan.norm()
         apart = [(predictor_grads, total_norm(predictor_grads))] if predictor_grads else []
         # bf16 weights' gradients: scaled inside their masters' update, not by clipped_gradients
         float32_grads = [grads_now[i] for i in plan.scaled]
