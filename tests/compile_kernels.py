@@ -39,6 +39,16 @@ from mode.kernels import (  # noqa: E402
 
 BF16, F32, I64, I32, I32P = "*bf16", "*fp32", "*i64", "i32", "*i32"
 
+
+def put_gated_rows(x: str, has_ids: bool, gate: int, has_keep: bool = True) -> tuple:
+    """One variant of a routed layer's one-kernel update (rows.put_gated_rows_): x's dtype, row ids
+    and kept rows or not (another pointer stands in, as put_gated_rows_ passes), the gate kind
+    (rows.GATE_KINDS)."""
+    ids = I64 if has_ids else BF16
+    return (rows, "_put_gated_rows", dict(x_ptr=x, ids_ptr=ids, keep_ptr="*u8" if has_keep else ids, a_ptr=BF16,
+                                          b_ptr=BF16, gates_ptr=F32, n_rows=I32, width=I32, HAS_IDS=has_ids,
+                                          HAS_KEEP=has_keep, GATE=gate, BLOCK_R=4, BLOCK_D=256))
+
 # (module, kernel, argument types in order (constexpr arguments as values), as the layers launch it)
 KERNELS = [
     (rotary, "_rotary_qkv_fwd", dict(qkv_ptr=BF16, out_ptr=BF16, cos_ptr=F32, sin_ptr=F32, seq=I32, cos_stride_b=I32,
@@ -160,28 +170,18 @@ KERNELS = [
     (rows, "_add_gated_rows", dict(x_ptr=F32, ids_ptr=I64, gates_ptr=F32, rows_ptr=BF16, n_rows=I32, width=I32,
                                    BLOCK_R=4, BLOCK_D=256)),
     # a compacted decode step's routed update, bf16 rows into bf16 and float32 hidden states
-    (rows, "_put_gated_rows", dict(x_ptr=BF16, ids_ptr=I64, keep_ptr="*u8", a_ptr=BF16, b_ptr=BF16, gates_ptr=F32,
-                                   n_rows=I32, width=I32, HAS_IDS=True, HAS_KEEP=True, GATE=0, BLOCK_R=4,
-                                   BLOCK_D=256)),
-    (rows, "_put_gated_rows", dict(x_ptr=F32, ids_ptr=I64, keep_ptr="*u8", a_ptr=BF16, b_ptr=BF16, gates_ptr=F32,
-                                   n_rows=I32, width=I32, HAS_IDS=True, HAS_KEEP=True, GATE=0, BLOCK_R=4,
-                                   BLOCK_D=256)),
+    put_gated_rows(x=BF16, has_ids=True, gate=0),
+    put_gated_rows(x=F32, has_ids=True, gate=0),
     # the router's scores gated in the kernel: compacted rows (sigmoid) and a masked step (identity)
-    (rows, "_put_gated_rows", dict(x_ptr=BF16, ids_ptr=I64, keep_ptr="*u8", a_ptr=BF16, b_ptr=BF16, gates_ptr=F32,
-                                   n_rows=I32, width=I32, HAS_IDS=True, HAS_KEEP=True, GATE=2, BLOCK_R=4,
-                                   BLOCK_D=256)),
-    (rows, "_put_gated_rows", dict(x_ptr=BF16, ids_ptr=BF16, keep_ptr="*u8", a_ptr=BF16, b_ptr=BF16, gates_ptr=F32,
-                                   n_rows=I32, width=I32, HAS_IDS=False, HAS_KEEP=True, GATE=1, BLOCK_R=4,
-                                   BLOCK_D=256)),
+    put_gated_rows(x=BF16, has_ids=True, gate=2),
+    put_gated_rows(x=BF16, has_ids=False, gate=1),
     # a decode step's experts: [gate | up] and down over a few bf16 rows
     (grouped_mm, "_grouped_rows_mm", dict(x_ptr=BF16, w_ptr=BF16, ends_ptr=I32P, out_ptr=BF16, K=I32, N=I32,
                                           BLOCK_M=16, BLOCK_N=128, BLOCK_K=64)),
     (grouped_mm, "_grouped_rows_mm", dict(x_ptr=BF16, w_ptr=BF16, ends_ptr=I32P, out_ptr=BF16, K=I32, N=I32,
                                           BLOCK_M=64, BLOCK_N=64, BLOCK_K=128)),
     # a prefill's routed update of its packed tokens: every row kept
-    (rows, "_put_gated_rows", dict(x_ptr=BF16, ids_ptr=I64, keep_ptr=I64, a_ptr=BF16, b_ptr=BF16, gates_ptr=F32,
-                                   n_rows=I32, width=I32, HAS_IDS=True, HAS_KEEP=False, GATE=2, BLOCK_R=4,
-                                   BLOCK_D=256)),
+    put_gated_rows(x=BF16, has_ids=True, gate=2, has_keep=False),
     (rows, "_combine_backward", dict(grad_ptr=F32, ids_ptr=I64, rows_ptr=BF16, gates_ptr=F32, grad_rows_ptr=BF16,
                                      grad_gates_ptr=F32, n_rows=I32, width=I32, BLOCK_R=4, BLOCK_D=512)),
     (rows, "_combine_backward", dict(grad_ptr=BF16, ids_ptr=I64, rows_ptr=BF16, gates_ptr=F32, grad_rows_ptr=BF16,
