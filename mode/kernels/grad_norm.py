@@ -44,7 +44,7 @@ class GradNorm:
     there, or rewrites a table's ADDRESS_ROW where one moved: TorchOptimization's step plan)."""
 
     def __init__(self, grads: list[Tensor]) -> None:
-        if not grads or not all(self.takes(g) for g in grads):
+        if not self.takes(grads):
             raise ValueError("GradNorm: bf16 or float32 gradients, contiguous, on one device (GradNorm.takes)")
         device = grads[0].device
         self.launches: list[tuple[Tensor, int, int, int, bool]] = []  # (table, tensors, first partial, blocks, float32)
@@ -61,8 +61,11 @@ class GradNorm:
         self.partials = torch.empty(programs, dtype=torch.float32, device=device)  # one sum a block
 
     @staticmethod
-    def takes(grad: Tensor) -> bool:
-        return grad.dtype in (torch.bfloat16, torch.float32) and grad.is_contiguous() and grad.numel() > 0
+    def takes(grads: list[Tensor]) -> bool:
+        """Whether one GradNorm can norm grads: some, each bf16 or float32, contiguous and not empty,
+        all on one device."""
+        return bool(grads) and len({g.device for g in grads}) == 1 and all(
+            g.dtype in (torch.bfloat16, torch.float32) and g.is_contiguous() and g.numel() > 0 for g in grads)
 
     def __call__(self) -> Tensor:
         """The norm, 0-d float32 on the gradients' device."""

@@ -168,7 +168,7 @@ def grad_norm(grads: list[Tensor]) -> GradNorm | None:
         return None
     from mode.kernels.grad_norm import GradNorm  # Triton: imported where it runs
 
-    return GradNorm(grads) if all(GradNorm.takes(g) for g in grads) and len({g.device for g in grads}) == 1 else None
+    return GradNorm(grads) if GradNorm.takes(grads) else None
 
 
 def grad_columns(addresses: tuple[int, ...], norm: GradNorm | None,
