@@ -17,8 +17,8 @@ def on_device_of(t: Tensor) -> contextlib.AbstractContextManager:
 
 
 # Triton's interpreter (TRITON_INTERPRET=1, read when the kernels are defined, as Triton reads it)
-# runs the kernels on CPU tensors in the tests.
-_INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+# runs the kernels on CPU tensors in the tests; a kernel that must work around it reads this.
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
 @triton.jit
@@ -29,7 +29,7 @@ def store_rounded(ptr, x, mask):
     the rounding is done on the bits first (then exact). Only there: on the GPU the bit
     arithmetic would slow every elementwise kernel.
     """
-    if _INTERPRETED:
+    if INTERPRETED:
         if ptr.dtype.element_ty == tl.bfloat16:
             x = _bf16_nearest_even(x)
     tl.store(ptr, x.to(ptr.dtype.element_ty), mask=mask)
@@ -47,7 +47,7 @@ def _bf16_nearest_even(x):
 def rounded_as(x, ptr):
     """Float32 x rounded to nearest even in ptr's dtype, as float32 again (what a PyTorch op in
     that dtype would have stored); the interpreter's truncation corrected as in store_rounded."""
-    if _INTERPRETED:
+    if INTERPRETED:
         if ptr.dtype.element_ty == tl.bfloat16:
             return _bf16_nearest_even(x)
     return x.to(ptr.dtype.element_ty).to(tl.float32)

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from mode.kernels.common import _INTERPRETED, on_device_of, store_rounded
+from mode.kernels.common import INTERPRETED, on_device_of, store_rounded
 
 # (BLOCK_N, BLOCK_K, stages), the fastest tried on an H200 for 8 experts of 1024 x 5632 (the
 # SwiGLU experts' [gate | up]) and 2816 x 1024 (down) with 8 to 256 rows: wide column tiles for the
@@ -45,7 +45,7 @@ def _grouped_rows_mm(x_ptr, w_ptr, ends_ptr, out_ptr, K, N, BLOCK_M: tl.constexp
             k = k0 + kk
             a = tl.load(x_ptr + m[:, None] * K + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
             b = tl.load(w_expert + k[:, None] * N + n[None, :], mask=(k < K)[:, None] & (n < N)[None, :], other=0.0)
-            if _INTERPRETED:  # the interpreter's dot takes 16-bit operands as raw bits: widen them
+            if INTERPRETED:  # the interpreter's dot takes 16-bit operands as raw bits: widen them
                 acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
             else:
                 acc = tl.dot(a, b, acc)
