@@ -208,8 +208,10 @@ KERNELS = [
                                    decay="fp32", BLOCK=1024, TENSORS=64, HAS_ACTIVE=False, FLOAT32=True)),
     (adamw, "_count_steps", dict(table_ptr=I64, n_tensors=I32, active_ptr=F32, TENSORS=8)),
     # the gradients' global norm: each block's sum of squares, bf16 and float32 gradients
-    (grad_norm, "_block_squares", dict(table_ptr=I64, n_tensors=I32, out_ptr=F32, BLOCK=4096, TENSORS=64, FLOAT32=False)),
-    (grad_norm, "_block_squares", dict(table_ptr=I64, n_tensors=I32, out_ptr=F32, BLOCK=4096, TENSORS=64, FLOAT32=True)),
+    (grad_norm, "_block_squares", dict(table_ptr=I64, owner_ptr=I32P, n_tensors=I32, out_ptr=F32, BLOCK=4096,
+                                       FLOAT32=False)),
+    (grad_norm, "_block_squares", dict(table_ptr=I64, owner_ptr=I32P, n_tensors=I32, out_ptr=F32, BLOCK=4096,
+                                       FLOAT32=True)),
     # the norms of the float32 residual stream into bf16 (with the residual add, and a float32 output)
     (rms_norm, "_rms_norm_fwd", dict(x_ptr=F32, a_ptr=F32, w_ptr=F32, h_ptr=F32, y_ptr=BF16, rstd_ptr=F32, width=I32,
                                      eps="fp32", ADD=False, BLOCK=1024)),

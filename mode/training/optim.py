@@ -231,9 +231,10 @@ class StepPlan:
     clipping read, and the kernels' launches (the norm, the masters' and float32 weights' updates).
     Finding it walks every parameter and builds the kernels' tables, host milliseconds for a model
     with experts, so a plan is kept while `key` holds: every weight at the same address, the same
-    parameters with a gradient, the same kernel policy, the same optimizer state object
-    (load_state_dict replaces it). Where only gradients moved (freed by zero_grad and allocated
-    again elsewhere) the tables' address rows are rewritten (`columns`). It holds no gradient."""
+    parameters with a gradient, each gradient as aligned as it was, the same kernel policy, the same
+    optimizer state object (load_state_dict replaces it). Where only gradients moved (freed by
+    zero_grad and allocated again elsewhere) the tables' address rows are rewritten (`columns`). It
+    holds no gradient."""
 
     key: tuple
     state: dict  # the optimizer's state when built: the launches' tables point at its moments
@@ -336,7 +337,10 @@ class TorchOptimization:
         """The step's plan for these gradients (of self.params): the last one while its key holds,
         pointed at where the gradients are now."""
         addresses = tuple(0 if g is None else g.data_ptr() for g in grads)
-        key = (kernel_policy(), tuple(p.data_ptr() for p in self.params), tuple(a == 0 for a in addresses))
+        # which parameters have a gradient, and which gradients the kernels can read 16 bytes at a time
+        # (kernel_takes, GradNorm.takes): a gradient moved off that alignment needs a plan without them
+        layout = tuple(None if a == 0 else a % 16 == 0 for a in addresses)
+        key = (kernel_policy(), tuple(p.data_ptr() for p in self.params), layout)
         plan = self.plan
         if plan is None or plan.key != key or plan.state is not self.optimizer.state:
             plan = self.plan = self._new_plan(key, grads, addresses)
