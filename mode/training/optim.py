@@ -330,8 +330,19 @@ class TorchOptimization:
             else:  # the PyTorch ops, or a weight the kernel does not take
                 self.bf16.step(self.optimizer, grad_scale)
         if self.zero_grads or not self.keep_grads:
-            self.model.zero_grad(set_to_none=not self.keep_grads)
+            self._clear_grads()
         return norm.detach()
+
+    def _clear_grads(self) -> None:
+        """Free the model's gradients, or zero them in place where kept. Over self.params, not
+        Module.zero_grad, which walks every module to find them on the host at each step."""
+        if self.keep_grads:
+            grads = [p.grad for p in self.params if p.grad is not None]
+            if grads:
+                torch._foreach_zero_(grads)
+        else:
+            for p in self.params:
+                p.grad = None
 
     def _plan(self, grads: list[Tensor | None]) -> StepPlan:
         """The step's plan for these gradients (of self.params): the last one while its key holds,
