@@ -20,12 +20,12 @@ Then the gradients' global norm that clipping reads, over the same weights' grad
 matrices, float32 for the rest): torch._foreach_norm by dtype (total_norm's PyTorch ops) against
 the norm kernel (mode/kernels/grad_norm.py), its tables built beforehand.
 
-Last, mode.train's whole update (TorchOptimization.step with bf16 weights: the norm, clipping and
-every weight's update) of block_kinds' models (--models), each step started on an idle GPU: the
-host's ms to queue it and the wall ms until the GPU is done, with the step's plan kept from step to
-step (as training keeps it), with every gradient moved before each step (the plan's tables
-rewritten, as where zero_grad frees the gradients and the backward allocates them elsewhere), and
-built afresh at every step.
+Last, mode.train's whole update (TorchOptimization.step with bf16 weights: the norm, clipping,
+every weight's update and freeing the gradients, as a compiled or plain eager step does) of
+block_kinds' models (--models), each step started on an idle GPU: the host's ms to queue it and the
+wall ms until the GPU is done, with the step's plan kept from step to step (as training keeps it),
+with every gradient moved before each step (the plan's tables rewritten, as where the next backward
+allocates the freed gradients elsewhere), and built afresh at every step.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from typing import Callable
 import torch
 
 from bench.block_kinds import kind_config
-from bench.common import add_model_args, require_cuda, timed
+from bench.common import add_model_args, require_cuda, sync, timed
 from mode.kernels import adamw as kernel
 from mode.model import LanguageModel
 from mode.training.bf16_weights import matrix_weights
@@ -112,40 +112,46 @@ def norms(grads: list[torch.Tensor], args: argparse.Namespace, device: torch.dev
 
 
 def whole_steps(args: argparse.Namespace, device: torch.device) -> None:
-    """The rows of mode.train's whole update, each of --models with its gradients from one short batch."""
+    """The rows of mode.train's whole update, each of --models with its gradients from one short batch,
+    freed by each step as in a compiled or plain eager step (handed back before the next)."""
     print("\n| model | weights | the step's plan | host ms | wall ms |")
     print("| --- | --- | --- | --- | --- |")
     for kind in args.models:
         config = kind_config(kind, argparse.Namespace(**vars(args), seq=2048, noop=8))
         torch.manual_seed(0)
         model = LanguageModel(config).to(device)
-        optimization = TorchOptimization(model, config, device, keep_grads=True, zero_grads=False, bf16_weights=True)
+        optimization = TorchOptimization(model, config, device, bf16_weights=True)
         tokens = torch.randint(0, args.vocab, (1, 257), device=device)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(device.type, dtype=torch.bfloat16):
             output = model(tokens[:, :-1], tokens[:, 1:])
         (output.loss + output.aux_loss).backward()
-        weights = sum(p.numel() for p in model.parameters())
+        params = list(model.parameters())
+        grads = [p.grad for p in params]
+        weights = sum(p.numel() for p in params)
         for plan in ("kept", "gradients moved", "built each step"):
-            host, wall, moved = [], [], []
+            host, wall, previous = [], [], []
             for i in range(args.warmup + args.iters):
                 if plan == "built each step":
                     optimization.plan = None
-                if plan == "gradients moved":  # as zero_grad(set_to_none) and the next backward may leave them
-                    moved = [p.grad for p in model.parameters()]  # the old ones kept: the new ones land elsewhere
-                    for p in model.parameters():
-                        p.grad = p.grad.clone()
-                torch.cuda.synchronize()
+                # the same gradients again; "moved": copies, as the next backward may leave them elsewhere
+                # (the last step's copies still held, so that these land elsewhere)
+                current = [g.clone() for g in grads] if plan == "gradients moved" else grads
+                for p, g in zip(params, current):
+                    p.grad = g
+                previous = current
+                sync(device)
                 start = time.perf_counter()
                 optimization.step(1e-4)
                 queued = time.perf_counter()
-                torch.cuda.synchronize()
+                sync(device)
                 if i >= args.warmup:
                     host.append((queued - start) * 1e3)
                     wall.append((time.perf_counter() - start) * 1e3)
             print(f"| {kind} | {weights / 1e6:.0f}M | {plan} | {statistics.median(host):.2f} | "
                   f"{statistics.median(wall):.2f} |", flush=True)
-        del model, optimization, output, moved
-        torch.cuda.empty_cache()
+        del model, optimization, output, grads, params, previous, current
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def fused_adamw_ms(weights: list[torch.Tensor], grads: list[torch.Tensor], args: argparse.Namespace,
