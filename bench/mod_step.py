@@ -122,6 +122,7 @@ class Runner:
         base = torch.cuda.memory_allocated() if device.type == "cuda" else 0
         torch.manual_seed(0)
         self.model = LanguageModel(config).to(device)
+        self.params = list(self.model.parameters())
         set_attention_backend(self.model, attention)
         options = COMPILE[mode]
         self.forward = self.model if options is None else torch.compile(self.model, **options)
@@ -159,7 +160,8 @@ class Runner:
         if self.micro_step is not None:
             self.micro_step(self.x, self.y)
             return
-        self.model.zero_grad(set_to_none=True)  # the model's: with bf16 weights the optimizer holds masters
+        for p in self.params:  # the model's: with bf16 weights the optimizer holds masters
+            p.grad = None  # (from a list, as mode.train's step frees them, not zero_grad's walk of every module)
         if self.graphs:
             torch.compiler.cudagraph_mark_step_begin()
         with self.autocast:
