@@ -4,12 +4,12 @@ torch._foreach_norm takes a launch per group of tensors and per dtype, its per-t
 stacked and normed again: for a model with experts, some 30 launches reading the bf16 gradients
 at about half the card's bandwidth. Here a table on the device holds each gradient's address,
 size and first block (as the masters' update's table does, mode/kernels/adamw.py), and a map from
-each program to its gradient; each program sums the squares of one block in float32 and writes
-that one partial sum, and the partials are summed after it. (Finding its gradient by comparing its
-index with every gradient's first block, as the update's kernel does, made each program reduce
-over the table first: 1.6 x the time, bench.optimizer.) Every sum is float32, as total_norm's per-tensor sums are (mode/training/optim.py);
-only the grouping of the additions differs. The blocks are fixed by the table, so the norm is the
-same bit for bit from step to step for the same gradients.
+each program to its gradient (finding it from the table, as the update's kernel does, costs each
+program a reduction over the table before its one load); each program sums the squares of one
+block in float32 and writes that one partial sum, and the partials are summed after it. Every sum
+is float32, as total_norm's per-tensor sums are (mode/training/optim.py); only the grouping of the
+additions differs. The blocks are fixed by the table, so the norm is the same bit for bit from
+step to step for the same gradients.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from torch import Tensor
 
 from mode.kernels.common import on_device_of
 
-BLOCK = 4096  # elements a program (4 warps): the fastest of those tried on an H200 (bench.optimizer)
+BLOCK = 4096  # elements a program (4 warps): the fastest tried on an H200 (bench/results/, 2026-11-29)
 ADDRESS_ROW = 0  # the table's row of gradient addresses
 
 
@@ -50,7 +50,8 @@ class GradNorm:
 
     def __init__(self, grads: list[Tensor]) -> None:
         if not self.takes(grads):
-            raise ValueError("GradNorm: bf16 or float32 gradients, contiguous, on one device (GradNorm.takes)")
+            raise ValueError("GradNorm: bf16 or float32 gradients, contiguous, 16-byte aligned, on one device "
+                             "(GradNorm.takes)")
         device = grads[0].device
         # (table, each program's gradient, gradients, first partial, blocks, float32), one a dtype
         self.launches: list[tuple[Tensor, Tensor, int, int, int, bool]] = []

@@ -232,9 +232,9 @@ class StepPlan:
     Finding it walks every parameter and builds the kernels' tables, host milliseconds for a model
     with experts, so a plan is kept while `key` holds: every weight at the same address, the same
     parameters with a gradient, each gradient as aligned as it was, the same kernel policy, the same
-    optimizer state object (load_state_dict replaces it). Where only gradients moved (freed by
-    zero_grad and allocated again elsewhere) the tables' address rows are rewritten (`columns`). It
-    holds no gradient."""
+    optimizer state object (load_state_dict replaces it). Where only gradients moved (freed after a
+    step and allocated again elsewhere by the next backward) the tables' address rows are rewritten
+    (`columns`). It holds no gradient."""
 
     key: tuple
     state: dict  # the optimizer's state when built: the launches' tables point at its moments
