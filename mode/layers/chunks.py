@@ -76,19 +76,18 @@ class GatedAdd:
         return self.put_gated(*target, a, out, scores, gate)
 
     @staticmethod
-    def put_gated(target: Tensor, ids: Tensor | None, keep: Tensor | None, a: Tensor, out: Tensor, gates: Tensor,
-                  gate: str | None = None) -> Tensor:
+    def put_gated(target: Tensor, ids: Tensor | None, keep: Tensor | None, a: Tensor, out: Tensor, scores: Tensor,
+                  gate: str) -> Tensor:
         """add_gated's rounding in one kernel (rows.put_gated_rows_), in place: target (..., D) at flat
-        rows ids (n,) (None: row r) += gates * (a + out) where keep (n,) (None: every row); a, out
-        (n, ..., D). gate given: gates are router scores, one per row of target, and each row's gate
-        is gate's g of its target row's score."""
+        rows ids (n,) (None: row r) += g(score) * (a + out) where keep (n,) (None: every row); a, out
+        (n, ..., D); scores one per row of target, g the router's gate function (apply_gate)."""
         from mode.kernels.common import on_device_of
         from mode.kernels.rows import put_gated_rows_
 
         width = target.shape[-1]
         with on_device_of(target):
             put_gated_rows_(target.view(-1, width), ids, keep, a.reshape(-1, width), out.reshape(-1, width),
-                            gates.reshape(-1), gate)
+                            scores.reshape(-1), gate)
         return target
 
 
