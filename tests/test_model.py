@@ -77,14 +77,20 @@ def test_models_of_two_capacities_compile_in_one_process() -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Inductor's Triton kernels need a GPU")
-@pytest.mark.parametrize("routing", [{}, {"causal": "aux_loss"}, {"causal": "predictor"}], ids=["top-k", "aux_loss", "predictor"])
-def test_compiled_model_on_the_gpu_matches_eager(routing: dict) -> None:
+@pytest.mark.parametrize("pattern, routing", [
+    (["dense", "mod"], {}),
+    (["dense", "mod"], {"causal": "aux_loss"}),
+    (["dense", "mod"], {"causal": "predictor"}),
+    (["dense", "mode_staged"], {}),  # the inner MoE sums its rows into the attention's output
+    (["dense", "mode_integrated"], {}),
+], ids=["top-k", "aux_loss", "predictor", "staged", "integrated"])
+def test_compiled_model_on_the_gpu_matches_eager(pattern: list[str], routing: dict) -> None:
     """On CUDA under bf16 autocast, as training runs it: the compiled model builds (torch 2.11's
     Triton once failed on a kernel fusing the loss's one-hot with causal routing's BCE) and gives
     eager's loss and gradients to bf16 rounding."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = tiny(["dense", "mod"], routing).cuda()
+    model = tiny(pattern, routing).cuda()
     tokens = torch.randint(0, 256, (4, 33), device="cuda")
     results = []
     for run in (model, torch.compile(model, fullgraph=True)):

@@ -724,7 +724,12 @@ def test_staged_mode_causal_routing_keeps_padding_out_of_the_inner_moe(scheme: s
     torch.manual_seed(3)
     staged = StagedMoDEBlock(model_cfg(), RoutingConfig(causal="aux_loss"), moe_cfg(n_noop=N_NOOP, **SCHEMES[scheme])).double()
     seen = {}
-    hook = staged.block.ffn.register_forward_hook(lambda m, args, out: seen.update(x=args[0], valid=args[1], out=out[0]))
+
+    def record(module, args, out):  # the MoE's own output: the block passes the attention's as residual
+        residual = args[5]
+        seen.update(x=args[0], valid=args[1], out=out[0] - residual)
+
+    hook = staged.block.ffn.register_forward_hook(record)
     _, info = staged(inputs(batch=6), angles(), causal=True)
     hook.remove()
     valid = info.routing.valid  # (B, K)

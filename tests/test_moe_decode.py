@@ -159,8 +159,8 @@ def staged_model(**moe) -> LanguageModel:
 def static_calls(model: LanguageModel, monkeypatch) -> list:
     """Each MoE FFN call's static flag, recorded."""
     seen, forward = [], MoEFFN.forward
-    monkeypatch.setattr(MoEFFN, "forward", lambda self, x, valid=None, causal=False, static=False, with_stats=True: (
-        seen.append(static) or forward(self, x, valid, causal, static, with_stats)))
+    monkeypatch.setattr(MoEFFN, "forward", lambda self, x, valid=None, causal=False, static=False, with_stats=True, residual=None: (
+        seen.append(static) or forward(self, x, valid, causal, static, with_stats, residual)))
     return seen
 
 
@@ -194,10 +194,10 @@ def test_a_static_step_gives_experts_only_the_kept_rows(compact_rows: bool, monk
             module.use_by_ends = True  # the GPU's grouped GEMMs over device-side ends, on CPU
     calls, forward, by_ends = [], MoEFFN.forward, Experts.by_ends
 
-    def recorded_forward(self, x, valid=None, causal=False, static=False, with_stats=True):
+    def recorded_forward(self, x, valid=None, causal=False, static=False, with_stats=True, residual=None):
         if static:  # [rows kept x top-k, rows held], then by_ends' rows computed
             calls.append([int(valid.sum()) * self.router.top_k, x.shape[0]])
-        return forward(self, x, valid, causal, static, with_stats)
+        return forward(self, x, valid, causal, static, with_stats, residual)
 
     def recorded_by_ends(self, xs, ends, *args, **kwargs):
         if calls and len(calls[-1]) == 2:  # a static pass's (the prefill's run by ends too)
@@ -270,8 +270,8 @@ def test_the_host_read_check_fails_the_causal_experts(pattern: str, monkeypatch)
     decoder = Decoder(model, 3, 16, routed_rows="masked", compact_rows=False)
     decoder.prefill([[1, 2, 3], [4, 5], [6, 7, 8, 9]])
     forward = MoEFFN.forward
-    monkeypatch.setattr(MoEFFN, "forward", lambda self, x, valid=None, causal=False, static=False, with_stats=True: (
-        forward(self, x, valid, causal or static, with_stats=with_stats)))
+    monkeypatch.setattr(MoEFFN, "forward", lambda self, x, valid=None, causal=False, static=False, with_stats=True, residual=None: (
+        forward(self, x, valid, causal or static, with_stats=with_stats, residual=residual)))
     with pytest.raises(Exception, match="host read|data-dependent|dynamic|DynamicOutputShape|DataDependent"):
         run_static_step_checked(decoder)
 

@@ -58,8 +58,7 @@ class TransformerBlock(nn.Module):
         chosen tokens, where causal routing padded them (an MoE FFN then skips the padding)."""
         a = self.attn(self.attn_norm(x), angles)
         _, normed = self.ffn_norm.add(x, a)
-        out, ffn_routing = self._ffn(normed, valid, causal)
-        return a + out, ffn_routing
+        return self._ffn(normed, valid, causal, residual=a)  # Attn + FFN: an MoE sums its rows into a
 
     def forward_cached(self, x: Tensor, cache: LayerCache, chunk, chosen: Tensor | None = None) -> Tensor:
         """Incremental decoding: x (B, n, D), a chunk of new tokens (mode/layers/chunks.py: a prefill
@@ -81,10 +80,13 @@ class TransformerBlock(nn.Module):
         out, _ = self._ffn(self.ffn_norm(h), rows.valid, causal=True, static=rows.static, with_stats=False)
         return a, h, out
 
-    def _ffn(self, x: Tensor, valid: Tensor | None = None, causal: bool = False,
-             static: bool = False, with_stats: bool = True) -> tuple[Tensor, Routing | None]:
-        """A routed FFN (MoEFFN) returns (output, Routing); a dense one its output alone. static: a
+    def _ffn(self, x: Tensor, valid: Tensor | None = None, causal: bool = False, static: bool = False,
+             with_stats: bool = True, residual: Tensor | None = None) -> tuple[Tensor, Routing | None]:
+        """(FFN output, its Routing): a routed FFN (MoEFFN) reports one, a dense one None. static: a
         static decode step's rows (an MoE FFN then routes with no host sync, MoEFFN.forward).
-        with_stats: the routing's statistics (the cached passes drop them: nothing reads them there)."""
-        out = self.ffn(x, valid, causal, static, with_stats) if isinstance(self.ffn, MoEFFN) else self.ffn(x)
-        return out if isinstance(out, tuple) else (out, None)
+        with_stats: the routing's statistics (the cached passes drop them: nothing reads them there).
+        residual: returned plus the output (see MoEFFN.forward)."""
+        if isinstance(self.ffn, MoEFFN):
+            return self.ffn(x, valid, causal, static, with_stats, residual)
+        out = self.ffn(x)
+        return (out if residual is None else residual + out), None

@@ -134,15 +134,17 @@ class MoEFFN(nn.Module):
         self.shared_expert = None if moe.shared_expert_d is None else SwiGLU(d_model, moe.shared_expert_d)
         self.shared_expert_gate = nn.Linear(d_model, 1, bias=False) if moe.shared_expert_gate else None
 
-    def forward(self, x: Tensor, valid: Tensor | None = None, causal: bool = False,
-                static: bool = False, with_stats: bool = True) -> tuple[Tensor, Routing]:
+    def forward(self, x: Tensor, valid: Tensor | None = None, causal: bool = False, static: bool = False,
+                with_stats: bool = True, residual: Tensor | None = None) -> tuple[Tensor, Routing]:
         """valid (B, S) bool: under causal routing, False rows are padding: no expert computes
         them (their output is 0) and the statistics leave them out. None: every row is a token.
         causal: route as sampling does (see the routers). static: a decode step's pass, routed
         causally with no host sync and no shape that depends on the routing (_static_experts), so
         that a CUDA graph can capture it. with_stats: compute the routing's statistics (False: its
-        stats are empty; inference, where nothing reads them, skips their kernels)."""
-        out, routing = self._routed(x, valid, causal or static, static, with_stats)
+        stats are empty; inference, where nothing reads them, skips their kernels). residual (B, S, D):
+        returned plus the FFN's output; top-C expert choice sums its rows straight into it (no
+        zero-filled output to add afterwards)."""
+        out, routing = self._routed(x, valid, causal or static, static, with_stats, residual)
         if self.null_experts is not None:
             out = self._plus_null(out, x, routing, valid, with_stats)
         if self.shared_expert is not None:
@@ -150,11 +152,12 @@ class MoEFFN(nn.Module):
         return out, routing
 
     def _routed(self, x: Tensor, valid: Tensor | None, causal: bool, static: bool = False,
-                with_stats: bool = True) -> tuple[Tensor, Routing]:
-        """The routed experts' part of forward: (their output (B, S, D), the routing)."""
+                with_stats: bool = True, residual: Tensor | None = None) -> tuple[Tensor, Routing]:
+        """The routed experts' part of forward: (their output (B, S, D) plus residual, the routing)."""
         if isinstance(self.router, ExpertChoiceRouter) and not causal:
             routing, rows, xs = self.router.route(x)
-            return self._expert_choice(routing, rows, xs).view_as(x), routing
+            into = None if residual is None else residual.reshape(-1, residual.shape[-1])  # (B*S, D)
+            return self._expert_choice(routing, rows, xs, into).view_as(x), routing
         routing = self.router(x, valid, causal, with_stats)
         if static:
             out = self._static_experts(x.reshape(-1, x.shape[-1]), routing)
@@ -162,7 +165,8 @@ class MoEFFN(nn.Module):
             out = self._causal_experts(x.reshape(-1, x.shape[-1]), routing)
         else:
             out = self._token_choice(x.reshape(-1, x.shape[-1]), routing)
-        return out.view_as(x), routing
+        out = out.view_as(x)
+        return (out if residual is None else residual + out), routing
 
     def _plus_null(self, out: Tensor, x: Tensor, routing: Routing, valid: Tensor | None,
                    with_stats: bool = True) -> Tensor:
@@ -202,7 +206,8 @@ class MoEFFN(nn.Module):
         return dropless and not self.experts.by_ends_applies(x)
 
     def _experts_combined(self, xs: Tensor, gates: Tensor, rows: ExpertRows, counts: Tensor | None = None,
-                          ends: Tensor | None = None, computed: Tensor | None = None, on_device: bool = False) -> Tensor:
+                          ends: Tensor | None = None, computed: Tensor | None = None, on_device: bool = False,
+                          into: Tensor | None = None) -> Tensor:
         """The experts on their rows xs, padded (E, R, D), grouped (M, D) by counts (E,) on the host, or
         (R, D) by ends (E,) on the device (Experts.by_ends, computed its mask where the rows have no
         inverse map; on_device: through torch._grouped_mm on any backend); each row's output times its
@@ -217,7 +222,7 @@ class MoEFFN(nn.Module):
         else:
             ys = self.experts.grouped(xs, counts, to_experts)  # (M, D)
         # Combined in the experts' compute dtype (bf16 under autocast), like a dense FFN's output.
-        return combine_rows(ys.reshape(-1, ys.shape[-1]), gates if to_experts is None else None, rows)
+        return combine_rows(ys.reshape(-1, ys.shape[-1]), gates if to_experts is None else None, rows, into)
 
     def decode_reads_chosen_experts(self, x: Tensor) -> bool:
         """Whether a decode step's experts (_static_experts) for tokens like x read only the experts
@@ -239,12 +244,14 @@ class MoEFFN(nn.Module):
         weights = expert_weights(slots, positions, gates, n_experts).t().to(ys.dtype)  # (E, T)
         return (weights.unsqueeze(-1) * ys).sum(0)  # (T, D)
 
-    def _expert_choice(self, routing: ExpertChoiceRouting, rows: ExpertRows, xs: Tensor) -> Tensor:
+    def _expert_choice(self, routing: ExpertChoiceRouting, rows: ExpertRows, xs: Tensor,
+                       into: Tensor | None = None) -> Tensor:
         """Every expert takes exactly C tokens of each group: one static (E, G*C, D) batched matmul.
-        xs (E*G*C, D): the chosen tokens, gathered expert-major by the router (ExpertChoiceRouter.route)."""
+        xs (E*G*C, D): the chosen tokens, gathered expert-major by the router (ExpertChoiceRouter.route).
+        into (B*S, D) or None: the rows are summed into it (combine_rows)."""
         n_experts, width = routing.positions.shape[1], xs.shape[1]
         gates = routing.gates.transpose(0, 1).reshape(-1)  # (E*G*C,), the order of rows.ids
-        return self._experts_combined(xs.view(n_experts, -1, width), gates, rows)  # (B*S, D)
+        return self._experts_combined(xs.view(n_experts, -1, width), gates, rows, into=into)  # (B*S, D)
 
     def _causal_experts(self, x: Tensor, routing: CausalExpertRouting) -> Tensor:
         """x (T, D); expert e computes exactly the tokens its causal decision chose (variable counts)."""

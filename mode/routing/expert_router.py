@@ -42,6 +42,14 @@ def _expert_stats(
     return {name: value.detach() for name, value in stats.items()}
 
 
+def fixed_counts(n_experts: int, count: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """Expert choice's statistics that do not depend on the routing: every expert's count (E,) and
+    a zero (no token dropped, no balancing loss), views of one float32 tensor: one fill compiled,
+    not one kernel each."""
+    fixed = torch.where(torch.arange(n_experts + 1, device=device) < n_experts, float(count), 0.0).float()  # (E+1,)
+    return fixed[:n_experts], fixed[n_experts]
+
+
 class ExpertChoiceRouter(nn.Module):
     """Expert choice over E real + N no-op slots: each real expert takes its top-C tokens per group.
 
@@ -105,10 +113,8 @@ class ExpertChoiceRouter(nn.Module):
         gates = probs.gather(2, positions)  # (G, E, C)
         z = router_z_loss(logits)
         processed = token_mask(positions.reshape(groups, -1), tokens).float().mean()
-        stats = _expert_stats(
-            torch.full((self.n_experts,), groups * capacity, device=x.device), processed, 1 - processed,
-            z.new_zeros(()), z.new_zeros(()), z,
-        )
+        counts, zero = fixed_counts(self.n_experts, groups * capacity, x.device)
+        stats = _expert_stats(counts, processed, 1 - processed, zero, zero, z)
         aux = self.z_loss_weight * z
         if self.causal is not None:
             member = torch.zeros_like(probs, dtype=torch.bool).scatter_(2, positions, True).transpose(1, 2)  # (G, T, E)

@@ -93,18 +93,19 @@ def rows_dtype(x: Tensor) -> torch.dtype:
     return x.dtype
 
 
-def combine_rows(ys: Tensor, gates: Tensor | None, rows: ExpertRows) -> Tensor:
+def combine_rows(ys: Tensor, gates: Tensor | None, rows: ExpertRows, into: Tensor | None = None) -> Tensor:
     """ys (R, D), gates (R,) -> (T, D) in ys' dtype: out[t] = sum of gates[r] * ys[r] over t's rows;
     gates None: the rows as they are (the experts applied the gates, Experts.gates_in_activation).
+    into (T, D) or None: into + out, in into's dtype; the PyTorch branch sums the rows into it.
 
     The kernel multiplies by the float32 gate and sums in float32, rounding once; the PyTorch
     branch rounds the gate to ys' dtype and sums in it (combine_tokens): equal up to that rounding.
     """
     if rows.inverse is None:
         weighted = ys if gates is None else gates.to(ys.dtype).unsqueeze(-1) * ys  # (R, D)
-        return combine_tokens(rows.ids.unsqueeze(0), weighted.unsqueeze(0), rows.tokens).squeeze(0)
+        base = None if into is None else into.unsqueeze(0)
+        return combine_tokens(rows.ids.unsqueeze(0), weighted.unsqueeze(0), rows.tokens, base).squeeze(0)
     from mode.kernels.rows import CombineRows, SumRows
 
-    if gates is None:
-        return SumRows.apply(ys, rows.ids, rows.inverse)
-    return CombineRows.apply(ys, gates, rows.ids, rows.inverse)
+    out = SumRows.apply(ys, rows.ids, rows.inverse) if gates is None else CombineRows.apply(ys, gates, rows.ids, rows.inverse)
+    return out if into is None else into + out

@@ -186,12 +186,16 @@ def scatter_add_tokens(x: Tensor, indices: Tensor, updates: Tensor, in_place: bo
     return _ScatterAddRows.apply(x.reshape(groups * tokens, width), flat, updates).view(groups, tokens, width)
 
 
-def combine_tokens(indices: Tensor, updates: Tensor, tokens_per_group: int) -> Tensor:
+def combine_tokens(indices: Tensor, updates: Tensor, tokens_per_group: int, into: Tensor | None = None) -> Tensor:
     """The updates (G, ..., k, D) summed into a zero (G, T, D) at indices (G, ..., k): an MoE's output.
 
     scatter_add_tokens on a zero tensor, without the copy of that zero tensor which keeps
     scatter_add_tokens' input unmodified (one pass over (G, T, D) fewer). Output in updates' dtype.
+    into (G, T, D): summed into it instead (scatter_add_tokens; into's dtype), so that a caller
+    adding the output to it needs no zero-filled tensor (compiled, no fill kernel) and no add.
     """
+    if into is not None:
+        return scatter_add_tokens(into, indices, updates)
     groups, width = indices.shape[0], updates.shape[-1]
     flat = flat_indices(indices, tokens_per_group)
     rows = updates.reshape(-1, width)
