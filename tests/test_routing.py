@@ -179,6 +179,28 @@ def test_combine_tokens_is_scatter_add_into_zeros() -> None:
     torch.testing.assert_close(traced_grad, want_grad, rtol=0, atol=1e-12)
 
 
+def test_combine_tokens_into_a_residual_adds_the_combine_to_it() -> None:
+    """combine_tokens(..., into=r) = r + combine_tokens(...): the rows summed straight into r, eager and
+    traced, gradients of r and of the rows included; r itself is left unchanged."""
+    rep = torch.randint(0, 8, (2, 3, 5))  # (G, E, C): expert choice, repeats allowed
+    u = torch.randn(2, 3, 5, 4, dtype=torch.float64, requires_grad=True)
+    r = torch.randn(2, 8, 4, dtype=torch.float64, requires_grad=True)
+    kept = r.detach().clone()
+    w = torch.randn(2, 8, 4, dtype=torch.float64)
+    want = r + combine_tokens(rep, u, 8)
+    want_grads = torch.autograd.grad((want * w).sum(), (r, u))
+    torch._dynamo.reset()
+    traced = torch.compile(lambda a, v: combine_tokens(rep, v, 8, a), backend="aot_eager", fullgraph=True)
+    for run in (lambda a, v: combine_tokens(rep, v, 8, a), traced):
+        got = run(r, u)
+        got_grads = torch.autograd.grad((got * w).sum(), (r, u))
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)  # float64 sums of <= 16 terms, reordered
+        for g, h in zip(got_grads, want_grads):
+            torch.testing.assert_close(g, h, rtol=0, atol=1e-12)
+        assert torch.equal(r, kept)
+    assert torch.autograd.gradcheck(lambda a, v: combine_tokens(rep, v, 8, a), (r, u))
+
+
 def test_split_tokens_is_gather_and_identity() -> None:
     """split_tokens(x, idx) = (gather_tokens(x, idx), x), gradients included (repeats summed)."""
     x = torch.randn(2, 8, 4, dtype=torch.float64, requires_grad=True)
