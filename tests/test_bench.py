@@ -147,6 +147,7 @@ def test_block_kinds_tiny() -> None:
     check_cpu_header(out)
     assert all((number(r[3]) >= 0) if CUDA else r[3] == "-" for r in rows)  # peak GiB (0.00 for tiny models on a GPU)
     assert number(rows[0][5]) == 1.0  # step time against dense: dense itself
+    assert number(rows[0][7]) == 1.0 and all(number(r[7]) > 0 for r in rows)  # steps back to back, per FLOP
 
 
 def test_block_kinds_rounds_interleave_with_dense(capsys: pytest.CaptureFixture[str]) -> None:
@@ -154,6 +155,7 @@ def test_block_kinds_rounds_interleave_with_dense(capsys: pytest.CaptureFixture[
     rows = table_rows(run("-m", "bench.block_kinds", "--tiny", "--rounds", "2", "--only", "mod"))
     assert [r[0] for r in rows] == ["dense", "mod"]
     assert number(rows[0][5]) == 1.0 and number(rows[1][5]) > 0 and number(rows[1][6].split(":")[0]) > 0
+    assert number(rows[0][7]) == 1.0 and number(rows[1][7]) > 0  # steps back to back, round by round
     assert "--rounds must be at least 1, got 0" in refusal("block_kinds", ["--tiny", "--rounds", "0"], capsys)
     message = refusal("block_kinds", ["--tiny", "--rounds", "2", "--modes", "compiled"], capsys)
     assert "--rounds > 1 times eager modes only" in message
