@@ -204,10 +204,19 @@ def predictor_parameter_ids(model: nn.Module) -> frozenset[int]:
     return frozenset(id(p) for m in model.modules() if isinstance(m, CausalPredictor) for p in m.parameters())
 
 
+def predictor_split(params: list[nn.Parameter], predictor_ids: frozenset[int]) -> tuple[list[int], list[int]]:
+    """Indices into params of those with a gradient: (the model's, the causal predictors':
+    predictor_parameter_ids)."""
+    with_grads = [i for i, p in enumerate(params) if p.grad is not None]
+    return ([i for i in with_grads if id(params[i]) not in predictor_ids],
+            [i for i in with_grads if id(params[i]) in predictor_ids])
+
+
 def split_predictor_parameters(model: nn.Module, predictor_ids: frozenset[int]) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
     """(the model's parameters, the causal predictors' parameters: predictor_parameter_ids), each with a gradient."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    return [p for p in params if id(p) not in predictor_ids], [p for p in params if id(p) in predictor_ids]
+    params = list(model.parameters())
+    model_indices, predictor_indices = predictor_split(params, predictor_ids)
+    return [params[i] for i in model_indices], [params[i] for i in predictor_indices]
 
 
 @dataclass
@@ -360,9 +369,7 @@ class TorchOptimization:
         return plan
 
     def _new_plan(self, key: tuple, grads: list[Tensor | None], addresses: tuple[int, ...]) -> StepPlan:
-        with_grads = [i for i, g in enumerate(grads) if g is not None]
-        predictors = [i for i in with_grads if id(self.params[i]) in self.predictor_ids]
-        model = [i for i in with_grads if id(self.params[i]) not in self.predictor_ids]
+        model, predictors = predictor_split(self.params, self.predictor_ids)  # grads are these params' own
         norm = grad_norm([grads[i] for i in model])
         scaled, float32_step, masters_step = model, None, None
         if self.bf16 is not None:
