@@ -15,6 +15,10 @@ The target's verdict is on synchronised steps, each starting on an idle GPU. The
 times the same steps queued back to back, one synchronisation at the end, as `python -m
 mode.train` runs them (one step in flight): there the host queues the next forward while the GPU
 still runs the update, so a host-bound forward costs less.
+
+--busy adds the GPU's busy time (the union of its kernels' intervals under torch.profiler) of a
+step and of its forward+backward, and the step's per FLOP against dense's: the time the kernels
+themselves take, without the gaps between them where the GPU waits on the host or on launches.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from bench.common import (
     add_routing_switches,
     apply_routing_switches,
     gib,
+    gpu_busy_ms,
     kernels_in_use,
     precision,
     require_cuda_unless_tiny,
@@ -56,6 +61,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="how the models run: a table for each (CUDA-graph modes on a GPU only)")
     parser.add_argument("--only", nargs="+", metavar="ROW",
                         help="only these rows (block kinds or variant names, as the table names them; dense is always first)")
+    parser.add_argument("--busy", action="store_true",
+                        help="also the GPU busy time of a step and of its forward+backward, and the step's per FLOP "
+                             "against dense's (on CPU, the operators' time)")
     add_optimizer_arg(parser)
     add_routing_switches(parser)
     args = parser.parse_args(argv)
@@ -80,11 +88,14 @@ def main(argv: list[str] | None = None) -> None:
     print(f"the step's update: {describe_optimizer(args.optimizer, device)}")
     for mode in args.modes:
         print(f"\n{mode}\n")
+        busy_columns = " GPU busy ms: step (fwd+bwd) | GPU busy per FLOP / dense: step (fwd+bwd) |" if args.busy else ""
         print("| block kind | fwd+bwd ms | step ms | peak GiB | forward MFLOPs/token | step ms / dense | "
-              f"step time per FLOP / dense (target <= {PER_FLOP_TARGET}) | steps back to back: per FLOP / dense |")
-        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+              f"step time per FLOP / dense (target <= {PER_FLOP_TARGET}) | steps back to back: per FLOP / dense |"
+              + busy_columns)
+        print("| --- " * (10 if args.busy else 8) + "|")
         dense: Runner | None = None
         dense_ms = dense_back_to_back_ms = dense_flops = None
+        dense_busy: tuple[float, float] | None = None
         for name, kind, moe in selected:
             if COMPILE[mode] is not None:  # each model compiles afresh: no kind counts against another's recompile limit
                 torch._dynamo.reset()
@@ -110,9 +121,16 @@ def main(argv: list[str] | None = None) -> None:
             step_ratio = statistics.median(ratios)
             per_flop = step_ratio / (flops / dense_flops)
             back_to_back_per_flop = statistics.median(back_to_back) / (flops / dense_flops)
+            busy = ""
+            if args.busy:
+                step_busy, pass_busy = busy_ms(runner, device)
+                dense_busy = dense_busy or (step_busy, pass_busy)
+                scale = dense_flops / flops
+                busy = (f" {step_busy:.2f} ({pass_busy:.2f}) | {step_busy / dense_busy[0] * scale:.3f} "
+                        f"({pass_busy / dense_busy[1] * scale:.3f}) |")
             print(f"| {name} | {fwd_bwd_ms:.2f} | {step_ms:.2f} | {gib(runner.peak_gib)} | {flops / 1e6:.1f} | "
                   f"{step_ratio:.3f} | {per_flop:.3f}: {verdict(per_flop <= PER_FLOP_TARGET)} | "
-                  f"{back_to_back_per_flop:.3f} |", flush=True)
+                  f"{back_to_back_per_flop:.3f} |" + busy, flush=True)
             if runner is not dense:
                 del runner
             if device.type == "cuda":
@@ -121,6 +139,15 @@ def main(argv: list[str] | None = None) -> None:
 
 # A block kind's step time per forward FLOP over the dense model's at most this
 PER_FLOP_TARGET = 1.15
+
+
+# Steps (and passes) under the profiler for --busy's GPU busy times
+BUSY_ITERS = 3
+
+
+def busy_ms(runner: Runner, device: torch.device) -> tuple[float, float]:
+    """GPU busy ms of one step and of one forward+backward, each the mean over BUSY_ITERS under the profiler."""
+    return gpu_busy_ms(runner.step, BUSY_ITERS, device), gpu_busy_ms(runner.fwd_bwd, BUSY_ITERS, device)
 
 
 def round_ratios(row_ms: list[float], dense_ms: list[float], rounds: int) -> list[float]:

@@ -167,18 +167,20 @@ def profile_report(run: Callable[[], None], iters: int, device: torch.device, ti
             + prof.key_averages().table(sort_by=sort, row_limit=rows, max_name_column_width=70))
 
 
-def gpu_busy_ms(run: Callable[[], None], iters: int) -> float:
+def gpu_busy_ms(run: Callable[[], None], iters: int, device: torch.device = torch.device("cuda")) -> float:
     """Milliseconds per pass that some CUDA kernel ran (the union of kernel intervals), run() iters
-    times under torch.profiler: the GPU's work without the host's launch latency."""
+    times under torch.profiler: the GPU's work without the host's launch latency. On CPU (smoke
+    runs) the union of the operators' intervals instead."""
     from torch.profiler import ProfilerActivity, profile
 
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    kind = "CUDA" if device.type == "cuda" else "CPU"
+    sync(device)
+    with profile(activities=[ProfilerActivity.CUDA if kind == "CUDA" else ProfilerActivity.CPU]) as prof:
         for _ in range(iters):
             run()
-        torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
-    return union_ms([(e.time_range.start, e.time_range.end) for e in kernels]) / iters
+        sync(device)
+    events = [e for e in prof.events() if e.device_type.name == kind]
+    return union_ms([(e.time_range.start, e.time_range.end) for e in events]) / iters
 
 
 def host_queue_ms(run: Callable[[], None], iters: int, device: torch.device = torch.device("cuda")) -> float:

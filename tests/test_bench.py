@@ -150,6 +150,19 @@ def test_block_kinds_tiny() -> None:
     assert number(rows[0][7]) == 1.0 and all(number(r[7]) > 0 for r in rows)  # steps back to back, per FLOP
 
 
+def test_block_kinds_busy_columns() -> None:
+    """--busy: a step's busy time and its forward+backward's, each per FLOP against dense's (dense 1)."""
+    rows = table_rows(run("-m", "bench.block_kinds", "--tiny", "--busy", "--only", "mode_staged"))
+    assert [r[0] for r in rows] == ["dense", "mode_staged"] and all(len(r) == 10 for r in rows)
+    for row in rows:
+        step_busy, pass_busy = (number(x) for x in row[8].replace("(", " ").replace(")", " ").split())
+        assert pass_busy > 0 and step_busy > 0
+        if CUDA:  # the step's kernels also update (on CPU the operators' intervals are too noisy to order)
+            assert pass_busy < step_busy
+    assert rows[0][9] == "1.000 (1.000)"
+    assert all(number(x) > 0 for x in rows[1][9].replace("(", " ").replace(")", " ").split())
+
+
 def test_block_kinds_rounds_interleave_with_dense(capsys: pytest.CaptureFixture[str]) -> None:
     """--rounds 2: every row still printed with its ratios; at least 1, and eager modes only."""
     rows = table_rows(run("-m", "bench.block_kinds", "--tiny", "--rounds", "2", "--only", "mod"))
