@@ -16,8 +16,8 @@ times the same steps queued back to back, one synchronisation at the end, as `py
 mode.train` runs them (one step in flight): there the host queues the next forward while the GPU
 still runs the update, so a host-bound forward costs less.
 
---busy adds the GPU's busy time (the union of its kernels' intervals under torch.profiler) of a
-step and of its forward+backward, and the step's per FLOP against dense's: the time the kernels
+--busy adds the GPU's busy time (the union of its kernels' intervals under torch.profiler, each
+pass profiled on its own) of a step and of its forward+backward, and the step's per FLOP against dense's: the time the kernels
 themselves take, without the gaps between them where the GPU waits on the host or on launches.
 """
 from __future__ import annotations
@@ -141,13 +141,14 @@ def main(argv: list[str] | None = None) -> None:
 PER_FLOP_TARGET = 1.15
 
 
-# Steps (and passes) under the profiler for --busy's GPU busy times
+# Steps (and passes) under the profiler for --busy's GPU busy times, each under a profiler of its own
 BUSY_ITERS = 3
 
 
 def busy_ms(runner: Runner, device: torch.device) -> tuple[float, float]:
-    """GPU busy ms of one step and of one forward+backward, each the mean over BUSY_ITERS under the profiler."""
-    return gpu_busy_ms(runner.step, BUSY_ITERS, device), gpu_busy_ms(runner.fwd_bwd, BUSY_ITERS, device)
+    """GPU busy ms of one step and of one forward+backward, each the median of BUSY_ITERS."""
+    return (gpu_busy_ms(runner.step, BUSY_ITERS, device, per_pass=True),
+            gpu_busy_ms(runner.fwd_bwd, BUSY_ITERS, device, per_pass=True))
 
 
 def round_ratios(row_ms: list[float], dense_ms: list[float], rounds: int) -> list[float]:

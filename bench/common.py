@@ -167,10 +167,14 @@ def profile_report(run: Callable[[], None], iters: int, device: torch.device, ti
             + prof.key_averages().table(sort_by=sort, row_limit=rows, max_name_column_width=70))
 
 
-def gpu_busy_ms(run: Callable[[], None], iters: int, device: torch.device = torch.device("cuda")) -> float:
+def gpu_busy_ms(run: Callable[[], None], iters: int, device: torch.device = torch.device("cuda"),
+                per_pass: bool = False) -> float:
     """Milliseconds per pass that some CUDA kernel ran (the union of kernel intervals), run() iters
     times under torch.profiler: the GPU's work without the host's launch latency. On CPU (smoke
-    runs) the union of the operators' intervals instead."""
+    runs) the union of the operators' intervals instead. per_pass: each pass under a profiler of
+    its own, and the median pass, not the mean over one profile of every pass."""
+    if per_pass:
+        return statistics.median(gpu_busy_ms(run, 1, device) for _ in range(iters))
     from torch.profiler import ProfilerActivity, profile
 
     kind = "CUDA" if device.type == "cuda" else "CPU"
