@@ -17,8 +17,9 @@ mode.train` runs them (one step in flight): there the host queues the next forwa
 still runs the update, so a host-bound forward costs less.
 
 --busy adds the GPU's busy time (the union of its kernels' intervals under torch.profiler, each
-pass profiled on its own) of a step and of its forward+backward, and the step's per FLOP against dense's: the time the kernels
-themselves take, without the gaps between them where the GPU waits on the host or on launches.
+pass profiled on its own) of a step and of its forward+backward, and the step's per FLOP against
+dense's: the time the kernels themselves take, without the gaps between them where the GPU waits
+on the host or on launches.
 """
 from __future__ import annotations
 
