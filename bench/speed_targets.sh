@@ -8,8 +8,8 @@
 #   part          file             what
 #   decode        decode.md        bench.decode: decode and prefill against dense, every prompt and batch
 #   decode_rows   decode_rows.md   bench.decode at batch 64 with every row computed (no compacted rows)
-#   kinds         kinds.md         bench.block_kinds: every block kind with CUDA graphs
-#   compiled      compiled.md      bench.block_kinds: every block kind compiled
+#   kinds         kinds.md         bench.block_kinds: every block kind with CUDA graphs (--busy)
+#   compiled      compiled.md      bench.block_kinds: every block kind compiled (--busy)
 #   train_configs train_configs.md bench.train_configs: python -m mode.train on the GPU configs, per FLOP
 #   step          step.md          bench.mod_step with the auto and cuDNN attention backends
 #   profile       profile.md       bench.block_profile of the MoE and MoDE blocks (where their time goes)
@@ -54,11 +54,11 @@ part_decode_rows() {
   "$PY" -m bench.decode $TINY_ARG --batches $batch --models MoD "Staged MoDE" --decoder-arg compact_rows=False
 }
 part_kinds() {
-  "$PY" -m bench.block_kinds $TINY_ARG --modes "$GRAPH_MODES" --optimizer "$OPTIMIZER" --rounds "$KIND_ROUNDS"
+  "$PY" -m bench.block_kinds $TINY_ARG --modes "$GRAPH_MODES" --optimizer "$OPTIMIZER" --rounds "$KIND_ROUNDS" --busy
 }
 part_compiled() {
   [ -z "$TINY_ARG" ] || { gpu_only "compiled block kinds"; return; }
-  "$PY" -m bench.block_kinds --modes compiled --optimizer "$OPTIMIZER"
+  "$PY" -m bench.block_kinds --modes compiled --optimizer "$OPTIMIZER" --busy
 }
 part_train_configs() { "$PY" -m bench.train_configs $TINY_ARG; }
 part_step() {

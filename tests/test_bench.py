@@ -292,6 +292,8 @@ def test_speed_targets_script_runs_every_part_tiny(tmp_path: Path) -> None:
         assert text.rstrip().endswith(f"part {part}: exit 0") and header in text, (part, text[-1500:])
         if part in ("kinds", "step"):
             assert "the step's update: mode.train's" in text, (part, text[:1500])
+        if part == "kinds":  # each kind's GPU busy time beside its step time
+            assert "GPU busy per FLOP / dense" in text, text[:1500]
     unknown = subprocess.run(["bash", "bench/speed_targets.sh"], cwd=ROOT, env={**env, "PARTS": "kinds nonsense"},
                              capture_output=True, text=True, timeout=60)
     assert unknown.returncode == 2 and "unknown part nonsense" in unknown.stderr
