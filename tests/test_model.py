@@ -82,12 +82,10 @@ def test_models_of_two_capacities_compile_in_one_process() -> None:
     (["dense", "mod"], {"causal": "aux_loss"}),
     (["dense", "mod"], {"causal": "predictor"}),
     (["dense", "mode_staged"], {}),  # the inner MoE sums its rows into the attention's output
-    # At this tiny shape (not at bench.block_kinds'), torch 2.11's Triton fails to compile a reduction
-    # kernel Inductor fuses from the loss's log-softmax and the router's z-loss ("PassManager::run
-    # failed" in make_ttgir), with or without Inductor's online softmax. Strict: passing means it is fixed.
     # Triton 3.6 (torch 2.11) fails on the kernel Inductor writes for the last scalars of an expert-choice
     # model with few tokens: the auxiliary loss stored and the total using it, in a reduction block
-    # smaller than the kernel's threads (triton-lang/triton#8257, reproduced on the kernel alone).
+    # smaller than the kernel's threads (triton-lang/triton#8257, reproduced on the kernel alone; not at
+    # bench.block_kinds' shape). Strict: passing means it is fixed.
     pytest.param(["dense", "mode_integrated"], {}, marks=pytest.mark.xfail(
         strict=True, reason="Triton 3.6's layout pass fails on the loss's last kernel at this token count")),
 ], ids=["top-k", "aux_loss", "predictor", "staged", "integrated"])
