@@ -1,5 +1,5 @@
 """The no-op slots that output something (copy and constant experts, moe.noop_kind) added to an MoE
-FFN's output in one pass, and their backward in one more.
+FFN's output in one pass, and their backward in one more (two with constant slots).
 
 NullExperts (mode/layers/moe.py) adds to each token t's FFN output sum_j g_tj * (x_t | v_j | 0).
 With PyTorch ops that is a chain of (T, D) passes in float32: the copy slots' product, the constant
@@ -9,9 +9,9 @@ slots' matmul, their sum, its cast and the add, and as many again in the backwar
   once to out's dtype; s (T,): each token's gates of its copy slots summed; g (T, C): its gates of
   the constant slots; v (C, D): the constants;
 - backward, from grad (T, D) (which is also out's gradient): grad_x = s * grad in x's dtype, and
-  grad_s = <grad, x>, grad_g = grad @ v^T, grad_v = g^T @ grad in float32, in one pass over the
-  rows: each program sums grad_v over its tile of rows, and the tiles' sums are added after it
-  (a fixed order, so the result does not vary run to run).
+  grad_s = <grad, x>, grad_g = grad @ v^T in float32 in one pass over the rows; grad_v = g^T @ grad
+  in another, a float32 matmul accumulated down each block of columns (summing each row tile
+  across its threads in the row pass took longer than the rest of that pass).
 """
 from __future__ import annotations
 
@@ -22,11 +22,12 @@ from torch import Tensor
 
 from mode.kernels.common import on_device_of, store_rounded
 
-# (tokens, columns) tiles; the backward walks a row tile's columns BACKWARD_BLOCK_D at a time. Its
-# tiles are tall: each one writes a (C, D) partial sum of grad_v, which its rows amortise, and its
-# sums over slots and rows are matmuls (at least 16 a side).
+# (tokens, columns) tiles. The backward's row pass walks a row tile's columns BACKWARD_BLOCK_D at a
+# time; its column pass gives each of at most GRAD_V_GROUPS groups of rows a (C, D) partial sum of
+# grad_v, which its rows amortise.
 BLOCK_T, BLOCK_D, WARPS = 2, 1024, 4
 BACKWARD_BLOCK_T, BACKWARD_BLOCK_D, BACKWARD_WARPS = 64, 64, 4
+GRAD_V_GROUPS, GRAD_V_BLOCK_T, GRAD_V_BLOCK_D, GRAD_V_WARPS = 64, 32, 64, 4
 
 
 @triton.jit
@@ -50,19 +51,16 @@ def _null_add(out_ptr, x_ptr, scale_ptr, gates_ptr, v_ptr, res_ptr, tokens, widt
 
 
 @triton.jit
-def _null_add_backward(grad_ptr, x_ptr, scale_ptr, gates_ptr, v_ptr, grad_x_ptr, grad_scale_ptr, grad_gates_ptr,
-                       grad_v_ptr, tokens, width, C: tl.constexpr, C_DOT: tl.constexpr, HAS_COPY: tl.constexpr,
-                       GRAD_V: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    tile = tl.program_id(0).to(tl.int64)
-    t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+def _null_add_backward(grad_ptr, x_ptr, scale_ptr, v_ptr, grad_x_ptr, grad_scale_ptr, grad_gates_ptr, tokens,
+                       width, C: tl.constexpr, C_PAD: tl.constexpr, HAS_COPY: tl.constexpr, BLOCK_T: tl.constexpr,
+                       BLOCK_D: tl.constexpr):
+    """The row pass: grad_x, grad_s and grad_g, each a tile of rows' own."""
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = t < tokens
-    slots = tl.arange(0, C_DOT)  # the constant slots, padded to a matmul's smallest side
-    slot_ok = slots < C
+    slots = tl.arange(0, C_PAD)  # the constant slots, padded to a power of two
     scale = tl.load(scale_ptr + t, mask=t_ok, other=0.0) if HAS_COPY else tl.zeros((BLOCK_T,), dtype=tl.float32)
-    # rows past the end and padded slots read gate 0: they add nothing to grad_v
-    gates = tl.load(gates_ptr + t[:, None] * C + slots[None, :], mask=t_ok[:, None] & slot_ok[None, :], other=0.0)
     dot = tl.zeros((BLOCK_T,), dtype=tl.float32)
-    grad_gates = tl.zeros((BLOCK_T, C_DOT), dtype=tl.float32)
+    grad_gates = tl.zeros((BLOCK_T, C_PAD), dtype=tl.float32)
     for start in range(0, width, BLOCK_D):
         d = start + tl.arange(0, BLOCK_D)
         d_ok = d < width
@@ -73,17 +71,35 @@ def _null_add_backward(grad_ptr, x_ptr, scale_ptr, gates_ptr, v_ptr, grad_x_ptr,
             x = tl.load(x_ptr + at, mask=mask, other=0.0).to(tl.float32)
             dot += tl.sum(g * x, axis=1)
             store_rounded(grad_x_ptr + at, g * scale[:, None], mask)
-        if C > 0:  # float32 products and sums ("ieee": no TF32 rounding of the operands)
-            v_mask = slot_ok[:, None] & d_ok[None, :]
-            v = tl.load(v_ptr + slots[:, None] * width + d[None, :], mask=v_mask, other=0.0).to(tl.float32)
-            grad_gates = tl.dot(g, tl.trans(v), grad_gates, input_precision="ieee")  # (BLOCK_T, C_DOT)
-            if GRAD_V:  # this tile's rows' share of grad_v (C_DOT, BLOCK_D)
-                share = tl.dot(tl.trans(gates), g, input_precision="ieee")
-                tl.store(grad_v_ptr + (tile * C + slots[:, None]) * width + d[None, :], share, mask=v_mask)
+        for c in tl.static_range(C):  # float32 products, one slot at a time
+            v = tl.load(v_ptr + c * width + d, mask=d_ok, other=0.0).to(tl.float32)  # (BLOCK_D,)
+            grad_gates += tl.where(slots[None, :] == c, tl.sum(g * v[None, :], axis=1)[:, None], 0.0)
     if HAS_COPY:
         tl.store(grad_scale_ptr + t, dot, mask=t_ok)
     if C > 0:
-        tl.store(grad_gates_ptr + t[:, None] * C + slots[None, :], grad_gates, mask=t_ok[:, None] & slot_ok[None, :])
+        tl.store(grad_gates_ptr + t[:, None] * C + slots[None, :], grad_gates,
+                 mask=t_ok[:, None] & (slots[None, :] < C))
+
+
+@triton.jit
+def _constants_grad(grad_ptr, gates_ptr, group_sums_ptr, tokens, width, rows_per_group, C: tl.constexpr,
+                    C_DOT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The column pass: a group of rows' share of grad_v = g^T @ grad over a block of columns, as
+    float32 matmuls ("ieee": no TF32 rounding) accumulated down the rows (no sum across threads per tile)."""
+    group = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_ok = d < width
+    slots = tl.arange(0, C_DOT)  # padded to a matmul's smallest side
+    share = tl.zeros((C_DOT, BLOCK_D), dtype=tl.float32)
+    for start in range(0, rows_per_group, BLOCK_T):
+        t = group * rows_per_group + start + tl.arange(0, BLOCK_T)
+        t_ok = t < tokens
+        g = tl.load(grad_ptr + t[:, None] * width + d[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0)
+        gates_t = tl.load(gates_ptr + t[None, :] * C + slots[:, None], mask=t_ok[None, :] & (slots[:, None] < C),
+                          other=0.0)  # (C_DOT, BLOCK_T); rows past the end and padded slots read 0
+        share = tl.dot(gates_t, g.to(tl.float32), share, input_precision="ieee")
+    tl.store(group_sums_ptr + (group * C + slots[:, None]) * width + d[None, :], share,
+             mask=(slots[:, None] < C) & d_ok[None, :])
 
 
 class NullAdd(torch.autograd.Function):
@@ -119,19 +135,33 @@ class NullAdd(torch.autograd.Function):
         grad_scale = None if scale is None else torch.empty(tokens, dtype=torch.float32, device=grad.device)
         grad_gates = None if gates is None else torch.empty(tokens, n_constants, dtype=torch.float32,
                                                             device=grad.device)
-        tiles = triton.cdiv(tokens, BACKWARD_BLOCK_T)
-        grad_v = constants is not None and ctx.needs_input_grad[4]
-        tile_sums = torch.empty(tiles, n_constants, width, dtype=torch.float32, device=grad.device) if grad_v else None
         with on_device_of(grad):
-            _null_add_backward[(tiles,)](
-                grad, x, grad if scale is None else scale, grad if gates is None else gates,
-                grad if constants is None else constants, grad if grad_x is None else grad_x,
-                grad if grad_scale is None else grad_scale, grad if grad_gates is None else grad_gates,
-                grad if tile_sums is None else tile_sums, tokens, width, C=n_constants,
-                C_DOT=max(16, triton.next_power_of_2(n_constants)), HAS_COPY=scale is not None, GRAD_V=grad_v,
+            _null_add_backward[(triton.cdiv(tokens, BACKWARD_BLOCK_T),)](
+                grad, x, grad if scale is None else scale, grad if constants is None else constants,
+                grad if grad_x is None else grad_x, grad if grad_scale is None else grad_scale,
+                grad if grad_gates is None else grad_gates, tokens, width, C=n_constants,
+                C_PAD=triton.next_power_of_2(max(n_constants, 1)), HAS_COPY=scale is not None,
                 BLOCK_T=BACKWARD_BLOCK_T, BLOCK_D=BACKWARD_BLOCK_D, num_warps=BACKWARD_WARPS)
-        grad_constants = None if tile_sums is None else tile_sums.sum(0).to(constants.dtype)  # (C, D)
+        grad_constants = None
+        if constants is not None and ctx.needs_input_grad[4]:
+            grad_constants = _constants_grad_of(grad, gates).to(constants.dtype)  # (C, D)
         return grad, grad_x, grad_scale, grad_gates, grad_constants
+
+
+def _constants_grad_of(grad: Tensor, gates: Tensor) -> Tensor:
+    """grad (T, D), gates (T, C) -> g^T @ grad (C, D) in float32: the groups' partial sums, then
+    their sum (a fixed order, so the result does not vary run to run)."""
+    tokens, width = grad.shape
+    rows_per_group = triton.cdiv(triton.cdiv(tokens, GRAD_V_GROUPS), GRAD_V_BLOCK_T) * GRAD_V_BLOCK_T
+    groups = triton.cdiv(tokens, rows_per_group)
+    n_constants = gates.shape[1]
+    group_sums = torch.empty(groups, n_constants, width, dtype=torch.float32, device=grad.device)
+    with on_device_of(grad):
+        _constants_grad[(groups, triton.cdiv(width, GRAD_V_BLOCK_D))](
+            grad, gates, group_sums, tokens, width, rows_per_group, C=n_constants,
+            C_DOT=max(16, triton.next_power_of_2(n_constants)), BLOCK_T=GRAD_V_BLOCK_T, BLOCK_D=GRAD_V_BLOCK_D,
+            num_warps=GRAD_V_WARPS)
+    return group_sums.sum(0)
 
 
 def null_add(out: Tensor, x: Tensor, scale: Tensor | None, gates: Tensor | None, constants: Tensor | None) -> Tensor:
