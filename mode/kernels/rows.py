@@ -38,8 +38,7 @@ from torch import Tensor
 from mode.kernels.common import on_device_of, rounded_as, store_rounded
 
 # Tiles: the fastest tried for each kernel with 16k bf16 rows of 1024 from 8 experts (expert choice's
-# layout). sum_rows skips a step j that no token of its tile has a row at, so few tokens a tile pay;
-# add_gated_rows_ moves a depth router's few rows.
+# layout); add_gated_rows_ moves a depth router's few rows.
 BLOCK_T, BLOCK_D, SUM_WARPS = 2, 1024, 4  # sum_rows: a (tokens, columns) tile per program
 SCORES_BLOCK_T, SCORES_BLOCK_D, SCORES_WARPS = 2, 512, 2  # sum_rows with a router's input gradient
 ADD_BLOCK_R, ADD_BLOCK_D, ADD_WARPS = 4, 256, 4  # add_gated_rows_
@@ -49,21 +48,25 @@ GATHER_BLOCK_R, GATHER_BLOCK_D, GATHER_WARPS = 4, 512, 4  # gather_rows_as
 
 @triton.jit
 def _sum_rows(rows_ptr, gates_ptr, inverse_ptr, scores_grad_ptr, weight_ptr, out_ptr, tokens, width,
-              J: tl.constexpr, HAS_GATES: tl.constexpr, S: tl.constexpr, BLOCK_T: tl.constexpr,
-              BLOCK_D: tl.constexpr):
+              J: tl.constexpr, J_PAD: tl.constexpr, HAS_GATES: tl.constexpr, S: tl.constexpr,
+              BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     t_ok, d_ok = t < tokens, d < width
+    # Every slot's row index in one load, and no branch on them: the J row loads below do not wait
+    # on each other. A token without a row at j loads nothing there (masked) and adds 0.
+    slots = tl.arange(0, J_PAD)
+    inverse = tl.load(inverse_ptr + t[:, None] * J + slots[None, :], mask=t_ok[:, None] & (slots[None, :] < J),
+                      other=-1)  # (BLOCK_T, J_PAD)
     acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
     for j in tl.static_range(J):
-        r = tl.load(inverse_ptr + t * J + j, mask=t_ok, other=-1).to(tl.int64)  # (BLOCK_T,)
-        if tl.max(r, axis=0) >= 0:  # some token of the tile has a row here (the sum is the same)
-            hit = r >= 0
-            v = tl.load(rows_ptr + r[:, None] * width + d[None, :], mask=hit[:, None] & d_ok[None, :], other=0.0)
-            v = v.to(tl.float32)
-            if HAS_GATES:
-                v = v * tl.load(gates_ptr + r, mask=hit, other=0.0).to(tl.float32)[:, None]
-            acc += v
+        r = tl.sum(tl.where(slots[None, :] == j, inverse, 0), axis=1).to(tl.int64)  # (BLOCK_T,): column j
+        hit = r >= 0
+        v = tl.load(rows_ptr + r[:, None] * width + d[None, :], mask=hit[:, None] & d_ok[None, :], other=0.0)
+        v = v.to(tl.float32)
+        if HAS_GATES:
+            v = v * tl.load(gates_ptr + r, mask=hit, other=0.0).to(tl.float32)[:, None]
+        acc += v
     # S > 0: plus the router's input gradient, scores_grad (T, S) @ weight (S, D), in the same sum
     for s in tl.static_range(S):
         g = tl.load(scores_grad_ptr + t * S + s, mask=t_ok, other=0.0).to(tl.float32)  # (BLOCK_T,)
@@ -167,7 +170,8 @@ def sum_rows(rows: Tensor, gates: Tensor | None, inverse: Tensor, scores_grad: T
     block_t, block_d, warps = tile
     _sum_rows[(triton.cdiv(tokens, block_t), triton.cdiv(width, block_d))](
         rows, gates_arg, inverse, scores_grad, weight, out, tokens, width, J=inverse.shape[1],
-        HAS_GATES=gates is not None, S=n_scores, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=warps,
+        J_PAD=triton.next_power_of_2(inverse.shape[1]), HAS_GATES=gates is not None, S=n_scores,
+        BLOCK_T=block_t, BLOCK_D=block_d, num_warps=warps,
     )
     return out
 
