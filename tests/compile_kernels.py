@@ -35,6 +35,7 @@ from mode.kernels import (  # noqa: E402
     sort_rows,
     swiglu,
     topk,
+    weighted_sums,
 )
 
 BF16, F32, I64, I32, I32P = "*bf16", "*fp32", "*i64", "i32", "*i32"
@@ -167,10 +168,12 @@ KERNELS = [
     (null_experts, "_null_add_backward", dict(grad_ptr=F32, x_ptr=BF16, scale_ptr=F32, v_ptr=F32, grad_x_ptr=BF16,
                                               grad_scale_ptr=F32, grad_gates_ptr=F32, tokens=I32, width=I32, C=3,
                                               C_PAD=4, HAS_COPY=True, BLOCK_T=64, BLOCK_D=64)),
-    (null_experts, "_constants_grad", dict(grad_ptr=F32, gates_ptr=F32, group_sums_ptr=F32, tokens=I32, width=I32,
-                                           rows_per_group=I32, C=8, C_DOT=16, BLOCK_T=32, BLOCK_D=64)),
-    (null_experts, "_constants_grad", dict(grad_ptr=BF16, gates_ptr=F32, group_sums_ptr=F32, tokens=I32, width=I32,
-                                           rows_per_group=I32, C=3, C_DOT=16, BLOCK_T=32, BLOCK_D=64)),
+    # rows summed with a few weights each: constant slots' gradient (bf16 rows) and a router's (float32)
+    (weighted_sums, "_weighted_row_sums", dict(weights_ptr=F32, rows_ptr=BF16, group_sums_ptr=F32, tokens=I32,
+                                               width=I32, rows_per_group=I32, C=3, C_DOT=16, BLOCK_T=32, BLOCK_D=64)),
+    (weighted_sums, "_weighted_row_sums", dict(weights_ptr=F32, rows_ptr=F32, group_sums_ptr=F32, tokens=I32,
+                                               width=I32, rows_per_group=I32, C=40, C_DOT=64, BLOCK_T=32,
+                                               BLOCK_D=64)),
     # a depth router's gated update of the float32 residual, and its backward (float32 incoming gradient)
     (rows, "_add_gated_rows", dict(x_ptr=F32, ids_ptr=I64, gates_ptr=F32, rows_ptr=BF16, n_rows=I32, width=I32,
                                    BLOCK_R=4, BLOCK_D=256)),

@@ -1425,9 +1425,10 @@ def test_null_add_equals_the_pytorch_ops(copy: bool, constants: int, tokens: int
     rounding (atol 1e-4: s's and g's sum 1500 products). Seven tokens (a partial tile) or 150 (the
     row pass's tiles of 64 rows, the last partial; v's gradient summed over groups of 32 rows, five
     here), width 1500 (over one block)."""
-    from mode.kernels.null_experts import BACKWARD_BLOCK_T, GRAD_V_BLOCK_T, null_add
+    from mode.kernels.null_experts import BACKWARD_BLOCK_T, null_add
+    from mode.kernels.weighted_sums import BLOCK_T as SUMS_BLOCK_T
 
-    assert tokens < BACKWARD_BLOCK_T or (tokens > 2 * BACKWARD_BLOCK_T and tokens % GRAD_V_BLOCK_T)
+    assert tokens < BACKWARD_BLOCK_T or (tokens > 2 * BACKWARD_BLOCK_T and tokens % SUMS_BLOCK_T)
     gen = torch.Generator().manual_seed(4)
     width = 1500
     out = torch.randn(tokens, width, generator=gen).to(torch.bfloat16).to(DEVICE)
@@ -1460,6 +1461,27 @@ def test_null_add_equals_the_pytorch_ops(copy: bool, constants: int, tokens: int
     assert torch.equal(got_grads[0], want_grads[0])  # out's gradient passes through
     for g, w in zip(got_grads[1:], want_grads[1:], strict=True):  # s's and g's: sums of 1500 products, in another order
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("tokens, n_weights, width, dtype", [
+    (7, 3, 100, torch.float32), (150, 16, 1500, torch.bfloat16), (5000, 40, 70, torch.float32)],
+    ids=["one partial group", "five groups, bf16 rows, width over a block", "53 groups, 40 weights"])
+def test_weighted_row_sums_equal_the_float32_product(tokens: int, n_weights: int, width: int,
+                                                      dtype: torch.dtype) -> None:
+    """w (T, C)^T @ rows (T, D) in float32, in groups of rows added after: equal to the float32
+    product (float64 here) to float32 rounding of sums over up to 5000 rows; the same twice."""
+    from mode.kernels.weighted_sums import MAX_WEIGHTS, weighted_row_sums
+
+    gen = torch.Generator().manual_seed(5)
+    weights = torch.randn(tokens, n_weights, generator=gen).to(DEVICE)
+    rows = torch.randn(tokens, width, generator=gen).to(dtype).to(DEVICE)
+    want = (weights.double().t() @ rows.double()).float()
+    got = weighted_row_sums(weights, rows)
+    assert got.dtype == torch.float32 and got.shape == (n_weights, width)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * tokens ** 0.5)
+    assert torch.equal(weighted_row_sums(weights, rows), got)
+    with pytest.raises(ValueError, match="weighted_row_sums"):
+        weighted_row_sums(torch.zeros(tokens, MAX_WEIGHTS + 1, device=DEVICE), rows)
 
 
 @pytest.mark.parametrize("kinds", [["copy"] * 2, ["constant"] * 2, ["zero", "copy", "constant"]])

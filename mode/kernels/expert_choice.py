@@ -21,7 +21,8 @@ selection is the PyTorch path's bit for bit):
   copy or constant null experts, those of every token's no-op slot probabilities), the softmax
   recomputed from the scores in registers; then the gather's backward
   (mode/kernels/rows.sum_rows) adds the router's input gradient (scores' gradient @ weight) to
-  each token's sum of its rows' gradients in the same pass, and the weight's gradient is one GEMM.
+  each token's sum of its rows' gradients in the same pass, and the weight's gradient is one GEMM
+  (float32 scores: mode/kernels/weighted_sums.py).
 
 Eager mode on CUDA only (mode.kernels.use_triton); torch.compile fuses the PyTorch ops itself.
 """
@@ -37,6 +38,7 @@ from torch import Tensor
 from mode.kernels.common import on_device_of, softmax_rows, store_rounded
 from mode.kernels.rows import gather_rows_as, sum_rows
 from mode.kernels.topk import MAX_TOKENS, row_top_k
+from mode.kernels.weighted_sums import weighted_row_sums, weighted_row_sums_applies
 
 # Slots of a router held in one program's registers (the z-loss's and the backward's tiles).
 MAX_SLOTS = 256
@@ -196,7 +198,10 @@ class _Dispatch(torch.autograd.Function):
                                    HAS_NULL=grad_null is not None, BLOCK_T=block_t, BLOCK_S=block_s, num_warps=2)
             grad_x = sum_rows(grad_rows, None, inverse, grad_logits, weight if ctx.half else weight.float(),
                               out_dtype=x.dtype)
-            grad_weight = grad_logits.t() @ (x if ctx.half else x.float())  # (S, D)
+            if not ctx.half and weighted_row_sums_applies(grad_logits, x):
+                grad_weight = weighted_row_sums(grad_logits, x)  # (S, D), float32
+            else:
+                grad_weight = grad_logits.t() @ (x if ctx.half else x.float())  # (S, D)
         return grad_x, grad_weight.to(weight.dtype), None, None, None, None, None, None, None, None
 
 

@@ -10,8 +10,8 @@ slots' matmul, their sum, its cast and the add, and as many again in the backwar
   the constant slots; v (C, D): the constants;
 - backward, from grad (T, D) (which is also out's gradient): grad_x = s * grad in x's dtype, and
   grad_s = <grad, x>, grad_g = grad @ v^T in float32 in one pass over the rows; grad_v = g^T @ grad
-  in another, a float32 matmul accumulated down each block of columns (summing each row tile
-  across its threads in the row pass took longer than the rest of that pass).
+  in another (mode/kernels/weighted_sums.py: summing each row tile across its threads in the row
+  pass took longer than the rest of that pass).
 """
 from __future__ import annotations
 
@@ -21,13 +21,11 @@ import triton.language as tl
 from torch import Tensor
 
 from mode.kernels.common import on_device_of, store_rounded
+from mode.kernels.weighted_sums import weighted_row_sums
 
-# (tokens, columns) tiles. The backward's row pass walks a row tile's columns BACKWARD_BLOCK_D at a
-# time; its column pass gives each of at most GRAD_V_GROUPS groups of rows a (C, D) partial sum of
-# grad_v, which its rows amortise.
+# (tokens, columns) tiles; the backward walks a row tile's columns BACKWARD_BLOCK_D at a time.
 BLOCK_T, BLOCK_D, WARPS = 2, 1024, 4
 BACKWARD_BLOCK_T, BACKWARD_BLOCK_D, BACKWARD_WARPS = 64, 64, 4
-GRAD_V_GROUPS, GRAD_V_BLOCK_T, GRAD_V_BLOCK_D, GRAD_V_WARPS = 64, 32, 64, 4
 
 
 @triton.jit
@@ -81,27 +79,6 @@ def _null_add_backward(grad_ptr, x_ptr, scale_ptr, v_ptr, grad_x_ptr, grad_scale
                  mask=t_ok[:, None] & (slots[None, :] < C))
 
 
-@triton.jit
-def _constants_grad(grad_ptr, gates_ptr, group_sums_ptr, tokens, width, rows_per_group, C: tl.constexpr,
-                    C_DOT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The column pass: a group of rows' share of grad_v = g^T @ grad over a block of columns, as
-    float32 matmuls ("ieee": no TF32 rounding) accumulated down the rows (no sum across threads per tile)."""
-    group = tl.program_id(0).to(tl.int64)
-    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    d_ok = d < width
-    slots = tl.arange(0, C_DOT)  # padded to a matmul's smallest side
-    share = tl.zeros((C_DOT, BLOCK_D), dtype=tl.float32)
-    for start in range(0, rows_per_group, BLOCK_T):
-        t = group * rows_per_group + start + tl.arange(0, BLOCK_T)
-        t_ok = t < tokens
-        g = tl.load(grad_ptr + t[:, None] * width + d[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0)
-        gates_t = tl.load(gates_ptr + t[None, :] * C + slots[:, None], mask=t_ok[None, :] & (slots[:, None] < C),
-                          other=0.0)  # (C_DOT, BLOCK_T); rows past the end and padded slots read 0
-        share = tl.dot(gates_t, g.to(tl.float32), share, input_precision="ieee")
-    tl.store(group_sums_ptr + (group * C + slots[:, None]) * width + d[None, :], share,
-             mask=(slots[:, None] < C) & d_ok[None, :])
-
-
 class NullAdd(torch.autograd.Function):
     """(out (T, D), x (T, D), scale (T,) or None, gates (T, C) or None, constants (C, D) or None) ->
     out + scale * x + gates @ constants, in out's dtype (see the module docstring)."""
@@ -144,24 +121,8 @@ class NullAdd(torch.autograd.Function):
                 BLOCK_T=BACKWARD_BLOCK_T, BLOCK_D=BACKWARD_BLOCK_D, num_warps=BACKWARD_WARPS)
         grad_constants = None
         if constants is not None and ctx.needs_input_grad[4]:
-            grad_constants = _constants_grad_of(grad, gates).to(constants.dtype)  # (C, D)
+            grad_constants = weighted_row_sums(gates, grad).to(constants.dtype)  # (C, D)
         return grad, grad_x, grad_scale, grad_gates, grad_constants
-
-
-def _constants_grad_of(grad: Tensor, gates: Tensor) -> Tensor:
-    """grad (T, D), gates (T, C) -> g^T @ grad (C, D) in float32: the groups' partial sums, then
-    their sum (a fixed order, so the result does not vary run to run)."""
-    tokens, width = grad.shape
-    rows_per_group = triton.cdiv(triton.cdiv(tokens, GRAD_V_GROUPS), GRAD_V_BLOCK_T) * GRAD_V_BLOCK_T
-    groups = triton.cdiv(tokens, rows_per_group)
-    n_constants = gates.shape[1]
-    group_sums = torch.empty(groups, n_constants, width, dtype=torch.float32, device=grad.device)
-    with on_device_of(grad):
-        _constants_grad[(groups, triton.cdiv(width, GRAD_V_BLOCK_D))](
-            grad, gates, group_sums, tokens, width, rows_per_group, C=n_constants,
-            C_DOT=max(16, triton.next_power_of_2(n_constants)), BLOCK_T=GRAD_V_BLOCK_T, BLOCK_D=GRAD_V_BLOCK_D,
-            num_warps=GRAD_V_WARPS)
-    return group_sums.sum(0)
 
 
 def null_add(out: Tensor, x: Tensor, scale: Tensor | None, gates: Tensor | None, constants: Tensor | None) -> Tensor:
