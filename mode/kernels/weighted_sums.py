@@ -2,11 +2,10 @@
 in float32, C small (a router's slots, the constant null slots).
 
 These are the weight gradients of a float32 product with a short side: a router's scores
-(grad_W = grad_scores^T @ x) and the constant slots' vectors (grad_v = g^T @ grad). cuBLAS runs that
-float32 shape on SIMT kernels well below the card's bandwidth; here each program takes a group of
-rows and a block of columns and accumulates its share down the rows as a float32 matmul ("ieee":
-no TF32 rounding), reading rows once; the groups' shares are then added in a fixed order, so the
-result does not vary run to run.
+(grad_W = grad_scores^T @ x) and the constant slots' vectors (grad_v = g^T @ grad), which cuBLAS runs
+on SIMT kernels in float32. Here each program takes a group of rows and a block of columns and
+accumulates its share down the rows as a float32 matmul ("ieee": no TF32 rounding), reading rows
+once; the groups' shares are then added in a fixed order, so the result does not vary run to run.
 """
 from __future__ import annotations
 
