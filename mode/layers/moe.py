@@ -53,10 +53,17 @@ class NullExperts(nn.Module):
         self.constants = nn.Parameter(torch.zeros(len(slots), d_model)) if slots else None
 
     def forward(self, x: Tensor, gates: Tensor) -> Tensor:
-        """x (T, D), gates (T, N) each token's gate of each no-op slot (0 where not chosen) -> (T, D)."""
-        out = (gates @ self.copy.to(gates.dtype)).unsqueeze(-1) * x  # (T, 1) * (T, D)
+        """x (T, D), gates (T, N) each token's gate of each no-op slot (0 where not chosen) -> (T, D).
+        Only the kinds present are computed: a product with an all-zero copy vector would cost a
+        (T, D) pass each way, and its backward another into x's gradient, for zeros."""
+        out = None
+        if "copy" in self.kinds:
+            out = (gates @ self.copy.to(gates.dtype)).unsqueeze(-1) * x  # (T, 1) * (T, D)
         if self.constants is not None:
-            out = out + gates.index_select(1, self.constant_slots) @ self.constants.to(gates.dtype)  # (T, C) @ (C, D)
+            constant = gates.index_select(1, self.constant_slots) @ self.constants.to(gates.dtype)  # (T, C) @ (C, D)
+            out = constant if out is None else out + constant
+        if out is None:  # zero slots only: MoEFFN builds no NullExperts for them
+            raise ValueError("NullExperts: no copy or constant slot")
         return out
 
     def add_to(self, out: Tensor, x: Tensor, gates: Tensor) -> Tensor:
