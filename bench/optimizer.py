@@ -11,6 +11,8 @@ kernel's tables are built once, outside the timing):
 - the masters' kernel (mode/kernels/adamw.py) on float32 masters with bf16 gradients, writing the
   bf16 copies, at each --blocks size (elements a program; 4 warps up to 2048, 8 above), one launch;
 - the same kernel with one launch per weight (the launches' gaps);
+- what it is read against: the same kernel on one tensor as large as all the matrices (no table to
+  search), and a device-to-device copy that moves the same 28 bytes a weight;
 - the model's other weights, float32 with float32 gradients (embedding, output head, norms, routers):
   fused AdamW, and the masters' kernel's launch for them (what train.bf16_weights steps them with).
 TB/s: the bytes each update must move (AdamW: read weight, gradient and both moments, write
@@ -90,6 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     ms = timed(runs(per_weight, scale), args.warmup, args.iters, device)
     print(f"| masters' kernel, one launch per weight, {kernel.BLOCK} elements a program | {ms:.3f} | "
           f"{n * 28 / ms / 1e9:.2f} |")
+    ceilings(n, args, device)
     float32_weights(float32_shapes, args, device)
     norms([g.to(torch.bfloat16) for g in grads] + [torch.randn(s, device=device) * 1e-3 for s in float32_shapes],
           args, device)
@@ -172,6 +175,23 @@ def runs(launches: list[kernel.MastersLaunch], scale: torch.Tensor) -> Callable[
         for launch in launches:
             launch.run(scale, lr, (0.9, 0.95), 1e-8, 0.1)
     return run
+
+
+def ceilings(n: int, args: argparse.Namespace, device: torch.device) -> None:
+    """The rows the masters' kernel is read against: the same kernel on one tensor of all n weights
+    (no table to search, no tensor ends: what its many weights cost it), and a device-to-device copy
+    of 14 bytes a weight (the same 28 bytes moved: the card's streaming rate for them)."""
+    master, exp_avg, exp_avg_sq = (torch.zeros(n, device=device) for _ in range(3))
+    grad, copy = torch.randn(n, device=device).to(torch.bfloat16), torch.empty(n, device=device, dtype=torch.bfloat16)
+    update = (master, exp_avg, exp_avg_sq, grad, copy, torch.ones((), device=device))
+    ms = timed(runs(kernel.masters_launches([update]), torch.ones((), device=device)), args.warmup, args.iters, device)
+    print(f"| masters' kernel, one tensor of all {n / 1e6:.0f}M weights, {kernel.BLOCK} elements a program | "
+          f"{ms:.3f} | {n * 28 / ms / 1e9:.2f} |")
+    del master, exp_avg, exp_avg_sq, grad, copy, update
+    source, target = (torch.empty(n * 14, dtype=torch.uint8, device=device) for _ in range(2))
+    ms = timed(lambda: target.copy_(source), args.warmup, args.iters, device)
+    print(f"| device-to-device copy of {n * 14 / 1e9:.2f} GB (28 bytes a weight moved) | {ms:.3f} | "
+          f"{n * 28 / ms / 1e9:.2f} |")
 
 
 def float32_weights(shapes: list[torch.Size], args: argparse.Namespace, device: torch.device) -> None:
