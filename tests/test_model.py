@@ -12,11 +12,11 @@ from mode.routing import primitives
 COMPILE_TOL = 1e-5  # float32 on CPU: inductor fuses and reorders elementwise arithmetic
 
 
-def tiny(pattern: list[str], routing: dict | None = None) -> LanguageModel:
+def tiny(pattern: list[str], routing: dict | None = None, moe: dict | None = None) -> LanguageModel:
     cfg = config_from_dict({
         "model": {"d_model": 32, "n_heads": 4, "n_layers": 4, "d_ff": 64, "max_seq_len": 32, "block_pattern": pattern},
         "routing": routing or {},
-        "moe": {"n_experts": 2, "n_noop": 1},
+        "moe": {"n_experts": 2, "n_noop": 1, **(moe or {})},
         "data": {"seq_len": 32},
     })
     return LanguageModel(cfg)
@@ -31,19 +31,27 @@ def test_every_routed_layer_has_its_own_router() -> None:
     assert len({w.data_ptr() for w in weights}) == len(weights)
 
 
-@pytest.mark.parametrize("pattern, routing", [
-    (["dense", "mod"], {}),
-    (["mod", "dense"], {"causal": "aux_loss"}),  # the router's BCE: its scores' gradient reaches x
-    (["dense", "mod"], {"causal": "predictor"}),
-    (["mode_staged", "dense"], {}),
-], ids=["router score as a reduction", "causal aux_loss", "causal predictor", "staged MoDE"])
-def test_compiled_model_matches_eager(pattern: list[str], routing: dict) -> None:
+@pytest.mark.parametrize("pattern, routing, moe", [
+    (["dense", "mod"], {}, {}),
+    (["mod", "dense"], {"causal": "aux_loss"}, {}),  # the router's BCE: its scores' gradient reaches x
+    (["dense", "mod"], {"causal": "predictor"}, {}),
+    (["mode_staged", "dense"], {}, {}),
+    (["dense", "mode_integrated"], {}, {"n_noop": 2, "noop_kind": "constant"}),
+    (["dense", "mode_integrated"], {}, {"n_noop": 2, "noop_kind": ["copy", "constant"]}),
+], ids=["router score as a reduction", "causal aux_loss", "causal predictor", "staged MoDE",
+        "constant null experts", "copy and constant null experts"])
+def test_compiled_model_matches_eager(pattern: list[str], routing: dict, moe: dict) -> None:
     """Compiled against eager: same routing, loss and gradients, with the depth routers' compiled
     scores as a product summed over D (router_scores), and the routed tokens split off and added
-    back by the traced functions (_SplitRowsTraced, index_put)."""
+    back by the traced functions (_SplitRowsTraced, index_put); the null slots' outputs by the
+    kinds present only (NullExperts), with constants made nonzero so that they reach the loss."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = tiny(pattern, routing)
+    model = tiny(pattern, routing, moe)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("null_experts.constants"):
+                p.normal_(0.0, 0.5)
     tokens = torch.randint(0, 256, (2, 33))
     x, y = tokens[:, :-1], tokens[:, 1:]
     eager = model(x, y)
