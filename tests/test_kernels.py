@@ -1416,9 +1416,9 @@ def test_moe_rows_gathered_in_the_autocast_dtype_change_nothing(scheme: str, mon
 
 
 @pytest.mark.parametrize("copy, constants, tokens", [(True, 0, 7), (False, 3, 7), (True, 2, 7), (False, 3, 150),
-                                                     (True, 2, 150)],
+                                                     (True, 2, 150), (False, 65, 7)],
                          ids=["copy slots", "constant slots", "both", "constant slots, 150 tokens",
-                              "both, 150 tokens"])
+                              "both, 150 tokens", "more constants than weighted_row_sums takes"])
 def test_null_add_equals_the_pytorch_ops(copy: bool, constants: int, tokens: int) -> None:
     """out (bf16) + s * x + g @ v in one kernel: within one bf16 rounding of the float32 sum; every
     gradient (out's passed through, x's in x's dtype, s's, g's and v's in float32) to float32

@@ -38,7 +38,7 @@ from torch import Tensor
 from mode.kernels.common import on_device_of, softmax_rows, store_rounded
 from mode.kernels.rows import gather_rows_as, sum_rows
 from mode.kernels.topk import MAX_TOKENS, row_top_k
-from mode.kernels.weighted_sums import weighted_row_sums, weighted_row_sums_applies
+from mode.kernels.weighted_sums import float32_weighted_row_sums
 
 # Slots of a router held in one program's registers (the z-loss's and the backward's tiles).
 MAX_SLOTS = 256
@@ -198,10 +198,10 @@ class _Dispatch(torch.autograd.Function):
                                    HAS_NULL=grad_null is not None, BLOCK_T=block_t, BLOCK_S=block_s, num_warps=2)
             grad_x = sum_rows(grad_rows, None, inverse, grad_logits, weight if ctx.half else weight.float(),
                               out_dtype=x.dtype)
-            if not ctx.half and weighted_row_sums_applies(grad_logits, x):
-                grad_weight = weighted_row_sums(grad_logits, x)  # (S, D), float32
+            if ctx.half:
+                grad_weight = grad_logits.t() @ x  # (S, D)
             else:
-                grad_weight = grad_logits.t() @ (x if ctx.half else x.float())  # (S, D)
+                grad_weight = float32_weighted_row_sums(grad_logits, x)  # (S, D)
         return grad_x, grad_weight.to(weight.dtype), None, None, None, None, None, None, None, None
 
 

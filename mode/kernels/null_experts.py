@@ -21,7 +21,7 @@ import triton.language as tl
 from torch import Tensor
 
 from mode.kernels.common import on_device_of, store_rounded
-from mode.kernels.weighted_sums import weighted_row_sums
+from mode.kernels.weighted_sums import float32_weighted_row_sums
 
 # (tokens, columns) tiles; the backward walks a row tile's columns BACKWARD_BLOCK_D at a time.
 BLOCK_T, BLOCK_D, WARPS = 2, 1024, 4
@@ -121,7 +121,7 @@ class NullAdd(torch.autograd.Function):
                 BLOCK_T=BACKWARD_BLOCK_T, BLOCK_D=BACKWARD_BLOCK_D, num_warps=BACKWARD_WARPS)
         grad_constants = None
         if constants is not None and ctx.needs_input_grad[4]:
-            grad_constants = weighted_row_sums(gates, grad).to(constants.dtype)  # (C, D)
+            grad_constants = float32_weighted_row_sums(gates, grad).to(constants.dtype)  # (C, D)
         return grad, grad_x, grad_scale, grad_gates, grad_constants
 
 

@@ -63,3 +63,11 @@ def weighted_row_sums(weights: Tensor, rows: Tensor) -> Tensor:
             weights, rows, group_sums, tokens, width, rows_per_group, C=n_weights,
             C_DOT=max(16, triton.next_power_of_2(n_weights)), BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, num_warps=WARPS)
     return group_sums.sum(0)
+
+
+def float32_weighted_row_sums(weights: Tensor, rows: Tensor) -> Tensor:
+    """weights (T, C)^T @ rows (T, D) in float32: weighted_row_sums where it applies, else the
+    float32 product (more than MAX_WEIGHTS weights a row)."""
+    if weighted_row_sums_applies(weights, rows):
+        return weighted_row_sums(weights, rows)
+    return weights.float().t() @ rows.float()
