@@ -11,7 +11,7 @@ import torch
 
 from mode.checkpoint import load_checkpoint_file
 from mode.config import ConfigError, MoEConfig, config_from_dict
-from mode.layers.moe import MoEFFN
+from mode.layers.moe import MoEFFN, NullExperts
 from mode.model import LanguageModel
 from mode.routing import TokenChoiceRouter, bias_balanced_routers, token_choice_head
 from mode.training.router_stats import expert_loads
@@ -272,6 +272,23 @@ def test_null_experts_equal_the_hand_written_reference(scheme: str, kinds: list[
     assert torch.allclose(out, expected, atol=1e-6, rtol=1e-6)
     for kind in ("copy", "constant"):
         assert (f"{kind}_gate" in routing.stats) == (kind in kinds)
+
+
+def test_copy_gates_are_summed_in_float32_under_autocast() -> None:
+    """The PyTorch path (compiled, CPU) sums each token's copy gates in float32 as the kernel does:
+    under bf16 autocast a matmul would round the sum (and its gradient) to bf16."""
+    torch.manual_seed(0)
+    null = NullExperts(["copy", "zero", "copy"], D)
+    gates = torch.softmax(torch.randn(32, 3), -1).requires_grad_()
+    x = torch.randn(32, D)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = null(x, gates)
+    expected = (gates[:, 0] + gates[:, 2]).unsqueeze(-1) * x  # float32 throughout
+    assert out.dtype == torch.float32
+    assert torch.equal(out, expected)
+    grad = torch.randn(32, D)
+    (got,) = torch.autograd.grad(out, gates, grad)
+    assert torch.allclose(got[:, 0], (grad * x).sum(-1), atol=1e-5, rtol=1e-6)
 
 
 def test_null_expert_constants_learn_and_copy_gates_get_gradient() -> None:

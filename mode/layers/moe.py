@@ -58,7 +58,8 @@ class NullExperts(nn.Module):
         (T, D) pass each way, and its backward another into x's gradient, for zeros."""
         out = None
         if "copy" in self.kinds:
-            out = (gates @ self.copy.to(gates.dtype)).unsqueeze(-1) * x  # (T, 1) * (T, D)
+            # A sum, not a matmul: autocast would round the gates' sum to bf16 (and its gradient).
+            out = self._summed(gates, self.copy).unsqueeze(-1) * x  # (T, 1) * (T, D)
         if self.constants is not None:
             constant = gates.index_select(1, self.constant_slots) @ self.constants.to(gates.dtype)  # (T, C) @ (C, D)
             out = constant if out is None else out + constant
@@ -74,9 +75,15 @@ class NullExperts(nn.Module):
         from mode.kernels.null_experts import null_add  # Triton: imported where it runs
 
         gates = gates.float()
-        scale = (gates * self.copy).sum(-1) if "copy" in self.kinds else None  # (T,): the copy slots' gates
+        scale = self._summed(gates, self.copy) if "copy" in self.kinds else None  # (T,): the copy slots' gates
         constant_gates = None if self.constants is None else gates.index_select(1, self.constant_slots)  # (T, C)
         return null_add(out, x, scale, constant_gates, self.constants)
+
+    @staticmethod
+    def _summed(gates: Tensor, kind: Tensor) -> Tensor:
+        """gates (T, N), kind (N,) 1 at a kind's slots -> (T,) each token's gates of that kind summed,
+        in the gates' dtype."""
+        return (gates * kind.to(gates.dtype)).sum(-1)
 
     def stats(self, gates: Tensor, valid: Tensor | None) -> dict[str, Tensor]:
         """Per kind that outputs something: the mean over tokens of its slots' summed gates (copy_gate,
@@ -84,7 +91,7 @@ class NullExperts(nn.Module):
         out = {}
         for kind in ("copy", "constant"):
             if kind in self.kinds:
-                mass = gates @ getattr(self, kind).to(gates.dtype)  # (T,)
+                mass = self._summed(gates, getattr(self, kind))  # (T,)
                 out[f"{kind}_gate"] = masked_mean(mass.unsqueeze(-1), valid).detach()
         return out
 
