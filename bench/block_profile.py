@@ -24,7 +24,10 @@ and without its Triton kernel (mode/kernels/topk.py) at the MoD shape and at exp
 settings: 8 experts, expert choice), and a table of where each block's kernel time goes (matrix
 products, attention, sorting and top-k, the rest) against the dense block's, scaled by the
 block's forward FLOPs (mode.flops): a kind whose time per FLOP exceeds dense's shows which
-category costs it.
+category costs it. --noop-kinds zero copy constant gives Integrated MoDE a row for each kind of
+no-op expert (moe.noop_kind; default zero), in the same run.
+--compile compiles every block of table 1 (the dense, the MoD and the --kinds blocks), each its
+own graph, and leaves out the two pieces that are not a block.
 """
 from __future__ import annotations
 
@@ -44,6 +47,7 @@ from mode.routing import add_gated_tokens, capacity_to_k, top_k_positions
 
 PROFILED_PASSES = 5
 ROUTED_KINDS = tuple(k for k in BLOCK_KINDS if k not in ("dense", "mod"))
+NOOP_KINDS = ("zero", "copy", "constant")
 # Kernel-name fragments of each category of table 3, checked in this order; the rest is "other".
 CATEGORIES = (("matrix products", ("gemm", "cutlass", "nvjet", "matmul", "sm90_x", "sm80_x", "bmm", "grouped", "::mm", "addmm")),
               ("attention", ("flash", "fmha", "attention", "cudnn", "sdpa")),
@@ -61,14 +65,16 @@ def build(args: argparse.Namespace, device: torch.device) -> LanguageModel:
     return LanguageModel(cfg).to(device)
 
 
-def kind_block(kind: str, args: argparse.Namespace, device: torch.device) -> tuple[torch.nn.Module, float]:
+def kind_block(kind: str, args: argparse.Namespace, device: torch.device, noop_kind: str = "zero"
+               ) -> tuple[torch.nn.Module, float]:
     """The second block of a [dense, kind] model at the benchmark's shape (block_kinds' expert
-    settings), and its forward FLOPs per token over the dense block's."""
+    settings; Integrated MoDE's no-op experts of noop_kind), and its forward FLOPs per token over
+    the dense block's."""
     from bench.block_kinds import kind_config
 
     shape = argparse.Namespace(vocab=256, width=args.width, heads=args.heads, layers=2, ffn=args.ffn, seq=args.seq,
                                experts=args.experts, noop=args.experts)
-    config = kind_config(kind, shape)
+    config = kind_config(kind, shape, {"noop_kind": noop_kind} if kind == "mode_integrated" else None)
     per_block = model_flops(config).per_block
     return LanguageModel(config).to(device).blocks[1], per_block[1] / per_block[0]
 
@@ -136,13 +142,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--iters", type=int, default=40)
     parser.add_argument("--top", type=int, default=0, help="also print each block's N costliest kernels")
     parser.add_argument("--compile", action="store_true",
-                        help="torch.compile the dense and the MoD block (table 1 then has those two rows)")
+                        help="torch.compile each block (table 1 then has the blocks' rows only)")
     parser.add_argument("--kinds", nargs="*", choices=ROUTED_KINDS, default=[],
                         help="also profile these block kinds, with a table of where their kernel time goes")
+    parser.add_argument("--noop-kinds", nargs="+", choices=NOOP_KINDS, default=["zero"],
+                        help="Integrated MoDE (--kinds mode_integrated): a row for each of these kinds of no-op expert")
     parser.add_argument("--experts", type=int, default=8, help="experts of the --kinds blocks (and no-op experts of Integrated MoDE)")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run at a small shape")
     args = parser.parse_args(argv)
     require_cuda_unless_tiny(parser, args)
+    if args.noop_kinds != ["zero"] and "mode_integrated" not in args.kinds:
+        parser.error("--noop-kinds sets Integrated MoDE's no-op experts: name mode_integrated in --kinds")
     if args.tiny:
         args.batch, args.seq, args.width, args.heads, args.ffn, args.iters, args.experts = 2, 64, 32, 2, 64, 3, 4
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -196,12 +206,14 @@ def main(argv: list[str] | None = None) -> None:
               f"the block alone on k={k} tokens": block_on_k_tokens, "routing alone (route, gate, add back)": routing_alone}
     per_block = model_flops(model.config).per_block  # the [dense, mod] model's own blocks
     flop_ratio = {"dense block": 1.0, "MoD block": per_block[1] / per_block[0]}
+    blocks = {"dense block": dense, "MoD block": mod}
     for kind in args.kinds:
-        block, flop_ratio[f"{kind} block"] = kind_block(kind, args, device)
-        pieces[f"{kind} block"] = fwd_bwd(block)
+        for noop_kind in args.noop_kinds if kind == "mode_integrated" else ["zero"]:
+            name = f"{kind} block" + ("" if noop_kind == "zero" else f", {noop_kind} null experts")
+            blocks[name], flop_ratio[name] = kind_block(kind, args, device, noop_kind)
+            pieces[name] = fwd_bwd(blocks[name])
     if args.compile:  # each block one compiled graph (the MoD block then routes with plain ops)
-        pieces = {"dense block": fwd_bwd(torch.compile(dense)), "MoD block": fwd_bwd(torch.compile(mod))}
-        flop_ratio = {name: flop_ratio[name] for name in pieces}
+        pieces = {name: fwd_bwd(torch.compile(block)) for name, block in blocks.items()}
     card = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     print(f"card: {card}; torch {torch.__version__}; B={args.batch} S={args.seq} D={args.width} heads={args.heads} "
           f"ffn={args.ffn} capacity={args.capacity} (k={k}); {'compiled' if args.compile else 'eager'}, "
@@ -242,7 +254,7 @@ def main(argv: list[str] | None = None) -> None:
         kernels = kernels_of(op, device)
         print(f"| {name} | {sum(t for _, t in kernels) / PROFILED_PASSES:.1f} | {len(kernels) / PROFILED_PASSES:.0f} |")
 
-    for name in [n for n in profiles if n.endswith(" block")] if args.top else []:
+    for name in [n for n in profiles if n in flop_ratio] if args.top else []:  # the blocks
         print(f"\n### {name}: the {args.top} costliest kernels (us per pass, launches per pass)")
         totals: dict[str, list[float]] = {}
         for kernel, t in profiles[name]:

@@ -229,13 +229,23 @@ def test_scaling_tiny_on_two_gloo_processes() -> None:
 
 
 def test_block_profile_tiny_compiled() -> None:
-    """--compile: the dense and the MoD block each compiled; the table has those two rows."""
-    out = run("-m", "bench.block_profile", "--tiny", "--compile", "--top", "2")
+    """--compile: every block compiled, Integrated MoDE once per --noop-kinds kind; table 1 and the
+    categories have the blocks' rows only, and --top lists each block's kernels."""
+    out = run("-m", "bench.block_profile", "--tiny", "--compile", "--top", "2", "--kinds", "mode_integrated",
+              "--noop-kinds", "zero", "copy")
     rows = table_rows(out)
-    assert [r[0] for r in rows[:4]] == ["dense block", "MoD block"] * 2 and rows[4][0].startswith("top-k"), out
+    blocks = ["dense block", "MoD block", "mode_integrated block", "mode_integrated block, copy null experts"]
+    assert [r[0] for r in rows[:8]] == blocks * 2 and rows[8][0].startswith("top-k"), out
     assert ("; compiled, bf16 autocast" if CUDA else "; compiled, float32") in out
-    assert all(len(r) == 5 and all(number(cell) > 0 for cell in r[1:]) for r in rows[:2])
+    assert all(len(r) == 5 and all(number(cell) > 0 for cell in r[1:]) for r in rows[:4])
+    assert [number(r[-2]) for r in rows[6:8]] == [number(rows[6][-2])] * 2  # copy slots add no FLOPs
     assert "a [dense, MoD] pair: the host queues it in " in out, out
+    assert re.findall(r"### (.*): the 2 costliest kernels", out) == blocks
+
+
+def test_block_profile_noop_kinds_need_integrated_mode(capsys: pytest.CaptureFixture[str]) -> None:
+    message = refusal("block_profile", ["--tiny", "--kinds", "moe", "--noop-kinds", "copy"], capsys)
+    assert "--noop-kinds sets Integrated MoDE's no-op experts: name mode_integrated in --kinds" in message, message
 
 
 def test_mod_step_modes_selects_modes(capsys: pytest.CaptureFixture[str]) -> None:
