@@ -3,8 +3,10 @@
     python -m bench.block_profile          # B=8, S=2048, D=1024, 16 heads, SwiGLU 2816, capacity 12.5%
     python -m bench.block_profile --tiny   # CPU smoke run (host times; "kernels" are CPU ops there)
 
-Where a routed block's time goes in eager mode (--compile: compiled), bf16 autocast over
-float32 weights (as training runs it). Table 1, forward+backward of each piece with an incoming gradient:
+Where a routed block's time goes in eager mode (--compile: compiled), under bf16 autocast with the
+matrices held in bf16 as `python -m mode.train` holds them on a GPU (train.bf16_weights;
+--weights float32: float32 weights that autocast casts each pass). Table 1, forward+backward of
+each piece with an incoming gradient:
 - wall ms: median over --iters passes, each synchronised (CUDA events);
 - kernel ms and kernels: the sum of the kernels' own times per pass under torch.profiler
   (on CPU: every op's own time, and every op event, nested ones included);
@@ -44,6 +46,7 @@ from mode.flops import model_flops
 from mode.kernels import use_kernels
 from mode.model import LanguageModel
 from mode.routing import add_gated_tokens, capacity_to_k, top_k_positions
+from mode.training.bf16_weights import matrix_weights
 
 PROFILED_PASSES = 5
 ROUTED_KINDS = tuple(k for k in BLOCK_KINDS if k not in ("dense", "mod"))
@@ -77,6 +80,13 @@ def kind_block(kind: str, args: argparse.Namespace, device: torch.device, noop_k
     config = kind_config(kind, shape, {"noop_kind": noop_kind} if kind == "mode_integrated" else None)
     per_block = model_flops(config).per_block
     return LanguageModel(config).to(device).blocks[1], per_block[1] / per_block[0]
+
+
+def held_in_bf16(module: torch.nn.Module) -> None:
+    """The module's matrices in bf16, as mode.train's bf16 weights hold them (their float32 masters
+    live in the optimizer, which this script does not run)."""
+    for weight in matrix_weights(module):
+        weight.data = weight.data.to(torch.bfloat16)
 
 
 def category(kernel: str) -> str:
@@ -148,6 +158,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--noop-kinds", nargs="+", choices=NOOP_KINDS, default=["zero"],
                         help="Integrated MoDE (--kinds mode_integrated): a row for each of these kinds of no-op expert")
     parser.add_argument("--experts", type=int, default=8, help="experts of the --kinds blocks (and no-op experts of Integrated MoDE)")
+    parser.add_argument("--weights", choices=["bf16", "float32"], default="bf16",
+                        help="the matrices (attention, FFNs, experts) on a GPU: bf16 as mode.train holds them "
+                             "(train.bf16_weights), or float32 cast by autocast each pass (CPU: float32 always)")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run at a small shape")
     args = parser.parse_args(argv)
     require_cuda_unless_tiny(parser, args)
@@ -158,6 +171,9 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
     model = build(args, device)
+    bf16 = device.type == "cuda" and args.weights == "bf16"  # autocast runs on CUDA only
+    if bf16:
+        held_in_bf16(model)
     dense, mod = model.blocks[0], model.blocks[1]
     # The MoD block adds its updates into x in place, as inside the model: x drifts by the
     # updates from pass to pass, which changes which tokens are chosen, not what a pass costs.
@@ -211,13 +227,15 @@ def main(argv: list[str] | None = None) -> None:
         for noop_kind in args.noop_kinds if kind == "mode_integrated" else ["zero"]:
             name = f"{kind} block" + ("" if noop_kind == "zero" else f", {noop_kind} null experts")
             blocks[name], flop_ratio[name] = kind_block(kind, args, device, noop_kind)
+            if bf16:
+                held_in_bf16(blocks[name])
             pieces[name] = fwd_bwd(blocks[name])
     if args.compile:  # each block one compiled graph (the MoD block then routes with plain ops)
         pieces = {name: fwd_bwd(torch.compile(block)) for name, block in blocks.items()}
     card = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     print(f"card: {card}; torch {torch.__version__}; B={args.batch} S={args.seq} D={args.width} heads={args.heads} "
           f"ffn={args.ffn} capacity={args.capacity} (k={k}); {'compiled' if args.compile else 'eager'}, "
-          f"{precision(device)}\n")
+          f"{precision(device)}, {'bf16' if bf16 else 'float32'} matrices\n")
     print("| forward+backward | wall ms | kernel ms | kernels | host ms |")
     print("| --- | --- | --- | --- | --- |")
     profiles, kernel_ms, host_ms = {}, {}, {}

@@ -236,7 +236,7 @@ def test_block_profile_tiny_compiled() -> None:
     rows = table_rows(out)
     blocks = ["dense block", "MoD block", "mode_integrated block", "mode_integrated block, copy null experts"]
     assert [r[0] for r in rows[:8]] == blocks * 2 and rows[8][0].startswith("top-k"), out
-    assert ("; compiled, bf16 autocast" if CUDA else "; compiled, float32") in out
+    assert ("; compiled, bf16 autocast, bf16 matrices" if CUDA else "; compiled, float32, float32 matrices") in out
     assert all(len(r) == 5 and all(number(cell) > 0 for cell in r[1:]) for r in rows[:4])
     assert [number(r[-2]) for r in rows[6:8]] == [number(rows[6][-2])] * 2  # copy slots add no FLOPs
     assert "a [dense, MoD] pair: the host queues it in " in out, out
