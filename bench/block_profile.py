@@ -46,7 +46,7 @@ from mode.flops import model_flops
 from mode.kernels import use_kernels
 from mode.model import LanguageModel
 from mode.routing import add_gated_tokens, capacity_to_k, top_k_positions
-from mode.training.bf16_weights import matrix_weights
+from mode.training.bf16_weights import Bf16Weights, matrix_weights
 
 PROFILED_PASSES = 5
 ROUTED_KINDS = tuple(k for k in BLOCK_KINDS if k not in ("dense", "mod"))
@@ -83,10 +83,9 @@ def kind_block(kind: str, args: argparse.Namespace, device: torch.device, noop_k
 
 
 def held_in_bf16(module: torch.nn.Module) -> None:
-    """The module's matrices in bf16, as mode.train's bf16 weights hold them (their float32 masters
-    live in the optimizer, which this script does not run)."""
-    for weight in matrix_weights(module):
-        weight.data = weight.data.to(torch.bfloat16)
+    """The module's matrices in bf16, converted as mode.train's bf16 weights convert them (the float32
+    masters it keeps go unused: this script runs no optimizer)."""
+    Bf16Weights(matrix_weights(module))
 
 
 def category(kernel: str) -> str:
