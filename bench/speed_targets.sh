@@ -12,7 +12,7 @@
 #   compiled      compiled.md      bench.block_kinds: every block kind compiled (--busy)
 #   train_configs train_configs.md bench.train_configs: python -m mode.train on the GPU configs, per FLOP
 #   step          step.md          bench.mod_step with the auto and cuDNN attention backends
-#   profile       profile.md       bench.block_profile of the MoE and MoDE blocks (where their time goes)
+#   profile       profile.md       bench.block_profile of the MoE and MoDE blocks, every null kind (where their time goes)
 #   optimizer     optimizer.md     bench.optimizer: the update alone, bf16 weights' masters against fused AdamW
 #   prefill       prefill.md       bench.prefill: prefill launches, syncs and GPU time against dense
 #   row_ops       row_ops.md       bench.row_ops: row moves and decode attention, one op at a time
@@ -66,7 +66,7 @@ part_step() {
   "$PY" -m bench.mod_step $TINY_ARG --modes "$GRAPH_MODES" ${modes:-} --attention-backend $BACKENDS \
     --optimizer "$OPTIMIZER"
 }
-part_profile() { "$PY" -m bench.block_profile $TINY_ARG --kinds moe mode_staged mode_integrated --top 8; }
+part_profile() { "$PY" -m bench.block_profile $TINY_ARG --kinds moe mode_staged mode_integrated --noop-kinds zero copy constant --top 8; }
 part_optimizer() {
   [ -z "$TINY_ARG" ] || { gpu_only "the update alone"; return; }
   "$PY" -m bench.optimizer
