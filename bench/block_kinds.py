@@ -57,7 +57,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="rounds of --iters per row, each row's interleaved with the dense model's (kept built "
                              "beside it) so that a machine's drift hits both alike: ms are medians over rounds, the "
                              "ratios the median of each round's ratio (1: each model timed once; compiled, dense "
-                             "recompiles after each row's dynamo reset, from Inductor's cache)")
+                             "recompiles after each row's dynamo reset, from Inductor's cache); the per-FLOP "
+                             "cell adds the lowest and highest round's")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run at a small shape")
     parser.add_argument("--modes", nargs="+", choices=list(COMPILE), default=["eager"],
                         help="how the models run: a table for each (CUDA-graph modes on a GPU only)")
@@ -128,8 +129,9 @@ def main(argv: list[str] | None = None) -> None:
                 scale = dense_flops / flops
                 busy = (f" {step_busy:.2f} ({pass_busy:.2f}) | {step_busy / dense_busy[0] * scale:.3f} "
                         f"({pass_busy / dense_busy[1] * scale:.3f}) |")
+            spread = round_spread(ratios, flops / dense_flops)
             print(f"| {name} | {fwd_bwd_ms:.2f} | {step_ms:.2f} | {gib(runner.peak_gib)} | {flops / 1e6:.1f} | "
-                  f"{step_ratio:.3f} | {per_flop:.3f}: {verdict(per_flop <= PER_FLOP_TARGET)} | "
+                  f"{step_ratio:.3f} | {per_flop:.3f}: {verdict(per_flop <= PER_FLOP_TARGET)}{spread} | "
                   f"{back_to_back_per_flop:.3f} |" + busy, flush=True)
             if runner is not dense:
                 del runner
@@ -154,6 +156,15 @@ def busy_ms(runner: Runner, device: torch.device) -> tuple[float, float]:
 def round_ratios(row_ms: list[float], dense_ms: list[float], rounds: int) -> list[float]:
     """Each of a row's last `rounds` rounds over the dense round timed just before it."""
     return [ms / base for ms, base in zip(row_ms, dense_ms[-rounds:], strict=True)]
+
+
+def round_spread(ratios: list[float], flop_ratio: float) -> str:
+    """With several rounds, the lowest and highest round's step time per FLOP over dense's, which the
+    median (the verdict's) sits between: how far a row's rounds move, beside how close it sits to
+    the target."""
+    if len(ratios) < 2:
+        return ""
+    return f" (rounds {min(ratios) / flop_ratio:.3f} to {max(ratios) / flop_ratio:.3f})"
 
 
 # (row name, block kind, moe fields over the kind's own)

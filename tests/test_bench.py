@@ -169,6 +169,10 @@ def test_block_kinds_rounds_interleave_with_dense(capsys: pytest.CaptureFixture[
     rows = table_rows(run("-m", "bench.block_kinds", "--tiny", "--rounds", "2", "--only", "mod"))
     assert [r[0] for r in rows] == ["dense", "mod"]
     assert number(rows[0][5]) == 1.0 and number(rows[1][5]) > 0 and number(rows[1][6].split(":")[0]) > 0
+    # the lowest and highest round's per FLOP beside the median: the median lies between them
+    spread = re.search(r"\(rounds ([\d.]+) to ([\d.]+)\)$", rows[1][6])
+    assert spread and float(spread[1]) <= number(rows[1][6].split(":")[0]) <= float(spread[2]), rows[1][6]
+    assert "rounds" not in rows[0][6]  # dense: its own baseline
     assert number(rows[0][7]) == 1.0 and number(rows[1][7]) > 0  # steps back to back, round by round
     assert "--rounds must be at least 1, got 0" in refusal("block_kinds", ["--tiny", "--rounds", "0"], capsys)
 
