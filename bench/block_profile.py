@@ -46,7 +46,7 @@ from mode.flops import model_flops
 from mode.kernels import use_kernels
 from mode.model import LanguageModel
 from mode.routing import add_gated_tokens, capacity_to_k, top_k_positions
-from mode.training.bf16_weights import Bf16Weights, matrix_weights
+from mode.training.bf16_weights import hold_in_bf16_, matrix_weights
 
 PROFILED_PASSES = 5
 ROUTED_KINDS = tuple(k for k in BLOCK_KINDS if k not in ("dense", "mod"))
@@ -80,12 +80,6 @@ def kind_block(kind: str, args: argparse.Namespace, device: torch.device, noop_k
     config = kind_config(kind, shape, {"noop_kind": noop_kind} if kind == "mode_integrated" else None)
     per_block = model_flops(config).per_block
     return LanguageModel(config).to(device).blocks[1], per_block[1] / per_block[0]
-
-
-def held_in_bf16(module: torch.nn.Module) -> None:
-    """The module's matrices in bf16, converted as mode.train's bf16 weights convert them (the float32
-    masters it keeps go unused: this script runs no optimizer)."""
-    Bf16Weights(matrix_weights(module))
 
 
 def category(kernel: str) -> str:
@@ -172,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
     model = build(args, device)
     bf16 = device.type == "cuda" and args.weights == "bf16"  # autocast runs on CUDA only
     if bf16:
-        held_in_bf16(model)
+        hold_in_bf16_(matrix_weights(model))  # as mode.train holds them (train.bf16_weights)
     dense, mod = model.blocks[0], model.blocks[1]
     # The MoD block adds its updates into x in place, as inside the model: x drifts by the
     # updates from pass to pass, which changes which tokens are chosen, not what a pass costs.
@@ -227,7 +221,7 @@ def main(argv: list[str] | None = None) -> None:
             name = f"{kind} block" + ("" if noop_kind == "zero" else f", {noop_kind} null experts")
             blocks[name], flop_ratio[name] = kind_block(kind, args, device, noop_kind)
             if bf16:
-                held_in_bf16(blocks[name])
+                hold_in_bf16_(matrix_weights(blocks[name]))
             pieces[name] = fwd_bwd(blocks[name])
     if args.compile:  # each block one compiled graph (the MoD block then routes with plain ops)
         pieces = {name: fwd_bwd(torch.compile(block)) for name, block in blocks.items()}

@@ -76,6 +76,12 @@ def matrix_weights(model: nn.Module) -> list[nn.Parameter]:
     return list(found.values())
 
 
+def hold_in_bf16_(params: list[nn.Parameter]) -> None:
+    """Each param's data turned into contiguous bf16 in place (the same Parameter objects)."""
+    for p in params:
+        p.data = p.data.to(torch.bfloat16, memory_format=torch.contiguous_format)
+
+
 def master_updates_(updates: list[Update], grad_scale: Tensor, lr: float | Tensor, betas: tuple[float, float],
                     eps: float, weight_decay: float) -> None:
     """One AdamW update of each (master, exp_avg, exp_avg_sq, grad, copy, step): the master (float32)
@@ -162,8 +168,7 @@ class Bf16Weights:
         self.masters = [p.detach().clone(memory_format=torch.contiguous_format) for p in params]
         self.param_of = {id(m): p for m, p in zip(self.masters, params, strict=True)}
         self.master_of = {id(p): m for m, p in zip(self.masters, params, strict=True)}
-        for p in params:
-            p.data = p.data.to(torch.bfloat16, memory_format=torch.contiguous_format)
+        hold_in_bf16_(params)
 
     def in_groups(self, groups: list[dict]) -> list[dict]:
         """Optimizer parameter groups with each param replaced by its master."""
