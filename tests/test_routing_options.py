@@ -291,6 +291,27 @@ def test_copy_gates_are_summed_in_float32_under_autocast() -> None:
     assert torch.allclose(got[:, 0], (grad * x).sum(-1), atol=1e-5, rtol=1e-6)
 
 
+def test_constant_slots_are_summed_in_float32_under_autocast() -> None:
+    """The PyTorch path sums the constant slots' g_tc * v_c in float32 as the kernel does: under bf16
+    autocast a matmul would round the gates, the constants and the product (and their gradients)."""
+    torch.manual_seed(0)
+    null = NullExperts(["constant", "zero", "copy", "constant"], D)
+    with torch.no_grad():
+        null.constants.copy_(torch.randn(2, D))
+    gates = torch.softmax(torch.randn(32, 4), -1).requires_grad_()
+    x = torch.randn(32, D)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = null(x, gates)
+    v = null.constants
+    expected = gates[:, 2:3] * x + gates[:, 0:1] * v[0] + gates[:, 3:4] * v[1]  # float32 throughout
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
+    grad = torch.randn(32, D)
+    got_gates, got_v = torch.autograd.grad(out, (gates, v), grad)
+    torch.testing.assert_close(got_gates[:, 0], grad @ v[0], atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(got_v[1], (gates[:, 3:4] * grad).sum(0), atol=1e-5, rtol=1e-6)
+
+
 def test_null_expert_constants_learn_and_copy_gates_get_gradient() -> None:
     ffn, _ = null_pair("token_choice", ["copy", "constant", "constant"], top_k=2)
     x = torch.randn(2, 16, D, dtype=torch.float64)

@@ -61,7 +61,7 @@ class NullExperts(nn.Module):
             # A sum, not a matmul: autocast would round the gates' sum to bf16 (and its gradient).
             out = self._summed(gates, self.copy).unsqueeze(-1) * x  # (T, 1) * (T, D)
         if self.constants is not None:
-            constant = gates.index_select(1, self.constant_slots) @ self.constants.to(gates.dtype)  # (T, C) @ (C, D)
+            constant = self._constant_sum(gates.index_select(1, self.constant_slots))  # (T, D)
             out = constant if out is None else out + constant
         if out is None:  # zero slots only: MoEFFN builds no NullExperts for them
             raise ValueError("NullExperts: no copy or constant slot")
@@ -78,6 +78,17 @@ class NullExperts(nn.Module):
         scale = self._summed(gates, self.copy) if "copy" in self.kinds else None  # (T,): the copy slots' gates
         constant_gates = None if self.constants is None else gates.index_select(1, self.constant_slots)  # (T, C)
         return null_add(out, x, scale, constant_gates, self.constants)
+
+    def _constant_sum(self, gates: Tensor) -> Tensor:
+        """gates (T, C) the constant slots' gates -> (T, D) sum_c g_tc * v_c in float32, as the kernel
+        sums it (float64 stays float64): one product per slot (C is a few), not a matmul, which
+        autocast would run in bf16."""
+        dtype = torch.promote_types(torch.promote_types(gates.dtype, self.constants.dtype), torch.float32)
+        constants, gates = self.constants.to(dtype), gates.to(dtype)
+        out = gates[:, :1] * constants[0]  # (T, 1) * (D,)
+        for c in range(1, constants.shape[0]):
+            out = out + gates[:, c:c + 1] * constants[c]
+        return out
 
     @staticmethod
     def _summed(gates: Tensor, kind: Tensor) -> Tensor:
