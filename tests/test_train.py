@@ -731,6 +731,32 @@ def test_default_cuda_graphs_train_as_plain_eager(tmp_path: Path, corpus: Path, 
     assert_same_curves(runs[False], runs["auto"], "eager")
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="synchronisation is a GPU's")
+@pytest.mark.parametrize("graphs", [False, "auto"], ids=["plain eager", "cuda graphs"])
+@pytest.mark.parametrize("case", sorted(AUTO_GRAPHED))
+def test_a_step_is_queued_without_waiting_for_the_gpu(tmp_path: Path, corpus: Path, case: str,
+                                                      graphs: bool | str) -> None:
+    """Trainer.launch_step makes no synchronising call (torch.cuda's sync debug mode raises on one),
+    for every block kind and routing method, with bf16 weights, plain eager and CUDA-graphed: what
+    lets the loop queue step n+1 while the GPU still runs step n. The step queued that way trains
+    as the ones before it (finite loss, the next step number)."""
+    block, routing, moe = AUTO_GRAPHED[case]
+    config = make_config(tmp_path / "run", corpus, model={"block_pattern": ["dense", block]}, routing=routing,
+                         moe=moe, train={"device": "cuda", "max_steps": 4, "cuda_graphs": graphs})
+    trainer = Trainer(config)
+    assert trainer.optimization.bf16 is not None
+    for _ in range(2):  # the capture, the step's plan and the kernels' first launches (compiles) happen here
+        trainer.finish_step(trainer.launch_step())
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        launched = trainer.launch_step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    record = trainer.finish_step(launched)
+    assert launched.state.step == 3 and math.isfinite(record["loss"])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 autocast trains on a GPU")
 @pytest.mark.parametrize("case", sorted(AUTO_GRAPHED))
 def test_bf16_weights_train_as_float32_weights(tmp_path: Path, corpus: Path, case: str) -> None:
