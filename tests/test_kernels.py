@@ -1484,6 +1484,22 @@ def test_weighted_row_sums_equal_the_float32_product(tokens: int, n_weights: int
         weighted_row_sums(torch.zeros(tokens, MAX_WEIGHTS + 1, device=DEVICE), rows)
 
 
+def test_float32_weighted_row_sums_stay_float32_under_autocast() -> None:
+    """Past MAX_WEIGHTS weights a row the float32 product runs instead of the kernel: inside an
+    autocast region (a backward called within the forward's, as the CUDA-graphed pass does) it
+    stays a float32 product, not autocast's bf16 matmul."""
+    from mode.kernels.weighted_sums import MAX_WEIGHTS, float32_weighted_row_sums
+
+    gen = torch.Generator().manual_seed(6)
+    weights = torch.randn(50, MAX_WEIGHTS + 1, generator=gen)
+    rows = torch.randn(50, 96, generator=gen)
+    want = (weights.double().t() @ rows.double()).float()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = float32_weighted_row_sums(weights, rows)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("kinds", [["copy"] * 2, ["constant"] * 2, ["zero", "copy", "constant"]])
 @pytest.mark.parametrize("scheme", ["expert_choice", "token_choice"])
 def test_null_experts_through_the_kernel_equal_the_pytorch_ops(scheme: str, kinds: list[str], monkeypatch) -> None:

@@ -67,7 +67,9 @@ def weighted_row_sums(weights: Tensor, rows: Tensor) -> Tensor:
 
 def float32_weighted_row_sums(weights: Tensor, rows: Tensor) -> Tensor:
     """weights (T, C)^T @ rows (T, D) in float32: weighted_row_sums where it applies, else the
-    float32 product (more than MAX_WEIGHTS weights a row)."""
+    float32 product (more than MAX_WEIGHTS weights a row), with autocast off: a backward may run
+    inside the forward's autocast (the CUDA-graphed training pass), which would make it bf16."""
     if weighted_row_sums_applies(weights, rows):
         return weighted_row_sums(weights, rows)
-    return weights.float().t() @ rows.float()
+    with torch.autocast(rows.device.type, enabled=False):
+        return weights.float().t() @ rows.float()
