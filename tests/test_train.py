@@ -889,7 +889,8 @@ def test_graphed_training_reserves_little_more_than_plain_eager(tmp_path: Path, 
 
 def test_cuda_graphs_default_to_auto(tmp_path: Path, corpus: Path) -> None:
     """train.cuda_graphs is auto unless set: plain eager on a CPU (no note) and beside torch.compile,
-    and in a multi-process run (with a note saying so); only true, false or auto are read."""
+    and in a multi-process run (with a note saying so, and for a routed model that compile takes
+    its launches off the host); only true, false or auto are read."""
     assert TrainConfig().cuda_graphs == "auto"
     make_config(tmp_path / "run", corpus, train={"compile": True})  # auto gives way to compile
     trainer = Trainer(make_config(tmp_path / "run", corpus))
@@ -897,6 +898,10 @@ def test_cuda_graphs_default_to_auto(tmp_path: Path, corpus: Path) -> None:
     config = make_config(tmp_path / "other", corpus, train={"device": "cuda"})
     graphed, note = eager_graphs(config, torch.device("cuda"), trainer.model, one_process=False)
     assert graphed is False and "plain eager" in note and "one process" in note
+    assert "--train.compile=true" in note  # a routed model's eager step is host-bound: the note says what helps
+    dense = make_config(tmp_path / "dense", corpus, model={"block_pattern": ["dense"]}, train={"device": "cuda"})
+    _, note = eager_graphs(dense, torch.device("cuda"), LanguageModel(dense), one_process=False)
+    assert "plain eager" in note and "compile" not in note
     config.train.cuda_graphs = True
     with pytest.raises(ConfigError, match=r"train\.cuda_graphs=true runs with python -m mode\.train"):
         eager_graphs(config, torch.device("cuda"), trainer.model, one_process=False)
