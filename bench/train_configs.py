@@ -3,6 +3,7 @@
     python -m bench.train_configs                  # configs/{dense,mod,moe,mode_staged,mode_integrated}_gpu.yaml
     python -m bench.train_configs --tiny           # the *_tiny.yaml configs on the CPU: a smoke run
     python -m bench.train_configs --set train.overlap_update=true   # every config with a setting changed
+    python -m bench.train_configs --nproc 2 --set train.compile=true # launch/train.py on 2 GPUs (DeepSpeed)
 
 Each config trains --steps steps as a user runs it (`python -m mode.train --config ...`, every
 setting of the file kept, the run folder a temporary one; evaluation and checkpoints only at the
@@ -11,6 +12,8 @@ train.log_interval steps each) after the first --skip of them (CUDA graph captur
 Time per FLOP against dense: (dense's tokens/s x its training FLOPs a token) over (this one's x its
 own), the FLOPs from mode.flops (3 x the analytic forward). The configs differ in more than their
 block kind (an expert's width, the capacity factor): the FLOPs count what each one computes.
+--nproc N runs launch/train.py on N processes instead (torch.distributed.run, one GPU each; the
+CPU over gloo with --tiny): tokens/s and TFLOP/s are then the whole run's, every process's tokens.
 """
 from __future__ import annotations
 
@@ -38,17 +41,25 @@ def window_rates(metrics: Path, skip: int) -> list[float]:
     return rates[skip:]
 
 
-def train(path: Path, steps: int, run_dir: Path, tiny: bool, settings: list[str]) -> Path:
-    """Run python -m mode.train on path for `steps` steps in run_dir, with settings (section.field=value)
-    over the file's; its metrics.jsonl."""
+def trainer_command(nproc: int) -> list[str]:
+    """python -m mode.train, or launch/train.py on nproc processes (a free port on this host)."""
+    if nproc == 1:
+        return [sys.executable, "-m", "mode.train"]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            str(ROOT / "launch" / "train.py")]
+
+
+def train(path: Path, steps: int, run_dir: Path, tiny: bool, settings: list[str], nproc: int = 1) -> Path:
+    """Run python -m mode.train (or launch/train.py on nproc processes) on path for `steps` steps in
+    run_dir, with settings (section.field=value) over the file's; its metrics.jsonl."""
     overrides = [f"--train.max_steps={steps}", f"--train.eval_interval={steps}",
                  f"--train.checkpoint_interval={steps}", f"--train.out_dir={run_dir}", *(f"--{s}" for s in settings)]
     if tiny:
         overrides += ["--train.device=cpu", "--train.log_interval=2", "--train.eval_batches=1"]
-    out = subprocess.run([sys.executable, "-m", "mode.train", "--config", str(path), *overrides], cwd=ROOT,
-                         capture_output=True, text=True)
+    command = [*trainer_command(nproc), "--config", str(path), *overrides]
+    out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     if out.returncode != 0:
-        raise SystemExit(f"python -m mode.train --config {path} failed:\n{out.stderr[-3000:]}")
+        raise SystemExit(f"{' '.join(command[1:])} failed:\n{(out.stderr or out.stdout)[-3000:]}")
     return run_dir / "metrics.jsonl"
 
 
@@ -59,6 +70,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--skip", type=int, default=3, help="log windows left out at the start")
     parser.add_argument("--tiny", action="store_true", help="the tiny configs on the CPU")
+    parser.add_argument("--nproc", type=int, default=1,
+                        help="processes: 1 runs python -m mode.train, more run launch/train.py through DeepSpeed")
     parser.add_argument("--set", nargs="+", default=[], metavar="SECTION.FIELD=VALUE",
                         help="settings over every config's (mode.train's --section.field=value, without the dashes)")
     args = parser.parse_args(argv)
@@ -70,19 +83,24 @@ def main(argv: list[str] | None = None) -> None:
     missing = [str(p) for p in paths if not p.exists()]
     if missing:
         parser.error(f"--configs: no such file {missing[0]}")
+    if args.nproc < 1:
+        parser.error(f"--nproc: {args.nproc} processes (at least 1)")
     if args.configs[0] != "dense":
         parser.error("--configs: the first must be dense (the baseline)")
     if args.tiny:
         args.steps, args.skip = min(args.steps, 8), min(args.skip, 1)
     settings = f", with {' '.join(args.set)}" if args.set else ""
-    print(f"python -m mode.train, {args.steps} steps a config{settings}, tokens/s the median of the log windows "
+    trainer = "python -m mode.train" if args.nproc == 1 else f"launch/train.py on {args.nproc} processes"
+    print(f"{trainer}, {args.steps} steps a config{settings}, tokens/s the median of the log windows "
           f"after the first {args.skip}\n")
-    print("| config | tokens/s | training MFLOPs/token | TFLOP/s | time per FLOP / dense (target <= 1.15) |")
+    every = "" if args.nproc == 1 else " (all processes)"
+    print(f"| config | tokens/s{every} | training MFLOPs/token | TFLOP/s{every} | time per FLOP / dense (target <= 1.15) |")
     print("| --- | --- | --- | --- | --- |")
     dense_flop_rate = None  # dense's training FLOP/s: the baseline
     with tempfile.TemporaryDirectory() as tmp:
         for name, path in zip(args.configs, paths):
-            rate = statistics.median(window_rates(train(path, args.steps, Path(tmp) / name, args.tiny, args.set), args.skip))
+            metrics = train(path, args.steps, Path(tmp) / name, args.tiny, args.set, args.nproc)
+            rate = statistics.median(window_rates(metrics, args.skip))
             flops = model_flops(load_config(path, [f"--{s}" for s in args.set])).train_per_token
             dense_flop_rate = dense_flop_rate or rate * flops
             ratio = dense_flop_rate / (rate * flops)

@@ -202,6 +202,17 @@ def test_train_configs_tiny(capsys: pytest.CaptureFixture[str]) -> None:
     assert "the first must be dense" in refusal("train_configs", ["--tiny", "--configs", "mod", "dense"], capsys)
     assert "no such file" in refusal("train_configs", ["--tiny", "--configs", "dense", "nonsense"], capsys)
     assert "is not SECTION.FIELD=VALUE" in refusal("train_configs", ["--tiny", "--set", "train.lr"], capsys)
+    assert "at least 1" in refusal("train_configs", ["--tiny", "--nproc", "0"], capsys)
+
+
+def test_train_configs_tiny_on_two_processes() -> None:
+    """--nproc 2: launch/train.py on two CPU processes over gloo; the table says it counts every
+    process's tokens, dense the unit."""
+    out = run("-m", "bench.train_configs", "--tiny", "--nproc", "2", "--configs", "dense", "mod")
+    assert out.startswith("launch/train.py on 2 processes") and "tokens/s (all processes)" in out
+    rows = table_rows(out)
+    assert [r[0] for r in rows] == ["dense", "mod"]
+    assert min(number(r[1]) for r in rows) > 0 and number(rows[0][4].split(":")[0]) == 1.0
 
 
 def test_prefill_tiny() -> None:
