@@ -9,7 +9,6 @@ from torch import Tensor, nn
 from mode.config import Config, ConfigError
 from mode.layers.moe import MoEFFN
 from mode.model import ModelOutput
-from mode.routing import DepthRouter
 
 
 # ----------------------------------------------------------------------------- eager CUDA graphs
@@ -30,7 +29,7 @@ def eager_graphs(config: Config, device: torch.device, model: nn.Module, one_pro
         if required:
             raise ConfigError("train.cuda_graphs=true runs with python -m mode.train (one process) only")
         return False, ("train.cuda_graphs=auto: plain eager (CUDA graphs run in one process, python -m mode.train)"
-                       + _host_bound_hint(model))
+                       + _host_bound_hint(config))
     reason = _host_reading_layer(model, device)
     if reason is None:
         return True, None if required else ("train.cuda_graphs=auto: each micro-batch's forward and backward run as one "
@@ -40,11 +39,11 @@ def eager_graphs(config: Config, device: torch.device, model: nn.Module, one_pro
     return False, f"train.cuda_graphs=auto: plain eager, since {reason}"
 
 
-def _host_bound_hint(model: nn.Module) -> str:
+def _host_bound_hint(config: Config) -> str:
     """For a multi-process run's plain eager: a routed layer launches about a dense layer's kernels
     for a fraction of its work, so a routed model's eager step waits on the host (docs/gpu.md);
-    torch.compile, which such runs allow, takes the launches off it. Empty for a model with no router."""
-    if not any(isinstance(m, (DepthRouter, MoEFFN)) for m in model.modules()):
+    torch.compile, which such runs allow, takes the launches off it. Empty for an all-dense model."""
+    if all(kind == "dense" for kind in config.model.block_kinds()):
         return ""
     return ("; a routed model's plain eager step is paced by the host's kernel launches, "
             "--train.compile=true takes them off the host")
