@@ -138,6 +138,8 @@ def build_deepspeed_trainer(config: Config, processes: Processes) -> Trainer:
     from deepspeed.utils import groups
 
     ep = config.parallel.expert_parallel
+    # DeepSpeed's gate copies its expert counts to the host in every forward: no CUDA graph holds it.
+    config.train.cuda_graphs = False
     torch.manual_seed(config.train.seed)
     with torch.device(processes.device):  # built in place (start-up only; the weights are not compared)
         model = LanguageModel(config)

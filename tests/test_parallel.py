@@ -88,10 +88,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(config: Path, *args: str, world: int = WORLD) -> tuple[list[str], subprocess.Popen]:
-    """launch/train.py started on `world` CPU processes, in a process group of its own: (command, process)."""
+def start(config: Path, *args: str, world: int = WORLD, script: Path | None = None) -> tuple[list[str], subprocess.Popen]:
+    """launch/train.py (or `script`, given the config's path alone) started on `world` processes, in a
+    process group of its own: (command, process)."""
+    target = [str(ROOT / "launch" / "train.py"), "--config", str(config)] if script is None else [str(script), str(config)]
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", str(ROOT / "launch" / "train.py"), "--config", str(config), *args]
+           f"--master_port={free_port()}", *target, *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     return cmd, subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                  start_new_session=True)
@@ -117,9 +119,10 @@ def output_within(proc: subprocess.Popen, timeout: float, failure: str) -> str:
         pytest.fail(f"{failure}:\n{proc.communicate()[0][-4000:]}")
 
 
-def launch(config: Path, *args: str, expect_ok: bool = True, world: int = WORLD) -> subprocess.CompletedProcess:
-    """launch/train.py on `world` CPU processes; the process group is killed on timeout."""
-    cmd, proc = start(config, *args, world=world)
+def launch(config: Path, *args: str, expect_ok: bool = True, world: int = WORLD,
+           script: Path | None = None) -> subprocess.CompletedProcess:
+    """launch/train.py (or `script`) on `world` processes; the process group is killed on timeout."""
+    cmd, proc = start(config, *args, world=world, script=script)
     with killed_on_exit(proc):
         out = output_within(proc, LAUNCH_TIMEOUT, f"launch timed out after {LAUNCH_TIMEOUT} s: {' '.join(cmd)}")
     if expect_ok and proc.returncode != 0:
@@ -521,9 +524,10 @@ def test_deepspeed_config_is_derived_from_the_project_config():
 
 
 def test_cuda_graphs_are_refused_through_deepspeed(tmp_path: Path) -> None:
-    """launch/train.py refuses train.compile_mode=reduce-overhead, naming the field, before it
-    builds anything (CUDA graphs run through python -m mode.train only)."""
-    from mode.parallel.engine import Processes
+    """launch/train.py refuses train.compile_mode=reduce-overhead, and train.cuda_graphs=true where
+    a graph cannot hold the engine's backward (ZeRO 1/2, expert parallelism), naming the fields,
+    before it builds anything. ZeRO 0 without expert parallelism is not refused."""
+    from mode.parallel.engine import Processes, capture_refusal
     from mode.parallel.launch import build_trainer
 
     config = load_config(None, ["--train.compile=true", "--train.compile_mode=reduce-overhead",
@@ -531,10 +535,53 @@ def test_cuda_graphs_are_refused_through_deepspeed(tmp_path: Path) -> None:
     processes = Processes(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
     with pytest.raises(ConfigError, match="compile_mode"):
         build_trainer(config, processes)
-    config = load_config(None, ["--train.cuda_graphs=true", f"--train.out_dir={tmp_path / 'run'}"])
-    with pytest.raises(ConfigError, match=r"train\.cuda_graphs"):
-        build_trainer(config, processes)
+    for settings, field in ((["--parallel.zero_stage=1"], r"parallel\.zero_stage=1"),
+                            (["--parallel.expert_parallel=2", "--model.block_pattern=[dense,moe]"],
+                             r"parallel\.expert_parallel=2")):
+        config = load_config(None, ["--train.cuda_graphs=true", *settings, f"--train.out_dir={tmp_path / 'run'}"])
+        assert re.match(field, capture_refusal(config))
+        with pytest.raises(ConfigError, match=rf"train\.cuda_graphs=true: {field}"):
+            build_trainer(config, processes)
     assert not (tmp_path / "run").exists()
+    assert capture_refusal(load_config(None, ["--parallel.zero_stage=0", "--parallel.expert_parallel=1"])) is None
+
+
+def test_the_backward_a_graph_holds_reduces_as_the_engines(corpus: Path, tmp_path: Path) -> None:
+    """Under ZeRO 0 a CUDA graph holds DeepSpeedOptimization.captured_backward and after_replay runs
+    the rest on the host: on 2 processes, with 2 micro-batches, nothing is reduced before the
+    boundary and at it the gradients are the mean over ranks, as the engine's own backward gives,
+    also after the engine's step dropped them (tests/captured_backward.py; CPU, no graph)."""
+    raw = raw_config(corpus, tmp_path / "run", model={"block_pattern": ["dense", "mod"]}, routing={"capacity": 0.25},
+                     train={"grad_accum": 2}, parallel={"zero_stage": 0, "expert_parallel": 1})
+    out = launch(write_config(raw, tmp_path / "config.yaml"), script=ROOT / "tests" / "captured_backward.py").stdout
+    assert "captured backward: ok" in out, out[-4000:]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="two processes on two GPUs (NCCL)")
+def test_two_gpus_train_graphed_as_plain_eager(corpus: Path, tmp_path: Path) -> None:
+    """launch/train.py on 2 GPUs under ZeRO 0: the default train.cuda_graphs=auto graphs each
+    micro-batch (a note says so) and trains as plain eager (cuda_graphs=false) does, MoD and MoE
+    blocks, 2 micro-batches a step: the losses within 2e-3 nats (bf16; only atomics' order
+    differs), gradient norms within 5e-3 relative. A graph that missed the all-reduce, or read a
+    gradient the engine's step dropped, is off from step 2 by far more."""
+    runs = {}
+    for graphs in ("false", "auto"):
+        raw = raw_config(corpus, tmp_path / graphs, model={"block_pattern": ["mod", "moe"]}, routing={"capacity": 0.25},
+                         train={"grad_accum": 2, "device": "cuda", "cuda_graphs": "auto" if graphs == "auto" else False,
+                                "eval_interval": 3},
+                         parallel={"zero_stage": 0, "expert_parallel": 1})
+        out = launch(write_config(raw, tmp_path / f"{graphs}.yaml")).stdout
+        graphed = "each micro-batch's forward and backward run as one CUDA graph" in out
+        assert graphed is (graphs == "auto"), out[-4000:]
+        runs[graphs] = records(tmp_path / graphs)
+    (plain, plain_val), (replayed, replayed_val) = runs["false"], runs["auto"]
+    assert sorted(plain) == sorted(replayed) == list(range(1, STEPS + 1))
+    for step in plain:
+        assert replayed[step]["loss"] == pytest.approx(plain[step]["loss"], abs=2e-3), step
+        assert replayed[step]["grad_norm"] == pytest.approx(plain[step]["grad_norm"], rel=5e-3), step
+    assert set(plain_val) == set(replayed_val)
+    for step in plain_val:
+        assert replayed_val[step]["val_loss"] == pytest.approx(plain_val[step]["val_loss"], abs=2e-3), step
 
 
 def test_launcher_exits_with_mains_code_and_its_output_written(tmp_path: Path) -> None:

@@ -889,24 +889,26 @@ def test_graphed_training_reserves_little_more_than_plain_eager(tmp_path: Path, 
 
 def test_cuda_graphs_default_to_auto(tmp_path: Path, corpus: Path) -> None:
     """train.cuda_graphs is auto unless set: plain eager on a CPU (no note) and beside torch.compile,
-    and in a multi-process run (with a note saying so, and for a routed model that compile takes
-    its launches off the host); only true, false or auto are read."""
+    and in a multi-process run whose engine a graph cannot hold (with a note giving the engine's
+    reason, and for a routed model that compile takes its launches off the host); only true, false
+    or auto are read."""
     assert TrainConfig().cuda_graphs == "auto"
     make_config(tmp_path / "run", corpus, train={"compile": True})  # auto gives way to compile
     trainer = Trainer(make_config(tmp_path / "run", corpus))
     assert trainer.graphed_step is None and trainer.optimization.keep_grads is False and trainer.notes == []
     config = make_config(tmp_path / "other", corpus, train={"device": "cuda"})
-    graphed, note = eager_graphs(config, torch.device("cuda"), trainer.model, one_process=False)
-    assert graphed is False and "plain eager" in note and "one process" in note
+    refusal = "parallel.zero_stage=2: the engine's reason"
+    graphed, note = eager_graphs(config, torch.device("cuda"), trainer.model, engine_refusal=refusal)
+    assert graphed is False and "plain eager" in note and refusal in note
     assert "--train.compile=true" in note  # a routed model's eager step is host-bound: the note says what helps
     dense = make_config(tmp_path / "dense", corpus, model={"block_pattern": ["dense"]}, train={"device": "cuda"})
-    _, note = eager_graphs(dense, torch.device("cuda"), LanguageModel(dense), one_process=False)
+    _, note = eager_graphs(dense, torch.device("cuda"), LanguageModel(dense), engine_refusal=refusal)
     assert "plain eager" in note and "compile" not in note
     config.train.cuda_graphs = True
-    with pytest.raises(ConfigError, match=r"train\.cuda_graphs=true runs with python -m mode\.train"):
-        eager_graphs(config, torch.device("cuda"), trainer.model, one_process=False)
+    with pytest.raises(ConfigError, match=r"train\.cuda_graphs=true: parallel\.zero_stage=2: the engine's reason"):
+        eager_graphs(config, torch.device("cuda"), trainer.model, engine_refusal=refusal)
     assert eager_graphs(make_config(tmp_path / "other", corpus, train={"compile": True}), torch.device("cuda"),
-                        trainer.model, one_process=True) == (False, None)
+                        trainer.model) == (False, None)
     for bad in ("yes", 1, "always"):
         with pytest.raises(ConfigError, match=r"train\.cuda_graphs"):
             make_config(tmp_path / "other", corpus, train={"cuda_graphs": bad})

@@ -208,6 +208,20 @@ def reduces_gradients(config: Config, world_size: int) -> bool:
     return world_size > 1 or config.parallel.zero_stage > 0
 
 
+def capture_refusal(config: Config) -> str | None:
+    """Why a CUDA graph (train.cuda_graphs) cannot hold the engine's backward for this config; None
+    under ZeRO 0 without expert parallelism, where that backward is autograd and then, outside the
+    graph, the all-reduce (DeepSpeedOptimization.captured_backward and after_replay)."""
+    p = config.parallel
+    if p.zero_stage > 0:
+        return (f"parallel.zero_stage={p.zero_stage}: DeepSpeed's ZeRO optimizer reduces gradients from hooks "
+                "inside the backward, which a graph would run only at its capture (zero_stage=0 graphs)")
+    if p.expert_parallel > 1:
+        return (f"parallel.expert_parallel={p.expert_parallel}: the experts' all-to-all runs inside the forward "
+                "and backward, which CUDA graphs do not hold here (expert_parallel=1 graphs)")
+    return None
+
+
 def deepspeed_config(config: Config, world_size: int, device_type: str) -> dict[str, Any]:
     """DeepSpeed's JSON config, from the project's config alone."""
     t, p = config.train, config.parallel
@@ -273,6 +287,24 @@ class DeepSpeedOptimization:
         self._pending += 1
         self.engine.set_gradient_accumulation_boundary(self._pending >= self.grad_accum)
         self.engine.backward(loss, scale_wrt_gas=False)  # the loop divided by grad_accum already
+
+    def capture_refusal(self) -> str | None:
+        return capture_refusal(self.config)
+
+    def captured_backward(self, loss: torch.Tensor) -> None:
+        """What a CUDA graph holds of backward() (mode.training.graphs.GraphedMicroStep): autograd
+        alone. Under ZeRO 0 (capture_refusal) the engine's backward is just that, then at the
+        accumulation boundary the all-reduce, which after_replay runs outside the graph."""
+        loss.backward()
+
+    def after_replay(self) -> None:
+        """After each replay of a graph holding captured_backward: the micro-batch counted, and at
+        the accumulation boundary every gradient all-reduced, as the engine's backward does."""
+        self._pending += 1
+        boundary = self._pending >= self.grad_accum
+        self.engine.set_gradient_accumulation_boundary(boundary)
+        if boundary and self.engine.enable_backward_allreduce:
+            self.engine.allreduce_gradients()
 
     def step(self, lr: float) -> Tensor:
         if self._pending != self.grad_accum:

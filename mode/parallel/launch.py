@@ -30,6 +30,7 @@ from mode.flops import model_flops
 from mode.parallel.engine import (
     DeepSpeedOptimization,
     Processes,
+    capture_refusal,
     init_distributed,
     quiet_deepspeed,
 )
@@ -112,18 +113,16 @@ class LaunchTrainer(Trainer):
 
 def build_trainer(config: Config, processes: Processes, resume: bool = False) -> LaunchTrainer:
     """Model (whole, same seed on every rank) -> expert slices -> DeepSpeed engine -> Trainer."""
-    # CUDA graphs own their output tensors, gradients included; python -m mode.train keeps its
-    # gradients allocated for them, DeepSpeed's engine manages its own (never tested).
+    # Compiled CUDA graphs add into gradients the step must keep; DeepSpeed's engine drops them
+    # after its step (the eager model's graphs hand theirs back: GraphedMicroStep).
     if config.train.compile_mode == "reduce-overhead":
         raise ConfigError(
             "train.compile_mode=reduce-overhead (CUDA graphs) runs with python -m mode.train (one "
             "process) only; through launch/train.py (DeepSpeed) use train.compile_mode=default"
         )
-    if config.train.cuda_graphs is True:  # auto: plain eager here (mode.training.graphs.eager_graphs)
-        raise ConfigError(
-            "train.cuda_graphs=true (CUDA graphs) runs with python -m mode.train (one process) only; "
-            "through launch/train.py (DeepSpeed) set train.cuda_graphs=auto or false"
-        )
+    refusal = capture_refusal(config)
+    if config.train.cuda_graphs is True and refusal is not None:  # auto: plain eager (eager_graphs says why)
+        raise ConfigError(f"train.cuda_graphs=true: {refusal}; set train.cuda_graphs=auto or false")
     torch.manual_seed(config.train.seed)
     # Whole and on the host (where LanguageModel initialises anyway), with train.init_from's
     # weights in the one-device layout; only this rank's experts then reach the device.

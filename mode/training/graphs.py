@@ -12,11 +12,14 @@ from mode.model import ModelOutput
 
 
 # ----------------------------------------------------------------------------- eager CUDA graphs
-def eager_graphs(config: Config, device: torch.device, model: nn.Module, one_process: bool) -> tuple[bool, str | None]:
+def eager_graphs(config: Config, device: torch.device, model: nn.Module,
+                 engine_refusal: str | None = None) -> tuple[bool, str | None]:
     """Whether the eager model's micro-batches run as CUDA graphs (train.cuda_graphs), and, where
     auto decides on a GPU, a note for the user saying which and why. true: required, and an error naming
     the field where they cannot run; auto: wherever they can; false: never. Without graphs an eager
-    routed model is bound by the host's launches (bench/block_profile.py), with them by its kernels."""
+    routed model is bound by the host's launches (bench/block_profile.py), with them by its kernels.
+    engine_refusal: why a multi-process engine's backward cannot be captured (None: it can, or one
+    process, whose backward always can)."""
     t = config.train
     if t.cuda_graphs is False or t.compile:  # compiled: train.compile_mode=reduce-overhead graphs it
         return False, None
@@ -25,11 +28,10 @@ def eager_graphs(config: Config, device: torch.device, model: nn.Module, one_pro
         if required:
             raise ConfigError(f"train.cuda_graphs needs a CUDA device (train.device is {t.device!r}: {device})")
         return False, None
-    if not one_process:  # a DeepSpeed engine (launch/train.py) owns the gradients
+    if engine_refusal is not None:
         if required:
-            raise ConfigError("train.cuda_graphs=true runs with python -m mode.train (one process) only")
-        return False, ("train.cuda_graphs=auto: plain eager (CUDA graphs run in one process, python -m mode.train)"
-                       + _host_bound_hint(config))
+            raise ConfigError(f"train.cuda_graphs=true: {engine_refusal}; set train.cuda_graphs=auto or false")
+        return False, f"train.cuda_graphs=auto: plain eager, since {engine_refusal}" + _host_bound_hint(config)
     reason = _host_reading_layer(model, device)
     if reason is None:
         return True, None if required else ("train.cuda_graphs=auto: each micro-batch's forward and backward run as one "
@@ -40,9 +42,10 @@ def eager_graphs(config: Config, device: torch.device, model: nn.Module, one_pro
 
 
 def _host_bound_hint(config: Config) -> str:
-    """For a multi-process run's plain eager: a routed layer launches about a dense layer's kernels
-    for a fraction of its work, so a routed model's eager step waits on the host (docs/gpu.md);
-    torch.compile, which such runs allow, takes the launches off it. Empty for an all-dense model."""
+    """For a multi-process run that cannot graph: a routed layer launches about a dense layer's
+    kernels for a fraction of its work, so a routed model's eager step waits on the host
+    (docs/gpu.md); torch.compile, which such runs allow, takes the launches off it. Empty for an
+    all-dense model."""
     if all(kind == "dense" for kind in config.model.block_kinds()):
         return ""
     return ("; a routed model's plain eager step is paced by the host's kernel launches, "
@@ -76,14 +79,22 @@ class GraphedMicroStep:
     what must outlive it (the Trainer does). The gradients are the graph's too: the first
     micro-batch's graph writes them (each parameter's gradient is the backward's own tensor, no
     zeroing and no add), and with loss_divisor > 1 a second graph, sharing the first's memory,
-    adds the later micro-batches' into them. The optimizer must neither free nor zero them
+    adds the later micro-batches' into them. The optimizer must not zero them
     (TorchOptimization(keep_grads=True, zero_grads=False)).
+
+    With a multi-process engine (after_replay given), `backward` is the part of its backward a graph
+    can hold (autograd alone) and after_replay the rest, run on the host after each replay (the
+    gradients' all-reduce at the accumulation boundary). Such an engine drops the parameters'
+    gradients after its step: each replay hands every parameter the graph's tensor again first.
     """
 
     WARMUP_PASSES = 3
 
-    def __init__(self, model: nn.Module, backward: Callable[[Tensor], None], loss_divisor: int) -> None:
+    def __init__(self, model: nn.Module, backward: Callable[[Tensor], None], loss_divisor: int,
+                 after_replay: Callable[[], None] | None = None) -> None:
         self.model, self.backward, self.loss_divisor = model, backward, loss_divisor
+        self.after_replay = after_replay
+        self.grads: list[tuple[nn.Parameter, Tensor]] = []  # each parameter's gradient as the graph writes it
         self.graph: torch.cuda.CUDAGraph | None = None  # the first micro-batch's: writes the gradients
         self.adding_graph: torch.cuda.CUDAGraph | None = None  # the later ones': adds into them
 
@@ -103,6 +114,10 @@ class GraphedMicroStep:
         self.x.copy_(x)
         self.y.copy_(y)
         (self.adding_graph if accumulate else self.graph).replay()
+        if self.after_replay is not None:
+            for p, grad in self.grads:  # an engine's step set them to None
+                p.grad = grad
+            self.after_replay()
         return self.adding_out if accumulate else self.out
 
     def _pass(self) -> ModelOutput:
@@ -126,15 +141,19 @@ class GraphedMicroStep:
         torch.cuda.current_stream().wait_stream(side)
         for p in params:  # no gradient yet: the captured backward hands each parameter its own tensor
             p.grad = None
+        # With an engine, other threads (the process group's watchdog) may touch CUDA meanwhile:
+        # only this thread's calls must be capturable.
+        mode = "global" if self.after_replay is None else "thread_local"
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, capture_error_mode=mode):
             self.out = self._pass()
         for p in params:  # a parameter no micro-batch reaches keeps a zero gradient, as eager steps see it
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+        self.grads = [(p, p.grad) for p in params]
         if self.loss_divisor > 1:  # captured now: its capture runs nothing, so no gradient moves
             adding = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(adding, pool=graph.pool()):
+            with torch.cuda.graph(adding, pool=graph.pool(), capture_error_mode=mode):
                 self.adding_out = self._pass()
             self.adding_graph = adding
         self.graph = graph

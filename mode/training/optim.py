@@ -59,6 +59,19 @@ class DistributedOptimization(Optimization, Protocol):
 
     def load_checkpoint(self, run_dir: Path, payload: dict[str, Any]) -> None: ...
 
+    def capture_refusal(self) -> str | None:
+        """Why a CUDA graph cannot hold this engine's backward (train.cuda_graphs), None if it can."""
+        ...
+
+    def captured_backward(self, loss: Tensor) -> None:
+        """The part of backward() a CUDA graph holds (GraphedMicroStep); after_replay() does the rest."""
+        ...
+
+    def after_replay(self) -> None:
+        """After each replay of a graph holding captured_backward: what backward() does on the host
+        (the gradients' reduction at the accumulation boundary)."""
+        ...
+
 
 def steps_within_budget(config: Config, world_size: int = 1) -> int:
     """train.flops_budget -> the whole optimizer steps whose training FLOPs (3 x forward, the tokens of

@@ -146,8 +146,14 @@ class Trainer:
         use_attention_backend(config, self.model, self.device)
         t = config.train
         self.forward = torch.compile(self.model, mode=t.compile_mode) if t.compile else self.model
-        # The eager model as CUDA graphs (train.cuda_graphs); one process: a given optimization is an engine's.
-        eager_graphed, note = eager_graphs(config, self.device, self.model, one_process=optimization is None)
+        # The eager model as CUDA graphs (train.cuda_graphs); a given optimization is a multi-process
+        # engine's, which says whether a graph can hold its backward.
+        engine_refusal = None
+        if isinstance(optimization, DistributedOptimization):
+            engine_refusal = optimization.capture_refusal()
+        elif optimization is not None:
+            engine_refusal = f"the given {type(optimization).__name__} has no backward a graph can hold"
+        eager_graphed, note = eager_graphs(config, self.device, self.model, engine_refusal)
         if note:
             self.notes.append(note)
         # CUDA graphs own their outputs and keep the gradients: compiled ones add into zeroed
@@ -163,8 +169,11 @@ class Trainer:
                                                               zero_grads=not eager_graphed, bf16_weights=bf16_weights,
                                                               defer_update=overlap)
         self.graphed_step: GraphedMicroStep | None = None
-        if eager_graphed:
+        if eager_graphed and optimization is None:
             self.graphed_step = GraphedMicroStep(self.model, self.optimization.backward, t.grad_accum)
+        elif eager_graphed:  # the graph holds the engine's autograd; its reduction runs after each replay
+            self.graphed_step = GraphedMicroStep(self.model, optimization.captured_backward, t.grad_accum,
+                                                 after_replay=optimization.after_replay)
         # the depth routers' as built (capacity_at's form: a list as a tuple); launch_step follows the schedule
         capacity = config.routing.capacity
         self.capacity = tuple(capacity) if isinstance(capacity, list) else capacity
