@@ -21,7 +21,8 @@ training (ZeRO stage from the config's `parallel.zero_stage`, 0 unless --zero-st
                   beyond capacity, no random token selection, ep_size = world size, expert =
                   the same SwiGLU (or GELU) MLP of width moe.d_expert or model.d_ff), its
                   load-balancing loss added with weight moe.lb_loss_weight; the same Trainer
-                  and engine. Note the FLOPs: top-1 at capacity 1 sends every token through
+                  and engine, plain eager (its gate reads expert counts on the host, so no
+                  CUDA graph holds it; --impl mode on one GPU, ep 1 and ZeRO 0, is graphed). Note the FLOPs: top-1 at capacity 1 sends every token through
                   one expert, while Integrated MoDE with 8 real + 8 no-op experts computes
                   half of them (--config configs/moe_gpu.yaml gives the mode model at equal
                   expert FLOPs).
@@ -193,7 +194,7 @@ def peak_gib(device: torch.device) -> float | None:
     return float(peak)
 
 
-def describe(config: Config, processes: Processes, impl: str, args: argparse.Namespace) -> str:
+def describe(config: Config, processes: Processes, impl: str, args: argparse.Namespace, graphed: bool) -> str:
     m, moe, t = config.model, config.moe, config.train
     card = torch.cuda.get_device_name(processes.device) if processes.device.type == "cuda" else "CPU"
     if impl == "mode":
@@ -212,7 +213,8 @@ def describe(config: Config, processes: Processes, impl: str, args: argparse.Nam
             f"{m.block_pattern} x {m.n_layers}, D={m.d_model}, heads {m.n_heads}, d_ff {m.d_ff}, vocab {m.vocab_size}; "
             f"MoE FFN: {ffn}, {moe.activation}; per GPU {t.batch_size} x {config.data.seq_len} tokens "
             f"(grad_accum {t.grad_accum}); ep {config.parallel.expert_parallel}, ZeRO {config.parallel.zero_stage}, "
-            f"{precision}{', torch.compile' if t.compile else ', eager'}{eager_kernels}; "
+            f"{precision}{', torch.compile' if t.compile else ', eager'}{eager_kernels}"
+            f"{', each micro-batch a CUDA graph' if graphed else ''}; "
             f"median of {args.steps} steps after {args.warmup}")
 
 
@@ -275,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         build = build_trainer if args.impl == "mode" else build_deepspeed_trainer
         trainer = build(config, processes)
         if processes.rank == 0:
-            print(describe(config, processes, args.impl, args), flush=True)
+            print(describe(config, processes, args.impl, args, trainer.graphed_step is not None), flush=True)
         times, losses = time_steps(trainer, args.warmup, args.steps, processes.device)
         peak = peak_gib(processes.device)
         if processes.rank == 0:
