@@ -563,14 +563,16 @@ def test_two_gpus_train_graphed_as_plain_eager(corpus: Path, tmp_path: Path) -> 
     micro-batch (a note says so) and trains as plain eager (cuda_graphs=false) does, MoD and MoE
     blocks, 2 micro-batches a step: the losses within 2e-3 nats (bf16; only atomics' order
     differs), gradient norms within 5e-3 relative. A graph that missed the all-reduce, or read a
-    gradient the engine's step dropped, is off from step 2 by far more."""
-    runs = {}
+    gradient the engine's step dropped, is off from step 2 by far more. A graphed run stopped after
+    step 4 and resumed from step 3's checkpoint (captured again) continues as the uninterrupted one."""
+    runs, configs = {}, {}
     for graphs in ("false", "auto"):
         raw = raw_config(corpus, tmp_path / graphs, model={"block_pattern": ["mod", "moe"]}, routing={"capacity": 0.25},
                          train={"grad_accum": 2, "device": "cuda", "cuda_graphs": "auto" if graphs == "auto" else False,
                                 "eval_interval": 3},
                          parallel={"zero_stage": 0, "expert_parallel": 1})
-        out = launch(write_config(raw, tmp_path / f"{graphs}.yaml")).stdout
+        configs[graphs] = write_config(raw, tmp_path / f"{graphs}.yaml")
+        out = launch(configs[graphs]).stdout
         graphed = "each micro-batch's forward and backward run as one CUDA graph" in out
         assert graphed is (graphs == "auto"), out[-4000:]
         runs[graphs] = records(tmp_path / graphs)
@@ -582,6 +584,13 @@ def test_two_gpus_train_graphed_as_plain_eager(corpus: Path, tmp_path: Path) -> 
     assert set(plain_val) == set(replayed_val)
     for step in plain_val:
         assert replayed_val[step]["val_loss"] == pytest.approx(plain_val[step]["val_loss"], abs=2e-3), step
+    resumed_dir = [f"--train.out_dir={tmp_path / 'resumed'}"]
+    launch(configs["auto"], *resumed_dir, "--stop-at-step=4")
+    launch(configs["auto"], *resumed_dir, "--resume")
+    resumed, _ = records(tmp_path / "resumed")
+    assert sorted(resumed) == list(range(1, STEPS + 1))
+    for step in resumed:
+        assert resumed[step]["loss"] == pytest.approx(replayed[step]["loss"], abs=2e-3), step
 
 
 def test_launcher_exits_with_mains_code_and_its_output_written(tmp_path: Path) -> None:
