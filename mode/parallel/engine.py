@@ -208,42 +208,6 @@ def reduces_gradients(config: Config, world_size: int) -> bool:
     return world_size > 1 or config.parallel.zero_stage > 0
 
 
-def reduces_in_place(config: Config, world_size: int) -> bool:
-    """Whether the project all-reduces the gradients itself, each in place (all_reduce_in_place):
-    ZeRO 0 over several processes without expert parallelism. DeepSpeed's own ZeRO 0 reduction
-    copies every gradient into a flat buffer and back, two passes over every gradient and a
-    second copy of them all in memory; where experts are sharded its groups are DeepSpeed's."""
-    p = config.parallel
-    return world_size > 1 and p.zero_stage == 0 and p.expert_parallel == 1
-
-
-# Gradients of at least this many elements are all-reduced one by one; the smaller ones (norms,
-# routers, biases) together, through one flat buffer per dtype, as one collective.
-LARGE_GRADIENT = 1 << 12
-
-
-def all_reduce_in_place(params: list[nn.Parameter], world_size: int) -> None:
-    """Every gradient of params replaced by its mean over the processes, in place (DeepSpeed's
-    ZeRO 0 arithmetic: the sum over processes, then times 1 / world_size). A parameter without
-    a gradient (no micro-batch reached it) gets zeros first, so that every process reduces the
-    same tensors."""
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    grads = [p.grad for p in params]
-    small: dict[torch.dtype, list[Tensor]] = {}
-    for g in grads:
-        if g.numel() >= LARGE_GRADIENT:
-            dist.all_reduce(g)
-        else:
-            small.setdefault(g.dtype, []).append(g)
-    for group in small.values():
-        flat = torch.cat([g.reshape(-1) for g in group])  # (sum of numels,)
-        dist.all_reduce(flat)
-        torch._foreach_copy_(group, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in group]), group)])
-    torch._foreach_mul_(grads, 1.0 / world_size)
-
-
 def capture_refusal(config: Config) -> str | None:
     """Why a CUDA graph (train.cuda_graphs) cannot hold the engine's backward for this config; None
     under ZeRO 0 without expert parallelism, where that backward is autograd and then, outside the
@@ -304,13 +268,9 @@ class DeepSpeedOptimization:
         # DeepSpeed's ZeRO 0 "all-reduce" on one process flattens every gradient into buckets,
         # averages over a group of one and copies back: an identity that costs a pass over every
         # gradient. Under ZeRO 1/2 the same hook fills the sharded optimizer's buffers: on there.
-        # Under ZeRO 0 over several processes (no expert parallelism) the gradients are reduced
-        # here instead, each in place (reduces_in_place).
-        self.in_place = reduces_in_place(config, processes.world_size)
-        if not reduces_gradients(config, processes.world_size) or self.in_place:
+        if not reduces_gradients(config, processes.world_size):
             self.engine.enable_backward_allreduce = False
         self.model = self.engine.module
-        self._trained = [p for p in self.model.parameters() if p.requires_grad]
         self.predictor_ids = predictor_parameter_ids(self.model)
         self.expert_layers = [m for m in self.model.modules() if isinstance(m, ExpertParallelExperts)]
         self.ep_group = self.expert_layers[0].group if self.expert_layers else None
@@ -325,11 +285,8 @@ class DeepSpeedOptimization:
     # -- Optimization
     def backward(self, loss: torch.Tensor) -> None:
         self._pending += 1
-        boundary = self._pending >= self.grad_accum
-        self.engine.set_gradient_accumulation_boundary(boundary)
+        self.engine.set_gradient_accumulation_boundary(self._pending >= self.grad_accum)
         self.engine.backward(loss, scale_wrt_gas=False)  # the loop divided by grad_accum already
-        if boundary and self.in_place:
-            all_reduce_in_place(self._trained, self.processes.world_size)
 
     def capture_refusal(self) -> str | None:
         return capture_refusal(self.config)
@@ -346,9 +303,7 @@ class DeepSpeedOptimization:
         self._pending += 1
         boundary = self._pending >= self.grad_accum
         self.engine.set_gradient_accumulation_boundary(boundary)
-        if boundary and self.in_place:
-            all_reduce_in_place(self._trained, self.processes.world_size)
-        elif boundary and self.engine.enable_backward_allreduce:
+        if boundary and self.engine.enable_backward_allreduce:
             self.engine.allreduce_gradients()
 
     def step(self, lr: float) -> Tensor:
