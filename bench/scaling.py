@@ -22,8 +22,8 @@ training (ZeRO stage from the config's `parallel.zero_stage`, 0 unless --zero-st
                   the same SwiGLU (or GELU) MLP of width moe.d_expert or model.d_ff), its
                   load-balancing loss added with weight moe.lb_loss_weight; the same Trainer
                   and engine, plain eager (its gate reads expert counts on the host, so no
-                  CUDA graph holds it; --impl mode on one GPU, ep 1 and ZeRO 0, is graphed). Note the FLOPs: top-1 at capacity 1 sends every token through
-                  one expert, while Integrated MoDE with 8 real + 8 no-op experts computes
+                  CUDA graph holds it; --impl mode on one GPU, ep 1 and ZeRO 0, is graphed).
+                  Note the FLOPs: top-1 at capacity 1 sends every token through one expert, while Integrated MoDE with 8 real + 8 no-op experts computes
                   half of them (--config configs/moe_gpu.yaml gives the mode model at equal
                   expert FLOPs).
 

@@ -214,8 +214,9 @@ def capture_refusal(config: Config) -> str | None:
     graph, the all-reduce (DeepSpeedOptimization.captured_backward and after_replay)."""
     p = config.parallel
     if p.zero_stage > 0:
-        return (f"parallel.zero_stage={p.zero_stage}: DeepSpeed's ZeRO optimizer reduces gradients from hooks "
-                "inside the backward, which a graph would run only at its capture (zero_stage=0 graphs)")
+        return (f"parallel.zero_stage={p.zero_stage}: DeepSpeed's ZeRO optimizer runs its own hooks in and around "
+                "the backward (gradient partitions, bf16 buffers), which a graph would run only at its capture "
+                "(zero_stage=0 graphs)")
     if p.expert_parallel > 1:
         return (f"parallel.expert_parallel={p.expert_parallel}: the experts' all-to-all runs inside the forward "
                 "and backward, which CUDA graphs do not hold here (expert_parallel=1 graphs)")

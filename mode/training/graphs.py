@@ -79,8 +79,8 @@ class GraphedMicroStep:
     what must outlive it (the Trainer does). The gradients are the graph's too: the first
     micro-batch's graph writes them (each parameter's gradient is the backward's own tensor, no
     zeroing and no add), and with loss_divisor > 1 a second graph, sharing the first's memory,
-    adds the later micro-batches' into them. The optimizer must not zero them
-    (TorchOptimization(keep_grads=True, zero_grads=False)).
+    adds the later micro-batches' into them. In one process the optimizer must neither free nor
+    zero them (TorchOptimization(keep_grads=True, zero_grads=False)).
 
     With a multi-process engine (after_replay given), `backward` is the part of its backward a graph
     can hold (autograd alone) and after_replay the rest, run on the host after each replay (the

@@ -152,7 +152,7 @@ class Trainer:
         if isinstance(optimization, DistributedOptimization):
             engine_refusal = optimization.capture_refusal()
         elif optimization is not None:
-            engine_refusal = f"the given {type(optimization).__name__} has no backward a graph can hold"
+            engine_refusal = f"a given {type(optimization).__name__} is not known to keep a graph's gradients"
         eager_graphed, note = eager_graphs(config, self.device, self.model, engine_refusal)
         if note:
             self.notes.append(note)
