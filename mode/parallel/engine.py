@@ -284,9 +284,15 @@ class DeepSpeedOptimization:
         return {"world_size": self.processes.world_size, "expert_parallel": p.expert_parallel, "zero_stage": p.zero_stage}
 
     # -- Optimization
-    def backward(self, loss: torch.Tensor) -> None:
+    def _count_micro_batch(self) -> bool:
+        """One more backward of this step, told to the engine: whether it is the accumulation boundary."""
         self._pending += 1
-        self.engine.set_gradient_accumulation_boundary(self._pending >= self.grad_accum)
+        boundary = self._pending >= self.grad_accum
+        self.engine.set_gradient_accumulation_boundary(boundary)
+        return boundary
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self._count_micro_batch()
         self.engine.backward(loss, scale_wrt_gas=False)  # the loop divided by grad_accum already
 
     def capture_refusal(self) -> str | None:
@@ -301,10 +307,7 @@ class DeepSpeedOptimization:
     def after_replay(self) -> None:
         """After each replay of a graph holding captured_backward: the micro-batch counted, and at
         the accumulation boundary every gradient all-reduced, as the engine's backward does."""
-        self._pending += 1
-        boundary = self._pending >= self.grad_accum
-        self.engine.set_gradient_accumulation_boundary(boundary)
-        if boundary and self.engine.enable_backward_allreduce:
+        if self._count_micro_batch() and self.engine.enable_backward_allreduce:
             self.engine.allreduce_gradients()
 
     def step(self, lr: float) -> Tensor:

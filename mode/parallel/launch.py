@@ -38,6 +38,7 @@ from mode.parallel.expert_parallel import apply_expert_parallel
 from mode.routing import set_random_score_rows
 from mode.run_folder import FolderInUse
 from mode.train import interrupted_message, parse_args
+from mode.training.graphs import refuse_required_graphs
 from mode.training.trainer import LaunchedStep, Trainer
 from mode.utils import StopSignal, stop_how, stop_status, stops_on_signals
 
@@ -120,9 +121,7 @@ def build_trainer(config: Config, processes: Processes, resume: bool = False) ->
             "train.compile_mode=reduce-overhead (CUDA graphs) runs with python -m mode.train (one "
             "process) only; through launch/train.py (DeepSpeed) use train.compile_mode=default"
         )
-    refusal = capture_refusal(config)
-    if config.train.cuda_graphs is True and refusal is not None:  # auto: plain eager (eager_graphs says why)
-        raise ConfigError(f"train.cuda_graphs=true: {refusal}; set train.cuda_graphs=auto or false")
+    refuse_required_graphs(config, capture_refusal(config))  # before anything is built; auto: eager_graphs' note
     torch.manual_seed(config.train.seed)
     # Whole and on the host (where LanguageModel initialises anyway), with train.init_from's
     # weights in the one-device layout; only this rank's experts then reach the device.

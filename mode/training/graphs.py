@@ -29,8 +29,7 @@ def eager_graphs(config: Config, device: torch.device, model: nn.Module,
             raise ConfigError(f"train.cuda_graphs needs a CUDA device (train.device is {t.device!r}: {device})")
         return False, None
     if engine_refusal is not None:
-        if required:
-            raise ConfigError(f"train.cuda_graphs=true: {engine_refusal}; set train.cuda_graphs=auto or false")
+        refuse_required_graphs(config, engine_refusal)
         return False, f"train.cuda_graphs=auto: plain eager, since {engine_refusal}" + _host_bound_hint(config)
     reason = _host_reading_layer(model, device)
     if reason is None:
@@ -39,6 +38,13 @@ def eager_graphs(config: Config, device: torch.device, model: nn.Module,
     if required:
         raise ConfigError(f"train.cuda_graphs: {reason}; use moe.capacity_factor instead of dropless")
     return False, f"train.cuda_graphs=auto: plain eager, since {reason}"
+
+
+def refuse_required_graphs(config: Config, engine_refusal: str | None) -> None:
+    """train.cuda_graphs=true where a multi-process engine's backward cannot be captured: a
+    ConfigError naming the setting that stops it (engine_refusal, from the engine)."""
+    if config.train.cuda_graphs is True and engine_refusal is not None:
+        raise ConfigError(f"train.cuda_graphs=true: {engine_refusal}; set train.cuda_graphs=auto or false")
 
 
 def _host_bound_hint(config: Config) -> str:
