@@ -320,19 +320,34 @@ def test_checkpoints_hold_the_masters_and_resume_bit_for_bit() -> None:
 
 
 def test_where_bf16_weights_apply() -> None:
-    def config(**train):
-        return config_from_dict({"train": train}, "test")
+    """On a GPU in one process, and through an engine that can hold them: launch/train.py under ZeRO 0
+    without expert parallelism; DeepSpeed's ZeRO 1/2 (its own bf16) and expert parallelism refuse,
+    naming the field."""
+    from mode.parallel.engine import bf16_weights_refusal
+
+    def config(parallel: dict | None = None, **train):
+        experts = {"model": {"block_pattern": ["dense", "moe"]}} if parallel and parallel.get("expert_parallel", 1) > 1 else {}
+        return config_from_dict({"train": train, "parallel": parallel or {}, **experts}, "test")
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert bf16_weights_apply(config(), cuda, one_process=True) == (True, None)
-    assert bf16_weights_apply(config(), cpu, one_process=True) == (False, None)
-    assert bf16_weights_apply(config(bf16_weights=False), cuda, one_process=True) == (False, None)
-    on, note = bf16_weights_apply(config(grad_accum=2), cuda, one_process=True)
+    assert bf16_weights_apply(config(), cuda) == (True, None)
+    assert bf16_weights_apply(config(), cpu) == (False, None)
+    assert bf16_weights_apply(config(bf16_weights=False), cuda) == (False, None)
+    on, note = bf16_weights_apply(config(grad_accum=2), cuda)
     assert not on and "train.bf16_weights=auto" in note and "grad_accum=2" in note
-    on, note = bf16_weights_apply(config(), cuda, one_process=False)
-    assert not on and "DeepSpeed" in note
-    for train, device, one_process in [({}, cpu, True), ({"grad_accum": 2}, cuda, True), ({}, cuda, False)]:
+    zero0 = config({"zero_stage": 0, "expert_parallel": 1})
+    assert bf16_weights_refusal(zero0) is None
+    assert bf16_weights_apply(zero0, cuda, bf16_weights_refusal(zero0)) == (True, None)
+    refusals = []
+    for parallel, field in [({"zero_stage": 2}, "parallel.zero_stage=2"),
+                            ({"zero_stage": 0, "expert_parallel": 2}, "parallel.expert_parallel=2")]:
+        refusal = bf16_weights_refusal(config(parallel))
+        assert refusal.startswith(field), refusal
+        on, note = bf16_weights_apply(config(parallel), cuda, refusal)
+        assert not on and note == f"train.bf16_weights=auto: float32 weights, since {refusal}"
+        refusals.append(refusal)
+    for train, device, refusal in [({}, cpu, None), ({"grad_accum": 2}, cuda, None), ({}, cuda, refusals[0])]:
         with pytest.raises(ConfigError, match="train.bf16_weights=true"):
-            bf16_weights_apply(config(bf16_weights=True, **train), device, one_process)
+            bf16_weights_apply(config(bf16_weights=True, **train), device, refusal)
     with pytest.raises(Exception, match="bf16_weights"):
         config(bf16_weights="yes")

@@ -162,5 +162,10 @@ def test_where_the_overlapped_update_applies() -> None:
     for bf16, graphed, why in [(False, True, "train.bf16_weights"), (True, False, "train.cuda_graphs")]:
         with pytest.raises(ConfigError, match=f"train.overlap_update=true: .*{why}"):
             overlap_update_apply(config(overlap_update=True), model, cpu, bf16, graphed)
+    engine = "a multi-process engine runs the update in its step"  # launch/train.py with bf16 weights
+    on, note = overlap_update_apply(auto, model, cpu, bf16_weights=True, eager_graphed=True, engine_refusal=engine)
+    assert not on and note.endswith(engine)
+    with pytest.raises(ConfigError, match=f"train.overlap_update=true: {engine}"):
+        overlap_update_apply(config(overlap_update=True), model, cpu, True, True, engine)
     with pytest.raises(Exception, match="overlap_update"):
         config(overlap_update="yes")

@@ -15,9 +15,14 @@ gradients are reduced across processes once per optimizer step, after the last b
 
 Precision: on CUDA every step computes under the Trainer's bf16 autocast. Under ZeRO 1/2
 DeepSpeed's bf16 is on as well (bf16 weights, an fp32 master copy sharded in its
-optimizer). Under ZeRO 0 it is off: weights and gradients stay fp32, as in a one-GPU run
-(with it on, DeepSpeed's BF16_Optimizer leaves the trajectory of one GPU and of ZeRO 1/2).
-On CPU everything is fp32.
+optimizer). Under ZeRO 0 it is off (with it on, DeepSpeed's BF16_Optimizer leaves the
+trajectory of one GPU and of ZeRO 1/2); there, without expert parallelism, the matrices are
+held in bf16 with float32 masters as in a one-GPU run (train.bf16_weights): the one-process
+optimizer (TorchOptimization) steps them, and the gradients are all-reduced here, each dtype in
+its own (the matrices' bf16 gradients in bf16: half the bytes of float32, where DeepSpeed's
+reduction would send every gradient as float32). With float32 weights (train.bf16_weights=false,
+grad_accum > 1, expert parallelism) weights and gradients stay fp32 and DeepSpeed reduces and
+steps. On CPU everything is fp32.
 
 Clipping: DeepSpeed clips with train.grad_clip under ZeRO 1/2. Under ZeRO 0 DeepSpeed
 would clip by the *mean over ranks* of each rank's local norm, which with expert
@@ -63,7 +68,9 @@ from torch import Tensor, nn
 from mode.config import Config, ConfigError
 from mode.parallel.expert_parallel import ExpertParallelExperts, full_state_dict
 from mode.run_folder import DEEPSPEED_DIR
+from mode.training.bf16_weights import bf16_weights_apply
 from mode.training.optim import (
+    TorchOptimization,
     clipped_gradients,
     parameter_groups,
     predictor_parameter_ids,
@@ -208,6 +215,34 @@ def reduces_gradients(config: Config, world_size: int) -> bool:
     return world_size > 1 or config.parallel.zero_stage > 0
 
 
+def bf16_weights_refusal(config: Config) -> str | None:
+    """Why the engine cannot hold the matrices in bf16 with the project's float32 masters
+    (train.bf16_weights); None under ZeRO 0 without expert parallelism."""
+    p = config.parallel
+    if p.zero_stage > 0:
+        return (f"parallel.zero_stage={p.zero_stage}: DeepSpeed's bf16 optimizer holds bf16 weights and their "
+                "float32 masters itself")
+    if p.expert_parallel > 1:
+        return (f"parallel.expert_parallel={p.expert_parallel}: the engine clips by a norm summed over the "
+                "expert-parallel ranks (expert_parallel=1 holds them)")
+    return None
+
+
+def all_reduce_mean_(grads: list[Tensor], world_size: int) -> None:
+    """Each gradient replaced by its mean over the processes, in its own dtype (bf16 ones in bf16):
+    one collective a dtype, over a flat copy of its gradients. DeepSpeed's arithmetic: the sum
+    over processes, then times 1 / world_size."""
+    by_dtype: dict[torch.dtype, list[Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for group in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in group])  # (sum of numels,)
+        dist.all_reduce(flat)
+        flat.mul_(1.0 / world_size)
+        parts = flat.split([g.numel() for g in group])
+        torch._foreach_copy_(group, [part.view_as(g) for part, g in zip(parts, group, strict=True)])
+
+
 def capture_refusal(config: Config) -> str | None:
     """Why a CUDA graph (train.cuda_graphs) cannot hold the engine's backward for this config; None
     under ZeRO 0 without expert parallelism, where that backward is autograd and then, outside the
@@ -254,14 +289,27 @@ def build_optimizer(model: nn.Module, config: Config, device_type: str) -> torch
 class DeepSpeedOptimization:
     """The Trainer's Optimization (and DistributedOptimization) on a DeepSpeed engine."""
 
-    def __init__(self, model: nn.Module, config: Config, processes: Processes) -> None:
+    def __init__(self, model: nn.Module, config: Config, processes: Processes, bf16_weights: bool | None = None) -> None:
+        """bf16_weights: hold the matrices in bf16 with float32 masters (None: as bf16_weights_apply
+        decides from the config; tests force it on CPU, where training does not autocast)."""
         self.config = config
         self.processes = processes
         self.grad_accum = config.train.grad_accum
         self.grad_clip = config.train.grad_clip
         self.clip_here = clips_itself(config, processes.device.type)
         self.ds_config = deepspeed_config(config, processes.world_size, processes.device.type)
-        self.optimizer = build_optimizer(model, config, processes.device.type)
+        self.bf16_setting = ((bf16_weights, None) if bf16_weights is not None else
+                             bf16_weights_apply(config, processes.device, bf16_weights_refusal(config)))
+        # With bf16 weights the one-process optimizer steps (norm, clipping, the masters' update)
+        # and the gradients are reduced here; DeepSpeed keeps the rest (broadcast, checkpoints).
+        self.local = None
+        if self.bf16_setting[0]:
+            if config.parallel.zero_stage > 0 or config.parallel.expert_parallel > 1:
+                raise ValueError("DeepSpeedOptimization(bf16_weights=True) needs ZeRO 0 without expert parallelism")
+            self.local = TorchOptimization(model, config, processes.device, bf16_weights=True)
+            self.optimizer = self.local.optimizer
+        else:
+            self.optimizer = build_optimizer(model, config, processes.device.type)
         match_accelerator(processes.device.type)
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=self.optimizer, config=self.ds_config)
         if self.engine.checkpoint_engine is not None:  # DeepSpeed makes none under ZeRO 3 offload
@@ -269,9 +317,15 @@ class DeepSpeedOptimization:
         # DeepSpeed's ZeRO 0 "all-reduce" on one process flattens every gradient into buckets,
         # averages over a group of one and copies back: an identity that costs a pass over every
         # gradient. Under ZeRO 1/2 the same hook fills the sharded optimizer's buffers: on there.
-        if not reduces_gradients(config, processes.world_size):
+        # With bf16 weights the gradients are reduced here (all_reduce_mean_), each in its dtype.
+        self.reduces_here = self.local is not None and processes.world_size > 1
+        if not reduces_gradients(config, processes.world_size) or self.local is not None:
             self.engine.enable_backward_allreduce = False
+        if self.local is not None:  # DeepSpeed broadcast rank 0's weights; the masters follow
+            for master in self.local.bf16.masters:
+                dist.broadcast(master, src=0)
         self.model = self.engine.module
+        self._trained = [p for p in self.model.parameters() if p.requires_grad]
         self.predictor_ids = predictor_parameter_ids(self.model)
         self.expert_layers = [m for m in self.model.modules() if isinstance(m, ExpertParallelExperts)]
         self.ep_group = self.expert_layers[0].group if self.expert_layers else None
@@ -292,11 +346,24 @@ class DeepSpeedOptimization:
         return boundary
 
     def backward(self, loss: torch.Tensor) -> None:
-        self._count_micro_batch()
+        boundary = self._count_micro_batch()
         self.engine.backward(loss, scale_wrt_gas=False)  # the loop divided by grad_accum already
+        if boundary and self.reduces_here:
+            self._reduce()
+
+    def _reduce(self) -> None:
+        """Every gradient averaged over the processes (a parameter no micro-batch reached gets zeros
+        first, so that every process reduces the same tensors, as DeepSpeed's reduction does)."""
+        for p in self._trained:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        all_reduce_mean_([p.grad for p in self._trained], self.processes.world_size)
 
     def capture_refusal(self) -> str | None:
         return capture_refusal(self.config)
+
+    def bf16_weights_applied(self) -> tuple[bool, str | None]:
+        return self.bf16_setting
 
     def captured_backward(self, loss: torch.Tensor) -> None:
         """What a CUDA graph holds of backward() (mode.training.graphs.GraphedMicroStep): autograd
@@ -307,13 +374,19 @@ class DeepSpeedOptimization:
     def after_replay(self) -> None:
         """After each replay of a graph holding captured_backward: the micro-batch counted, and at
         the accumulation boundary every gradient all-reduced, as the engine's backward does."""
-        if self._count_micro_batch() and self.engine.enable_backward_allreduce:
+        if not self._count_micro_batch():
+            return
+        if self.reduces_here:
+            self._reduce()
+        elif self.engine.enable_backward_allreduce:
             self.engine.allreduce_gradients()
 
     def step(self, lr: float) -> Tensor:
         if self._pending != self.grad_accum:
             raise RuntimeError(f"step() after {self._pending} backward calls; train.grad_accum is {self.grad_accum}")
         self._pending = 0
+        if self.local is not None:  # without the engine's step, which would step the optimizer alone
+            return self.local.step(lr)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         if self.clip_here:
@@ -366,11 +439,13 @@ class DeepSpeedOptimization:
         step = client_state["state"]["step"]
         tag = f"step{step}"
         save_dir = Path(run_dir) / DEEPSPEED_DIR
-        self.engine.save_checkpoint(
-            str(save_dir), tag=tag,
-            client_state={"mode_config": client_state["config"], "mode_state": client_state["state"], "mode_layout": self.layout()},
-        )
-        weights = full_state_dict(self.model)
+        with self._weights_as_saved():
+            self.engine.save_checkpoint(
+                str(save_dir), tag=tag,
+                client_state={"mode_config": client_state["config"], "mode_state": client_state["state"],
+                              "mode_layout": self.layout()},
+            )
+            weights = full_state_dict(self.model)
         dist.barrier()
         if self.processes.rank == 0:  # keep this tag and the one checkpoint.pt names until rank 0 rewrites it
             keep = {tag, self._last_tag}
@@ -400,7 +475,8 @@ class DeepSpeedOptimization:
                 "checkpoint.pt, load into any layout)"
             )
         load_dir = Path(run_dir) / info["dir"]
-        error = self._load_engine(load_dir, info["tag"], payload["state"])
+        with self._weights_as_saved():
+            error = self._load_engine(load_dir, info["tag"], payload["state"])
         # Some files only one process reads (its optimizer shard): agree before anyone trains, so
         # that every process stops with every process's error, not one alone (which the launcher
         # would see as a crash, its message unprinted, while the others waited in a collective).
@@ -410,6 +486,11 @@ class DeepSpeedOptimization:
         if failed:
             raise ConfigError(f"--resume: DeepSpeed's checkpoint {load_dir / info['tag']}: {'; '.join(failed)}")
         self._last_tag = info["tag"]
+
+    def _weights_as_saved(self) -> contextlib.AbstractContextManager[None]:
+        """With bf16 weights, the float32 masters in the params' places: checkpoints hold (and a
+        load writes) the masters, as a one-process run's do; the bf16 copies are rounded after."""
+        return contextlib.nullcontext() if self.local is None else self.local.bf16.masters_as_params()
 
     def _load_engine(self, load_dir: Path, tag: str, state: dict[str, Any]) -> str | None:
         """Load this process's share of DeepSpeed's checkpoint: None, or what went wrong."""

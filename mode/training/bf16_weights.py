@@ -22,6 +22,8 @@ state keeps torch.optim.AdamW's layout (each master in its weight's place).
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,10 +39,12 @@ if TYPE_CHECKING:  # Triton: the kernel's module is imported where it runs
     from mode.kernels.adamw import MastersLaunch, Update
 
 
-def bf16_weights_apply(config: Config, device: torch.device, one_process: bool) -> tuple[bool, str | None]:
+def bf16_weights_apply(config: Config, device: torch.device,
+                       engine_refusal: str | None = None) -> tuple[bool, str | None]:
     """Whether the model trains with bf16 matrices and float32 masters (train.bf16_weights), and,
     where auto turns it off on a GPU, a note saying why. true: required, a ConfigError naming the
-    field where it cannot run; auto: wherever it can; false: never."""
+    field where it cannot run; auto: wherever it can; false: never. engine_refusal: why a
+    multi-process engine cannot hold them (mode.parallel.engine.bf16_weights_refusal), None if it can."""
     t = config.train
     if t.bf16_weights is False:
         return False, None
@@ -48,8 +52,8 @@ def bf16_weights_apply(config: Config, device: torch.device, one_process: bool) 
     reason = None
     if device.type != "cuda":
         reason = f"training autocasts to bf16 on CUDA only (train.device is {t.device!r}: {device})"
-    elif not one_process:
-        reason = "a DeepSpeed engine (launch/train.py) keeps the weights itself; it runs with python -m mode.train"
+    elif engine_refusal is not None:
+        reason = engine_refusal
     elif t.grad_accum > 1:
         reason = (f"train.grad_accum={t.grad_accum} would add the micro-batches' gradients in bf16 "
                   "(float32 weights add them in float32)")
@@ -233,6 +237,21 @@ class Bf16Weights:
         elif state["step"].device != master.device:  # a CPU count from a non-fused AdamW's checkpoint
             state["step"] = state["step"].to(master.device, torch.float32)
         return state
+
+    @contextlib.contextmanager
+    def masters_as_params(self) -> Iterator[None]:
+        """Inside, each param holds its float32 master itself (the same tensor), for code that saves
+        or loads the model's weights in place (a DeepSpeed checkpoint); after, each param holds its
+        bf16 copy again, rounded afresh from its master, which a load inside may have written."""
+        copies = [p.data for p in self.params]
+        for p, master in zip(self.params, self.masters, strict=True):
+            p.data = master
+        try:
+            yield
+        finally:
+            for p, copy, master in zip(self.params, copies, self.masters, strict=True):
+                p.data = copy
+                copy.copy_(master)
 
     def masters_in(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
         """A model state_dict with each bf16 param's entry replaced by its master."""

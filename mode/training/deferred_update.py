@@ -42,16 +42,19 @@ READERS = (CausalSelfAttention, SwiGLU, MoEFFN)
 
 
 def overlap_update_apply(config: Config, model: nn.Module, device: torch.device, bf16_weights: bool,
-                         eager_graphed: bool) -> tuple[bool, str | None]:
+                         eager_graphed: bool, engine_refusal: str | None = None) -> tuple[bool, str | None]:
     """Whether the bf16 weights' update runs inside the next forward (train.overlap_update), and, where
     auto turns it off though bf16 weights are on, a note saying why. true: required, a ConfigError
-    naming the field where it cannot run; auto: wherever it can; false: never."""
+    naming the field where it cannot run; auto: wherever it can; false: never. engine_refusal: why a
+    given optimization (a multi-process engine) cannot defer its update, None in one process."""
     setting = config.train.overlap_update
     if setting is False:
         return False, None
     reason = None
     if not bf16_weights:
         reason = "it moves the update of bf16 weights (train.bf16_weights is off here)"
+    elif engine_refusal is not None:
+        reason = engine_refusal
     elif not eager_graphed:
         reason = "it runs under the eager CUDA graphs (train.cuda_graphs), which keep the gradients for it"
     else:

@@ -63,6 +63,11 @@ class DistributedOptimization(Optimization, Protocol):
         """Why a CUDA graph cannot hold this engine's backward (train.cuda_graphs), None if it can."""
         ...
 
+    def bf16_weights_applied(self) -> tuple[bool, str | None]:
+        """Whether this engine holds the matrices in bf16 with float32 masters (train.bf16_weights),
+        and, where auto turned that off on a GPU, a note saying why."""
+        ...
+
     def captured_backward(self, loss: Tensor) -> None:
         """The part of backward() a CUDA graph holds (GraphedMicroStep); after_replay() does the rest."""
         ...

@@ -159,10 +159,17 @@ class Trainer:
         # CUDA graphs own their outputs and keep the gradients: compiled ones add into zeroed
         # gradients, the eager model's graph writes them itself (GraphedMicroStep).
         self.graphed = (t.compile and t.compile_mode == "reduce-overhead") or eager_graphed
-        bf16_weights, note = bf16_weights_apply(config, self.device, one_process=optimization is None)
+        # bf16 weights: a multi-process engine says whether it holds them (it builds its optimizer first)
+        update_refusal = None
+        if isinstance(optimization, DistributedOptimization):
+            bf16_weights, note = optimization.bf16_weights_applied()
+            update_refusal = "a multi-process engine (launch/train.py) runs the update in its step"
+        else:
+            given = None if optimization is None else f"a given {type(optimization).__name__} holds the weights as built"
+            bf16_weights, note = bf16_weights_apply(config, self.device, given)
         if note:
             self.notes.append(note)
-        overlap, note = overlap_update_apply(config, self.model, self.device, bf16_weights, eager_graphed)
+        overlap, note = overlap_update_apply(config, self.model, self.device, bf16_weights, eager_graphed, update_refusal)
         if note:
             self.notes.append(note)
         self.optimization = optimization or TorchOptimization(self.model, config, self.device, keep_grads=self.graphed,

@@ -1,0 +1,107 @@
+"""DeepSpeedOptimization with bf16 weights under ZeRO 0, on 2 CPU processes over gloo.
+
+    python -m torch.distributed.run --nproc_per_node 2 tests/bf16_engine.py CONFIG
+
+Run by tests/test_parallel.py. With bf16 weights (forced here: training autocasts on CUDA only, so
+the steps autocast on the CPU by hand) the engine holds the matrices in bf16 with float32 masters,
+reduces the gradients itself and steps through the one-process optimizer. Over the config's
+train.max_steps steps, each rank on its own tokens, this checks:
+- the matrices are bf16, and the masters start as rank 0's on every rank (rank 1 builds other weights);
+- every step equals a one-process TorchOptimization with bf16 weights stepped from the mean over
+  ranks of each rank's own gradients (bf16 ones averaged in bf16): the same masters, bf16 copies
+  and gradient norms;
+- a checkpoint holds the float32 masters (checkpoint.pt's weights and DeepSpeed's files), and loading
+  it after one more step brings back the masters, their bf16 copies and the optimizer's moments.
+Prints "bf16 engine: ok" on rank 0; an assertion names what differed.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from mode.config import load_config
+from mode.model import LanguageModel
+from mode.parallel.engine import DeepSpeedOptimization, init_distributed, quiet_deepspeed
+from mode.training.optim import TorchOptimization
+
+
+def assert_equal(got: list[Tensor], want: list[Tensor], what: str) -> None:
+    """Equal to float32 rounding: both sides run the same ops on the same numbers."""
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7, msg=lambda m, i=i: f"{what}, tensor {i}: {m}")
+
+
+def loss_of(model: nn.Module, tokens: Tensor) -> Tensor:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return model(tokens[:, :-1], tokens[:, 1:]).loss
+
+
+def mean_over_ranks(grads: list[list[Tensor]]) -> list[Tensor]:
+    """Each parameter's gradients of the ranks (in rank order) summed in their dtype, then halved:
+    the reduction's arithmetic on 2 ranks."""
+    return [(g0 + g1).mul_(0.5) for g0, g1 in zip(*grads, strict=True)]
+
+
+def main(path: str) -> None:
+    config = load_config(path, [])
+    t = config.train
+    assert config.parallel.zero_stage == 0 and t.grad_accum == 1, "the check needs ZeRO 0 and grad_accum 1"
+    quiet_deepspeed()
+    processes = init_distributed(config)
+    assert processes.world_size == 2, "the reference averages 2 ranks"
+    torch.manual_seed(t.seed + processes.rank)  # rank 1 starts elsewhere: the engine takes rank 0's weights
+    optimization = DeepSpeedOptimization(LanguageModel(config), config, processes, bf16_weights=True)
+    torch.manual_seed(t.seed)
+    reference = TorchOptimization(LanguageModel(config), config, torch.device("cpu"), bf16_weights=True)
+    model, ref_model = optimization.model, reference.model
+    bf16, ref_bf16 = optimization.local.bf16, reference.bf16
+    assert bf16.params and all(p.dtype == torch.bfloat16 for p in bf16.params), "the matrices are not bf16"
+    sums = torch.stack([m.double().sum() for m in bf16.masters])
+    gathered = [torch.zeros_like(sums) for _ in range(2)]
+    dist.all_gather(gathered, sums)
+    assert torch.equal(gathered[0], gathered[1]), "the masters differ between ranks"
+
+    draws = torch.Generator().manual_seed(100)  # both ranks draw every rank's tokens alike
+    for step in range(t.max_steps):
+        batches = [torch.randint(0, config.model.vocab_size, (t.batch_size, config.data.seq_len + 1), generator=draws)
+                   for _ in range(2)]
+        lr = t.lr * (step + 1) / t.max_steps
+        optimization.backward(loss_of(model, batches[processes.rank]))
+        norm = optimization.step(lr)
+        own = []
+        for tokens in batches:
+            loss_of(ref_model, tokens).backward()
+            own.append([p.grad.clone() for p in ref_model.parameters()])
+            ref_model.zero_grad(set_to_none=True)
+        for p, g in zip(ref_model.parameters(), mean_over_ranks(own), strict=True):
+            p.grad = g
+        ref_norm = reference.step(lr)
+        assert_equal([norm], [ref_norm], f"step {step + 1}: the gradient norm")
+        assert_equal(bf16.masters, ref_bf16.masters, f"step {step + 1}: the masters")
+        assert_equal([p.float() for p in bf16.params], [p.float() for p in ref_bf16.params], f"step {step + 1}: the bf16 weights")
+
+    run_dir = Path(t.out_dir)
+    saved = optimization.save_checkpoint(run_dir, {"state": {"step": t.max_steps}, "config": {"name": "bf16 engine"}})
+    names = [name for name, p in model.named_parameters() if bf16.owns(p)]
+    assert all(saved["model"][name].dtype == torch.float32 for name in names), "checkpoint.pt's weights are not the masters"
+    assert_equal([saved["model"][name] for name in names], bf16.masters, "checkpoint.pt's weights against the masters")
+    masters = [m.clone() for m in bf16.masters]
+    moments = [optimization.optimizer.state[m]["exp_avg_sq"].clone() for m in bf16.masters]
+    optimization.backward(loss_of(model, batches[processes.rank]))
+    optimization.step(t.lr)
+    assert not torch.equal(bf16.masters[0], masters[0]), "the extra step moved nothing"
+    optimization.load_checkpoint(run_dir, {"optimizer": saved["optimizer"], "state": {"step": t.max_steps}})
+    assert_equal(bf16.masters, masters, "the masters after loading the checkpoint")
+    assert_equal([p.float() for p in bf16.params], [m.bfloat16().float() for m in masters], "the bf16 weights after loading")
+    assert_equal([optimization.optimizer.state[m]["exp_avg_sq"] for m in bf16.masters], moments, "the moments after loading")
+    dist.barrier()
+    if processes.rank == 0:
+        print("bf16 engine: ok", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
