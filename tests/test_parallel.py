@@ -569,6 +569,23 @@ def test_the_engine_holds_bf16_weights_as_one_process_does(corpus: Path, tmp_pat
     assert "bf16 engine: ok" in out, out[-4000:]
 
 
+def test_flat_gradients_lay_each_view_aligned_and_apart() -> None:
+    """The reduction's flat buffers: one a dtype, each parameter's view shaped as it, 16 bytes aligned
+    (the optimizer's kernels load gradients whole), no two views overlapping."""
+    from mode.parallel.engine import FlatGradients
+
+    shapes = [(3,), (5, 7), (1,), (4, 9), (2, 3, 5)]
+    params = [torch.nn.Parameter(torch.zeros(shape, dtype=dtype)) for shape in shapes for dtype in (torch.bfloat16, torch.float32)]
+    flat = FlatGradients(params, world_size=2, backend="gloo")
+    assert set(flat.buffers) == {torch.bfloat16, torch.float32}
+    spans = []
+    for p, view in zip(params, flat.views, strict=True):
+        assert view.shape == p.shape and view.dtype == p.dtype and view.data_ptr() % 16 == 0
+        spans.append((view.data_ptr(), view.data_ptr() + view.numel() * view.element_size()))
+    spans.sort()
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="two processes on two GPUs (NCCL)")
 def test_two_gpus_train_graphed_as_plain_eager(corpus: Path, tmp_path: Path) -> None:
     """launch/train.py on 2 GPUs under ZeRO 0: the default train.cuda_graphs=auto graphs each

@@ -228,19 +228,45 @@ def bf16_weights_refusal(config: Config) -> str | None:
     return None
 
 
-def all_reduce_mean_(grads: list[Tensor], world_size: int) -> None:
-    """Each gradient replaced by its mean over the processes, in its own dtype (bf16 ones in bf16):
-    one collective a dtype, over a flat copy of its gradients. DeepSpeed's arithmetic: the sum
-    over processes, then times 1 / world_size."""
-    by_dtype: dict[torch.dtype, list[Tensor]] = {}
-    for g in grads:
-        by_dtype.setdefault(g.dtype, []).append(g)
-    for group in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in group])  # (sum of numels,)
-        dist.all_reduce(flat)
-        flat.mul_(1.0 / world_size)
-        parts = flat.split([g.numel() for g in group])
-        torch._foreach_copy_(group, [part.view_as(g) for part, g in zip(parts, group, strict=True)])
+class FlatGradients:
+    """The gradients of `params` averaged over the processes, one collective a dtype: each step's
+    gradients are copied into one flat buffer a dtype (bf16 ones reduced in bf16), which is reduced
+    in place, and each parameter's .grad then is its view of the buffer, with no copy back. Each
+    view starts 16 bytes aligned (the optimizer's kernels load them whole), so a parameter's
+    gradient sits at the same address every step."""
+
+    ALIGN_BYTES = 16
+
+    def __init__(self, params: list[nn.Parameter], world_size: int, backend: str) -> None:
+        self.params, self.world_size = params, world_size
+        self.average = backend == "nccl"  # NCCL averages in the collective; gloo sums, then the mean is taken
+        sizes: dict[torch.dtype, int] = {}
+        offsets = []
+        for p in params:
+            step = self.ALIGN_BYTES // p.element_size()
+            start = -(-sizes.get(p.dtype, 0) // step) * step
+            offsets.append(start)
+            sizes[p.dtype] = start + p.numel()
+        self.buffers = {dtype: torch.zeros(size, dtype=dtype, device=params[0].device) for dtype, size in sizes.items()}
+        self.views = [self.buffers[p.dtype][start:start + p.numel()].view_as(p) for p, start in zip(params, offsets)]
+
+    def reduce_mean_(self) -> None:
+        """Every parameter's gradient replaced by its mean over the processes (a parameter no
+        micro-batch reached counts zeros, as DeepSpeed's reduction does)."""
+        copies = [(view, p.grad) for p, view in zip(self.params, self.views) if p.grad is not None and p.grad is not view]
+        if copies:
+            torch._foreach_copy_([view for view, _ in copies], [grad for _, grad in copies])
+        unreached = [view for p, view in zip(self.params, self.views) if p.grad is None]
+        if unreached:
+            torch._foreach_zero_(unreached)
+        for buffer in self.buffers.values():
+            if self.average:
+                dist.all_reduce(buffer, op=dist.ReduceOp.AVG)
+            else:  # DeepSpeed's arithmetic: the sum, then times 1 / world_size
+                dist.all_reduce(buffer)
+                buffer.mul_(1.0 / self.world_size)
+        for p, view in zip(self.params, self.views):
+            p.grad = view
 
 
 def capture_refusal(config: Config) -> str | None:
@@ -317,7 +343,7 @@ class DeepSpeedOptimization:
         # DeepSpeed's ZeRO 0 "all-reduce" on one process flattens every gradient into buckets,
         # averages over a group of one and copies back: an identity that costs a pass over every
         # gradient. Under ZeRO 1/2 the same hook fills the sharded optimizer's buffers: on there.
-        # With bf16 weights the gradients are reduced here (all_reduce_mean_), each in its dtype.
+        # With bf16 weights the gradients are reduced here (FlatGradients), each in its dtype.
         self.reduces_here = self.local is not None and processes.world_size > 1
         if not reduces_gradients(config, processes.world_size) or self.local is not None:
             self.engine.enable_backward_allreduce = False
@@ -325,7 +351,10 @@ class DeepSpeedOptimization:
             for master in self.local.bf16.masters:
                 dist.broadcast(master, src=0)
         self.model = self.engine.module
-        self._trained = [p for p in self.model.parameters() if p.requires_grad]
+        self.flat_grads = None
+        if self.reduces_here:
+            self.flat_grads = FlatGradients([p for p in self.model.parameters() if p.requires_grad],
+                                            processes.world_size, processes.backend)
         self.predictor_ids = predictor_parameter_ids(self.model)
         self.expert_layers = [m for m in self.model.modules() if isinstance(m, ExpertParallelExperts)]
         self.ep_group = self.expert_layers[0].group if self.expert_layers else None
@@ -348,16 +377,8 @@ class DeepSpeedOptimization:
     def backward(self, loss: torch.Tensor) -> None:
         boundary = self._count_micro_batch()
         self.engine.backward(loss, scale_wrt_gas=False)  # the loop divided by grad_accum already
-        if boundary and self.reduces_here:
-            self._reduce()
-
-    def _reduce(self) -> None:
-        """Every gradient averaged over the processes (a parameter no micro-batch reached gets zeros
-        first, so that every process reduces the same tensors, as DeepSpeed's reduction does)."""
-        for p in self._trained:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        all_reduce_mean_([p.grad for p in self._trained], self.processes.world_size)
+        if boundary and self.flat_grads is not None:
+            self.flat_grads.reduce_mean_()
 
     def capture_refusal(self) -> str | None:
         return capture_refusal(self.config)
@@ -376,8 +397,8 @@ class DeepSpeedOptimization:
         the accumulation boundary every gradient all-reduced, as the engine's backward does."""
         if not self._count_micro_batch():
             return
-        if self.reduces_here:
-            self._reduce()
+        if self.flat_grads is not None:
+            self.flat_grads.reduce_mean_()
         elif self.engine.enable_backward_allreduce:
             self.engine.allreduce_gradients()
 
