@@ -11,7 +11,8 @@ train.max_steps steps, each rank on its own tokens, this checks:
   ranks of each rank's own gradients (bf16 ones averaged in bf16): the same masters, bf16 copies
   and gradient norms;
 - a checkpoint holds the float32 masters (checkpoint.pt's weights and DeepSpeed's files), and loading
-  it after one more step brings back the masters, their bf16 copies and the optimizer's moments.
+  it after one more step brings back the masters, their bf16 copies and the optimizer's moments;
+- an engine with float32 weights loads the same checkpoint: the masters become its weights.
 Prints "bf16 engine: ok" on rank 0; an assertion names what differed.
 """
 from __future__ import annotations
@@ -86,18 +87,30 @@ def main(path: str) -> None:
 
     run_dir = Path(t.out_dir)
     saved = optimization.save_checkpoint(run_dir, {"state": {"step": t.max_steps}, "config": {"name": "bf16 engine"}})
-    names = [name for name, p in model.named_parameters() if bf16.owns(p)]
+    master_of = {name: bf16.master_of[id(p)] for name, p in model.named_parameters() if bf16.owns(p)}
+    names = list(master_of)
     assert all(saved["model"][name].dtype == torch.float32 for name in names), "checkpoint.pt's weights are not the masters"
-    assert_equal([saved["model"][name] for name in names], bf16.masters, "checkpoint.pt's weights against the masters")
-    masters = [m.clone() for m in bf16.masters]
-    moments = [optimization.optimizer.state[m]["exp_avg_sq"].clone() for m in bf16.masters]
+    assert_equal([saved["model"][name] for name in names], [master_of[name] for name in names],
+                 "checkpoint.pt's weights against the masters")
+    masters = [master_of[name].clone() for name in names]
+    moments = [optimization.optimizer.state[master_of[name]]["exp_avg_sq"].clone() for name in names]
     optimization.backward(loss_of(model, batches[processes.rank]))
     optimization.step(t.lr)
-    assert not torch.equal(bf16.masters[0], masters[0]), "the extra step moved nothing"
+    assert not torch.equal(master_of[names[0]], masters[0]), "the extra step moved nothing"
     optimization.load_checkpoint(run_dir, {"optimizer": saved["optimizer"], "state": {"step": t.max_steps}})
-    assert_equal(bf16.masters, masters, "the masters after loading the checkpoint")
-    assert_equal([p.float() for p in bf16.params], [m.bfloat16().float() for m in masters], "the bf16 weights after loading")
-    assert_equal([optimization.optimizer.state[m]["exp_avg_sq"] for m in bf16.masters], moments, "the moments after loading")
+    assert_equal([master_of[name] for name in names], masters, "the masters after loading the checkpoint")
+    weights = dict(model.named_parameters())
+    assert_equal([weights[name].float() for name in names], [m.bfloat16().float() for m in masters],
+                 "the bf16 weights after loading")
+    assert_equal([optimization.optimizer.state[master_of[name]]["exp_avg_sq"] for name in names], moments,
+                 "the moments after loading")
+    # a run with float32 weights resumes from it: the masters become its weights, the moments its own
+    float32 = DeepSpeedOptimization(LanguageModel(config), config, processes, bf16_weights=False)
+    float32.load_checkpoint(run_dir, {"optimizer": saved["optimizer"], "state": {"step": t.max_steps}})
+    weights = dict(float32.model.named_parameters())
+    assert_equal([weights[name].detach() for name in names], masters, "float32 weights resumed from the checkpoint")
+    assert_equal([float32.optimizer.state[weights[name]]["exp_avg_sq"] for name in names], moments,
+                 "float32 weights' moments resumed from the checkpoint")
     dist.barrier()
     if processes.rank == 0:
         print("bf16 engine: ok", flush=True)

@@ -562,8 +562,9 @@ def test_the_engine_holds_bf16_weights_as_one_process_does(corpus: Path, tmp_pat
     steps through the one-process optimizer: on 2 processes each step equals TorchOptimization
     stepped from the mean over ranks, and a checkpoint holds and restores the float32 masters
     (tests/bf16_engine.py; CPU, bf16 weights forced, autocast by hand)."""
-    raw = raw_config(corpus, tmp_path / "run", model={"block_pattern": ["dense", "mode_staged"]},
-                     routing={"capacity": 0.25}, parallel={"zero_stage": 0, "expert_parallel": 1})
+    raw = raw_config(corpus, tmp_path / "run", model={"block_pattern": ["mode_integrated", "mode_staged"]},
+                     routing={"capacity": 0.25}, moe={"n_experts": 4, "n_noop": 2, "scheme": "expert_choice"},
+                     parallel={"zero_stage": 0, "expert_parallel": 1})
     raw["train"]["max_steps"] = 3
     out = launch(write_config(raw, tmp_path / "config.yaml"), script=ROOT / "tests" / "bf16_engine.py").stdout
     assert "bf16 engine: ok" in out, out[-4000:]

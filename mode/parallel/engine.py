@@ -32,12 +32,15 @@ expert-parallel group) and clip ourselves, with DeepSpeed's clipping off. ZeRO 1
 the exact norm too with ep = world size, and with expert-data-parallel replicas (ep < world
 size: 4 processes, ep 2, ZeRO 2), both checked against one process (tests/test_parallel.py).
 The causal predictors are clipped apart by their own norm under ZeRO 0 (mode.training.optim's
-predictor_parameter_ids); DeepSpeed's ZeRO 1/2 clipping counts them in its one norm.
+predictor_parameter_ids); DeepSpeed's ZeRO 1/2 clipping counts them in its one norm. With bf16
+weights (ZeRO 0, no expert parallelism) the one-process optimizer clips, by the same rules.
 
 The learning rate is the project's schedule: the loop passes it to step(), which writes it
 into the optimizer's parameter groups; DeepSpeed has no scheduler.
 
-Checkpoints: every file of DeepSpeed's checkpoint is read as checkpoint.pt is, without running
+Checkpoints: with bf16 weights DeepSpeed saves and loads the float32 masters in the weights'
+places (Bf16Weights.masters_as_params), so the files are those of float32 weights and a run may
+resume with the setting changed. Every file of DeepSpeed's checkpoint is read as checkpoint.pt is, without running
 code (SafeLoading: tensors, plain data and the three DeepSpeed classes its optimizer state
 holds); a file that would run code is refused with an error naming it. Saving removes only
 the step folders this run wrote (step<N>, holding nothing but DeepSpeed's shard files).
