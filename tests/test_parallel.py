@@ -587,6 +587,17 @@ def test_flat_gradients_lay_each_view_aligned_and_apart() -> None:
     assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
 
 
+def assert_resumed_run_continues(config: Path, out_dir: Path, uninterrupted: dict[int, dict]) -> None:
+    """launch/train.py on config stopped after step 4 and resumed (from step 3's checkpoint, the
+    config's interval) continues as the uninterrupted run's records: the losses within 2e-3."""
+    launch(config, f"--train.out_dir={out_dir}", "--stop-at-step=4")
+    launch(config, f"--train.out_dir={out_dir}", "--resume")
+    resumed, _ = records(out_dir)
+    assert sorted(resumed) == list(range(1, STEPS + 1))
+    for step in resumed:
+        assert resumed[step]["loss"] == pytest.approx(uninterrupted[step]["loss"], abs=2e-3), step
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="two processes on two GPUs (NCCL)")
 def test_two_gpus_train_graphed_as_plain_eager(corpus: Path, tmp_path: Path) -> None:
     """launch/train.py on 2 GPUs under ZeRO 0: the default train.cuda_graphs=auto graphs each
@@ -614,13 +625,7 @@ def test_two_gpus_train_graphed_as_plain_eager(corpus: Path, tmp_path: Path) -> 
     assert set(plain_val) == set(replayed_val)
     for step in plain_val:
         assert replayed_val[step]["val_loss"] == pytest.approx(plain_val[step]["val_loss"], abs=2e-3), step
-    resumed_dir = [f"--train.out_dir={tmp_path / 'resumed'}"]
-    launch(configs["auto"], *resumed_dir, "--stop-at-step=4")
-    launch(configs["auto"], *resumed_dir, "--resume")
-    resumed, _ = records(tmp_path / "resumed")
-    assert sorted(resumed) == list(range(1, STEPS + 1))
-    for step in resumed:
-        assert resumed[step]["loss"] == pytest.approx(replayed[step]["loss"], abs=2e-3), step
+    assert_resumed_run_continues(configs["auto"], tmp_path / "resumed", replayed)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="two processes on two GPUs (NCCL)")
@@ -631,29 +636,23 @@ def test_two_gpus_train_bf16_weights_as_float32_weights(corpus: Path, tmp_path: 
     rounding more than float32's). A run stopped after step 4 and resumed from step 3's checkpoint
     continues as the uninterrupted one (within 2e-3): the checkpoint held the float32 masters."""
     runs, configs = {}, {}
-    for bf16 in ("false", "auto"):
-        raw = raw_config(corpus, tmp_path / bf16, model={"block_pattern": ["mod", "mode_staged"]},
-                         routing={"capacity": 0.25}, train={"device": "cuda", "bf16_weights": {"false": False, "auto": "auto"}[bf16]},
+    for name, setting in (("float32", False), ("bf16", "auto")):
+        raw = raw_config(corpus, tmp_path / name, model={"block_pattern": ["mod", "mode_staged"]},
+                         routing={"capacity": 0.25}, train={"device": "cuda", "bf16_weights": setting},
                          parallel={"zero_stage": 0, "expert_parallel": 1})
-        configs[bf16] = write_config(raw, tmp_path / f"{bf16}.yaml")
-        out = launch(configs[bf16]).stdout
+        configs[name] = write_config(raw, tmp_path / f"{name}.yaml")
+        out = launch(configs[name]).stdout
         assert "train.bf16_weights=auto" not in out, out[-4000:]  # on where asked: no note turning it off
         assert "each micro-batch's forward and backward run as one CUDA graph" in out, out[-4000:]
-        runs[bf16], _ = records(tmp_path / bf16)
-    float32, bf16 = runs["false"], runs["auto"]
+        runs[name], _ = records(tmp_path / name)
+    float32, bf16 = runs["float32"], runs["bf16"]
     assert sorted(float32) == sorted(bf16) == list(range(1, STEPS + 1))
     losses = {step: abs(bf16[step]["loss"] - float32[step]["loss"]) for step in float32}
     print(f"bf16 weights against float32 weights, loss differences by step: {losses}")
     for step in float32:
         assert bf16[step]["loss"] == pytest.approx(float32[step]["loss"], abs=5e-3), step
         assert bf16[step]["grad_norm"] == pytest.approx(float32[step]["grad_norm"], rel=2e-2), step
-    resumed_dir = [f"--train.out_dir={tmp_path / 'resumed'}"]
-    launch(configs["auto"], *resumed_dir, "--stop-at-step=4")
-    launch(configs["auto"], *resumed_dir, "--resume")
-    resumed, _ = records(tmp_path / "resumed")
-    assert sorted(resumed) == list(range(1, STEPS + 1))
-    for step in resumed:
-        assert resumed[step]["loss"] == pytest.approx(bf16[step]["loss"], abs=2e-3), step
+    assert_resumed_run_continues(configs["bf16"], tmp_path / "resumed", bf16)
 
 
 def test_launcher_exits_with_mains_code_and_its_output_written(tmp_path: Path) -> None:
