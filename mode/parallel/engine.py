@@ -40,10 +40,10 @@ into the optimizer's parameter groups; DeepSpeed has no scheduler.
 
 Checkpoints: with bf16 weights DeepSpeed saves and loads the float32 masters in the weights'
 places (Bf16Weights.masters_as_params), so the files are those of float32 weights and a run may
-resume with the setting changed. Every file of DeepSpeed's checkpoint is read as checkpoint.pt is, without running
-code (SafeLoading: tensors, plain data and the three DeepSpeed classes its optimizer state
-holds); a file that would run code is refused with an error naming it. Saving removes only
-the step folders this run wrote (step<N>, holding nothing but DeepSpeed's shard files).
+resume with the setting changed. Every file of DeepSpeed's checkpoint is read as checkpoint.pt
+is, without running code (SafeLoading: tensors, plain data and the three DeepSpeed classes its
+optimizer state holds); a file that would run code is refused with an error naming it. Saving
+removes only the step folders this run wrote (step<N>, holding nothing but DeepSpeed's shard files).
 """
 from __future__ import annotations
 
@@ -347,7 +347,6 @@ class DeepSpeedOptimization:
         # averages over a group of one and copies back: an identity that costs a pass over every
         # gradient. Under ZeRO 1/2 the same hook fills the sharded optimizer's buffers: on there.
         # With bf16 weights the gradients are reduced here (FlatGradients), each in its dtype.
-        self.reduces_here = self.local is not None and processes.world_size > 1
         if not reduces_gradients(config, processes.world_size) or self.local is not None:
             self.engine.enable_backward_allreduce = False
         if self.local is not None:  # DeepSpeed broadcast rank 0's weights; the masters follow
@@ -355,7 +354,7 @@ class DeepSpeedOptimization:
                 dist.broadcast(master, src=0)
         self.model = self.engine.module
         self.flat_grads = None
-        if self.reduces_here:
+        if self.local is not None and processes.world_size > 1:
             self.flat_grads = FlatGradients([p for p in self.model.parameters() if p.requires_grad],
                                             processes.world_size, processes.backend)
         self.predictor_ids = predictor_parameter_ids(self.model)
@@ -409,7 +408,7 @@ class DeepSpeedOptimization:
         if self._pending != self.grad_accum:
             raise RuntimeError(f"step() after {self._pending} backward calls; train.grad_accum is {self.grad_accum}")
         self._pending = 0
-        if self.local is not None:  # without the engine's step, which would step the optimizer alone
+        if self.local is not None:  # norm, clipping, masters: the engine's step would run optimizer.step() alone
             return self.local.step(lr)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
