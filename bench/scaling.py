@@ -22,7 +22,9 @@ training (ZeRO stage from the config's `parallel.zero_stage`, 0 unless --zero-st
                   the same SwiGLU (or GELU) MLP of width moe.d_expert or model.d_ff), its
                   load-balancing loss added with weight moe.lb_loss_weight; the same Trainer
                   and engine, plain eager (its gate reads expert counts on the host, so no
-                  CUDA graph holds it; --impl mode on one GPU, ep 1 and ZeRO 0, is graphed).
+                  CUDA graph holds it; --impl mode on one GPU, ep 1 and ZeRO 0, is graphed)
+                  and with float32 weights (--impl mode there holds bf16 weights with float32
+                  masters, as launch/train.py does; the context line says which).
                   Note the FLOPs: top-1 at capacity 1 sends every token through one expert, while Integrated MoDE with 8 real + 8 no-op experts computes
                   half of them (--config configs/moe_gpu.yaml gives the mode model at equal
                   expert FLOPs).
@@ -141,6 +143,8 @@ def build_deepspeed_trainer(config: Config, processes: Processes) -> Trainer:
     ep = config.parallel.expert_parallel
     # DeepSpeed's gate copies its expert counts to the host in every forward: no CUDA graph holds it.
     config.train.cuda_graphs = False
+    # Its experts are DeepSpeed's modules, which train.bf16_weights does not hold: float32 weights throughout.
+    config.train.bf16_weights = False
     torch.manual_seed(config.train.seed)
     with torch.device(processes.device):  # built in place (start-up only; the weights are not compared)
         model = LanguageModel(config)
@@ -194,7 +198,8 @@ def peak_gib(device: torch.device) -> float | None:
     return float(peak)
 
 
-def describe(config: Config, processes: Processes, impl: str, args: argparse.Namespace, graphed: bool) -> str:
+def describe(config: Config, processes: Processes, impl: str, args: argparse.Namespace, graphed: bool,
+             bf16_weights: bool) -> str:
     m, moe, t = config.model, config.moe, config.train
     card = torch.cuda.get_device_name(processes.device) if processes.device.type == "cuda" else "CPU"
     if impl == "mode":
@@ -208,6 +213,8 @@ def describe(config: Config, processes: Processes, impl: str, args: argparse.Nam
         " (Triton kernels)" if kernel_policy().enabled else " (MODE_KERNELS=torch: no Triton kernels)")
     if processes.device.type == "cuda" and config.parallel.zero_stage > 0:
         precision += " + DeepSpeed bf16 weights"
+    elif bf16_weights:
+        precision += " + bf16 weights, float32 masters"
     return (f"# {args.label or impl}: {card} x {processes.world_size} ({processes.backend}); --impl {impl}, "
             f"{args.config}: blocks "
             f"{m.block_pattern} x {m.n_layers}, D={m.d_model}, heads {m.n_heads}, d_ff {m.d_ff}, vocab {m.vocab_size}; "
@@ -277,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
         build = build_trainer if args.impl == "mode" else build_deepspeed_trainer
         trainer = build(config, processes)
         if processes.rank == 0:
-            print(describe(config, processes, args.impl, args, trainer.graphed_step is not None), flush=True)
+            bf16_weights, _ = trainer.optimization.bf16_weights_applied()
+            print(describe(config, processes, args.impl, args, trainer.graphed_step is not None, bf16_weights), flush=True)
         times, losses = time_steps(trainer, args.warmup, args.steps, processes.device)
         peak = peak_gib(processes.device)
         if processes.rank == 0:
