@@ -334,7 +334,8 @@ def test_where_bf16_weights_apply() -> None:
     assert bf16_weights_apply(config(), cpu) == (False, None)
     assert bf16_weights_apply(config(bf16_weights=False), cuda) == (False, None)
     on, note = bf16_weights_apply(config(grad_accum=2), cuda)
-    assert not on and "train.bf16_weights=auto" in note and "grad_accum=2" in note
+    assert not on and note.startswith("train.bf16_weights=auto: off") and "grad_accum=2" in note
+    assert "float32 weights" in note
     zero0 = config({"zero_stage": 0, "expert_parallel": 1})
     assert bf16_weights_refusal(zero0) is None
     assert bf16_weights_apply(zero0, cuda, bf16_weights_refusal(zero0)) == (True, None)
@@ -344,7 +345,7 @@ def test_where_bf16_weights_apply() -> None:
         refusal = bf16_weights_refusal(config(parallel))
         assert refusal.startswith(field), refusal
         on, note = bf16_weights_apply(config(parallel), cuda, refusal)
-        assert not on and note == f"train.bf16_weights=auto: float32 weights, since {refusal}"
+        assert not on and note == f"train.bf16_weights=auto: off, since {refusal}"
         refusals.append(refusal)
     for train, device, refusal in [({}, cpu, None), ({"grad_accum": 2}, cuda, None), ({}, cuda, refusals[0])]:
         with pytest.raises(ConfigError, match="train.bf16_weights=true"):

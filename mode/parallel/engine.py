@@ -223,11 +223,11 @@ def bf16_weights_refusal(config: Config) -> str | None:
     (train.bf16_weights); None under ZeRO 0 without expert parallelism."""
     p = config.parallel
     if p.zero_stage > 0:
-        return (f"parallel.zero_stage={p.zero_stage}: DeepSpeed's bf16 optimizer holds bf16 weights and their "
-                "float32 masters itself")
+        return (f"parallel.zero_stage={p.zero_stage}: DeepSpeed's bf16 optimizer holds every weight in bf16 "
+                "with float32 masters itself")
     if p.expert_parallel > 1:
-        return (f"parallel.expert_parallel={p.expert_parallel}: the engine clips by a norm summed over the "
-                "expert-parallel ranks (expert_parallel=1 holds them)")
+        return (f"parallel.expert_parallel={p.expert_parallel}: float32 weights, since the engine clips by a "
+                "norm summed over the expert-parallel ranks (expert_parallel=1 holds bf16 ones)")
     return None
 
 

@@ -55,13 +55,13 @@ def bf16_weights_apply(config: Config, device: torch.device,
     elif engine_refusal is not None:
         reason = engine_refusal
     elif t.grad_accum > 1:
-        reason = (f"train.grad_accum={t.grad_accum} would add the micro-batches' gradients in bf16 "
-                  "(float32 weights add them in float32)")
+        reason = (f"train.grad_accum={t.grad_accum} would add the micro-batches' gradients in bf16: float32 "
+                  "weights, which add them in float32")
     if reason is None:
         return True, None
     if required:
         raise ConfigError(f"train.bf16_weights=true: {reason}")
-    return False, None if device.type != "cuda" else f"train.bf16_weights=auto: float32 weights, since {reason}"
+    return False, None if device.type != "cuda" else f"train.bf16_weights=auto: off, since {reason}"
 
 
 def matrix_weights(model: nn.Module) -> list[nn.Parameter]:
