@@ -25,9 +25,9 @@ training (ZeRO stage from the config's `parallel.zero_stage`, 0 unless --zero-st
                   CUDA graph holds it; --impl mode on one GPU, ep 1 and ZeRO 0, is graphed)
                   and with float32 weights (--impl mode there holds bf16 weights with float32
                   masters, as launch/train.py does; the context line says which).
-                  Note the FLOPs: top-1 at capacity 1 sends every token through one expert, while Integrated MoDE with 8 real + 8 no-op experts computes
-                  half of them (--config configs/moe_gpu.yaml gives the mode model at equal
-                  expert FLOPs).
+                  Note the FLOPs: top-1 at capacity 1 sends every token through one expert,
+                  while Integrated MoDE with 8 real + 8 no-op experts computes half of them
+                  (--config configs/moe_gpu.yaml gives the mode model at equal expert FLOPs).
 
 Timing: --warmup steps, then --steps timed steps (CUDA synchronised around each); each
 step's time is the slowest rank's; the row reports the median. tokens/s counts every

@@ -327,14 +327,15 @@ class DeepSpeedOptimization:
         self.grad_clip = config.train.grad_clip
         self.clip_here = clips_itself(config, processes.device.type)
         self.ds_config = deepspeed_config(config, processes.world_size, processes.device.type)
+        refusal = bf16_weights_refusal(config)
         self.bf16_setting = ((bf16_weights, None) if bf16_weights is not None else
-                             bf16_weights_apply(config, processes.device, bf16_weights_refusal(config)))
+                             bf16_weights_apply(config, processes.device, refusal))
         # With bf16 weights the one-process optimizer steps (norm, clipping, the masters' update)
         # and the gradients are reduced here; DeepSpeed keeps the rest (broadcast, checkpoints).
         self.local = None
         if self.bf16_setting[0]:
-            if config.parallel.zero_stage > 0 or config.parallel.expert_parallel > 1:
-                raise ValueError("DeepSpeedOptimization(bf16_weights=True) needs ZeRO 0 without expert parallelism")
+            if refusal is not None:
+                raise ValueError(f"DeepSpeedOptimization(bf16_weights=True): {refusal}")
             self.local = TorchOptimization(model, config, processes.device, bf16_weights=True)
             self.optimizer = self.local.optimizer
         else:
