@@ -12,7 +12,9 @@ train.max_steps steps, each rank on its own tokens, this checks:
   and gradient norms;
 - a checkpoint holds the float32 masters (checkpoint.pt's weights and DeepSpeed's files), and loading
   it after one more step brings back the masters, their bf16 copies and the optimizer's moments;
-- an engine with float32 weights loads the same checkpoint: the masters become its weights.
+- an engine with float32 weights loads the same checkpoint: the masters become its weights;
+- with parallel.reduce_bucket_mb above 0 (OverlappedGradients), the first bucket starts before the
+  backward has produced every gradient, and every bucket starts once a step.
 Prints "bf16 engine: ok" on rank 0; an assertion names what differed.
 """
 from __future__ import annotations
@@ -26,7 +28,7 @@ from torch import Tensor, nn
 
 from mode.config import load_config
 from mode.model import LanguageModel
-from mode.parallel.engine import DeepSpeedOptimization, init_distributed, quiet_deepspeed
+from mode.parallel.engine import DeepSpeedOptimization, OverlappedGradients, init_distributed, quiet_deepspeed
 from mode.training.optim import TorchOptimization
 
 
@@ -66,6 +68,14 @@ def main(path: str) -> None:
     dist.all_gather(gathered, sums)
     assert torch.equal(gathered[0], gathered[1]), "the masters differ between ranks"
 
+    arrived_at_start: list[int] = []  # per bucket started: how many gradients had arrived
+    flat = optimization.flat_grads
+    overlapped = isinstance(flat, OverlappedGradients)
+    assert overlapped is (config.parallel.reduce_bucket_mb > 0), type(flat)
+    if overlapped:
+        start = flat._start
+        flat._start = lambda b: (arrived_at_start.append(len(flat.arrived)), start(b))[1]
+
     draws = torch.Generator().manual_seed(100)  # both ranks draw every rank's tokens alike
     for step in range(t.max_steps):
         batches = [torch.randint(0, config.model.vocab_size, (t.batch_size, config.data.seq_len + 1), generator=draws)
@@ -81,6 +91,10 @@ def main(path: str) -> None:
         for p, g in zip(ref_model.parameters(), mean_over_ranks(own), strict=True):
             p.grad = g
         ref_norm = reference.step(lr)
+        if overlapped:
+            assert len(arrived_at_start) == len(flat.buckets) > 1, (len(arrived_at_start), len(flat.buckets))
+            assert arrived_at_start[0] < len(flat.params), f"step {step + 1}: no bucket started within the backward"
+            arrived_at_start.clear()
         assert_equal([norm], [ref_norm], f"step {step + 1}: the gradient norm")
         assert_equal(bf16.masters, ref_bf16.masters, f"step {step + 1}: the masters")
         assert_equal([p.float() for p in bf16.params], [p.float() for p in ref_bf16.params], f"step {step + 1}: the bf16 weights")

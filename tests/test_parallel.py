@@ -557,14 +557,16 @@ def test_the_backward_a_graph_holds_reduces_as_the_engines(corpus: Path, tmp_pat
     assert "captured backward: ok" in out, out[-4000:]
 
 
-def test_the_engine_holds_bf16_weights_as_one_process_does(corpus: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("bucket_mb", [0, 0.01], ids=["after-backward", "buckets-beside-backward"])
+def test_the_engine_holds_bf16_weights_as_one_process_does(corpus: Path, tmp_path: Path, bucket_mb: float) -> None:
     """Under ZeRO 0 with bf16 weights the engine reduces the gradients itself (bf16 ones in bf16) and
     steps through the one-process optimizer: on 2 processes each step equals TorchOptimization
     stepped from the mean over ranks, and a checkpoint holds and restores the float32 masters
-    (tests/bf16_engine.py; CPU, bf16 weights forced, autocast by hand)."""
+    (tests/bf16_engine.py; CPU, bf16 weights forced, autocast by hand). Both reductions: all after
+    the backward, and 10 KiB buckets started within it (several a dtype at this size)."""
     raw = raw_config(corpus, tmp_path / "run", model={"block_pattern": ["mode_integrated", "mode_staged"]},
                      routing={"capacity": 0.25}, moe={"n_experts": 4, "n_noop": 2, "scheme": "expert_choice"},
-                     parallel={"zero_stage": 0, "expert_parallel": 1})
+                     parallel={"zero_stage": 0, "expert_parallel": 1, "reduce_bucket_mb": bucket_mb})
     raw["train"]["max_steps"] = 3
     out = launch(write_config(raw, tmp_path / "config.yaml"), script=ROOT / "tests" / "bf16_engine.py").stdout
     assert "bf16 engine: ok" in out, out[-4000:]
@@ -585,6 +587,31 @@ def test_flat_gradients_lay_each_view_aligned_and_apart() -> None:
         spans.append((view.data_ptr(), view.data_ptr() + view.numel() * view.element_size()))
     spans.sort()
     assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+
+
+def test_gradient_buckets_tile_each_buffer_in_backward_order() -> None:
+    """OverlappedGradients' buckets: each a contiguous slice of its dtype's buffer holding whole
+    parameters, together every parameter once, laid out from the last parameter to the first (the
+    order the backward produces them) and closed once they reach the bucket size."""
+    from mode.parallel.engine import OverlappedGradients
+
+    shapes = [(64,), (5, 7), (1,), (300,), (2, 3, 5), (40,)]
+    params = [torch.nn.Parameter(torch.zeros(shape, dtype=dtype)) for shape in shapes for dtype in (torch.bfloat16, torch.float32)]
+    flat = OverlappedGradients(params, world_size=2, backend="gloo", bucket_bytes=128)
+    members = sorted(i for bucket in flat.buckets for i in bucket.members)
+    assert members == list(range(len(params)))
+    for bucket in flat.buckets:
+        assert bucket.members == sorted(bucket.members, reverse=True)
+        assert all(params[i].dtype == bucket.dtype for i in bucket.members)
+        spans = [(flat.offsets[i], flat.offsets[i] + params[i].numel()) for i in bucket.members]
+        assert spans[0][0] == bucket.start and spans[-1][1] == bucket.end
+        assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+        whole = (bucket.end - bucket.start) * params[bucket.members[0]].element_size()
+        assert whole >= 128 or bucket is flat.buckets[-1] or bucket is flat.buckets[-2]  # the last open ones
+    for dtype in (torch.bfloat16, torch.float32):
+        own = [b for b in flat.buckets if b.dtype == dtype]
+        assert len(own) > 1 and own[0].start == 0
+        assert all(a.end <= b.start for a, b in zip(own, own[1:]))
 
 
 def assert_resumed_run_continues(config: Path, out_dir: Path, uninterrupted: dict[int, dict]) -> None:
@@ -633,13 +660,15 @@ def test_two_gpus_train_bf16_weights_as_float32_weights(corpus: Path, tmp_path: 
     """launch/train.py on 2 GPUs under ZeRO 0, graphed: bf16 weights (on by default there) train as
     float32 weights (train.bf16_weights=false) do, MoD and Staged MoDE blocks: the losses within
     5e-3 nats, gradient norms within 2e-2 relative (the bf16 gradients are averaged in bf16, one
-    rounding more than float32's). A run stopped after step 4 and resumed from step 3's checkpoint
-    continues as the uninterrupted one (within 2e-3): the checkpoint held the float32 masters."""
+    rounding more than float32's). The bf16 run reduces in 10 KiB buckets, several of which start
+    within the captured backward (NCCL inside the graph). A run stopped after step 4 and resumed
+    from step 3's checkpoint continues as the uninterrupted one (within 2e-3): the checkpoint held
+    the float32 masters."""
     runs, configs = {}, {}
     for name, setting in (("float32", False), ("bf16", "auto")):
         raw = raw_config(corpus, tmp_path / name, model={"block_pattern": ["mod", "mode_staged"]},
                          routing={"capacity": 0.25}, train={"device": "cuda", "bf16_weights": setting},
-                         parallel={"zero_stage": 0, "expert_parallel": 1})
+                         parallel={"zero_stage": 0, "expert_parallel": 1, "reduce_bucket_mb": 0.01})
         configs[name] = write_config(raw, tmp_path / f"{name}.yaml")
         out = launch(configs[name]).stdout
         assert "train.bf16_weights=auto" not in out, out[-4000:]  # on where asked: no note turning it off

@@ -295,6 +295,10 @@ class ParallelConfig(Section):
         1, ge=1, description="ep: processes each MoE layer's experts are sharded over; divides moe.n_experts and the world size"
     )
     backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="auto: nccl on CUDA, gloo on CPU")
+    reduce_bucket_mb: float = Field(
+        32.0, ge=0, description="with bf16 weights (ZeRO 0): gradients all-reduced in buckets of this many MiB, "
+        "each started as the backward completes it, beside the rest of the backward; 0: all after the backward"
+    )
 
     @field_validator("zero_stage")
     @classmethod

@@ -20,7 +20,8 @@ trajectory of one GPU and of ZeRO 1/2); there, without expert parallelism, the m
 held in bf16 with float32 masters as in a one-GPU run (train.bf16_weights): the one-process
 optimizer (TorchOptimization) steps them, and the gradients are all-reduced here, each dtype in
 its own (the matrices' bf16 gradients in bf16: half the bytes of float32, where DeepSpeed's
-reduction would send every gradient as float32). With float32 weights (train.bf16_weights=false,
+reduction would send every gradient as float32), in buckets started beside the backward
+(OverlappedGradients, parallel.reduce_bucket_mb). With float32 weights (train.bf16_weights=false,
 grad_accum > 1, expert parallelism) weights and gradients stay fp32 and DeepSpeed reduces and
 steps. On CPU everything is fp32.
 
@@ -236,40 +237,155 @@ class FlatGradients:
     gradients are copied into one flat buffer a dtype (bf16 ones reduced in bf16), which is reduced
     in place, and each parameter's .grad then is its view of the buffer, with no copy back. Each
     view starts 16 bytes aligned (the optimizer's kernels load them whole), so a parameter's
-    gradient sits at the same address every step."""
+    gradient sits at the same address every step. The buffers hold the parameters in reverse
+    order, the order in which the backward produces their gradients (OverlappedGradients)."""
 
     ALIGN_BYTES = 16
+    during_backward = False  # reduces after the backward, outside a CUDA graph holding it
 
     def __init__(self, params: list[nn.Parameter], world_size: int, backend: str) -> None:
         self.params, self.world_size = params, world_size
         self.average = backend == "nccl"  # NCCL averages in the collective; gloo sums, then the mean is taken
         sizes: dict[torch.dtype, int] = {}
-        offsets = []
-        for p in params:
+        self.offsets = [0] * len(params)
+        for i in reversed(range(len(params))):
+            p = params[i]
             step = self.ALIGN_BYTES // p.element_size()
-            start = -(-sizes.get(p.dtype, 0) // step) * step
-            offsets.append(start)
-            sizes[p.dtype] = start + p.numel()
+            self.offsets[i] = -(-sizes.get(p.dtype, 0) // step) * step
+            sizes[p.dtype] = self.offsets[i] + p.numel()
         self.buffers = {dtype: torch.zeros(size, dtype=dtype, device=params[0].device) for dtype, size in sizes.items()}
-        self.views = [self.buffers[p.dtype][start:start + p.numel()].view_as(p) for p, start in zip(params, offsets)]
+        self.views = [self.buffers[p.dtype][start:start + p.numel()].view_as(p)
+                      for p, start in zip(params, self.offsets)]
+
+    def begin(self) -> None:
+        """Before a backward whose gradients reduce_mean_ reduces: nothing to do here."""
 
     def reduce_mean_(self) -> None:
         """Every parameter's gradient replaced by its mean over the processes (a parameter no
         micro-batch reached counts zeros, as DeepSpeed's reduction does)."""
-        copies = [(view, p.grad) for p, view in zip(self.params, self.views) if p.grad is not None and p.grad is not view]
+        self._copy_in(range(len(self.params)))
+        for buffer in self.buffers.values():
+            self._all_reduce_mean_(buffer)
+        self._hand_out()
+
+    def _copy_in(self, indices: range | list[int]) -> None:
+        """The gradients of params[indices] copied into their views; zeros where there is none."""
+        copies = [(self.views[i], self.params[i].grad) for i in indices
+                  if self.params[i].grad is not None and self.params[i].grad is not self.views[i]]
         if copies:
             torch._foreach_copy_([view for view, _ in copies], [grad for _, grad in copies])
-        unreached = [view for p, view in zip(self.params, self.views) if p.grad is None]
+        unreached = [self.views[i] for i in indices if self.params[i].grad is None]
         if unreached:
             torch._foreach_zero_(unreached)
-        for buffer in self.buffers.values():
-            if self.average:
-                dist.all_reduce(buffer, op=dist.ReduceOp.AVG)
-            else:  # DeepSpeed's arithmetic: the sum, then times 1 / world_size
-                dist.all_reduce(buffer)
-                buffer.mul_(1.0 / self.world_size)
+
+    def _all_reduce_mean_(self, flat: Tensor) -> None:
+        if self.average:
+            dist.all_reduce(flat, op=dist.ReduceOp.AVG)
+        else:  # DeepSpeed's arithmetic: the sum, then times 1 / world_size
+            dist.all_reduce(flat)
+            flat.mul_(1.0 / self.world_size)
+
+    def _hand_out(self) -> None:
         for p, view in zip(self.params, self.views):
             p.grad = view
+
+
+@dataclass
+class GradientBucket:
+    """A contiguous slice of one dtype's flat buffer and the parameters it holds."""
+
+    dtype: torch.dtype
+    start: int
+    end: int
+    members: list[int]
+
+
+class OverlappedGradients(FlatGradients):
+    """FlatGradients reduced bucket by bucket beside the backward (parallel.reduce_bucket_mb): a
+    hook on each parameter counts its gradient in, and a bucket complete, and every bucket before
+    it started, is copied in and all-reduced on a stream of its own, while the backward computes
+    the earlier layers' gradients. The buckets start in one fixed order on every process (the
+    collectives must match), whatever order the gradients arrive in; reduce_mean_, after the
+    backward, starts the rest (zeros for a parameter no gradient reached) and waits for all.
+    Inside a CUDA graph's capture the collectives and the stream's joins are captured with the
+    backward, so each replay reduces as it goes, with nothing left for the host."""
+
+    during_backward = True
+
+    def __init__(self, params: list[nn.Parameter], world_size: int, backend: str, bucket_bytes: int) -> None:
+        super().__init__(params, world_size, backend)
+        self.buckets = self._buckets(bucket_bytes)
+        self.bucket_of = {i: b for b, bucket in enumerate(self.buckets) for i in bucket.members}
+        cuda = params[0].device.type == "cuda"
+        self.stream = torch.cuda.Stream(params[0].device) if cuda else None
+        self.hooks = [p.register_post_accumulate_grad_hook(self._arrived) for p in params]
+        self.index = {id(p): i for i, p in enumerate(params)}
+        self.begin()
+
+    def _buckets(self, bucket_bytes: int) -> list[GradientBucket]:
+        """Consecutive parameters of one dtype in reverse order, closed at bucket_bytes: the
+        order they close in is the order they start in."""
+        closed: list[GradientBucket] = []
+        open_: dict[torch.dtype, GradientBucket] = {}
+        for i in reversed(range(len(self.params))):
+            p = self.params[i]
+            bucket = open_.setdefault(p.dtype, GradientBucket(p.dtype, self.offsets[i], self.offsets[i], []))
+            bucket.members.append(i)
+            bucket.end = self.offsets[i] + p.numel()
+            if (bucket.end - bucket.start) * p.element_size() >= bucket_bytes:
+                closed.append(open_.pop(p.dtype))
+        return closed + list(open_.values())
+
+    def begin(self) -> None:
+        """Before each backward: no gradient arrived and no bucket started; the last step's views
+        are dropped, so that the backward writes fresh gradients instead of adding into them."""
+        self.missing = [len(bucket.members) for bucket in self.buckets]
+        self.arrived: set[int] = set()
+        self.started = 0
+        for p in self.params:
+            p.grad = None
+
+    def _arrived(self, p: nn.Parameter) -> None:
+        i = self.index[id(p)]
+        if i in self.arrived:  # a second gradient for it in this backward: the bucket must wait for reduce_mean_
+            raise RuntimeError(f"OverlappedGradients: parameter {i} received two gradients in one backward")
+        self.arrived.add(i)
+        self.missing[self.bucket_of[i]] -= 1
+        while self.started < len(self.buckets) and self.missing[self.started] == 0:
+            self._start(self.started)
+
+    def _start(self, b: int) -> None:
+        bucket = self.buckets[b]
+        self.started += 1
+        if self.stream is None:
+            self._reduce(bucket)
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))  # the gradients are ready there
+        with torch.cuda.stream(self.stream):
+            self._reduce(bucket)
+
+    def _reduce(self, bucket: GradientBucket) -> None:
+        self._copy_in(bucket.members)
+        self._all_reduce_mean_(self.buffers[bucket.dtype][bucket.start:bucket.end])
+
+    def reduce_mean_(self) -> None:
+        """After the backward: the buckets not started yet reduced (with zeros for the parameters
+        no gradient reached), the stream joined, and every parameter handed its view."""
+        while self.started < len(self.buckets):
+            self._start(self.started)
+        if self.stream is not None:
+            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+        self._hand_out()
+
+
+def flat_gradients(params: list[nn.Parameter], config: Config, processes: Processes) -> FlatGradients:
+    """The reduction of bf16 weights' gradients: bucket by bucket beside the backward, or with
+    parallel.reduce_bucket_mb=0 (or micro-batches accumulated, reduced at the last one alone) all
+    of them after it."""
+    mib = config.parallel.reduce_bucket_mb
+    if mib == 0 or config.train.grad_accum > 1:
+        return FlatGradients(params, processes.world_size, processes.backend)
+    return OverlappedGradients(params, processes.world_size, processes.backend, bucket_bytes=int(mib * 2**20))
 
 
 def capture_refusal(config: Config) -> str | None:
@@ -356,8 +472,8 @@ class DeepSpeedOptimization:
         self.model = self.engine.module
         self.flat_grads = None
         if self.local is not None and processes.world_size > 1:
-            self.flat_grads = FlatGradients([p for p in self.model.parameters() if p.requires_grad],
-                                            processes.world_size, processes.backend)
+            self.flat_grads = flat_gradients([p for p in self.model.parameters() if p.requires_grad],
+                                             config, processes)
         self.predictor_ids = predictor_parameter_ids(self.model)
         self.expert_layers = [m for m in self.model.modules() if isinstance(m, ExpertParallelExperts)]
         self.ep_group = self.expert_layers[0].group if self.expert_layers else None
@@ -379,6 +495,8 @@ class DeepSpeedOptimization:
 
     def backward(self, loss: torch.Tensor) -> None:
         boundary = self._count_micro_batch()
+        if self.flat_grads is not None:  # bf16 weights: one micro-batch a step, every backward a boundary
+            self.flat_grads.begin()
         self.engine.backward(loss, scale_wrt_gas=False)  # the loop divided by grad_accum already
         if boundary and self.flat_grads is not None:
             self.flat_grads.reduce_mean_()
@@ -390,10 +508,16 @@ class DeepSpeedOptimization:
         return self.bf16_setting
 
     def captured_backward(self, loss: torch.Tensor) -> None:
-        """What a CUDA graph holds of backward() (mode.training.graphs.GraphedMicroStep): autograd
-        alone. Under ZeRO 0 (capture_refusal) the engine's backward is just that, then at the
-        accumulation boundary the all-reduce, which after_replay runs outside the graph."""
+        """What a CUDA graph holds of backward() (mode.training.graphs.GraphedMicroStep): autograd,
+        and the all-reduce where it runs beside the backward (OverlappedGradients). Under ZeRO 0
+        (capture_refusal) the engine's backward is just that, then at the accumulation boundary
+        the all-reduce, which after_replay runs outside the graph otherwise."""
+        overlapped = self.flat_grads is not None and self.flat_grads.during_backward
+        if overlapped:
+            self.flat_grads.begin()
         loss.backward()
+        if overlapped:
+            self.flat_grads.reduce_mean_()
 
     def after_replay(self) -> None:
         """After each replay of a graph holding captured_backward: the micro-batch counted, and at
@@ -401,7 +525,8 @@ class DeepSpeedOptimization:
         if not self._count_micro_batch():
             return
         if self.flat_grads is not None:
-            self.flat_grads.reduce_mean_()
+            if not self.flat_grads.during_backward:  # otherwise the graph reduced them
+                self.flat_grads.reduce_mean_()
         elif self.engine.enable_backward_allreduce:
             self.engine.allreduce_gradients()
 

@@ -228,6 +228,7 @@ def _launch(argv: list[str] | None) -> int:
         processes = init_distributed(config)
     except (ConfigError, LaunchError) as e:
         return _fail(rank, e)
+    trainer = None
     try:
         try:
             trainer = build_trainer(config, processes, resume=args.resume)
@@ -258,6 +259,8 @@ def _launch(argv: list[str] | None) -> int:
         _say(processes.rank, f"done: run folder {trainer.out_dir}")
         return 0
     finally:
+        if trainer is not None:
+            trainer.release_graphs()
         if dist.is_initialized():
             dist.destroy_process_group()
 

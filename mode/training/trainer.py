@@ -405,6 +405,14 @@ class Trainer:
         if self.graphed_step is not None:
             self.graphed_step.forget()
 
+    def release_graphs(self) -> None:
+        """Drop the captured CUDA graphs, before the process group is destroyed: a graph holding
+        NCCL collectives (OverlappedGradients) keeps their communicator in use, and destroying
+        it would wait for the graph forever."""
+        if self.graphed_step is not None:
+            self.graphed_step.forget()
+            torch.cuda.synchronize(self.device)
+
     def finish_step(self, launched: LaunchedStep) -> dict[str, Any]:
         """A launched step's metrics: waits for its values alone (not for steps queued after it);
         pooled over ranks (collective: every rank finishes the same steps in the same order)."""
