@@ -347,7 +347,7 @@ class OverlappedGradients(FlatGradients):
 
     def _arrived(self, p: nn.Parameter) -> None:
         i = self.index[id(p)]
-        if i in self.arrived:  # a second gradient for it in this backward: the bucket must wait for reduce_mean_
+        if i in self.arrived:  # its bucket may be reduced already: a second gradient would be lost
             raise RuntimeError(f"OverlappedGradients: parameter {i} received two gradients in one backward")
         self.arrived.add(i)
         self.missing[self.bucket_of[i]] -= 1
@@ -495,7 +495,7 @@ class DeepSpeedOptimization:
 
     def backward(self, loss: torch.Tensor) -> None:
         boundary = self._count_micro_batch()
-        if self.flat_grads is not None:  # bf16 weights: one micro-batch a step, every backward a boundary
+        if self.flat_grads is not None:  # OverlappedGradients counts this backward's gradients from none
             self.flat_grads.begin()
         self.engine.backward(loss, scale_wrt_gas=False)  # the loop divided by grad_accum already
         if boundary and self.flat_grads is not None:
