@@ -4,6 +4,7 @@
     python -m bench.train_configs --tiny           # the *_tiny.yaml configs on the CPU: a smoke run
     python -m bench.train_configs --set train.overlap_update=true   # every config with a setting changed
     python -m bench.train_configs --nproc 2 --set train.compile=true # launch/train.py on 2 GPUs (DeepSpeed)
+    python -m bench.train_configs --against train.cuda_graphs=false   # each config also with a setting changed
 
 Each config trains --steps steps as a user runs it (`python -m mode.train --config ...`, every
 setting of the file kept, the run folder a temporary one; evaluation and checkpoints only at the
@@ -14,6 +15,9 @@ own), the FLOPs from mode.flops (3 x the analytic forward). The configs differ i
 block kind (an expert's width, the capacity factor): the FLOPs count what each one computes.
 --nproc N runs launch/train.py on N processes instead (torch.distributed.run, one GPU each; the
 CPU over gloo with --tiny): tokens/s and TFLOP/s are then the whole run's, every process's tokens.
+--against SECTION.FIELD=VALUE ... runs each config a second time with those settings (over --set's),
+right after its first run, on the same machine: the table gains that run's tokens/s, FLOPs a token
+and time per FLOP against dense run the same way, and its tokens/s over the first run's.
 """
 from __future__ import annotations
 
@@ -63,6 +67,13 @@ def train(path: Path, steps: int, run_dir: Path, tiny: bool, settings: list[str]
     return run_dir / "metrics.jsonl"
 
 
+def measure(path: Path, args: argparse.Namespace, run_dir: Path, settings: list[str]) -> tuple[float, float]:
+    """The config at path trained with settings: its median tokens/s and its training FLOPs a token."""
+    metrics = train(path, args.steps, run_dir, args.tiny, settings, args.nproc)
+    rate = statistics.median(window_rates(metrics, args.skip))
+    return rate, model_flops(load_config(path, [f"--{s}" for s in settings])).train_per_token
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", nargs="+", default=CONFIGS, metavar="NAME",
@@ -74,10 +85,13 @@ def main(argv: list[str] | None = None) -> None:
                         help="processes: 1 runs python -m mode.train, more run launch/train.py through DeepSpeed")
     parser.add_argument("--set", nargs="+", default=[], metavar="SECTION.FIELD=VALUE",
                         help="settings over every config's (mode.train's --section.field=value, without the dashes)")
+    parser.add_argument("--against", nargs="+", default=[], metavar="SECTION.FIELD=VALUE",
+                        help="run each config a second time with these settings too, and compare")
     args = parser.parse_args(argv)
-    bad = [s for s in args.set if s.startswith("-") or "=" not in s]
-    if bad:
-        parser.error(f"--set: {bad[0]!r} is not SECTION.FIELD=VALUE")
+    for flag, values in (("--set", args.set), ("--against", args.against)):
+        bad = [s for s in values if s.startswith("-") or "=" not in s]
+        if bad:
+            parser.error(f"{flag}: {bad[0]!r} is not SECTION.FIELD=VALUE")
     suffix = "tiny" if args.tiny else "gpu"
     paths = [ROOT / "configs" / f"{name}_{suffix}.yaml" for name in args.configs]
     missing = [str(p) for p in paths if not p.exists()]
@@ -94,19 +108,26 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{trainer}, {args.steps} steps a config{settings}, tokens/s the median of the log windows "
           f"after the first {args.skip}\n")
     every = "" if args.nproc == 1 else " (all processes)"
-    print(f"| config | tokens/s{every} | training MFLOPs/token | TFLOP/s{every} | time per FLOP / dense (target <= 1.15) |")
-    print("| --- | --- | --- | --- | --- |")
-    dense_flop_rate = None  # dense's training FLOP/s: the baseline
+    header = f"| config | tokens/s{every} | training MFLOPs/token | TFLOP/s{every} | time per FLOP / dense (target <= 1.15) |"
+    if args.against:
+        b = f"with {' '.join(args.against)}"
+        header += f" tokens/s, {b} | MFLOPs/token, {b} | time per FLOP / dense, {b} | tokens/s {b} / without |"
+    print(header)
+    print("|" + " --- |" * header.count(" |"))
+    dense_flop_rates: list[float] = []  # dense's training FLOP/s, without and with --against: the baselines
     with tempfile.TemporaryDirectory() as tmp:
         for name, path in zip(args.configs, paths):
-            metrics = train(path, args.steps, Path(tmp) / name, args.tiny, args.set, args.nproc)
-            rate = statistics.median(window_rates(metrics, args.skip))
-            flops = model_flops(load_config(path, [f"--{s}" for s in args.set])).train_per_token
-            dense_flop_rate = dense_flop_rate or rate * flops
-            ratio = dense_flop_rate / (rate * flops)
-            verdict = "met" if ratio <= 1.15 else "missed"
-            print(f"| {name} | {rate:,.0f} | {flops / 1e6:.1f} | {rate * flops / 1e12:.1f} | {ratio:.3f}: {verdict} |",
-                  flush=True)
+            runs = [measure(path, args, Path(tmp) / name, args.set)]
+            if args.against:
+                runs.append(measure(path, args, Path(tmp) / f"{name}-against", [*args.set, *args.against]))
+            dense_flop_rates = dense_flop_rates or [rate * flops for rate, flops in runs]
+            ratios = [dense / (rate * flops) for dense, (rate, flops) in zip(dense_flop_rates, runs)]
+            (rate, flops), verdict = runs[0], "met" if ratios[0] <= 1.15 else "missed"
+            row = f"| {name} | {rate:,.0f} | {flops / 1e6:.1f} | {rate * flops / 1e12:.1f} | {ratios[0]:.3f}: {verdict} |"
+            if args.against:
+                (other, other_flops), verdict = runs[1], "met" if ratios[1] <= 1.15 else "missed"
+                row += f" {other:,.0f} | {other_flops / 1e6:.1f} | {ratios[1]:.3f}: {verdict} | {other / rate:.3f} |"
+            print(row, flush=True)
 
 
 if __name__ == "__main__":

@@ -205,6 +205,25 @@ def test_train_configs_tiny(capsys: pytest.CaptureFixture[str]) -> None:
     assert "at least 1" in refusal("train_configs", ["--tiny", "--nproc", "0"], capsys)
 
 
+def test_train_configs_against_a_setting(capsys: pytest.CaptureFixture[str]) -> None:
+    """--against: each config runs again with the setting; its columns hold that run's tokens/s,
+    FLOPs a token (here changed by the capacity) and time per FLOP against dense run the same way,
+    and the tokens/s over the first run's. A malformed setting is refused."""
+    out = run("-m", "bench.train_configs", "--tiny", "--configs", "dense", "mod", "--against", "routing.capacity=0.5")
+    header = next(line for line in out.splitlines() if line.startswith("| config"))
+    assert "tokens/s, with routing.capacity=0.5" in header
+    rows = table_rows(out)
+    assert [r[0] for r in rows] == ["dense", "mod"] and all(len(r) == 9 for r in rows)
+    (dense, mod) = rows
+    assert number(dense[2]) == number(dense[6])  # no depth router in dense: its FLOPs stay
+    assert number(mod[6]) > number(mod[2])  # half the tokens through the routed blocks, not 12.5 %
+    assert number(dense[7].split(":")[0]) == 1.0
+    ratio = number(mod[7].split(":")[0])
+    assert ratio == pytest.approx(number(dense[5]) * number(dense[6]) / (number(mod[5]) * number(mod[6])), rel=2e-2)
+    assert number(mod[8]) == pytest.approx(number(mod[5]) / number(mod[1]), rel=2e-2)
+    assert "is not SECTION.FIELD=VALUE" in refusal("train_configs", ["--tiny", "--against", "routing"], capsys)
+
+
 def test_train_configs_tiny_on_two_processes() -> None:
     """--nproc 2: launch/train.py on two CPU processes over gloo; the table says it counts every
     process's tokens, dense the unit."""
