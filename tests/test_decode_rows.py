@@ -145,9 +145,10 @@ def test_compacted_decode_through_the_kernels_equals_the_pytorch_ops(pattern: st
 def test_a_masked_step_through_the_gated_kernel_equals_the_pytorch_ops(pattern: str, gate: str, monkeypatch) -> None:
     """The masked static step (every row computed) through the kernels: each routed layer's update
     of the chosen rows is one kernel that also gathers and gates the router's scores (Triton's
-    interpreter on CPU; compiled on a GPU), in the step's own hidden states; the logits and caches
-    are the PyTorch ops' (float32), for either gate function."""
-    from mode.kernels import KernelPolicy, rows, use_kernels
+    interpreter on CPU; compiled on a GPU), in the step's own hidden states; every layer writes its
+    cache (slots, lengths, keys and values) in one kernel and a dense layer puts its output in one;
+    the logits and caches are the PyTorch ops' (float32), for either gate function."""
+    from mode.kernels import KernelPolicy, rows, step_cache, use_kernels
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
@@ -157,9 +158,19 @@ def test_a_masked_step_through_the_gated_kernel_equals_the_pytorch_ops(pattern: 
     tokens = torch.randint(0, 256, (B, S), generator=torch.Generator().manual_seed(3))
     gates, put = [], rows.put_gated_rows_
     monkeypatch.setattr(rows, "put_gated_rows_", lambda *args: gates.append(args[-1]) or put(*args))
+    calls = {"write_step_kv": 0, "put_sum": 0}
+    for module, name in ((step_cache, "write_step_kv"), (rows, "put_sum")):
+        original = getattr(module, name)
+
+        def counted(*args, _name=name, _original=original):
+            calls[_name] += 1
+            return _original(*args)
+
+        monkeypatch.setattr(module, name, counted)
     with use_kernels(KernelPolicy(cpu=True)):
         fast, fast_decoder = decode(model, tokens, compact_rows=False, cuda_graph=False)
     assert gates and set(gates) == {gate}  # every routed layer's update, its gate applied in the kernel
+    assert calls["write_step_kv"] > calls["put_sum"] > 0, calls  # every layer's cache; the dense layers' outputs
     with use_kernels(KernelPolicy(enabled=False)):
         plain, plain_decoder = decode(model, tokens, compact_rows=False, cuda_graph=False)
     torch.testing.assert_close(fast, plain, rtol=1e-4, atol=1e-4)

@@ -1185,6 +1185,64 @@ def test_put_gated_rows_gates_a_router_score_per_row(gate: str, by_id: bool, sco
         put_gated_rows_(got, ids, keep, a, b, scores, "relu")
 
 
+@pytest.mark.parametrize("x_dtype, b_dtype", [(torch.float32, torch.bfloat16), (torch.float32, torch.float32),
+                                              (torch.bfloat16, torch.bfloat16)])
+def test_put_sum_equals_the_where_of_the_sum(x_dtype: torch.dtype, b_dtype: torch.dtype) -> None:
+    """A static decode step's layer output in one kernel (rows.put_sum) equals torch.where(keep,
+    h + b, x) bit for bit (a float32 stream plus a bf16 FFN output, or one dtype), x's shape kept;
+    dtypes it does not take are refused."""
+    from mode.kernels.rows import put_sum, put_sum_applies
+
+    gen = torch.Generator().manual_seed(9)
+    x, h = (torch.randn(7, 1, 300, generator=gen).to(DEVICE, x_dtype) for _ in range(2))
+    b = torch.randn(7, 1, 300, generator=gen).to(DEVICE, b_dtype)
+    keep = torch.tensor([True, False, True, True, False, False, True], device=DEVICE)
+    got = put_sum(x, h, b, keep)
+    assert got.shape == x.shape and got.dtype == x.dtype
+    assert torch.equal(got, torch.where(keep.view(-1, 1, 1), h + b, x))
+    assert not put_sum_applies(x.bfloat16(), h.bfloat16(), b.float(), keep)  # h + b would be float32
+    with pytest.raises(ValueError, match="put_sum_applies"):
+        put_sum(x, h, b, keep[:3])
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kv_heads, head_dim", [(2, 8), (3, 16)])
+def test_write_step_kv_equals_the_slots_and_index_copy(cache_dtype: torch.dtype, kv_heads: int, head_dim: int) -> None:
+    """A static step's cache write for every row in one kernel (step_cache.write_step_kv) equals
+    written_slots, lengths.add_ and write_packed (mode/layers/chunks.py): the kept rows' keys and
+    values at their lengths, the others' at their scratch slots, in the cache's dtype; the slots
+    attended; the grown lengths. The keys and values are read from the rows of a wider qkv tensor,
+    as the attention's projection leaves them."""
+    from mode.kernels.step_cache import write_step_kv
+    from mode.layers.chunks import write_packed, written_slots
+    from mode.layers.kv_cache import LayerCache
+
+    gen = torch.Generator().manual_seed(10)
+    batch, max_len, heads = 6, 12, 4
+    qkv = torch.randn(batch, 1, heads + 2 * kv_heads, head_dim, generator=gen).to(DEVICE)  # (B, 1, H + 2Hkv, hd)
+    kv = qkv[:, :, heads:].unflatten(2, (2, kv_heads))[:, 0]  # (B, 2, Hkv, hd) view
+    keep = torch.tensor([True, False, True, True, False, True], device=DEVICE)
+    lengths = torch.randint(0, max_len, (batch,), generator=gen).to(DEVICE)
+    base = torch.arange(batch, device=DEVICE) * (max_len + 1)
+    caches = []
+    for _ in range(2):
+        cache = LayerCache.empty(batch, max_len, kv_heads, head_dim, cache_dtype, torch.device(DEVICE))
+        cache.kv.copy_(torch.randn(cache.kv.shape, generator=gen).to(DEVICE, cache_dtype))
+        cache.lengths_dev = lengths.clone()
+        caches.append(cache)
+    caches[1].kv.copy_(caches[0].kv)
+    used = write_step_kv(kv, caches[0].kv, keep, caches[0].lengths_dev, base)
+    write_at, want_used = written_slots(keep, caches[1].lengths_dev, base, max_len)
+    caches[1].lengths_dev.add_(keep)
+    write_packed(caches[1], write_at, kv.transpose(0, 1))
+    assert used.dtype == torch.int64 and torch.equal(used, want_used)
+    assert torch.equal(caches[0].lengths_dev, lengths + keep)
+    assert torch.equal(caches[0].kv, caches[1].kv)
+    assert torch.equal(caches[0].kv[:, 1, max_len], kv[1].to(cache_dtype))  # an unkept row: its scratch slot
+    with pytest.raises(ValueError, match="write_step_applies"):
+        write_step_kv(kv, caches[0].kv, keep, caches[0].lengths_dev.int(), base)
+
+
 @pytest.mark.parametrize("rows", [9, 40, 100])  # one 16-row tile or several an expert; 64-row tiles
 def test_grouped_rows_mm_equals_each_experts_product(rows: int) -> None:
     """The decode step's grouped GEMM (grouped_mm.grouped_rows_mm): each expert's rows times its

@@ -30,10 +30,10 @@ from torch import Tensor
 
 KERNEL_CHOICES = ("triton", "torch")
 
-Op = Literal["elementwise", "norm", "topk", "softmax_topk", "rows", "expert_choice", "decision", "decode_attention",
-             "grouped_mm", "optimizer"]
+Op = Literal["elementwise", "norm", "topk", "softmax_topk", "rows", "expert_choice", "decision", "step_cache",
+             "decode_attention", "grouped_mm", "optimizer"]
 OPS: tuple[str, ...] = ("elementwise", "norm", "topk", "softmax_topk", "rows", "expert_choice", "decision",
-                        "decode_attention", "grouped_mm", "optimizer")
+                        "step_cache", "decode_attention", "grouped_mm", "optimizer")
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,8 @@ class KernelPolicy:
     expert_choice: expert choice's router head, layout and gather in one autograd function.
     decision: a routed layer's decode-step routing: its causal decision (float32 GEMV, threshold
         and the active rows) and the compaction of its chosen rows, one kernel each.
+    step_cache: a static decode step's cache write where a layer computes every row: each row's
+        slot, its attended length, the grown lengths and its key and value written, one kernel.
     decode_attention: a decode step's single-query attention over its KV cache, one program per
         row and head (no padded query tile), where the step has rows enough.
     grouped_mm: the experts' grouped GEMMs over a decode step's few rows (inference), each
@@ -71,6 +73,7 @@ class KernelPolicy:
     rows: bool = True
     expert_choice: bool = True
     decision: bool = True
+    step_cache: bool = True
     decode_attention: bool = True
     grouped_mm: bool = True
     optimizer: bool = True

@@ -19,6 +19,8 @@ owns through an inverse map instead and writes its sum once:
                rounding as the PyTorch ops do, the gate optionally a depth router's g(score) of
                the row's token (a decode step's routed update, compacted or masked, and a
                prefill's routed update of its packed tokens);
+- put_sum:     out[r] = h[r] + b[r] where keep[r], else x[r] (a decode step's layer that computes
+               every row: its output, h + FFN(norm(h)), for the kept rows, one pass);
 - gather_rows_as: out[r] = x[ids[r]] in another dtype (the float32 stream's rows gathered straight
                into the experts' bf16, the rounding their matmuls' autocast would make).
 
@@ -41,7 +43,7 @@ from mode.kernels.common import on_device_of, rounded_as, store_rounded
 # layout); add_gated_rows_ moves a depth router's few rows.
 BLOCK_T, BLOCK_D, SUM_WARPS = 2, 1024, 4  # sum_rows: a (tokens, columns) tile per program
 SCORES_BLOCK_T, SCORES_BLOCK_D, SCORES_WARPS = 2, 512, 2  # sum_rows with a router's input gradient
-ADD_BLOCK_R, ADD_BLOCK_D, ADD_WARPS = 4, 256, 4  # add_gated_rows_
+ADD_BLOCK_R, ADD_BLOCK_D, ADD_WARPS = 4, 256, 4  # add_gated_rows_, put_gated_rows_, put_sum
 BLOCK_R, BLOCK_RD, COMBINE_BACKWARD_WARPS = 4, 512, 2  # combine_backward: rows per program; columns per step
 GATHER_BLOCK_R, GATHER_BLOCK_D, GATHER_WARPS = 4, 512, 4  # gather_rows_as
 
@@ -151,6 +153,20 @@ def _put_gated_rows(x_ptr, ids_ptr, keep_ptr, a_ptr, b_ptr, gates_ptr, n_rows, w
     store_rounded(target, tl.load(target, mask=mask, other=0.0).to(tl.float32) + update, mask)
 
 
+@triton.jit
+def _put_sum(x_ptr, h_ptr, b_ptr, keep_ptr, out_ptr, n_rows, width, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    r_ok = r < n_rows
+    mask = r_ok[:, None] & (d < width)[None, :]
+    keep = tl.load(keep_ptr + r, mask=r_ok, other=0) != 0
+    at = r[:, None] * width + d[None, :]
+    total = tl.load(h_ptr + at, mask=mask, other=0.0).to(tl.float32) + tl.load(b_ptr + at, mask=mask, other=0.0).to(tl.float32)
+    total = rounded_as(total, out_ptr)
+    x = tl.load(x_ptr + at, mask=mask, other=0.0).to(tl.float32)
+    store_rounded(out_ptr + at, tl.where(keep[:, None], total, x), mask)
+
+
 # ----------------------------------------------------------------------------- launches
 def sum_rows(rows: Tensor, gates: Tensor | None, inverse: Tensor, scores_grad: Tensor | None = None,
              weight: Tensor | None = None, out_dtype: torch.dtype | None = None) -> Tensor:
@@ -228,6 +244,30 @@ def put_gated_rows_(x: Tensor, ids: Tensor | None, keep: Tensor | None, a: Tenso
             GATE=GATE_KINDS[gate], BLOCK_R=ADD_BLOCK_R, BLOCK_D=ADD_BLOCK_D, num_warps=ADD_WARPS,
             enable_fp_fusion=False,  # no fused multiply-add: the ops round apart
         )
+
+
+def put_sum_applies(x: Tensor, h: Tensor, b: Tensor, keep: Tensor) -> bool:
+    """Whether put_sum takes these: one shape, x and h in the dtype of h + b, a flag per row."""
+    return (x.shape == h.shape == b.shape and x.dtype == h.dtype == torch.result_type(h, b)
+            and keep.dtype == torch.bool and keep.numel() * x.shape[-1] == x.numel())
+
+
+def put_sum(x: Tensor, h: Tensor, b: Tensor, keep: Tensor) -> Tensor:
+    """torch.where(keep, h + b, x) for x, h, b (..., D) and keep one flag per row of D: a new tensor,
+    h + b rounded once to x's dtype, as torch's ops (put_sum_applies). Call on x's device (on_device_of)."""
+    if not put_sum_applies(x, h, b, keep):
+        raise ValueError(f"put_sum: x {tuple(x.shape)} {x.dtype}, h {tuple(h.shape)} {h.dtype}, b {tuple(b.shape)} "
+                         f"{b.dtype}, keep {tuple(keep.shape)} {keep.dtype}: see put_sum_applies")
+    shape, width = x.shape, x.shape[-1]
+    x, h, b = (t.reshape(-1, width).contiguous() for t in (x, h, b))  # (N, D) each
+    out = torch.empty_like(x)
+    n_rows = x.shape[0]
+    if n_rows:
+        _put_sum[(triton.cdiv(n_rows, ADD_BLOCK_R), triton.cdiv(width, ADD_BLOCK_D))](
+            x, h, b, keep.contiguous().view(torch.uint8), out, n_rows, width, BLOCK_R=ADD_BLOCK_R, BLOCK_D=ADD_BLOCK_D,
+            num_warps=ADD_WARPS,
+        )
+    return out.view(shape)
 
 
 def gather_rows_as(x: Tensor, ids: Tensor, dtype: torch.dtype) -> Tensor:

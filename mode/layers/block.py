@@ -69,15 +69,15 @@ class TransformerBlock(nn.Module):
         if rows is None:
             return x
         _, h, out = self.cached_parts(rows)
-        return rows.put(x, h + out)
+        return rows.put_sum(x, h, out)
 
     def cached_parts(self, rows) -> tuple[Tensor, Tensor, Tensor]:
         """The block on a row plan's tokens rows.x (n, K, D) against the cache: (Attn(norm(x)),
         h = x + Attn, FFN(norm(h))), each (n, K, D); an MoE FFN skips the plan's padding rows, and in
         a static decode step (rows.static) computes its experts with no host sync."""
         a = self.attn.forward_cached(self.attn_norm(rows.x), rows)
-        h = rows.x + a
-        out, _ = self._ffn(self.ffn_norm(h), rows.valid, causal=True, static=rows.static, with_stats=False)
+        h, normed = self.ffn_norm.add(rows.x, a)  # h = x + Attn, norm(h)
+        out, _ = self._ffn(normed, rows.valid, causal=True, static=rows.static, with_stats=False)
         return a, h, out
 
     def _ffn(self, x: Tensor, valid: Tensor | None = None, causal: bool = False, static: bool = False,

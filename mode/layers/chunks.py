@@ -59,6 +59,10 @@ class GatedAdd:
         the PyTorch ops (take and add)."""
         return None
 
+    def put_sum(self, x: Tensor, h: Tensor, out: Tensor) -> Tensor:
+        """put(x, h + out): a layer's output h + FFN(norm(h)) for its computed rows."""
+        return self.put(x, h + out)
+
     def add_gated(self, x: Tensor, a: Tensor, out: Tensor, gates: Tensor) -> Tensor:
         """x with the computed rows' a + out (each (n, ..., D)) times their float32 gates (n, ...)
         added: the product rounded once to the update's dtype, as forward (PyTorch ops)."""
@@ -587,6 +591,17 @@ class MaskedRows(GatedAdd):
     def put(self, x: Tensor, new: Tensor) -> Tensor:
         return torch.where(self.chosen.view(-1, 1, 1), new, x)
 
+    def put_sum(self, x: Tensor, h: Tensor, out: Tensor) -> Tensor:
+        """put(x, h + out), in one kernel where the row kernels run."""
+        if use_triton(x, "rows"):
+            from mode.kernels.common import on_device_of
+            from mode.kernels.rows import put_sum, put_sum_applies
+
+            if put_sum_applies(x, h, out, self.chosen):
+                with on_device_of(x):
+                    return put_sum(x, h, out, self.chosen)
+        return super().put_sum(x, h, out)
+
     def add(self, x: Tensor, update: Tensor) -> Tensor:
         return torch.where(self.chosen.view(-1, 1, 1), x + update.to(x.dtype), x)
 
@@ -664,6 +679,12 @@ def attend_static(step: StaticStep, cache: LayerCache, q: Tensor, kv: Tensor, ke
     at their length, attend over their cache and themselves, and grow; any other writes its
     scratch slot (max_len) and reads one slot, its output discarded."""
     lengths = cache.lengths_dev  # (B,)
+    if use_triton(q, "step_cache"):
+        from mode.kernels.step_cache import write_step_applies, write_step_kv
+
+        if write_step_applies(kv[:, 0], cache.kv, keep, lengths, step.row_base):
+            used = write_step_kv(kv[:, 0], cache.kv, keep, lengths, step.row_base)  # (B,)
+            return attend_used(q[:, 0], cache, used, step.packed).unsqueeze(1)
     write_at, used = written_slots(keep, lengths, step.row_base, cache.max_len)
     lengths.add_(keep)
     return attend_written(step, cache, q, kv, write_at, used)
