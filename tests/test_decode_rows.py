@@ -106,9 +106,9 @@ def test_finished_rows_leave_no_trace_in_compacted_rows(pattern: str, ways) -> N
 def test_compacted_decode_through_the_kernels_equals_the_pytorch_ops(pattern: str, monkeypatch, ways) -> None:
     """The compacted step through its kernels (Triton's interpreter on CPU; compiled on a GPU, in
     the eager static step, whose host picks the passes as here): the compaction with its slots
-    and lengths, the gated update into the kept rows and the rotation of q and k in place each
-    run, and the logits and caches are the PyTorch ops' (float32)."""
-    from mode.kernels import KernelPolicy, decision, rotary, rows, use_kernels
+    and lengths, the gated update into the kept rows and the rotation of q and k with the cache
+    write each run, and the logits and caches are the PyTorch ops' (float32)."""
+    from mode.kernels import KernelPolicy, decision, rows, step_cache, use_kernels
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = forced_model(pattern, None).float().to(device)
@@ -116,8 +116,8 @@ def test_compacted_decode_through_the_kernels_equals_the_pytorch_ops(pattern: st
         setattr(model.rotary, name, getattr(model.rotary, name).float())
     torch.manual_seed(3)
     tokens = torch.randint(0, 256, (B, S))
-    calls = {name: 0 for name in ("compact_rows", "put_gated_rows_", "rotate_in_place")}
-    for module in (decision, rows, rotary):
+    calls = {name: 0 for name in ("compact_rows", "put_gated_rows_", "rotate_write_rows")}
+    for module in (decision, rows, step_cache):
         for name in calls:
             if hasattr(module, name):
                 original = getattr(module, name)
@@ -146,7 +146,8 @@ def test_a_masked_step_through_the_gated_kernel_equals_the_pytorch_ops(pattern: 
     """The masked static step (every row computed) through the kernels: each routed layer's update
     of the chosen rows is one kernel that also gathers and gates the router's scores (Triton's
     interpreter on CPU; compiled on a GPU), in the step's own hidden states; every layer writes its
-    cache (slots, lengths, keys and values) in one kernel and a dense layer puts its output in one;
+    attention input (q and k rotated; slots, lengths, keys and values written) in one kernel and a
+    dense layer puts its output in one;
     the logits and caches are the PyTorch ops' (float32), for either gate function."""
     from mode.kernels import KernelPolicy, rows, step_cache, use_kernels
 
@@ -158,8 +159,8 @@ def test_a_masked_step_through_the_gated_kernel_equals_the_pytorch_ops(pattern: 
     tokens = torch.randint(0, 256, (B, S), generator=torch.Generator().manual_seed(3))
     gates, put = [], rows.put_gated_rows_
     monkeypatch.setattr(rows, "put_gated_rows_", lambda *args: gates.append(args[-1]) or put(*args))
-    calls = {"write_step_kv": 0, "put_sum": 0}
-    for module, name in ((step_cache, "write_step_kv"), (rows, "put_sum")):
+    calls = {"rotate_write_every_row": 0, "put_sum": 0}
+    for module, name in ((step_cache, "rotate_write_every_row"), (rows, "put_sum")):
         original = getattr(module, name)
 
         def counted(*args, _name=name, _original=original):
@@ -170,7 +171,7 @@ def test_a_masked_step_through_the_gated_kernel_equals_the_pytorch_ops(pattern: 
     with use_kernels(KernelPolicy(cpu=True)):
         fast, fast_decoder = decode(model, tokens, compact_rows=False, cuda_graph=False)
     assert gates and set(gates) == {gate}  # every routed layer's update, its gate applied in the kernel
-    assert calls["write_step_kv"] > calls["put_sum"] > 0, calls  # every layer's cache; the dense layers' outputs
+    assert calls["rotate_write_every_row"] > calls["put_sum"] > 0, calls  # every layer; the dense layers' outputs
     with use_kernels(KernelPolicy(enabled=False)):
         plain, plain_decoder = decode(model, tokens, compact_rows=False, cuda_graph=False)
     torch.testing.assert_close(fast, plain, rtol=1e-4, atol=1e-4)

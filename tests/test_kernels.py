@@ -1206,24 +1206,33 @@ def test_put_sum_equals_the_where_of_the_sum(x_dtype: torch.dtype, b_dtype: torc
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("kv_heads, head_dim", [(2, 8), (3, 16)])
-def test_write_step_kv_equals_the_slots_and_index_copy(cache_dtype: torch.dtype, kv_heads: int, head_dim: int) -> None:
-    """A static step's cache write for every row in one kernel (step_cache.write_step_kv) equals
-    written_slots, lengths.add_ and write_packed (mode/layers/chunks.py): the kept rows' keys and
-    values at their lengths, the others' at their scratch slots, in the cache's dtype; the slots
-    attended; the grown lengths. The keys and values are read from the rows of a wider qkv tensor,
-    as the attention's projection leaves them."""
-    from mode.kernels.step_cache import write_step_kv
+@pytest.mark.parametrize("qkv_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 2, 8), (3, 3, 16)])
+@pytest.mark.parametrize("compacted", [False, True])
+def test_rotate_write_equals_the_rotation_slots_and_index_copy(compacted: bool, heads: int, kv_heads: int,
+                                                              head_dim: int, qkv_dtype: torch.dtype,
+                                                              cache_dtype: torch.dtype) -> None:
+    """A static step's attention input in one kernel (mode/kernels/step_cache.py) equals the PyTorch
+    path bit for bit (rotate_, then written_slots, lengths.add_ and write_packed, mode/layers/chunks.py):
+    q and k rotated (q into its own tensor, qkv untouched), the kept rows' keys and values at their
+    lengths and the others' at their scratch slots, in the cache's dtype; the slots attended; the
+    grown lengths. compacted: W of the batch's rows, their angles read by row and their slots given."""
+    from mode.kernels.step_cache import rotate_write_every_row, rotate_write_rows
     from mode.layers.chunks import write_packed, written_slots
     from mode.layers.kv_cache import LayerCache
+    from mode.layers.rotary import RotaryAngles, RotaryEmbedding, rotate_
 
     gen = torch.Generator().manual_seed(10)
-    batch, max_len, heads = 6, 12, 4
-    qkv = torch.randn(batch, 1, heads + 2 * kv_heads, head_dim, generator=gen).to(DEVICE)  # (B, 1, H + 2Hkv, hd)
-    kv = qkv[:, :, heads:].unflatten(2, (2, kv_heads))[:, 0]  # (B, 2, Hkv, hd) view
+    batch, max_len = 6, 12
+    rotary = RotaryEmbedding(head_dim, 64, 10000.0)
+    positions = torch.randint(0, 64, (batch,), generator=gen)
+    cos, sin = (t.float()[positions].view(batch, 1, 1, head_dim).to(DEVICE) for t in (rotary.cos_full, rotary.sin_signed))
     keep = torch.tensor([True, False, True, True, False, True], device=DEVICE)
     lengths = torch.randint(0, max_len, (batch,), generator=gen).to(DEVICE)
     base = torch.arange(batch, device=DEVICE) * (max_len + 1)
+    rows = torch.tensor([1, 2, 4], device=DEVICE) if compacted else torch.arange(batch, device=DEVICE)
+    n = rows.shape[0]
+    qkv = torch.randn(n, 1, heads + 2 * kv_heads, head_dim, generator=gen).to(DEVICE, qkv_dtype)  # (n, 1, H + 2Hkv, hd)
     caches = []
     for _ in range(2):
         cache = LayerCache.empty(batch, max_len, kv_heads, head_dim, cache_dtype, torch.device(DEVICE))
@@ -1231,16 +1240,26 @@ def test_write_step_kv_equals_the_slots_and_index_copy(cache_dtype: torch.dtype,
         cache.lengths_dev = lengths.clone()
         caches.append(cache)
     caches[1].kv.copy_(caches[0].kv)
-    used = write_step_kv(kv, caches[0].kv, keep, caches[0].lengths_dev, base)
-    write_at, want_used = written_slots(keep, caches[1].lengths_dev, base, max_len)
-    caches[1].lengths_dev.add_(keep)
-    write_packed(caches[1], write_at, kv.transpose(0, 1))
-    assert used.dtype == torch.int64 and torch.equal(used, want_used)
-    assert torch.equal(caches[0].lengths_dev, lengths + keep)
+    # the PyTorch path, on a copy of qkv
+    want = qkv.clone()
+    rotate_(want[:, :, : heads + kv_heads], RotaryAngles(cos[rows], sin[rows]))
+    write_at, want_used = written_slots(keep[rows], caches[1].lengths_dev[rows], base[rows], max_len)
+    if not compacted:
+        caches[1].lengths_dev.add_(keep)
+    write_packed(caches[1], write_at, want[:, 0, heads:].unflatten(1, (2, kv_heads)).transpose(0, 1))
+    before = qkv.clone()
+    if compacted:
+        q = rotate_write_rows(qkv, heads, cos, sin, caches[0].kv, rows, write_at)
+    else:
+        q, used = rotate_write_every_row(qkv, heads, cos, sin, caches[0].kv, keep, caches[0].lengths_dev, base)
+        assert used.dtype == torch.int64 and torch.equal(used, want_used)
+        with pytest.raises(ValueError, match="lengths"):
+            rotate_write_every_row(qkv, heads, cos, sin, caches[0].kv, keep, caches[0].lengths_dev.int(), base)
+    assert q.shape == (n, heads, head_dim) and q.is_contiguous() and torch.equal(q, want[:, 0, :heads])
+    assert torch.equal(qkv, before)
+    assert torch.equal(caches[0].lengths_dev, caches[1].lengths_dev)
     assert torch.equal(caches[0].kv, caches[1].kv)
-    assert torch.equal(caches[0].kv[:, 1, max_len], kv[1].to(cache_dtype))  # an unkept row: its scratch slot
-    with pytest.raises(ValueError, match="write_step_applies"):
-        write_step_kv(kv, caches[0].kv, keep, caches[0].lengths_dev.int(), base)
+    assert not torch.equal(caches[0].kv, caches[0].kv.new_zeros(()).expand_as(caches[0].kv))
 
 
 @pytest.mark.parametrize("rows", [9, 40, 100])  # one 16-row tile or several an expert; 64-row tiles

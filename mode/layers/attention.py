@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mode.kernels import use_triton
-from mode.layers.rotary import RotaryAngles, apply_rotary, rotate_
+from mode.layers.rotary import RotaryAngles, apply_rotary
 
 # train.attention_backend -> the SDPA kernels allowed; None: PyTorch's own choice among all of them.
 ATTENTION_BACKENDS: dict[str, SDPBackend | None] = {
@@ -77,11 +77,8 @@ class CausalSelfAttention(nn.Module):
         attention output (n, K, D) over the layer's cache and themselves. rows (a row plan) holds
         their angles, writes their keys and values into the cache and attends."""
         n, tokens, _ = x.shape
-        heads = self.n_heads
         qkv = self.qkv(x).view(n, tokens, -1, self.head_dim)  # (n, K, H + 2Hkv, hd)
-        rotate_(qkv[:, :, : heads + self.n_kv_heads], rows.angles)
-        kv = qkv[:, :, heads:].unflatten(2, (2, self.n_kv_heads))  # (n, K, 2, Hkv, hd) view
-        y = rows.attend(qkv[:, :, :heads], kv)  # (n, K, H, hd)
+        y = rows.attend_projected(qkv, self.n_heads)  # (n, K, H, hd)
         return self.out(y.reshape(n, tokens, -1))
 
     def _rotate(self, qkv: Tensor, angles: RotaryAngles) -> tuple[Tensor, Tensor, Tensor]:

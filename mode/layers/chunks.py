@@ -24,6 +24,7 @@ enters the layer's cache.
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ from torch import Tensor, nn
 from mode.kernels import graph_if, use_triton
 from mode.layers.attention import expand_kv
 from mode.layers.kv_cache import LayerCache, PackedRows, attend_used, to_device
-from mode.layers.rotary import RotaryAngles
+from mode.layers.rotary import RotaryAngles, rotate_
 from mode.routing import apply_gate
 from mode.routing.expert_rows import rows_kernel_applies
 
@@ -49,15 +50,24 @@ WINDOW_ALIGN = 16
 SKIP_TEST_MAX_EXPECTED = 4.0
 
 
-class GatedAdd:
-    """What every row plan's add_scored does: a routed layer's x_i + g_i * (a_i + out_i). Where the
-    row kernels run (eager CUDA) a plan naming kernel_rows does it in one kernel (put_gated)."""
+class RowPlan:
+    """What every row plan shares: its tokens' attention input (attend_projected), a layer's output
+    put back (put_sum), and add_scored: a routed layer's x_i + g_i * (a_i + out_i). Where the row
+    kernels run (eager CUDA) a plan naming kernel_rows does that in one kernel (put_gated)."""
 
     def kernel_rows(self, x: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None] | None:
         """Where put_gated writes this plan's update of x: (the tensor, the flat row of it each
         computed row goes to (None: the same row), which computed rows keep it (None: all)); None:
         the PyTorch ops (take and add)."""
         return None
+
+    def attend_projected(self, qkv: Tensor, heads: int) -> Tensor:
+        """qkv (n, K, H + 2Hkv, hd), the plan's tokens projected: q and k rotated by the plan's angles,
+        the keys and values joined to the cache (attend) -> the attention output (n, K, H, hd)."""
+        kv_heads = (qkv.shape[2] - heads) // 2
+        rotate_(qkv[:, :, : heads + kv_heads], self.angles)
+        kv = qkv[:, :, heads:].unflatten(2, (2, kv_heads))  # (n, K, 2, Hkv, hd) view
+        return self.attend(qkv[:, :, :heads], kv)
 
     def put_sum(self, x: Tensor, h: Tensor, out: Tensor) -> Tensor:
         """put(x, h + out): a layer's output h + FFN(norm(h)) for its computed rows."""
@@ -195,7 +205,7 @@ class TokenOrder:
     cu: Tensor | None = None
 
 
-class PrefillPlan(GatedAdd):
+class PrefillPlan(RowPlan):
     """What both prefill plans share: the m rows computed, those with any chosen token (rows (m,)
     on the device; None: every row), with their cached lengths and chosen counts (host lists) and
     K, the largest count; the cache write and the attention in the (m, K) layout, each row's
@@ -417,7 +427,7 @@ class GatherStep(HostPlannedChunk):
         return GatherRows(self, x, cache, None if rows.numel() == x.shape[0] else rows)
 
 
-class GatherRows(GatedAdd):
+class GatherRows(RowPlan):
     """The rows rows_cpu (host, sorted; None: every row) of a gather step: x (n, 1, D). Their new
     states go into the step's hidden states in place (the decoder's own tensor)."""
 
@@ -566,7 +576,7 @@ class StaticStep:
             run()
 
 
-class MaskedRows(GatedAdd):
+class MaskedRows(RowPlan):
     """Every row of a static step computed; chosen (B,) bool: the rows that keep the result."""
 
     static = True  # no host sync and static shapes in every layer part, an MoE FFN's included
@@ -587,6 +597,19 @@ class MaskedRows(GatedAdd):
         reads one slot (its output is discarded). Eager under torch.compile: the cache is written
         in place."""
         return attend_static(self.step, self.cache, q, kv, self.chosen)
+
+    def attend_projected(self, qkv: Tensor, heads: int) -> Tensor:
+        """RowPlan.attend_projected; where the kernel runs, the rotation, every row's slot, the grown
+        lengths and the cache write are one kernel (mode/kernels/step_cache.py)."""
+        step, cache = self.step, self.cache
+        if use_triton(qkv, "step_cache"):
+            from mode.kernels.step_cache import rotate_write_applies, rotate_write_every_row
+
+            if rotate_write_applies(qkv, heads, step.angles.cos_full, cache.kv):
+                q, used = rotate_write_every_row(qkv, heads, step.angles.cos_full, step.angles.sin_signed, cache.kv,
+                                                 self.chosen, cache.lengths_dev, step.row_base)  # (B, H, hd), (B,)
+                return attend_used(q, cache, used, step.packed).unsqueeze(1)
+        return super().attend_projected(qkv, heads)
 
     def put(self, x: Tensor, new: Tensor) -> Tensor:
         return torch.where(self.chosen.view(-1, 1, 1), new, x)
@@ -610,7 +633,7 @@ class MaskedRows(GatedAdd):
         return x, None, self.chosen
 
 
-class CompactRows(GatedAdd):
+class CompactRows(RowPlan):
     """The W rows of a static step a routed layer computes where its chosen rows fit in W: the
     chosen rows and, as padding, the first unchosen ones, in row order: rows (W,), keep (W,)
     bool (chosen). A padding row writes only its scratch slot and keeps its state. No host value."""
@@ -628,8 +651,12 @@ class CompactRows(GatedAdd):
         self.step, self.cache, self.rows = step, cache, rows
         self.valid = self.keep.view(-1, 1)  # (W, 1): an MoE FFN skips the padding
         self.x = x.index_select(0, rows)  # (W, 1, D)
-        angles = step.angles
-        self.angles = RotaryAngles(angles.cos_full.index_select(0, rows), angles.sin_signed.index_select(0, rows))
+
+    @functools.cached_property
+    def angles(self) -> RotaryAngles:
+        """The W rows' angles (the PyTorch path's rotation; the kernel reads the step's by row)."""
+        angles = self.step.angles
+        return RotaryAngles(angles.cos_full.index_select(0, self.rows), angles.sin_signed.index_select(0, self.rows))
 
     def take(self, t: Tensor) -> Tensor:
         """A per-row value (B, 1) -> the computed rows' (W, 1)."""
@@ -639,6 +666,19 @@ class CompactRows(GatedAdd):
         """q (W, 1, H, hd) and kv (W, 1, 2, Hkv, hd), q and k rotated -> (W, 1, H, hd): MaskedRows.attend
         on the W rows; the attention reads their regions of the packed cache."""
         return attend_written(self.step, self.cache, q, kv, self.write_at, self.used, self.rows)
+
+    def attend_projected(self, qkv: Tensor, heads: int) -> Tensor:
+        """RowPlan.attend_projected; where the kernel runs, the rotation (the angles read by row) and
+        the cache write are one kernel (mode/kernels/step_cache.py)."""
+        step, cache = self.step, self.cache
+        if use_triton(qkv, "step_cache"):
+            from mode.kernels.step_cache import rotate_write_applies, rotate_write_rows
+
+            if rotate_write_applies(qkv, heads, step.angles.cos_full, cache.kv):
+                q = rotate_write_rows(qkv, heads, step.angles.cos_full, step.angles.sin_signed, cache.kv, self.rows,
+                                      self.write_at)  # (W, H, hd)
+                return attend_used(q, cache, self.used, step.packed, self.rows).unsqueeze(1)
+        return super().attend_projected(qkv, heads)
 
     def put(self, x: Tensor, new: Tensor) -> Tensor:
         """The step's hidden states x (B, 1, D), in place, with the kept rows' new states new (W, 1, D)
@@ -679,12 +719,6 @@ def attend_static(step: StaticStep, cache: LayerCache, q: Tensor, kv: Tensor, ke
     at their length, attend over their cache and themselves, and grow; any other writes its
     scratch slot (max_len) and reads one slot, its output discarded."""
     lengths = cache.lengths_dev  # (B,)
-    if use_triton(q, "step_cache"):
-        from mode.kernels.step_cache import write_step_applies, write_step_kv
-
-        if write_step_applies(kv[:, 0], cache.kv, keep, lengths, step.row_base):
-            used = write_step_kv(kv[:, 0], cache.kv, keep, lengths, step.row_base)  # (B,)
-            return attend_used(q[:, 0], cache, used, step.packed).unsqueeze(1)
     write_at, used = written_slots(keep, lengths, step.row_base, cache.max_len)
     lengths.add_(keep)
     return attend_written(step, cache, q, kv, write_at, used)
