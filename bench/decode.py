@@ -39,6 +39,13 @@ literal, else a string); a row whose Decoder refuses it says why.
 torch.profiler and prints, per decode step and per layer call (dense / routed), the aten
 operations called from Python (views excluded: about one kernel each), and on CUDA the
 kernel launches, stream / device synchronisations and memcpy calls the host issued.
+    python -m bench.decode --kernels --prompts 128 --batches 1     # a GPU
+
+--kernels: instead of timing, replays --profile-steps decode steps per model and setting as the
+table decodes them (the CUDA-graphed static step, the greedy pick included) under torch.profiler
+and prints each model's unprofiled step time, its kernels per step, their GPU time per step and
+the top kernels by time: where a step's time goes. In a replayed graph every kernel adds a gap
+of its own to the step (wall over busy time).
 --sdpa torch lets torch pick the attention backend (cuDNN included where it prefers it)
 instead of the decoder's default (flash, memory-efficient, math).
 """
@@ -74,6 +81,7 @@ DECODE_TARGETS = {(1, 128): 1.4, (64, 2048): 1.6, (1024, 128): 1.4}
 DECODE_FLOOR = 0.97
 DECODE_REPORTED = {(64, 128)}
 CALIBRATION_ROWS = 64  # the routers are calibrated on at most this many of a setting's prompts
+KERNEL_ROWS = 14  # --kernels: the top kernels listed per model
 
 
 def step_kind(policy: str) -> tuple[str, bool]:
@@ -293,6 +301,73 @@ def print_profile(name: str, batch: int, result: dict, cuda: bool) -> None:
         print(f"top operators by GPU time over the {steps} steps:\n{result['kernels']}")
 
 
+@torch.no_grad()
+def kernel_profile(model: LanguageModel, prompts: torch.Tensor, steps: int, device: torch.device, sdpa,
+                   routed_rows: str, decoder_args: dict[str, Any]) -> dict:
+    """steps decode steps replayed as decode_run runs them, first unprofiled (the wall time per step),
+    then under the profiler (the kernels): {"step_us", "kernels", "busy_us", "top": [(name, per step, us per step)]}."""
+    batch = prompts.shape[0]
+    decoder = Decoder(model, batch, prompts.shape[1] + 2 * steps + 4,
+                      **{"sdpa_backends": sdpa, "routed_rows": routed_rows, **decoder_args})
+    logits = decoder.prefill(prompts.tolist())
+    for _ in range(3):  # capture and warm up
+        logits = decoder.step(logits.argmax(-1))
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        logits = decoder.step(logits.argmax(-1))
+    sync(device)
+    step_us = (time.perf_counter() - start) / steps * 1e6
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            logits = decoder.step(logits.argmax(-1))
+        sync(device)
+    by_name: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            by_name[e.name][0] += 1
+            by_name[e.name][1] += e.time_range.elapsed_us()
+    top = sorted(by_name.items(), key=lambda item: -item[1][1])
+    return {"step_us": step_us, "kernels": sum(n for n, _ in by_name.values()) / steps,
+            "busy_us": sum(us for _, us in by_name.values()) / steps,
+            "top": [(name, n / steps, us / steps) for name, (n, us) in top]}
+
+
+def run_kernel_profiles(models: dict[str, LanguageModel], args: argparse.Namespace, device: torch.device,
+                        dtype: torch.dtype, card: str, sdpa, decoder_args: dict[str, Any]) -> None:
+    """--kernels: per setting, a table of each model's step, then each model's top kernels."""
+    print(f"Decode kernels, {card}, torch {torch.__version__}, {str(dtype).removeprefix('torch.')}: D={args.width}, "
+          f"{args.heads} heads, {args.layers} layers, vocab {args.vocab}; {args.profile_steps} replayed steps a model "
+          f"(the greedy pick included); --routed-rows {args.routed_rows[0]}")
+    budget = free_bytes(device) if args.memory_gib is None else int(args.memory_gib * 2**30)
+    for prompt in args.prompts:
+        for batch in args.batches:
+            full = does_not_fit(setting_bytes(args, batch, prompt, dtype.itemsize), budget)
+            if full is not None:
+                print(f"\nprompt {prompt}, batch {batch}: {full}")
+                continue
+            prompts = torch.randint(0, args.vocab, (batch, prompt), device=device)
+            results = {}
+            for name, model in models.items():
+                calibrate_routers(model, prompts[:CALIBRATION_ROWS], args.capacity)
+                results[name] = kernel_profile(model, prompts, args.profile_steps, device, sdpa, args.routed_rows[0],
+                                               decoder_args)
+            print(f"\nprompt {prompt}, batch {batch}\n")
+            print("| model | step us (unprofiled) | kernels per step | GPU busy us per step | x dense (step) |")
+            print("| --- | --- | --- | --- | --- |")
+            dense = results["dense"]["step_us"]
+            for name, r in results.items():
+                print(f"| {name} | {r['step_us']:.1f} | {r['kernels']:.1f} | {r['busy_us']:.1f} | {dense / r['step_us']:.2f} |")
+            for name, r in results.items():
+                print(f"\n{name}: top kernels by GPU time a step\n")
+                print("| kernel | launches per step | us per step |")
+                print("| --- | --- | --- |")
+                for kernel, n, us in r["top"][:KERNEL_ROWS]:
+                    print(f"| `{kernel[:90]}` | {n:.1f} | {us:.1f} |")
+            del prompts
+            torch.cuda.empty_cache()
+
+
 def measure(models: dict[str, LanguageModel], prompts: torch.Tensor, args: argparse.Namespace, device: torch.device,
             sdpa, setups: list[tuple[str, str]], decoder_args: dict[str, Any]) -> tuple[dict[str, float], dict]:
     """One setting: (each model's median prefill ms, (model, policy) -> its best Row, or the reason it did not run)."""
@@ -361,6 +436,8 @@ def main(argv: list[str] | None = None) -> None:
                              "needs --device cpu")
     parser.add_argument("--profile", action="store_true", help="count ops, launches and syncs per decode step instead of timing")
     parser.add_argument("--profile-steps", type=int, default=8)
+    parser.add_argument("--kernels", action="store_true",
+                        help="profile replayed decode steps (a GPU): kernels per step and where their time goes")
     parser.add_argument(
         "--sdpa", default="decoder", choices=["decoder", "torch"],
         help="attention backends: the decoder's default (no cuDNN) or torch's own choice",
@@ -392,10 +469,16 @@ def main(argv: list[str] | None = None) -> None:
     sdpa = DECODE_SDPA_BACKENDS if args.sdpa == "decoder" else None
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    steps = args.profile_steps + 3 if args.profile else args.new_tokens  # profile_decode's own steps
+    # the positions a decode takes past the prompt: profile_decode's and kernel_profile's own steps
+    steps = args.profile_steps + 3 if args.profile else 2 * args.profile_steps + 4 if args.kernels else args.new_tokens
     models = build_models(args.models, args, max(args.prompts) + steps, device, dtype)
     if args.profile:
         run_profiles(models, args, device, dtype, card, sdpa)
+        return
+    if args.kernels:
+        if device.type != "cuda":
+            parser.error("--kernels profiles the CUDA-graphed step: it needs a GPU")
+        run_kernel_profiles(models, args, device, dtype, card, sdpa, decoder_args)
         return
 
     budget = free_bytes(device) if args.memory_gib is None else int(args.memory_gib * 2**30)

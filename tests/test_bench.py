@@ -103,6 +103,22 @@ def test_decode_device_flag(capsys: pytest.CaptureFixture[str]) -> None:
         assert "--device cuda: no CUDA GPU" in refusal("decode", ["--device", "cuda"], capsys)
 
 
+def test_decode_kernels(capsys: pytest.CaptureFixture[str]) -> None:
+    """decode.py --kernels: on a GPU, each model's replayed step with its kernels per step and their
+    time, dense first at 1.00 x, then each model's top kernels; without one, a one-line error."""
+    if not CUDA:
+        assert "--kernels profiles the CUDA-graphed step: it needs a GPU" in refusal("decode", ["--kernels", "--tiny"], capsys)
+        return
+    out = run("-m", "bench.decode", "--kernels", "--tiny", "--device", "cuda", "--prompts", "16", "--batches", "4")
+    rows = table_rows(out)
+    steps = [r for r in rows if len(r) == 5]
+    assert [r[0] for r in steps] == ["dense", "MoD", "Staged MoDE"] and steps[0][4] == "1.00", out
+    assert all(number(r[1]) > 0 and number(r[2]) > 0 and number(r[3]) > 0 for r in steps), out
+    kernels = [r for r in rows if len(r) == 3]
+    assert len(kernels) >= 3 and all(number(r[1]) > 0 and number(r[2]) >= 0 for r in kernels), out
+    assert out.count("top kernels by GPU time a step") == 3, out
+
+
 @pytest.mark.parametrize("name", ["mod_step", "block_kinds"])
 def test_cuda_graph_modes_need_cuda(name: str, capsys: pytest.CaptureFixture[str]) -> None:
     """--modes 'eager + CUDA graphs' without a GPU is an error, not an empty table."""
