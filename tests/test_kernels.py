@@ -1131,7 +1131,7 @@ def test_compact_rows_equal_the_sorting_reference(batch: int, width: int, count:
 @pytest.mark.parametrize("some_kept", [True, False])
 def test_put_gated_rows_equals_the_pytorch_ops(x_dtype: torch.dtype, dtype: torch.dtype, some_kept: bool) -> None:
     """A compacted decode step's routed update in one kernel (rows.put_gated_rows_) equals
-    GatedAdd.add_gated's PyTorch ops bit for bit: x[ids] + round(gate * round(a + b)) where
+    RowPlan.add_gated's PyTorch ops bit for bit: x[ids] + round(gate * round(a + b)) where
     kept; padding rows and rows not listed untouched. keep None (a prefill's packed tokens):
     every listed row."""
     from mode.kernels.rows import put_gated_rows_
