@@ -33,6 +33,7 @@ from mode.kernels import (  # noqa: E402
     rows,
     softmax_topk,
     sort_rows,
+    step_cache,
     swiglu,
     topk,
     weighted_sums,
@@ -203,6 +204,21 @@ KERNELS = [
                                 write_ptr=I64, used_ptr=I64, batch=I32, width=I32, max_len=I32, BLOCK=1024)),
     (decision, "_compact", dict(chosen_ptr="*u8", lengths_ptr=I64, base_ptr=I64, rows_ptr=I64, keep_ptr="*u8",
                                 write_ptr=I64, used_ptr=I64, batch=I32, width=1, max_len=I32, BLOCK=8)),
+    # a static decode step's attention input: every row (slots computed; no row ids) and compacted rows
+    # (row ids, slots given; q stands in for the pointers a variant does not read), as _launch passes them
+    (step_cache, "_rotate_write", dict(qkv_ptr=BF16, row_stride=I32, cos_ptr=F32, sin_ptr=F32, rows_ptr=BF16,
+                                       q_ptr=BF16, cache_ptr=BF16, half="i64", keep_ptr="*u8", lengths_ptr=I64,
+                                       base_ptr=I64, write_ptr=BF16, used_ptr=I64, max_len=I32, H=16, HKV=16, HALF=32,
+                                       BLOCK_H=16, BLOCK_HKV=16, BLOCK_D=32, HAS_ROWS=False, GIVEN_SLOTS=False)),
+    (step_cache, "_rotate_write", dict(qkv_ptr=BF16, row_stride=I32, cos_ptr=F32, sin_ptr=F32, rows_ptr=I64,
+                                       q_ptr=BF16, cache_ptr=BF16, half=I32, keep_ptr=BF16, lengths_ptr=BF16,
+                                       base_ptr=BF16, write_ptr=I64, used_ptr=BF16, max_len=I32, H=16, HKV=4, HALF=64,
+                                       BLOCK_H=16, BLOCK_HKV=4, BLOCK_D=64, HAS_ROWS=True, GIVEN_SLOTS=True)),
+    # a static decode step's layer output: a float32 stream plus a bf16 FFN output, and all bf16
+    (rows, "_put_sum", dict(x_ptr=F32, h_ptr=F32, b_ptr=BF16, keep_ptr="*u8", out_ptr=F32, n_rows=I32, width=I32,
+                            BLOCK_R=4, BLOCK_D=256)),
+    (rows, "_put_sum", dict(x_ptr=BF16, h_ptr=BF16, b_ptr=BF16, keep_ptr="*u8", out_ptr=BF16, n_rows=I32, width=I32,
+                            BLOCK_R=4, BLOCK_D=256)),
     # AdamW on float32 masters from their bf16 gradients, writing the bf16 copies: many tensors, and one
     # (staged for a CUDA graph: conditional on `active`, each step count advanced first); float32 weights
     (adamw, "_adamw_masters", dict(table_ptr=I64, n_tensors=I32, grad_scale_ptr=F32, lr_ptr=F32, active_ptr=F32,

@@ -53,8 +53,9 @@ class KernelPolicy:
     expert_choice: expert choice's router head, layout and gather in one autograd function.
     decision: a routed layer's decode-step routing: its causal decision (float32 GEMV, threshold
         and the active rows) and the compaction of its chosen rows, one kernel each.
-    step_cache: a static decode step's cache write where a layer computes every row: each row's
-        slot, its attended length, the grown lengths and its key and value written, one kernel.
+    step_cache: a static decode step's attention input, one kernel per layer: q and k rotated, each
+        row's key and value written into its cache slot (and, where a layer computes every row, the
+        slots, the attended lengths and the grown lengths computed there too).
     decode_attention: a decode step's single-query attention over its KV cache, one program per
         row and head (no padded query tile), where the step has rows enough.
     grouped_mm: the experts' grouped GEMMs over a decode step's few rows (inference), each
