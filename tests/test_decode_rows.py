@@ -7,6 +7,8 @@ captured graph's IF nodes pick.
 """
 from __future__ import annotations
 
+from types import ModuleType
+
 import pytest
 import torch
 
@@ -102,6 +104,20 @@ def test_finished_rows_leave_no_trace_in_compacted_rows(pattern: str, ways) -> N
     assert compacted.positions.tolist() == [S, PROMPT + 2, S, S, PROMPT + 2, S]
 
 
+def counted_calls(monkeypatch, *targets: tuple[ModuleType, str]) -> dict[str, int]:
+    """Each (module, function name) wrapped for the test to count its calls: name -> calls so far."""
+    calls = {name: 0 for _, name in targets}
+    for module, name in targets:
+        original = getattr(module, name)
+
+        def counted(*args, _name=name, _original=original, **kwargs):
+            calls[_name] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counted)
+    return calls
+
+
 @pytest.mark.parametrize("pattern", ["mod", "mode_staged"])
 def test_compacted_decode_through_the_kernels_equals_the_pytorch_ops(pattern: str, monkeypatch, ways) -> None:
     """The compacted step through its kernels (Triton's interpreter on CPU; compiled on a GPU, in
@@ -116,17 +132,8 @@ def test_compacted_decode_through_the_kernels_equals_the_pytorch_ops(pattern: st
         setattr(model.rotary, name, getattr(model.rotary, name).float())
     torch.manual_seed(3)
     tokens = torch.randint(0, 256, (B, S))
-    calls = {name: 0 for name in ("compact_rows", "put_gated_rows_", "rotate_write_rows")}
-    for module in (decision, rows, step_cache):
-        for name in calls:
-            if hasattr(module, name):
-                original = getattr(module, name)
-
-                def counted(*args, _name=name, _original=original, **kwargs):
-                    calls[_name] += 1
-                    return _original(*args, **kwargs)
-
-                monkeypatch.setattr(module, name, counted)
+    calls = counted_calls(monkeypatch, (decision, "compact_rows"), (rows, "put_gated_rows_"),
+                          (step_cache, "rotate_write_rows"))
     with use_kernels(KernelPolicy(cpu=True)):
         fast, fast_decoder = decode(model, tokens, compact_rows=True, cuda_graph=False)
     assert all(calls.values()), calls
@@ -159,15 +166,7 @@ def test_a_masked_step_through_the_gated_kernel_equals_the_pytorch_ops(pattern: 
     tokens = torch.randint(0, 256, (B, S), generator=torch.Generator().manual_seed(3))
     gates, put = [], rows.put_gated_rows_
     monkeypatch.setattr(rows, "put_gated_rows_", lambda *args: gates.append(args[-1]) or put(*args))
-    calls = {"rotate_write_every_row": 0, "put_sum": 0}
-    for module, name in ((step_cache, "rotate_write_every_row"), (rows, "put_sum")):
-        original = getattr(module, name)
-
-        def counted(*args, _name=name, _original=original):
-            calls[_name] += 1
-            return _original(*args)
-
-        monkeypatch.setattr(module, name, counted)
+    calls = counted_calls(monkeypatch, (step_cache, "rotate_write_every_row"), (rows, "put_sum"))
     with use_kernels(KernelPolicy(cpu=True)):
         fast, fast_decoder = decode(model, tokens, compact_rows=False, cuda_graph=False)
     assert gates and set(gates) == {gate}  # every routed layer's update, its gate applied in the kernel

@@ -602,14 +602,13 @@ class MaskedRows(RowPlan):
         """RowPlan.attend_projected; where the kernel runs, the rotation, every row's slot, the grown
         lengths and the cache write are one kernel (mode/kernels/step_cache.py)."""
         step, cache = self.step, self.cache
-        if use_triton(qkv, "step_cache"):
-            from mode.kernels.step_cache import rotate_write_applies, rotate_write_every_row
+        if not rotate_write_runs(step, cache, qkv, heads):
+            return super().attend_projected(qkv, heads)
+        from mode.kernels.step_cache import rotate_write_every_row
 
-            if rotate_write_applies(qkv, heads, step.angles.cos_full, cache.kv):
-                q, used = rotate_write_every_row(qkv, heads, step.angles.cos_full, step.angles.sin_signed, cache.kv,
-                                                 self.chosen, cache.lengths_dev, step.row_base)  # (B, H, hd), (B,)
-                return attend_used(q, cache, used, step.packed).unsqueeze(1)
-        return super().attend_projected(qkv, heads)
+        q, used = rotate_write_every_row(qkv, heads, step.angles.cos_full, step.angles.sin_signed, cache.kv,
+                                         self.chosen, cache.lengths_dev, step.row_base)  # (B, H, hd), (B,)
+        return attend_used(q, cache, used, step.packed).unsqueeze(1)
 
     def put(self, x: Tensor, new: Tensor) -> Tensor:
         return torch.where(self.chosen.view(-1, 1, 1), new, x)
@@ -671,14 +670,13 @@ class CompactRows(RowPlan):
         """RowPlan.attend_projected; where the kernel runs, the rotation (the angles read by row) and
         the cache write are one kernel (mode/kernels/step_cache.py)."""
         step, cache = self.step, self.cache
-        if use_triton(qkv, "step_cache"):
-            from mode.kernels.step_cache import rotate_write_applies, rotate_write_rows
+        if not rotate_write_runs(step, cache, qkv, heads):
+            return super().attend_projected(qkv, heads)
+        from mode.kernels.step_cache import rotate_write_rows
 
-            if rotate_write_applies(qkv, heads, step.angles.cos_full, cache.kv):
-                q = rotate_write_rows(qkv, heads, step.angles.cos_full, step.angles.sin_signed, cache.kv, self.rows,
-                                      self.write_at)  # (W, H, hd)
-                return attend_used(q, cache, self.used, step.packed, self.rows).unsqueeze(1)
-        return super().attend_projected(qkv, heads)
+        q = rotate_write_rows(qkv, heads, step.angles.cos_full, step.angles.sin_signed, cache.kv, self.rows,
+                              self.write_at)  # (W, H, hd)
+        return attend_used(q, cache, self.used, step.packed, self.rows).unsqueeze(1)
 
     def put(self, x: Tensor, new: Tensor) -> Tensor:
         """The step's hidden states x (B, 1, D), in place, with the kept rows' new states new (W, 1, D)
@@ -691,6 +689,16 @@ class CompactRows(RowPlan):
     def kernel_rows(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x's (B, 1, D) kept rows, in place."""
         return x, self.rows, self.keep
+
+
+def rotate_write_runs(step: StaticStep, cache: LayerCache, qkv: Tensor, heads: int) -> bool:
+    """Whether a static step's layer rotates q and k and writes its cache in one kernel
+    (mode/kernels/step_cache.py): the policy's step_cache op, and shapes the kernel takes."""
+    if not use_triton(qkv, "step_cache"):
+        return False
+    from mode.kernels.step_cache import rotate_write_applies
+
+    return rotate_write_applies(qkv, heads, step.angles.cos_full, cache.kv)
 
 
 def compact_rows_reference(chosen: Tensor, width: int, lengths: Tensor, base: Tensor,
