@@ -14,6 +14,7 @@ import torch
 
 from mode.generate import Decoder
 from mode.inference.decoder import COMPACT_MAX_SMALL_BATCH, COMPACT_MIN_LARGE_BATCH, compaction_pays
+from mode.kernels import graph_if
 from mode.layers.chunks import SKIP_TEST_MAX_EXPECTED, CompactRows, MaskedRows, StaticStep, if_nodes_available
 from mode.layers.kv_cache import attend_used
 from mode.layers.mod import MoDBlock
@@ -41,9 +42,9 @@ def ways(monkeypatch) -> list:
     (CompactRows, MaskedRows) where more rows chose it than W holds, (MaskedRows,), or () (no row)."""
     seen, routed = [], StaticStep.routed
 
-    def spy(self, x, cache, chosen, capacity, body):
+    def spy(self, x, cache, chosen, capacity, body, decision=None):
         kinds = []
-        out = routed(self, x, cache, chosen, capacity, lambda rows: kinds.append(type(rows)) or body(rows))
+        out = routed(self, x, cache, chosen, capacity, lambda rows: kinds.append(type(rows)) or body(rows), decision)
         seen.append(tuple(kinds))
         return out
 
@@ -214,7 +215,8 @@ def test_if_nodes_replay_the_compacted_step(dtype: torch.dtype, batch: int, bias
     """The captured step with IF nodes runs the kernels the eager compacted step runs (the host
     picking): identical logits and caches; float32 (SDPA, no flash): the masked step's logits.
     Batch 32 (8 rows expected to choose a layer, above SKIP_TEST_MAX_EXPECTED): its compacted pass
-    runs every step, with no row chosen (-1e3) as padding only."""
+    runs every step, with no row chosen (-1e3) as padding only. Where the IF nodes take the
+    decisions (graph_if.decides_in_condition, batches 1 and 8), the eager step runs their kernel."""
     model = forced_model("mod", bias).to("cuda", dtype)
     torch.manual_seed(5)
     tokens = torch.randint(0, 256, (batch, S), device="cuda")
@@ -235,6 +237,37 @@ def test_if_nodes_replay_the_compacted_step(dtype: torch.dtype, batch: int, bias
         assert torch.equal(a.lengths, b.lengths) and torch.equal(a.kv[:, :, :-1], b.kv[:, :, :-1])
     if dtype == torch.float32:
         torch.testing.assert_close(graph, masked, rtol=0, atol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not graph_if.decides_in_condition(),
+                    reason="an IF node that takes the decision needs the built extension on a GPU")
+@pytest.mark.parametrize("batch", [1, 8])
+def test_a_captured_small_batch_leaves_each_routed_decision_to_its_if_node(batch: int, monkeypatch) -> None:
+    """Captured with IF nodes at a small batch, a routed layer's decision is its IF node's condition
+    kernel (one kernel, not two): decide_rows runs in the warm-up only, the logits and caches are
+    the step's whose decisions run as kernels of their own (float32, within rounding), and the
+    uncaptured step, which runs the same kernel without a node, decodes exactly as the graph."""
+    from mode.kernels import decision
+
+    model = forced_model("mod", None).to("cuda", torch.float32)
+    routed = sum(isinstance(block, MoDBlock) for block in model.blocks)
+    tokens = torch.randint(0, 256, (batch, S), generator=torch.Generator().manual_seed(7)).cuda()
+    calls = counted_calls(monkeypatch, (graph_if, "captured_if_decided"), (decision, "decide_rows"),
+                          (graph_if, "decide"))
+    fused, fused_decoder = decode(model, tokens, cuda_graph=True, compact_rows=True)
+    assert fused_decoder._graph is not None and fused_decoder.compact_rows
+    warm = calls["decide_rows"]  # the warm-up passes before the capture
+    assert calls["captured_if_decided"] == routed and warm % routed == 0 and calls["decide"] == 0, calls
+    eager, _ = decode(model, tokens, cuda_graph=False, compact_rows=True)
+    assert calls["decide"] == (S - PROMPT) * routed and calls["decide_rows"] == warm, calls  # a step each
+    assert torch.equal(eager, fused)
+    monkeypatch.setattr(StaticStep, "decision_in_if", lambda *args: None)
+    apart, apart_decoder = decode(model, tokens, cuda_graph=True, compact_rows=True)
+    assert calls["captured_if_decided"] == routed and calls["decide_rows"] == 2 * warm + routed, calls
+    torch.testing.assert_close(fused, apart, rtol=0, atol=1e-5)
+    for a, b in zip(fused_decoder.caches, apart_decoder.caches):
+        assert torch.equal(a.lengths, b.lengths)
+        torch.testing.assert_close(a.kv, b.kv, rtol=0, atol=1e-5)
 
 
 def attend_rows(device: str, dtype: torch.dtype) -> tuple[Decoder, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -116,8 +116,13 @@ class HostPlannedChunk:
 
     decision_mask = None  # a routed layer's decision may take any token; select() drops the idle ones
 
+    def decision_in_if(self, x: Tensor, weights: tuple[Tensor, Tensor | None] | None,
+                       capacity: float) -> None:
+        """No IF node here to take a routed layer's decision (see StaticStep.decision_in_if)."""
+        return None
+
     def routed(self, x: Tensor, cache: LayerCache, chosen: Tensor, capacity: float,
-               body: Callable[..., Tensor]) -> Tensor:
+               body: Callable[..., Tensor], decision: None = None) -> Tensor:
         """A routed layer's chunk: body(plan) -> the chunk's new hidden states for the row plan of the
         tokens it chose, chosen (B, n); x unchanged where it chose none. capacity: unused here (see
         StaticStep.routed)."""
@@ -535,13 +540,37 @@ class StaticStep:
         """Every row, the active ones (and of them those a routed layer chose, chosen (B, 1)) kept."""
         return MaskedRows(self, x, cache, self.active if chosen is None else chosen.view(-1) & self.active)
 
+    def decision_in_if(self, x: Tensor, weights: tuple[Tensor, Tensor | None] | None,
+                       capacity: float) -> graph_if.RowDecision | None:
+        """A routed layer's decision that routed()'s IF node for "some row chose it" takes in its
+        condition kernel, one kernel fewer a layer: under capture its chosen (B,) and scores (B,)
+        are written there; uncaptured, the same kernel writes them now, so that both steps compute
+        alike. Where that node exists (compacted rows, a batch tested for an empty layer, not a
+        warm-up), the router's own float32 logit decides (weights), the decision kernel's policy
+        allows, and the built IF-node extension runs here (graph_if.decides_in_condition); else None."""
+        batch = x.shape[0]
+        if (weights is None or self.slack is None or self.warm or batch * capacity > SKIP_TEST_MAX_EXPECTED
+                or torch.is_autocast_enabled(x.device.type) or not use_triton(x, "decision")
+                or not graph_if.decides_in_condition()):
+            return None
+        weight, bias = weights
+        chosen = torch.empty(batch, dtype=torch.bool, device=x.device)
+        scores = torch.empty(batch, dtype=torch.float32, device=x.device)
+        decision = graph_if.RowDecision(x.reshape(batch, -1), weight.reshape(-1), bias, self.decision_mask,
+                                        chosen, scores)
+        if self.graph is None:
+            graph_if.decide(decision)
+        return decision
+
     def routed(self, x: Tensor, cache: LayerCache, chosen: Tensor, capacity: float,
-               body: Callable[["MaskedRows | CompactRows"], Tensor]) -> Tensor:
+               body: Callable[["MaskedRows | CompactRows"], Tensor], decision: graph_if.RowDecision | None = None,
+               ) -> Tensor:
         """A routed layer's step: body(plan) -> the step's new hidden states (B, 1, D) for a row plan;
         chosen (B, 1): the rows the layer's decision took, active ones only (decision_mask),
         capacity: the share it was trained to take. Compacted: the first W chosen rows as W rows,
         any more in a second, masked pass; no row chosen: nothing computed (tested on the device
-        only at small batches). The new states go into x itself (the step's own tensor)."""
+        only at small batches). decision: from decision_in_if, chosen still to be computed by the
+        first IF node. The new states go into x itself (the step's own tensor)."""
         chosen = chosen.view(-1)  # (B,)
         if self.slack is None:
             return body(MaskedRows(self, x, cache, chosen))
@@ -550,7 +579,8 @@ class StaticStep:
         count = int(chosen.sum()) if self.graph is None and not self.warm else None  # the host's one sync
         skip_test = batch * capacity <= SKIP_TEST_MAX_EXPECTED
         if width == batch:  # W = B would compute every row anyway, in another order
-            self._run_if(lambda: x.copy_(body(MaskedRows(self, x, cache, chosen))), chosen, 0, batch, skip_test, count)
+            self._run_if(lambda: x.copy_(body(MaskedRows(self, x, cache, chosen))), chosen, 0, batch, skip_test, count,
+                         decision)
             return x
 
         def past_width() -> None:
@@ -558,19 +588,25 @@ class StaticStep:
             x.copy_(body(MaskedRows(self, x, cache, rest)))
 
         # in place: the first W chosen rows
-        self._run_if(lambda: body(CompactRows(self, x, cache, chosen, width)), chosen, 0, batch, skip_test, count)
+        self._run_if(lambda: body(CompactRows(self, x, cache, chosen, width)), chosen, 0, batch, skip_test, count,
+                     decision)
         self._run_if(past_width, chosen, width, batch, True, count)
         return x
 
     def _run_if(self, run: Callable[[], object], flags: Tensor, lo: int, hi: int, test: bool,
-                count: int | None) -> None:
-        """run() where lo < flags.sum() <= hi: count, where the host counted; else, under capture and
-        where test, an IF node; else always (so the warm-up runs every kernel once)."""
+                count: int | None, decision: graph_if.RowDecision | None = None) -> None:
+        """run() where lo < flags.sum() <= hi: count, where the host counted (any decision written
+        before); else, under capture and where test, an IF node (whose condition kernel writes the
+        flags first where decision names them); else always (so the warm-up runs every kernel once)."""
         if count is not None:
             if lo < count <= hi:
                 run()
+        elif decision is not None and (self.graph is None or not test or decision.chosen.data_ptr() != flags.data_ptr()):
+            raise RuntimeError("a routed layer's decision left to its IF node needs that node captured over its flags")
         elif self.graph is not None and test:
-            with graph_if.captured_if_count(self.graph, flags, lo, hi):
+            node = (graph_if.captured_if_count(self.graph, flags, lo, hi) if decision is None
+                    else graph_if.captured_if_decided(self.graph, decision, lo, hi))
+            with node:
                 run()
         else:
             run()

@@ -52,9 +52,14 @@ class MoDBlock(nn.Module):
         and join its cache, x_i + g(r_i) * f_i; every other token comes out unchanged and never
         enters the cache."""
         weights = cache.router_weights if chunk.fp32_router else None
-        decided, scores = self.decide(x, weights, chunk.decision_mask)
+        decision = chunk.decision_in_if(x, weights, self.router.capacity) if chosen is None else None
+        if decision is None:
+            decided, scores = self.decide(x, weights, chunk.decision_mask)
+        else:  # the step's IF-node kernel (captured: in the layer's IF node)
+            decided, scores = decision.chosen.view(x.shape[:-1]), decision.scores.view(x.shape[:-1])
         taken = decided if chosen is None else chosen
-        return chunk.routed(x, cache, taken, self.router.capacity, lambda rows: self._update(x, rows, scores))
+        return chunk.routed(x, cache, taken, self.router.capacity, lambda rows: self._update(x, rows, scores),
+                            decision)
 
     def _update(self, x: Tensor, rows, scores: Tensor) -> Tensor:
         """x_i + g(r_i) * f_i for the tokens of a row plan (scores: the router's (B, n))."""
