@@ -569,8 +569,8 @@ class StaticStep:
         chosen (B, 1): the rows the layer's decision took, active ones only (decision_mask),
         capacity: the share it was trained to take. Compacted: the first W chosen rows as W rows,
         any more in a second, masked pass; no row chosen: nothing computed (tested on the device
-        only at small batches). decision: from decision_in_if, chosen still to be computed by the
-        first IF node. The new states go into x itself (the step's own tensor)."""
+        only at small batches). decision: from decision_in_if (under capture, the first IF node
+        computes chosen). The new states go into x itself (the step's own tensor)."""
         chosen = chosen.view(-1)  # (B,)
         if self.slack is None:
             return body(MaskedRows(self, x, cache, chosen))
