@@ -94,6 +94,18 @@ def test_a_counted_if_runs_where_its_flags_count_lies_in_its_bounds(rows: int) -
         assert torch.equal(runs.cpu(), expected), count
 
 
+def test_every_exported_function_is_declared_and_defined_once() -> None:
+    """The extension builds only where a GPU and nvcc are: its bindings' names are checked here
+    against the declarations and the source on any machine."""
+    import re
+
+    for name in graph_if._FUNCTIONS:
+        pattern = rf"^void {name}\("
+        assert len(re.findall(pattern, graph_if._DECLARATIONS, re.M)) == 1, name
+        assert len(re.findall(pattern, graph_if._SOURCE, re.M)) == 1, name
+    assert len(re.findall(r"^void \w+\(", graph_if._DECLARATIONS, re.M)) == len(graph_if._FUNCTIONS)
+
+
 def test_a_decision_left_to_an_if_node_needs_that_node() -> None:
     """StaticStep._run_if refuses a decision its IF node would not take (no capture, no node, or
     other flags) where the host did not count: the flags would be read unwritten."""

@@ -42,6 +42,8 @@ void decide(const at::Tensor& x, const at::Tensor& weight, const std::optional<a
 void end_if();
 """
 
+_FUNCTIONS = ("begin_if", "begin_if_decided", "decide", "end_if")  # what the built module exports
+
 _SOURCE = r"""
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -265,7 +267,7 @@ def extension() -> ModuleType:
 
     print("mode: building the CUDA graph IF-node extension (once per machine)", file=sys.stderr)
     return load_inline(name="mode_graph_if", cpp_sources=_DECLARATIONS, cuda_sources=_SOURCE,
-                       functions=["begin_if", "begin_if_decided", "decide", "end_if"], verbose=False)
+                       functions=list(_FUNCTIONS), verbose=False)
 
 
 @functools.cache
