@@ -343,7 +343,8 @@ def decide(decision: RowDecision) -> None:
     if not decides_in_condition():
         raise RuntimeError("graph_if.decide needs the built IF-node extension (graph_if.decides_in_condition)")
     d = decision
-    extension().decide(d.x, d.weight, d.bias, d.active, d.chosen, d.scores)
+    with torch.cuda.device(d.x.device):  # the extension launches on the current device's stream
+        extension().decide(d.x, d.weight, d.bias, d.active, d.chosen, d.scores)
 
 
 def captured_if_decided(graph: torch.cuda.CUDAGraph, decision: RowDecision, lo: int,
