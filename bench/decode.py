@@ -55,6 +55,7 @@ import argparse
 import ast
 import collections
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -162,6 +163,15 @@ def does_not_fit(need: int, budget: int | None) -> str | None:
     if budget is None or need <= budget:
         return None
     return f"does not fit ({need / 2**30:.0f} GiB; {budget / 2**30:.0f} GiB free)"
+
+
+def settings(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> Iterator[tuple[int, int, str | None]]:
+    """Each (prompt, batch) of --prompts x --batches, with does_not_fit's text where its caches would
+    not fit the device's free memory (or --memory-gib), else None."""
+    budget = free_bytes(device) if args.memory_gib is None else int(args.memory_gib * 2**30)
+    for prompt in args.prompts:
+        for batch in args.batches:
+            yield prompt, batch, does_not_fit(setting_bytes(args, batch, prompt, dtype.itemsize), budget)
 
 
 def decode_target(batch: int, prompt: int) -> float | None:
@@ -339,33 +349,30 @@ def run_kernel_profiles(models: dict[str, LanguageModel], args: argparse.Namespa
     print(f"Decode kernels, {card}, torch {torch.__version__}, {str(dtype).removeprefix('torch.')}: D={args.width}, "
           f"{args.heads} heads, {args.layers} layers, vocab {args.vocab}; {args.profile_steps} replayed steps a model "
           f"(the greedy pick included); --routed-rows {args.routed_rows[0]}")
-    budget = free_bytes(device) if args.memory_gib is None else int(args.memory_gib * 2**30)
-    for prompt in args.prompts:
-        for batch in args.batches:
-            full = does_not_fit(setting_bytes(args, batch, prompt, dtype.itemsize), budget)
-            if full is not None:
-                print(f"\nprompt {prompt}, batch {batch}: {full}")
-                continue
-            prompts = torch.randint(0, args.vocab, (batch, prompt), device=device)
-            results = {}
-            for name, model in models.items():
-                calibrate_routers(model, prompts[:CALIBRATION_ROWS], args.capacity)
-                results[name] = kernel_profile(model, prompts, args.profile_steps, device, sdpa, args.routed_rows[0],
-                                               decoder_args)
-            print(f"\nprompt {prompt}, batch {batch}\n")
-            print("| model | step us (unprofiled) | kernels per step | GPU busy us per step | x dense (step) |")
-            print("| --- | --- | --- | --- | --- |")
-            dense = results["dense"]["step_us"]
-            for name, r in results.items():
-                print(f"| {name} | {r['step_us']:.1f} | {r['kernels']:.1f} | {r['busy_us']:.1f} | {dense / r['step_us']:.2f} |")
-            for name, r in results.items():
-                print(f"\n{name}: top kernels by GPU time a step\n")
-                print("| kernel | launches per step | us per step |")
-                print("| --- | --- | --- |")
-                for kernel, n, us in r["top"][:KERNEL_ROWS]:
-                    print(f"| `{kernel[:90]}` | {n:.1f} | {us:.1f} |")
-            del prompts
-            torch.cuda.empty_cache()
+    for prompt, batch, full in settings(args, device, dtype):
+        if full is not None:
+            print(f"\nprompt {prompt}, batch {batch}: {full}")
+            continue
+        prompts = torch.randint(0, args.vocab, (batch, prompt), device=device)
+        results = {}
+        for name, model in models.items():
+            calibrate_routers(model, prompts[:CALIBRATION_ROWS], args.capacity)
+            results[name] = kernel_profile(model, prompts, args.profile_steps, device, sdpa, args.routed_rows[0],
+                                           decoder_args)
+        print(f"\nprompt {prompt}, batch {batch}\n")
+        print("| model | step us (unprofiled) | kernels per step | GPU busy us per step | x dense (step) |")
+        print("| --- | --- | --- | --- | --- |")
+        dense = results["dense"]["step_us"]
+        for name, r in results.items():
+            print(f"| {name} | {r['step_us']:.1f} | {r['kernels']:.1f} | {r['busy_us']:.1f} | {dense / r['step_us']:.2f} |")
+        for name, r in results.items():
+            print(f"\n{name}: top kernels by GPU time a step\n")
+            print("| kernel | launches per step | us per step |")
+            print("| --- | --- | --- |")
+            for kernel, n, us in r["top"][:KERNEL_ROWS]:
+                print(f"| `{kernel[:90]}` | {n:.1f} | {us:.1f} |")
+        del prompts
+        torch.cuda.empty_cache()
 
 
 def measure(models: dict[str, LanguageModel], prompts: torch.Tensor, args: argparse.Namespace, device: torch.device,
@@ -481,25 +488,22 @@ def main(argv: list[str] | None = None) -> None:
         run_kernel_profiles(models, args, device, dtype, card, sdpa, decoder_args)
         return
 
-    budget = free_bytes(device) if args.memory_gib is None else int(args.memory_gib * 2**30)
     setups = [(name, policy) for policy in args.routed_rows for name in models]
     if args.compile:
         setups += [(name, "masked+compile") for name in models]
     rows = []
-    for prompt in args.prompts:
-        for batch in args.batches:
-            full = does_not_fit(setting_bytes(args, batch, prompt, dtype.itemsize), budget)
-            if full is None:
-                prompts = torch.randint(0, args.vocab, (batch, prompt), device=device)
-                try:
-                    _, best = measure(models, prompts, args, device, sdpa, setups, decoder_args)
-                except torch.OutOfMemoryError:
-                    full, best = "out of memory", {}
-                del prompts
-                torch.cuda.empty_cache() if device.type == "cuda" else None
-            if full is not None:
-                best = {setup: full for setup in setups}
-            rows += table_rows(args, prompt, batch, best)
+    for prompt, batch, full in settings(args, device, dtype):
+        if full is None:
+            prompts = torch.randint(0, args.vocab, (batch, prompt), device=device)
+            try:
+                _, best = measure(models, prompts, args, device, sdpa, setups, decoder_args)
+            except torch.OutOfMemoryError:
+                full, best = "out of memory", {}
+            del prompts
+            torch.cuda.empty_cache() if device.type == "cuda" else None
+        if full is not None:
+            best = {setup: full for setup in setups}
+        rows += table_rows(args, prompt, batch, best)
     extra = "".join(f", {key}={value!r}" for key, value in decoder_args.items())
     print(
         f"\nDecode and prefill, {card}, torch {torch.__version__}, {str(dtype).removeprefix('torch.')}: D={args.width}, "
