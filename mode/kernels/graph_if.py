@@ -315,6 +315,10 @@ class RowDecision:
     chosen: Tensor
     scores: Tensor
 
+    def tensors(self) -> tuple[Tensor | None, ...]:
+        """The fields in the extension's argument order (x, weight, bias, active, chosen, scores)."""
+        return self.x, self.weight, self.bias, self.active, self.chosen, self.scores
+
 
 def decides_in_condition() -> bool:
     """Whether an IF node's condition kernel can take a routed layer's decision here: the built
@@ -340,22 +344,24 @@ def captured_if_count(graph: torch.cuda.CUDAGraph, flags: Tensor, lo: int, hi: i
 def decide(decision: RowDecision) -> None:
     """decision's flags and scores written now, on the current stream, by captured_if_decided's
     kernel without its node: where a step runs uncaptured, the same arithmetic as captured."""
-    if not decides_in_condition():
-        raise RuntimeError("graph_if.decide needs the built IF-node extension (graph_if.decides_in_condition)")
-    d = decision
-    with torch.cuda.device(d.x.device):  # the extension launches on the current device's stream
-        extension().decide(d.x, d.weight, d.bias, d.active, d.chosen, d.scores)
+    built = _deciding_extension("graph_if.decide")
+    with torch.cuda.device(decision.x.device):  # the extension launches on the current device's stream
+        built.decide(*decision.tensors())
 
 
 def captured_if_decided(graph: torch.cuda.CUDAGraph, decision: RowDecision, lo: int,
                         hi: int) -> contextlib.AbstractContextManager:
     """captured_if_count over decision.chosen, which the node's condition kernel computes first,
     with the scores (one kernel). Needs the built extension (decides_in_condition)."""
+    _deciding_extension("captured_if_decided")
+    return _built_if(graph, lambda built: built.begin_if_decided(*decision.tensors(), lo, hi))
+
+
+def _deciding_extension(caller: str) -> ModuleType:
+    """The built extension, for a caller that has it take a routed layer's decision."""
     if not decides_in_condition():
-        raise RuntimeError("captured_if_decided needs the built IF-node extension (graph_if.decides_in_condition)")
-    d = decision
-    return _built_if(graph, lambda built: built.begin_if_decided(d.x, d.weight, d.bias, d.active, d.chosen, d.scores,
-                                                                 lo, hi))
+        raise RuntimeError(f"{caller} needs the built IF-node extension (graph_if.decides_in_condition)")
+    return extension()
 
 
 @contextlib.contextmanager
