@@ -25,7 +25,7 @@ import math
 import re
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -40,7 +40,8 @@ from mode.model import LanguageModel
 from mode.utils import pick_device
 
 __all__ = [
-    "DECODE_SDPA_BACKENDS", "ROUTED_ROWS", "Decoder", "LayerCache", "generate", "layer_step", "main", "sample",
+    "DECODE_SDPA_BACKENDS", "ROUTED_ROWS", "Decoder", "LayerCache", "decode_tokens", "generate", "layer_step", "main",
+    "sample",
 ]
 
 
@@ -75,6 +76,65 @@ def sample(logits: Tensor, temperature: float, top_k: int, top_p: float, generat
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     probs = logits.softmax(-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+class HostTokens:
+    """A step's sampled tokens (B,) on their way to the host without a sync: copied into pinned memory
+    behind the step's kernels on a GPU; read with values(), which waits for that copy alone."""
+
+    def __init__(self, tokens: Tensor) -> None:
+        self.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=tokens.is_cuda)
+        self.host.copy_(tokens, non_blocking=tokens.is_cuda)
+        self.copied = None
+        if tokens.is_cuda:
+            self.copied = torch.cuda.Event()
+            self.copied.record(torch.cuda.current_stream(tokens.device))
+
+    def values(self) -> list[int]:
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.host.tolist()
+
+
+def decode_tokens(decoder: Decoder, logits: Tensor, room: Sequence[int], stops: set[int],
+                  draw: Callable[[Tensor], Tensor], read_ahead: bool = True) -> list[list[int]]:
+    """Each row's new tokens after its prefill's logits (B, V): at most room[i], ending before a stop token.
+
+    read_ahead: the host reads step t's tokens while the device computes step t + 1, so the device
+    never waits on the host's bookkeeping. Room runs out at a step the host knows ahead; a stop
+    token is seen a step late, so its row computes one step more, whose token is dropped (the row's
+    cache is never read again, and the step stays inside the decoder's max_len). False: the host
+    reads each step's tokens before it queues the next (the device idles meanwhile). draw: logits
+    -> tokens (B,), on the device; called once a step either way, so a seeded draw samples alike."""
+    outputs: list[list[int]] = [[] for _ in room]
+    done = [r <= 0 for r in room]  # stopped (as far as the host has read) or out of room
+
+    def read(tokens: HostTokens) -> None:
+        for i, token in enumerate(tokens.values()):
+            if done[i]:
+                continue
+            if token in stops:
+                done[i] = True
+                continue
+            outputs[i].append(token)
+            done[i] = len(outputs[i]) >= room[i]
+
+    sampled = draw(logits)  # (B,) on the device
+    unread, drawn = HostTokens(sampled), 1  # drawn: tokens sampled a row so far
+    while True:
+        if not read_ahead:
+            read(unread)
+        # the rows that want a token after the last one drawn: not stopped, with room for it
+        wanted = [not done[i] and drawn < room[i] for i in range(len(room))]
+        ahead = None
+        if any(wanted):  # queue the next step (before reading the last one's tokens, read ahead)
+            sampled = draw(decoder.step(sampled, torch.tensor(wanted)))
+            ahead = HostTokens(sampled)
+        if read_ahead:
+            read(unread)
+        if ahead is None or all(done):
+            return outputs
+        unread, drawn = ahead, drawn + 1
 
 
 def encode_text(text: str) -> list[int]:
@@ -189,25 +249,11 @@ def generate(
         generator = torch.Generator(device=device).manual_seed(seed)
     try:
         decoder = Decoder(model, len(token_prompts), max_len, routed_rows="masked" if compile else "auto", compile=compile)
-        outputs: list[list[int]] = [[] for _ in token_prompts]
         room = [min(max_new_tokens, cfg.max_seq_len - len(p)) for p in token_prompts]
-        active = [r > 0 for r in room]  # host bookkeeping in Python: no per-row tensor indexing
-        logits = decoder.prefill(token_prompts) if max_new_tokens > 0 else None
-        while logits is not None and any(active):
-            sampled = sample(logits, temperature, top_k, top_p, generator)  # (B,) on the device
-            chosen = sampled.tolist()  # the step's host sync: stop tokens and outputs are host decisions
-            for i, token in enumerate(chosen):
-                if not active[i]:
-                    continue
-                if token in stops:
-                    active[i] = False
-                    continue
-                outputs[i].append(token)
-                if len(outputs[i]) >= room[i]:
-                    active[i] = False
-            if not any(active):
-                break
-            logits = decoder.step(sampled, torch.tensor(active))
+        outputs: list[list[int]] = [[] for _ in token_prompts]
+        if max_new_tokens > 0 and any(r > 0 for r in room):
+            draw = lambda logits: sample(logits, temperature, top_k, top_p, generator)  # noqa: E731
+            outputs = decode_tokens(decoder, decoder.prefill(token_prompts), room, stops, draw)
     finally:
         model.train(was_training)
     if not as_text:

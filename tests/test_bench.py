@@ -85,7 +85,8 @@ def test_gpu_only_scripts_need_cuda(name: str, capsys: pytest.CaptureFixture[str
     assert "needs a CUDA GPU" in refusal(name, [], capsys)
 
 
-@pytest.mark.parametrize("name", ["mod_step", "block_kinds", "block_profile", "decode", "prefill", "conversion"])
+@pytest.mark.parametrize("name", ["mod_step", "block_kinds", "block_profile", "decode", "prefill", "conversion",
+                                  "generate"])
 def test_full_shape_needs_cuda_or_tiny(name: str, capsys: pytest.CaptureFixture[str]) -> None:
     """Without CUDA the GPU-sized default shape is refused (minutes on CPU); --tiny is named instead."""
     if CUDA:
@@ -258,6 +259,21 @@ def test_prefill_tiny() -> None:
     assert all(number(r[8]) == 1.0 for r in rows if r[2] == "dense")
     # the target, the FLOP ratio (0.565 at 16 tokens) x 1.15, at batch 1 only of the tiny batches
     assert [r[9] for r in rows] == ["-", f"<= 0.65 x: {'met' if number(rows[1][8]) <= 0.65 else 'missed'}", "-", "-"]
+
+
+def test_generate_tiny(capsys: pytest.CaptureFixture[str]) -> None:
+    """Every model at every batch in the three loops, tokens/s positive, dense the unit of each
+    column, and the read-ahead loop's gain over the read-first one; bad flags refused by name."""
+    rows = table_rows(run("-m", "bench.generate", "--tiny", "--temperature", "0.8", "--top-k", "20"))
+    assert [(r[1], r[2]) for r in rows] == [(b, m) for b in ("1", "4") for m in ("dense", "MoD", "Staged MoDE")]
+    for r in rows:
+        rates = [number(cell.split(" (")[0]) for cell in r[3:6]]
+        ratios = [number(cell.split(" (")[1].rstrip(")")) for cell in r[3:6]]
+        assert all(rate > 0 for rate in rates) and all(ratio > 0 for ratio in ratios), r
+        assert r[2] != "dense" or ratios == [1.0, 1.0, 1.0], r
+        assert number(r[6]) == pytest.approx(rates[2] / rates[1], abs=0.006), r
+    assert "--new-tokens must be at least 2" in refusal("generate", ["--tiny", "--new-tokens", "1"], capsys)
+    assert "--top-k: top_k must be >= 0" in refusal("generate", ["--tiny", "--top-k", "-1"], capsys)
 
 
 def test_conversion_tiny() -> None:

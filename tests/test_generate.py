@@ -7,6 +7,7 @@ order and batch shape.
 """
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 
 from mode.checkpoint import load_model
 from mode.config import config_from_dict
-from mode.generate import Decoder, LayerCache, generate, layer_step, main, sample
+from mode.generate import Decoder, LayerCache, decode_tokens, generate, layer_step, main, sample
 from mode.layers.mod import MoDBlock
 from mode.model import LanguageModel
 from mode.routing import ExpertChoiceRouter, token_mask
@@ -313,6 +314,62 @@ def test_dense_model_generates_text_and_respects_stops() -> None:
     assert len(greedy) == 5
     stopped = generate(model, [[1, 2, 3]], max_new_tokens=5, temperature=0, stop_tokens=[greedy[2]])[0]
     assert stopped == greedy[: greedy.index(greedy[2])]
+
+
+def sync_tokens(decoder: Decoder, logits: torch.Tensor, room: list[int], stops: set[int], draw) -> list[list[int]]:
+    """The reference loop: the host reads each step's tokens before it queues the next step."""
+    outputs: list[list[int]] = [[] for _ in room]
+    active = [r > 0 for r in room]
+    while any(active):
+        sampled = draw(logits)
+        for i, token in enumerate(sampled.tolist()):
+            if active[i] and token in stops:
+                active[i] = False
+            elif active[i]:
+                outputs[i].append(token)
+                active[i] = len(outputs[i]) < room[i]
+        if not any(active):
+            break
+        logits = decoder.step(sampled, torch.tensor(active))
+    return outputs
+
+
+class CountingDecoder(Decoder):
+    steps = 0
+
+    def step(self, tokens, active=None):
+        self.steps += 1
+        return super().step(tokens, active)
+
+
+@pytest.mark.parametrize("routed_rows", ["gather", "masked"])
+def test_tokens_read_a_step_late_are_the_tokens_read_at_once(routed_rows: str) -> None:
+    """decode_tokens queues step t + 1 before reading step t's tokens: the same tokens as the loop
+    that reads first, with stop tokens met and rooms running out at different steps, in at most one
+    step more (the one a row computes after its stop token). read_ahead=False: the reference's steps."""
+
+    model = make_model("mod", "aux_loss")  # max_seq_len 48
+    prompts = [[3, 1, 4], [1, 5] * 20, [9, 2, 6, 5], [5] * 48]  # room: 12, 8, 12, 0
+    room = [min(12, 48 - len(p)) for p in prompts]
+
+    def run(loop, stops: set[int]) -> tuple[list[list[int]], int]:
+        decoder = CountingDecoder(model, len(prompts), 48, routed_rows=routed_rows)
+        generator = torch.Generator().manual_seed(7)
+        draw = lambda logits: sample(logits, 1.3, 0, 1.0, generator)  # noqa: E731
+        return loop(decoder, decoder.prefill(prompts), room, stops, draw), decoder.steps
+
+    free, _ = run(sync_tokens, set())
+    assert [len(o) for o in free] == room
+    cases = [set(), {free[0][2]}, {free[0][5], free[2][1]}, {free[1][-1]}, {free[0][0], free[1][0], free[2][0]}]
+    read_first = functools.partial(decode_tokens, read_ahead=False)
+    for stops in cases:
+        want, want_steps = run(sync_tokens, stops)
+        assert run(read_first, stops) == (want, want_steps)
+        got, got_steps = run(decode_tokens, stops)
+        assert got == want, stops
+        # room runs out at a step known ahead: a step more only where a stop token was read late
+        assert want_steps <= got_steps <= want_steps + bool(stops), (stops, want_steps, got_steps)
+    assert any(len(o) < r for o, r in zip(run(decode_tokens, cases[2])[0], room))  # a stop token cut a row
 
 
 def test_generation_stops_at_the_context_window() -> None:
