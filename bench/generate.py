@@ -14,7 +14,9 @@ decoder built and prefilled, and its first step (the CUDA graph's capture) run, 
   (stop tokens, outputs) before it queues the next step, as mode.generate did before read-ahead;
 - read ahead: decode_tokens as mode.generate runs it.
 Each is the best of --repeats runs, the three loops and the models interleaved; x dense divides by
-dense's figure in the same column. Sampling: greedy, or --temperature / --top-k / --top-p with a
+dense's figure in the same column. The routed share is the part of the timed steps' tokens the
+routed layers took (the last run's): at batch 1 one prompt's calibration sets it, and the ratio
+follows it. Sampling: greedy, or --temperature / --top-k / --top-p with a
 seeded generator (the same draws in every loop).
 """
 from __future__ import annotations
@@ -26,8 +28,10 @@ from typing import Callable
 import torch
 
 from bench.common import add_model_args, require_cuda_unless_tiny, sync
+from bench.decode import CALIBRATION_ROWS
 from bench.prefill import MODELS, build_models, calibrate_routers
 from mode.generate import Decoder, check_sampling, decode_tokens, sample
+from mode.layers.mod import MoDBlock
 from mode.model import LanguageModel
 
 LOOPS = ("step pace", "read first", "read ahead")
@@ -40,13 +44,16 @@ def sampler(args: argparse.Namespace, device: torch.device) -> Callable[[torch.T
 
 
 @torch.no_grad()
-def loop_tokens_per_s(model: LanguageModel, prompts: torch.Tensor, loop: str, args: argparse.Namespace,
-                      device: torch.device) -> float:
-    """Tokens/s of one loop over args.new_tokens tokens a row (see the module docstring)."""
+def loop_run(model: LanguageModel, prompts: torch.Tensor, loop: str, args: argparse.Namespace,
+             device: torch.device) -> tuple[float, float]:
+    """(tokens/s of one loop over args.new_tokens tokens a row (see the module docstring), the share
+    of the timed steps' tokens the routed layers took: 1.0 without routed layers)."""
     batch, new = prompts.shape[0], args.new_tokens
     decoder = Decoder(model, batch, prompts.shape[1] + new + 1)
     draw = sampler(args, device)
     logits = decoder.step(draw(decoder.prefill(prompts.tolist())))  # untimed: captures the CUDA graph
+    routed = [c for b, c in zip(model.blocks, decoder.caches) if isinstance(b, MoDBlock)]
+    before = sum(int(c.lengths.sum()) for c in routed)
     sync(device)
     start = time.perf_counter()
     if loop == "step pace":
@@ -55,7 +62,10 @@ def loop_tokens_per_s(model: LanguageModel, prompts: torch.Tensor, loop: str, ar
     else:
         decode_tokens(decoder, logits, [new] * batch, set(), draw, read_ahead=loop == "read ahead")
     sync(device)
-    return batch * new / (time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    steps = new - 1  # every loop steps new - 1 times (it draws new tokens a row)
+    share = (sum(int(c.lengths.sum()) for c in routed) - before) / (batch * steps * len(routed)) if routed else 1.0
+    return batch * new / seconds, share
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -91,12 +101,13 @@ def main(argv: list[str] | None = None) -> None:
         for batch in args.batches:
             prompts = torch.randint(0, args.vocab, (batch, prompt), generator=torch.Generator().manual_seed(0))
             for model in models.values():
-                calibrate_routers(model, prompts[:64].to(device), args.capacity)
+                calibrate_routers(model, prompts[:CALIBRATION_ROWS].to(device), args.capacity)
             best = {(name, loop): 0.0 for name in models for loop in LOOPS}
+            shares = {}
             for _ in range(args.repeats):
                 for loop in LOOPS:
                     for name, model in models.items():
-                        rate = loop_tokens_per_s(model, prompts, loop, args, device)
+                        rate, shares[name] = loop_run(model, prompts, loop, args, device)
                         best[name, loop] = max(best[name, loop], rate)
             for name in models:
                 cells = []
@@ -104,15 +115,16 @@ def main(argv: list[str] | None = None) -> None:
                     rate = best[name, loop]
                     cells.append(f"{rate:,.0f}" + (f" ({rate / best['dense', loop]:.2f})" if "dense" in models else ""))
                 gain = best[name, "read ahead"] / best[name, "read first"]
-                rows.append(f"| {prompt} | {batch} | {name} | {' | '.join(cells)} | {gain:.2f} |")
+                share = "-" if name == "dense" else f"{shares[name]:.3f}"
+                rows.append(f"| {prompt} | {batch} | {name} | {share} | {' | '.join(cells)} | {gain:.2f} |")
     how = "greedy" if args.temperature == 0 else f"temperature {args.temperature}, top-k {args.top_k}, top-p {args.top_p}"
     print(f"\nmode.generate's decode loop, {card}, {str(dtype).removeprefix('torch.')}: D={args.width}, {args.heads} heads, "
           f"{args.layers} layers, vocab {args.vocab}, ffn {args.ffn}; MoD: every other block routed, causal method (a), "
           f"target share {args.capacity}; Staged MoDE: MoD with a top-1 MoE in the routed blocks; {how}; "
           f"{args.new_tokens} tokens a row, best of {args.repeats}\n")
-    print("| prompt | batch | model | step pace tokens/s (x dense) | read first tokens/s (x dense) | "
+    print("| prompt | batch | model | routed share | step pace tokens/s (x dense) | read first tokens/s (x dense) | "
           "read ahead tokens/s (x dense) | read ahead / read first |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     print("\n".join(rows))
 
 

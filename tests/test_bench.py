@@ -267,11 +267,12 @@ def test_generate_tiny(capsys: pytest.CaptureFixture[str]) -> None:
     rows = table_rows(run("-m", "bench.generate", "--tiny", "--temperature", "0.8", "--top-k", "20"))
     assert [(r[1], r[2]) for r in rows] == [(b, m) for b in ("1", "4") for m in ("dense", "MoD", "Staged MoDE")]
     for r in rows:
-        rates = [number(cell.split(" (")[0]) for cell in r[3:6]]
-        ratios = [number(cell.split(" (")[1].rstrip(")")) for cell in r[3:6]]
+        assert (r[3] == "-") if r[2] == "dense" else 0 <= number(r[3]) <= 1, r  # the routed share
+        rates = [number(cell.split(" (")[0]) for cell in r[4:7]]
+        ratios = [number(cell.split(" (")[1].rstrip(")")) for cell in r[4:7]]
         assert all(rate > 0 for rate in rates) and all(ratio > 0 for ratio in ratios), r
         assert r[2] != "dense" or ratios == [1.0, 1.0, 1.0], r
-        assert number(r[6]) == pytest.approx(rates[2] / rates[1], abs=0.006), r
+        assert number(r[7]) == pytest.approx(rates[2] / rates[1], abs=0.006), r
     assert "--new-tokens must be at least 2" in refusal("generate", ["--tiny", "--new-tokens", "1"], capsys)
     assert "--top-k: top_k must be >= 0" in refusal("generate", ["--tiny", "--top-k", "-1"], capsys)
 
