@@ -193,6 +193,17 @@ def continuation(tokenizer: TextTokenizer, prompt: Sequence[int], new: Sequence[
     return whole[len(head):] if whole.startswith(head) else tokenizer.decode(new)
 
 
+def check_decoder(decoder: Decoder, model: LanguageModel, batch: int, max_len: int) -> None:
+    """A ValueError naming generate's decoder argument where the decoder cannot serve this call."""
+    if decoder.model is not model:
+        raise ValueError("decoder: it was built for another model (Decoder(model, ...) with the model given here)")
+    if decoder.batch != batch:
+        raise ValueError(f"decoder: it was built for batch {decoder.batch}, but {batch} prompts were given")
+    if decoder.max_len < max_len:
+        raise ValueError(f"decoder: its max_len {decoder.max_len} is below the {max_len} this call needs "
+                         "(the longest prompt and max_new_tokens, within model.max_seq_len)")
+
+
 def generate(
     model: LanguageModel,
     prompts: Sequence[Sequence[int]] | Sequence[str],
@@ -204,6 +215,7 @@ def generate(
     seed: int | None = None,
     compile: bool = False,
     tokenizer: TextTokenizer | None = None,
+    decoder: Decoder | None = None,
 ) -> list[list[int]] | list[str]:
     """Sample continuations of a batch of prompts; returns the new tokens (or text for text prompts).
 
@@ -212,6 +224,10 @@ def generate(
     stops at a stop token (not included in its output), after max_new_tokens, or when it
     reaches the context window (model.max_seq_len). compile: torch.compile the static decode
     step (Decoder(compile=True); worth its compile time for long generations).
+    decoder: a Decoder of this model for len(prompts) rows, reset and reused (its settings, compile
+    included, stand): its caches and its captured CUDA graph serve call after call, where a call
+    without one builds a decoder and captures its graph anew. Its max_len must hold the longest
+    prompt and max_new_tokens (or reach model.max_seq_len).
     """
     check_sampling(temperature, top_k, top_p, max_new_tokens)
     if isinstance(prompts, str) or len(prompts) == 0:
@@ -247,8 +263,14 @@ def generate(
     generator = None
     if seed is not None:
         generator = torch.Generator(device=device).manual_seed(seed)
+    if decoder is not None:
+        check_decoder(decoder, model, len(token_prompts), max_len)
     try:
-        decoder = Decoder(model, len(token_prompts), max_len, routed_rows="masked" if compile else "auto", compile=compile)
+        if decoder is None:
+            decoder = Decoder(model, len(token_prompts), max_len, routed_rows="masked" if compile else "auto",
+                              compile=compile)
+        else:
+            decoder.reset()
         room = [min(max_new_tokens, cfg.max_seq_len - len(p)) for p in token_prompts]
         outputs: list[list[int]] = [[] for _ in token_prompts]
         if max_new_tokens > 0 and any(r > 0 for r in room):

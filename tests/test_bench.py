@@ -262,17 +262,17 @@ def test_prefill_tiny() -> None:
 
 
 def test_generate_tiny(capsys: pytest.CaptureFixture[str]) -> None:
-    """Every model at every batch in the three loops and the whole call, tokens/s positive, dense the unit of each
+    """Every model at every batch in the three loops and the whole calls, tokens/s positive, dense the unit of each
     column, and the read-ahead loop's gain over the read-first one; bad flags refused by name."""
     rows = table_rows(run("-m", "bench.generate", "--tiny", "--temperature", "0.8", "--top-k", "20"))
     assert [(r[1], r[2]) for r in rows] == [(b, m) for b in ("1", "4") for m in ("dense", "MoD", "Staged MoDE")]
     for r in rows:
         assert (r[3] == "-") if r[2] == "dense" else 0 <= number(r[3]) <= 1, r  # the routed share
-        rates = [number(cell.split(" (")[0]) for cell in r[4:8]]
-        ratios = [number(cell.split(" (")[1].rstrip(")")) for cell in r[4:8]]
+        rates = [number(cell.split(" (")[0]) for cell in r[4:9]]
+        ratios = [number(cell.split(" (")[1].rstrip(")")) for cell in r[4:9]]
         assert all(rate > 0 for rate in rates) and all(ratio > 0 for ratio in ratios), r
-        assert r[2] != "dense" or ratios == [1.0] * 4, r
-        assert number(r[8]) == pytest.approx(rates[2] / rates[1], abs=0.006), r
+        assert r[2] != "dense" or ratios == [1.0] * 5, r
+        assert number(r[9]) == pytest.approx(rates[2] / rates[1], abs=0.006), r
     assert "--new-tokens must be at least 2" in refusal("generate", ["--tiny", "--new-tokens", "1"], capsys)
     assert "--top-k: top_k must be >= 0" in refusal("generate", ["--tiny", "--top-k", "-1"], capsys)
 

@@ -372,6 +372,46 @@ def test_tokens_read_a_step_late_are_the_tokens_read_at_once(routed_rows: str) -
     assert any(len(o) < r for o, r in zip(run(decode_tokens, cases[2])[0], room))  # a stop token cut a row
 
 
+def generations(model: LanguageModel, decoder: Decoder | None) -> list[list[list[int]]]:
+    """Three generate calls (prompts of other lengths, a stop token, seeded sampling), with the
+    decoder given (reset and reused by each) or a fresh one each."""
+    calls = [([[3, 1, 4], [1, 5, 9, 2, 6]], {}), ([[5] * 11, [8]], {"stop_tokens": [7, 11]}),
+             ([[2, 7], [1, 8, 2, 8]], {"temperature": 0})]
+    return [generate(model, prompts, max_new_tokens=6, seed=5, decoder=decoder, **how) for prompts, how in calls]
+
+
+@pytest.mark.parametrize("pattern", ["mod", "mode_staged", "dense"])
+@pytest.mark.parametrize("routed_rows", ["gather", "masked"])
+def test_a_reused_decoder_generates_as_a_fresh_one(pattern: str, routed_rows: str) -> None:
+    """generate(decoder=...) resets the decoder each call: the same tokens as a new decoder per call,
+    and after the router is trained in place, the tokens of the router as it is now."""
+    model = make_model(pattern)
+    decoder = Decoder(model, 2, 48, routed_rows=routed_rows)
+    assert generations(model, decoder) == generations(model, None)
+    with torch.no_grad():  # a step of training, in place: every routed decision moves
+        for block in model.blocks:
+            if isinstance(block, MoDBlock):
+                block.router.router.proj.weight.neg_()
+    fresh = generations(model, None)
+    assert generations(model, decoder) == fresh
+    if pattern != "dense":
+        with torch.no_grad():
+            for block in model.blocks:
+                if isinstance(block, MoDBlock):
+                    block.router.router.proj.weight.neg_()
+        assert generations(model, None) != fresh  # the routers' change showed in the tokens
+
+
+def test_a_decoder_that_cannot_serve_a_call_is_named() -> None:
+    model = make_model("mod")
+    with pytest.raises(ValueError, match="decoder: it was built for another model"):
+        generate(model, [[1, 2]], max_new_tokens=2, decoder=Decoder(make_model("mod"), 1, 8))
+    with pytest.raises(ValueError, match="decoder: it was built for batch 2, but 1 prompts"):
+        generate(model, [[1, 2]], max_new_tokens=2, decoder=Decoder(model, 2, 8))
+    with pytest.raises(ValueError, match="decoder: its max_len 8 is below the 12"):
+        generate(model, [[1, 2]], max_new_tokens=10, decoder=Decoder(model, 1, 8))
+
+
 def test_generation_stops_at_the_context_window() -> None:
     model = make_model("mod", "aux_loss")
     out = generate(model, [[5] * 45], max_new_tokens=10, temperature=0)[0]
@@ -628,6 +668,20 @@ def test_cuda_graph_replays_the_static_step_exactly() -> None:
     assert graphed._graph is graph
     for a, b in zip(graphed.caches, eager.caches):
         assert torch.equal(a.lengths, b.lengths)
+
+
+@needs_gpu
+def test_a_reused_decoder_replays_its_first_cuda_graph() -> None:
+    """generate(decoder=...) on a GPU captures the step once, in the first call, and every later call
+    replays that graph: the tokens of a fresh decoder per call (bf16, greedy and seeded)."""
+    model = make_model("mod", "aux_loss", n_layers=4).to("cuda", torch.bfloat16)
+    decoder = Decoder(model, 2, 48)
+    assert decoder.cuda_graph
+    first = generations(model, decoder)
+    graph = decoder._graph
+    assert graph is not None
+    assert generations(model, decoder) == first == generations(model, None)
+    assert decoder._graph is graph
 
 
 @needs_gpu

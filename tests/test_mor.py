@@ -16,7 +16,7 @@ import torch
 
 from mode.config import ConfigError, config_from_dict, load_config
 from mode.flops import model_flops, recursion_tokens
-from mode.generate import Decoder
+from mode.generate import Decoder, generate
 from mode.layers.block import TransformerBlock
 from mode.layers.chunks import GatherStep, Prefill, StaticStep
 from mode.layers.kv_cache import LayerCache, PackedRows
@@ -232,6 +232,21 @@ def test_cached_decode_matches_full_causal_forward(causal: str, routed_rows: str
     assert (got - full[:, prompt - 1:]).abs().max() <= F64_TOL
     deeper = [int(c.lengths.sum()) for c in decoder.block_caches[0]]
     assert 2 * S > deeper[0] > deeper[1] > deeper[2] > 0  # each recursion's cache: the tokens it took
+
+
+@pytest.mark.parametrize("routed_rows", ["gather", "masked"])
+def test_a_reused_decoder_takes_the_recursion_routers_as_they_are_now(routed_rows: str) -> None:
+    """generate(decoder=...) after the recursions' routers changed in place: a fresh decoder's tokens."""
+    model = make_model("aux_loss", pattern=("mor", "dense"), n_layers=3)
+    decoder = Decoder(model, 2, S, routed_rows=routed_rows)
+    prompts = [[3, 1, 4, 1], [5, 9]]
+    first = generate(model, prompts, max_new_tokens=8, temperature=0, decoder=decoder)
+    assert first == generate(model, prompts, max_new_tokens=8, temperature=0)
+    with torch.no_grad():
+        for router in mor_block(model).routers:
+            router.router.proj.weight.neg_()
+    now = generate(model, prompts, max_new_tokens=8, temperature=0)
+    assert now != first and generate(model, prompts, max_new_tokens=8, temperature=0, decoder=decoder) == now
 
 
 def test_causal_routing_never_looks_ahead() -> None:

@@ -110,15 +110,18 @@ def padded_tokens(prompts: Sequence[Sequence[int]]) -> tuple[Tensor, Tensor, Ten
 def _block_caches(block: nn.Module, new: Callable[[], LayerCache]) -> LayerCache | list[LayerCache]:
     """A block's KV caches from new(): one, or for a Mixture-of-Recursions block the list of one per
     recursion its forward_cached takes; a routed layer's cache holds its router's float32 weights."""
+    caches = [new() for _ in range(block.recursions if isinstance(block, MoRBlock) else 1)]
+    for cache, weights in zip(caches, _router_snapshots(block)):
+        cache.router_weights = weights
+    return caches if isinstance(block, MoRBlock) else caches[0]
+
+
+def _router_snapshots(block: nn.Module) -> list[tuple[Tensor, Tensor | None] | None]:
+    """A block's routers' float32 weights, one per cache of the block (_block_caches): None where
+    the block has no router or a predictor decides."""
     if isinstance(block, MoRBlock):
-        caches = [new() for _ in range(block.recursions)]
-        for cache, weights in zip(caches, block.router_weights()):
-            cache.router_weights = weights
-        return caches
-    cache = new()
-    if isinstance(block, MoDBlock):
-        cache.router_weights = block.router_weights()
-    return cache
+        return list(block.router_weights())
+    return [block.router_weights() if isinstance(block, MoDBlock) else None]
 
 
 def _run_layer(block: nn.Module, x: Tensor, cache: LayerCache, chunk: StaticStep) -> Tensor:
@@ -246,6 +249,22 @@ class Decoder:
     def _inference(self) -> contextlib.AbstractContextManager:
         """The decoder's attention backends."""
         return sdpa_kernel(self.sdpa_backends) if self.sdpa_backends is not None else contextlib.nullcontext()
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        """Empty every cache and take every row back to position 0, for new prompts of the same batch:
+        the caches' memory and a captured CUDA graph are kept (the graph reads the same buffers).
+        The routers' float32 snapshots are taken again, in place, so weights trained in place since
+        (an optimizer's step) decide; weights replaced by new tensors (model.to) need a new decoder."""
+        for cache in self.caches:
+            cache.lengths_cpu, cache.lengths_dev = torch.zeros_like(cache.lengths_cpu), None
+        for block, caches in zip(self.model.blocks, self.block_caches):
+            for cache, weights in zip(caches if isinstance(caches, list) else [caches], _router_snapshots(block)):
+                for kept, now in zip(cache.router_weights or (), weights or ()):
+                    if kept is not None:
+                        kept.copy_(now)
+        self.positions = torch.zeros_like(self.positions)
+        self._positions_dev = None
 
     @torch.no_grad()
     def forward(self, tokens: Tensor, valid: Tensor) -> Tensor:
