@@ -71,6 +71,7 @@ from bench.prefill import (
     calibrate_routers,
     prefill_flop_ratio,
     time_settings,
+    use_smoke_shape,
 )
 from mode.generate import DECODE_SDPA_BACKENDS, ROUTED_ROWS, Decoder
 from mode.layers.mod import MoDBlock
@@ -463,7 +464,7 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:
         parser.error(str(e))
     if args.tiny:
-        args.width, args.heads, args.layers, args.ffn, args.vocab = 64, 4, 4, 128, 256
+        use_smoke_shape(args)
         args.new_tokens, args.repeats, args.prefill_repeats = 8, 1, 2
     args.prompts = args.prompts or ([16] if args.tiny else [128, 2048])
     args.batches = args.batches or ([1, 4] if args.tiny else [1, 64, 1024])

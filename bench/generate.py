@@ -34,7 +34,7 @@ import torch
 
 from bench.common import add_model_args, require_cuda_unless_tiny, sync
 from bench.decode import CALIBRATION_ROWS
-from bench.prefill import MODELS, build_models, calibrate_routers
+from bench.prefill import MODELS, build_models, calibrate_routers, run_on, use_smoke_shape
 from mode.generate import Decoder, check_sampling, decode_tokens, generate, sample
 from mode.layers.mod import MoDBlock
 from mode.model import LanguageModel
@@ -107,11 +107,9 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:  # "top_k must be ..." -> "--top-k: top_k must be ..."
         parser.error(f"--{str(e).split()[0].replace('_', '-')}: {e}")
     if args.tiny:
-        args.width, args.heads, args.layers, args.ffn, args.vocab = 64, 4, 4, 128, 256
+        use_smoke_shape(args)
         args.prompts, args.batches, args.new_tokens, args.repeats = [16], [1, 4], 8, 1
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    card = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    device, dtype, card = run_on(args)
     rows = []
     for prompt in args.prompts:
         models = build_models(args.models, args, prompt + args.new_tokens + 1, device, dtype)

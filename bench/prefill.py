@@ -45,6 +45,19 @@ PREFILL_SLACK = 1.15
 MODELS = {"dense": (["dense"], False), "MoD": (["dense", "mod"], False), "Staged MoDE": (["dense", "mode_staged"], True)}
 
 
+def use_smoke_shape(args: argparse.Namespace) -> None:
+    """--tiny: the CPU-sized model the decoding benchmarks share (prefill, decode, generate)."""
+    args.width, args.heads, args.layers, args.ffn, args.vocab = 64, 4, 4, 128, 256
+
+
+def run_on(args: argparse.Namespace) -> tuple[torch.device, torch.dtype, str]:
+    """(device, dtype, card name): a visible GPU in bf16 unless --tiny, else the CPU in float32."""
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    if device.type == "cuda":
+        return device, torch.bfloat16, torch.cuda.get_device_name(device)
+    return device, torch.float32, "CPU"
+
+
 def make_config(name: str, args: argparse.Namespace, max_seq_len: int, seq_len: int | None = None) -> Config:
     """The config of model `name` (MODELS) at the shape of args (add_model_args, --capacity)."""
     pattern, moe = MODELS[name]
@@ -176,11 +189,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     require_cuda_unless_tiny(parser, args)
     if args.tiny:
-        args.width, args.heads, args.layers, args.ffn, args.vocab = 64, 4, 4, 128, 256
+        use_smoke_shape(args)
         args.prompts, args.batches, args.repeats, args.warmup = [16], [1, 4], 3, 1
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    card = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    device, dtype, card = run_on(args)
     rows = []
     for prompt in args.prompts:
         models = build_models(args.models, args, prompt + 1, device, dtype)
