@@ -91,6 +91,13 @@ def step_kind(policy: str) -> tuple[str, bool]:
     return (policy.removesuffix("+compile"), policy.endswith("+compile"))
 
 
+def routed_cached(model: LanguageModel, decoder: Decoder) -> tuple[int, int]:
+    """(tokens the routed layers' caches hold, all layers together; how many routed layers there
+    are): two readings around a decode run give the share of its tokens the routed layers took."""
+    routed = [cache for block, cache in zip(model.blocks, decoder.block_caches) if isinstance(block, MoDBlock)]
+    return sum(int(cache.lengths.sum()) for cache in routed), len(routed)
+
+
 @torch.no_grad()
 def decode_run(
     model: LanguageModel, prompts: torch.Tensor, new_tokens: int, device: torch.device, sdpa=DECODE_SDPA_BACKENDS,
@@ -109,8 +116,7 @@ def decode_run(
     logits = decoder.prefill(prompts.tolist())
     sync(device)
     t1 = time.perf_counter()
-    routed = [c for b, c in zip(model.blocks, decoder.caches) if isinstance(b, MoDBlock)]
-    before = sum(int(c.lengths.sum()) for c in routed)
+    before, routed = routed_cached(model, decoder)
     logits = decoder.step(logits.argmax(-1))  # untimed: captures the CUDA graph (and compiles)
     sync(device)
     t2 = time.perf_counter()
@@ -118,8 +124,8 @@ def decode_run(
         logits = decoder.step(logits.argmax(-1))
     sync(device)
     t3 = time.perf_counter()
-    after = sum(int(c.lengths.sum()) for c in routed)  # exact (device) lengths, read after the timing
-    share = (after - before) / (batch * new_tokens * len(routed)) if routed else 1.0
+    after, _ = routed_cached(model, decoder)  # exact (device) lengths, read after the timing
+    share = (after - before) / (batch * new_tokens * routed) if routed else 1.0
     used = (decoder.routed_rows + (" compacted" if decoder.compact_rows and routed else "")
             + (" + CUDA graph" if decoder.cuda_graph else "")) + (" + compile" if decoder.compile else "")
     return t1 - t0, batch * (new_tokens - 1) / (t3 - t2), share, used

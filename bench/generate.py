@@ -33,10 +33,9 @@ from typing import Callable
 import torch
 
 from bench.common import add_model_args, require_cuda_unless_tiny, sync
-from bench.decode import CALIBRATION_ROWS
+from bench.decode import CALIBRATION_ROWS, routed_cached
 from bench.prefill import MODELS, build_models, calibrate_routers, run_on, use_smoke_shape
 from mode.generate import Decoder, check_sampling, decode_tokens, generate, sample
-from mode.layers.mod import MoDBlock
 from mode.model import LanguageModel
 
 LOOPS = ("step pace", "read first", "read ahead", "whole call", "reused decoder")
@@ -69,8 +68,7 @@ def loop_run(model: LanguageModel, prompts: torch.Tensor, loop: str, args: argpa
     decoder = Decoder(model, batch, prompts.shape[1] + new + 1)
     draw = sampler(args, device)
     logits = decoder.step(draw(decoder.prefill(prompts.tolist())))  # untimed: captures the CUDA graph
-    routed = [c for b, c in zip(model.blocks, decoder.caches) if isinstance(b, MoDBlock)]
-    before = sum(int(c.lengths.sum()) for c in routed)
+    before, routed = routed_cached(model, decoder)
     sync(device)
     start = time.perf_counter()
     if loop == "step pace":
@@ -81,7 +79,7 @@ def loop_run(model: LanguageModel, prompts: torch.Tensor, loop: str, args: argpa
     sync(device)
     seconds = time.perf_counter() - start
     steps = new - 1  # every loop steps new - 1 times (it draws new tokens a row)
-    share = (sum(int(c.lengths.sum()) for c in routed) - before) / (batch * steps * len(routed)) if routed else 1.0
+    share = (routed_cached(model, decoder)[0] - before) / (batch * steps * routed) if routed else 1.0
     return batch * new / seconds, share
 
 
@@ -125,8 +123,10 @@ def main(argv: list[str] | None = None) -> None:
             for _ in range(args.repeats):
                 for loop in LOOPS:
                     for name, model in models.items():
-                        if loop.startswith(("whole", "reused")):
-                            rate = call_run(model, prompts, args, device, reused.get(name) if loop == "reused decoder" else None)
+                        if loop == "whole call":
+                            rate = call_run(model, prompts, args, device)
+                        elif loop == "reused decoder":
+                            rate = call_run(model, prompts, args, device, reused[name])
                         else:
                             rate, shares[name] = loop_run(model, prompts, loop, args, device)
                         best[name, loop] = max(best[name, loop], rate)
