@@ -256,13 +256,12 @@ class Decoder:
         the caches' memory and a captured CUDA graph are kept (the graph reads the same buffers).
         The routers' float32 snapshots are taken again, in place, so weights trained in place since
         (an optimizer's step) decide; weights replaced by new tensors (model.to) need a new decoder."""
-        for cache in self.caches:
+        snapshots = [weights for block in self.model.blocks for weights in _router_snapshots(block)]
+        for cache, weights in zip(self.caches, snapshots, strict=True):  # self.caches: in the blocks' order
             cache.lengths_cpu, cache.lengths_dev = torch.zeros_like(cache.lengths_cpu), None
-        for block, caches in zip(self.model.blocks, self.block_caches):
-            for cache, weights in zip(caches if isinstance(caches, list) else [caches], _router_snapshots(block)):
-                for kept, now in zip(cache.router_weights or (), weights or ()):
-                    if kept is not None:
-                        kept.copy_(now)
+            for kept, now in zip(cache.router_weights or (), weights or ()):
+                if kept is not None:
+                    kept.copy_(now)
         self.positions = torch.zeros_like(self.positions)
         self._positions_dev = None
 
