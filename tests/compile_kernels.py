@@ -220,16 +220,23 @@ KERNELS = [
     (rows, "_put_sum", dict(x_ptr=BF16, h_ptr=BF16, b_ptr=BF16, keep_ptr="*u8", out_ptr=BF16, n_rows=I32, width=I32,
                             BLOCK_R=4, BLOCK_D=256)),
     # AdamW on float32 masters from their bf16 gradients, writing the bf16 copies: many tensors, and one
-    # (staged for a CUDA graph: conditional on `active`, each step count advanced first); float32 weights
+    # (staged for a CUDA graph: conditional on `active`, each step count advanced first); from float32
+    # gradients summed over micro-batches; float32 weights
     (adamw, "_adamw_masters", dict(table_ptr=I64, n_tensors=I32, grad_scale_ptr=F32, lr_ptr=F32, active_ptr=F32,
                                    beta1="fp32", beta2="fp32", log_beta1="fp32", log_beta2="fp32", eps="fp32",
-                                   decay="fp32", BLOCK=1024, TENSORS=64, HAS_ACTIVE=False, FLOAT32=False)),
+                                   decay="fp32", BLOCK=1024, TENSORS=64, HAS_ACTIVE=False, HAS_COPY=True,
+                                   GRAD_FLOAT32=False)),
     (adamw, "_adamw_masters", dict(table_ptr=I64, n_tensors=1, grad_scale_ptr=F32, lr_ptr=F32, active_ptr=F32,
                                    beta1="fp32", beta2="fp32", log_beta1="fp32", log_beta2="fp32", eps="fp32",
-                                   decay="fp32", BLOCK=1024, TENSORS=1, HAS_ACTIVE=True, FLOAT32=False)),
+                                   decay="fp32", BLOCK=1024, TENSORS=1, HAS_ACTIVE=True, HAS_COPY=True, GRAD_FLOAT32=False)),
     (adamw, "_adamw_masters", dict(table_ptr=I64, n_tensors=I32, grad_scale_ptr=F32, lr_ptr=F32, active_ptr=F32,
                                    beta1="fp32", beta2="fp32", log_beta1="fp32", log_beta2="fp32", eps="fp32",
-                                   decay="fp32", BLOCK=1024, TENSORS=64, HAS_ACTIVE=False, FLOAT32=True)),
+                                   decay="fp32", BLOCK=1024, TENSORS=64, HAS_ACTIVE=False, HAS_COPY=True,
+                                   GRAD_FLOAT32=True)),
+    (adamw, "_adamw_masters", dict(table_ptr=I64, n_tensors=I32, grad_scale_ptr=F32, lr_ptr=F32, active_ptr=F32,
+                                   beta1="fp32", beta2="fp32", log_beta1="fp32", log_beta2="fp32", eps="fp32",
+                                   decay="fp32", BLOCK=1024, TENSORS=64, HAS_ACTIVE=False, HAS_COPY=False,
+                                   GRAD_FLOAT32=True)),
     (adamw, "_count_steps", dict(table_ptr=I64, n_tensors=I32, active_ptr=F32, TENSORS=8)),
     # the gradients' global norm: each block's sum of squares, bf16 and float32 gradients
     (grad_norm, "_block_squares", dict(table_ptr=I64, owner_ptr=I32P, n_tensors=I32, out_ptr=F32, BLOCK=4096,

@@ -23,6 +23,8 @@ A table may be rewritten in place between a graph's replays (MastersLaunch.rebin
 The same kernel steps the float32 parameters that have no bf16 copy (embeddings, the output head,
 norms, routers) from their float32 gradients, in a launch of their own (an update's copy None):
 torch.optim.AdamW's fused step takes some 40% longer over them, in many launches (bench.optimizer).
+A master's gradient is float32 where micro-batches were summed into it (train.grad_accum > 1: the
+bf16 gradients added in float32), again in launches of their own.
 """
 from __future__ import annotations
 
@@ -45,7 +47,8 @@ GRAD_ROW = 3  # the one of gradients
 
 @triton.jit
 def _adamw_masters(table_ptr, n_tensors, grad_scale_ptr, lr_ptr, active_ptr, beta1, beta2, log_beta1, log_beta2, eps,
-                   decay, BLOCK: tl.constexpr, TENSORS: tl.constexpr, HAS_ACTIVE: tl.constexpr, FLOAT32: tl.constexpr):
+                   decay, BLOCK: tl.constexpr, TENSORS: tl.constexpr, HAS_ACTIVE: tl.constexpr, HAS_COPY: tl.constexpr,
+                   GRAD_FLOAT32: tl.constexpr):
     if HAS_ACTIVE:
         if tl.load(active_ptr) == 0:  # no update staged: nothing moves
             return
@@ -57,8 +60,8 @@ def _adamw_masters(table_ptr, n_tensors, grad_scale_ptr, lr_ptr, active_ptr, bet
     w_ptr = tl.load(table_ptr + t).to(tl.pointer_type(tl.float32))
     m_ptr = tl.load(table_ptr + n_tensors + t).to(tl.pointer_type(tl.float32))
     v_ptr = tl.load(table_ptr + 2 * n_tensors + t).to(tl.pointer_type(tl.float32))
-    # FLOAT32: the weight is its own master, its gradient float32, and there is no copy to write
-    g_ptr = tl.load(table_ptr + 3 * n_tensors + t).to(tl.pointer_type(tl.float32 if FLOAT32 else tl.bfloat16))
+    # HAS_COPY false: the weight is its own master (float32 gradient), no copy to write
+    g_ptr = tl.load(table_ptr + 3 * n_tensors + t).to(tl.pointer_type(tl.float32 if GRAD_FLOAT32 else tl.bfloat16))
     copy_ptr = tl.load(table_ptr + 4 * n_tensors + t).to(tl.pointer_type(tl.bfloat16))
     step_ptr = tl.load(table_ptr + 5 * n_tensors + t).to(tl.pointer_type(tl.float32))
     block = index - tl.load(table_ptr + 7 * n_tensors + t)  # this program's block of its tensor
@@ -76,10 +79,10 @@ def _adamw_masters(table_ptr, n_tensors, grad_scale_ptr, lr_ptr, active_ptr, bet
     mask = offs < n
     if (block + 1) * BLOCK <= n:  # a whole block: no mask, vectorised
         _update(w_ptrs, m_ptrs, v_ptrs, g_ptrs, copy_ptrs, mask, step, grad_scale, lr, beta1, beta2, log_beta1,
-                log_beta2, eps, decay, MASKED=False, HAS_COPY=not FLOAT32)
+                log_beta2, eps, decay, MASKED=False, HAS_COPY=HAS_COPY)
     else:
         _update(w_ptrs, m_ptrs, v_ptrs, g_ptrs, copy_ptrs, mask, step, grad_scale, lr, beta1, beta2, log_beta1,
-                log_beta2, eps, decay, MASKED=True, HAS_COPY=not FLOAT32)
+                log_beta2, eps, decay, MASKED=True, HAS_COPY=HAS_COPY)
 
 
 @triton.jit
@@ -127,7 +130,7 @@ Update = tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor]
 
 def adamw_masters_step_(updates: list[Update], grad_scale: Tensor, lr: float | Tensor, betas: tuple[float, float],
                         eps: float, weight_decay: float, block: int = BLOCK) -> None:
-    """One AdamW update of each master (float32) from its grad (bf16), in place, and its copy (bf16)
+    """One AdamW update of each master (float32) from its grad (bf16 or float32), in place, and its copy (bf16)
     = the master rounded, in one launch per MAX_TENSORS weights (mode.training.bf16_weights.master_updates_
     has the same in PyTorch ops). An update whose copy is None is a float32 weight with a float32
     grad: the same update, in launches of their own.
@@ -142,6 +145,11 @@ def adamw_masters_step_(updates: list[Update], grad_scale: Tensor, lr: float | T
         launch.run(grad_scale, lr, betas, eps, weight_decay)
 
 
+# A launch's kind: (the updates have bf16 copies, their gradients are float32); a launch takes one kind
+Kind = tuple[bool, bool]
+KINDS: tuple[Kind, ...] = ((True, False), (True, True), (False, True))  # the order launches are made in
+
+
 @dataclass
 class MastersLaunch:
     """One launch's table (TABLE_ROWS, T) on the device and the programs it takes, for up to
@@ -153,12 +161,12 @@ class MastersLaunch:
     programs: int
     block: int
     addresses: tuple[int, ...]
-    float32: bool = False  # float32 weights and gradients without copies (else masters with bf16 ones)
+    kind: Kind = (True, False)  # masters with bf16 copies and bf16 gradients
 
     def rebind(self, updates: list[Update]) -> None:
         """Point the table at updates: the same sizes as it was built for, in the same order."""
         table, programs, addresses = _table(updates, self.block, None)
-        if (len(updates), programs, _is_float32(updates)) != (self.n_tensors, self.programs, self.float32):
+        if (len(updates), programs, kind_of(updates)) != (self.n_tensors, self.programs, self.kind):
             raise ValueError("MastersLaunch.rebind: the weights' sizes differ from the table's")
         if addresses != self.addresses:
             self.table.copy_(table.pin_memory() if self.table.is_cuda else table, non_blocking=True)
@@ -172,57 +180,67 @@ class MastersLaunch:
         beta1, beta2 = betas
         logs = [math.log(b) if b > 0 else -math.inf for b in betas]
         tensors = triton.next_power_of_2(self.n_tensors)
+        has_copy, grad_float32 = self.kind
         with on_device_of(grad_scale):
             if active is not None:
                 _count_steps[(1,)](self.table, self.n_tensors, active, TENSORS=tensors)
             _adamw_masters[(self.programs,)](
                 self.table, self.n_tensors, grad_scale, lr, grad_scale if active is None else active, beta1, beta2,
                 *logs, eps, weight_decay, BLOCK=self.block, TENSORS=tensors, HAS_ACTIVE=active is not None,
-                FLOAT32=self.float32, num_warps=4 if self.block <= 2048 else 8)
+                HAS_COPY=has_copy, GRAD_FLOAT32=grad_float32, num_warps=4 if self.block <= 2048 else 8)
 
 
 def masters_launches(updates: list[Update], block: int = BLOCK) -> list[MastersLaunch]:
-    """The launches that update `updates`, MAX_TENSORS weights each, their tables on the device:
-    the masters with bf16 copies first, then the float32 weights (copy None)."""
+    """The launches that update `updates`, MAX_TENSORS weights of one kind each, their tables on the
+    device: the masters with bf16 gradients first, then those with float32 (summed) gradients, then
+    the float32 weights (copy None)."""
     launches = []
-    for float32 in (False, True):
-        kind = [update for update in updates if (update[4] is None) == float32]
-        for start in range(0, len(kind), MAX_TENSORS):
-            chunk = kind[start:start + MAX_TENSORS]
+    for kind in KINDS:
+        chosen = [update for update in updates if _kind(update) == kind]
+        for start in range(0, len(chosen), MAX_TENSORS):
+            chunk = chosen[start:start + MAX_TENSORS]
             table, programs, addresses = _table(chunk, block, chunk[0][0].device)
-            launches.append(MastersLaunch(table, len(chunk), programs, block, addresses, float32))
+            launches.append(MastersLaunch(table, len(chunk), programs, block, addresses, kind))
     return launches
 
 
 def kernel_takes(update: Update) -> bool:
-    """Whether the kernel can update it: float32 master and moments, bf16 gradient and copy (or a
-    float32 gradient and no copy), each contiguous and 16-byte aligned (its whole blocks are read
-    and written 16 bytes at a time), all the same size."""
+    """Whether the kernel can update it: float32 master and moments, a bf16 copy with a bf16 or
+    float32 gradient (or a float32 gradient and no copy), each contiguous and 16-byte aligned (its
+    whole blocks are read and written 16 bytes at a time), all the same size."""
     master, exp_avg, exp_avg_sq, grad, copy, _ = update
     if copy is None:
         tensors, dtypes = (master, exp_avg, exp_avg_sq, grad), (torch.float32,) * 4
     else:
-        tensors, dtypes = (master, exp_avg, exp_avg_sq, grad, copy), (torch.float32,) * 3 + (torch.bfloat16,) * 2
+        tensors, dtypes = (master, exp_avg, exp_avg_sq, copy), (torch.float32,) * 3 + (torch.bfloat16,)
+        if grad.dtype not in (torch.bfloat16, torch.float32):
+            return False
+        tensors, dtypes = tensors + (grad,), dtypes + (grad.dtype,)
     return all(t.dtype == d and t.is_contiguous() and t.data_ptr() % 16 == 0 and t.numel() == master.numel()
                for t, d in zip(tensors, dtypes))
 
 
-def _is_float32(updates: list[Update]) -> bool:
-    """Whether updates are float32 weights (copy None); a launch takes one kind only."""
-    kinds = {update[4] is None for update in updates}
+def _kind(update: Update) -> Kind:
+    return update[4] is not None, update[3].dtype == torch.float32
+
+
+def kind_of(updates: list[Update]) -> Kind:
+    """The one kind of updates; an error where they mix kinds (each kind takes launches of its own)."""
+    kinds = {_kind(update) for update in updates}
     if len(kinds) > 1:
-        raise ValueError("MastersLaunch: float32 weights (copy None) and masters with copies take launches of their own")
-    return kinds == {True}
+        raise ValueError("MastersLaunch: float32 weights (copy None), masters with bf16 gradients and masters with "
+                         "float32 gradients take launches of their own")
+    return kinds.pop()
 
 
 def _table(updates: list[Update], block: int, device: torch.device | None) -> tuple[Tensor, int, tuple[int, ...]]:
     """The (TABLE_ROWS, T) int64 table of updates (on the host, or on `device`: from pinned memory,
     without waiting for the device's queue), the programs they take and the addresses it holds."""
     columns, first = [], 0
-    _is_float32(updates)
+    kind_of(updates)
     for update in updates:
         if not kernel_takes(update):
-            raise ValueError("adamw_masters_step_: float32 masters and moments, bf16 gradients and copies (or float32 "
+            raise ValueError("adamw_masters_step_: float32 masters and moments, bf16 copies with bf16 or float32 gradients (or float32 "
                              "gradients and no copies), contiguous and 16-byte aligned (kernel_takes)")
         n = update[0].numel()
         columns.append([0 if t is None else t.data_ptr() for t in update] + [n, first])
