@@ -139,7 +139,7 @@ class Runner:
             self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=device.type == "cuda")
         self.micro_step: GraphedMicroStep | None = None
         if graphed:  # as train.cuda_graphs: the graph writes the gradients it keeps
-            self.micro_step = GraphedMicroStep(self.model, lambda loss: loss.backward(), 1)
+            self.micro_step = GraphedMicroStep(self.model, lambda loss, _: loss.backward(), 1)
         tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), device=device)
         self.x, self.y = tokens[:, :-1], tokens[:, 1:]
         self.autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")

@@ -32,11 +32,12 @@ def test_the_update_equals_adamw_and_writes_the_rounded_copy(kernel: bool, decay
     bf16 copy is its master rounded to nearest even, bit for bit. Sizes: under one block of the
     kernel, one block, several with a partial last one, a matrix; a weight one step ahead of the
     others (its own step count); a master 4 bytes off 16-byte alignment (the kernel leaves it to the
-    PyTorch ops). In the same call, two float32 weights without copies, from float32 gradients (the
-    kernel's launch of their own)."""
+    PyTorch ops). In the same call, two masters whose gradients are float32 (summed over micro-batches)
+    and two float32 weights without copies, from float32 gradients (each kind a launch of its own)."""
     gen = torch.Generator().manual_seed(0)
-    shapes = [(7,), (1024,), (2500,), (33, 70), (300,), (2500,), (16, 64)]
-    float32 = [False] * 5 + [True] * 2  # no copy: the weight is its own master
+    shapes = [(7,), (1024,), (2500,), (33, 70), (300,), (2500,), (40, 33), (2500,), (16, 64)]
+    grad_float32 = [False] * 5 + [True] * 4  # a float32 gradient: a summed one with a copy, or a float32 weight's
+    float32 = [False] * 7 + [True] * 2  # no copy: the weight is its own master
     masters = [torch.randn(shape, generator=gen).to(DEVICE) for shape in shapes]
     masters[4] = torch.cat([masters[4].new_zeros(1), masters[4]])[1:]  # a view 4 bytes into its storage
     assert masters[4].data_ptr() % 16 == 4
@@ -51,7 +52,7 @@ def test_the_update_equals_adamw_and_writes_the_rounded_copy(kernel: bool, decay
     scale = torch.tensor(grad_scale, device=DEVICE)
     for _ in range(3):
         grads = [(torch.randn(shape, generator=gen) * 1e-2).to(torch.float32 if f else torch.bfloat16).to(DEVICE)
-                 for shape, f in zip(shapes, float32)]
+                 for shape, f in zip(shapes, grad_float32)]
         for step in steps:
             step += 1
         with use_kernels(KernelPolicy(optimizer=kernel, cpu=True)):
@@ -164,6 +165,113 @@ def test_bf16_weights_train_as_float32_weights_under_autocast(path: Path) -> Non
     for param, master in zip(bf16.params, bf16.masters, strict=True):
         assert param.dtype == torch.bfloat16 and master.dtype == torch.float32
         assert torch.equal(param, master.to(torch.bfloat16))
+
+
+# How the Trainer keeps gradients: (keep_grads, zero_grads) of TorchOptimization
+KEEPING = {"freed": (False, True), "kept and zeroed (compiled)": (True, True), "written by a graph": (True, False)}
+
+
+def _train_micro_batches(config, bf16: bool, steps: int, keeping: str = "freed", kernel: bool = False):
+    """steps optimizer steps of config.train.grad_accum micro-batches each under bf16 autocast, as the
+    Trainer queues them (each loss divided by their number): (each step's mean loss, the first step's
+    gradients as the update reads them, by name, whether a matrix kept a .grad, optimization)."""
+    torch.manual_seed(0)
+    model = LanguageModel(config).to(DEVICE)
+    keep_grads, zero_grads = KEEPING[keeping]
+    optimization = TorchOptimization(model, config, torch.device(DEVICE), keep_grads=keep_grads,
+                                     zero_grads=zero_grads, bf16_weights=bf16)
+    micro_batches = config.train.grad_accum
+    gen = torch.Generator().manual_seed(1)
+    losses, first_grads, matrix_kept_grad = [], None, False
+    for _ in range(steps):
+        if keeping == "written by a graph":  # the first micro-batch's backward hands out its own tensors
+            for p in model.parameters():
+                p.grad = None
+        step_loss = 0.0
+        for micro in range(micro_batches):
+            tokens = torch.randint(0, config.model.vocab_size, (2, 33), generator=gen).to(DEVICE)
+            with torch.autocast(DEVICE, dtype=torch.bfloat16):
+                loss = model(tokens[:, :-1], tokens[:, 1:]).loss
+            accumulate = micro > 0 if keeping == "written by a graph" else None  # the graphs say; else counted
+            optimization.backward(loss / micro_batches, accumulate)
+            step_loss += loss.item() / micro_batches
+            matrix_kept_grad |= any(p.grad is not None for p in optimization.summed_params)
+        if first_grads is None:
+            grad = (lambda p: p.grad) if optimization.bf16 is None else optimization.bf16.grad
+            first_grads = {n: grad(p).float().clone() for n, p in model.named_parameters() if grad(p) is not None}
+        with use_kernels(KernelPolicy(optimizer=kernel, cpu=True)):
+            optimization.step(1e-3)
+        losses.append(step_loss)
+    return losses, first_grads, matrix_kept_grad, optimization
+
+
+MICRO_BATCH_CASES = ([(path, "freed", False) for path in TINY]
+                     + [(ROOT / "configs" / "mode_integrated_tiny.yaml", keeping, kernel)
+                        for keeping in KEEPING for kernel in (False, True)]
+                     + [(ROOT / "configs" / "mor_tiny.yaml", "written by a graph", True)])
+
+
+@pytest.mark.parametrize("path, keeping, kernel", MICRO_BATCH_CASES,
+                         ids=[f"{p.stem}, {k}, {'triton' if t else 'torch ops'}" for p, k, t in MICRO_BATCH_CASES])
+def test_bf16_weights_sum_micro_batches_in_float32_as_float32_weights_do(path: Path, keeping: str, kernel: bool) -> None:
+    """train.grad_accum=3: each matrix's three bf16 gradients are summed in float32 as the backward
+    makes them, and the first step's summed gradients equal float32 weights' own, bit for bit (autocast's
+    cast adds the same bf16 gradients in float32 in the same order; a sum in bf16 would not). The
+    matrices keep no .grad. Later losses follow float32 weights' to the update's float32 rounding.
+    Every block kind with the gradients freed between steps; every way the Trainer keeps them, with
+    the masters' kernel (Triton's interpreter on CPU) and the PyTorch ops; MoR's shared block (read
+    twice a micro-batch) under the graph's keeping."""
+    config = load_config(path, ["--model.n_layers=2", "--model.max_seq_len=32", "--data.seq_len=32",
+                                "--train.grad_accum=3"])
+    float32_losses, float32_grads, _, _ = _train_micro_batches(config, False, 3)
+    losses, grads, matrix_kept_grad, optimization = _train_micro_batches(config, True, 3, keeping, kernel)
+    assert optimization.summed_params and not matrix_kept_grad
+    assert losses[0] == float32_losses[0]
+    assert grads.keys() == float32_grads.keys()
+    for name, grad in grads.items():
+        assert torch.equal(grad, float32_grads[name]), name
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(float32_losses), rtol=1e-4, atol=0)
+    bf16 = optimization.bf16
+    for param, master in zip(bf16.params, bf16.masters, strict=True):
+        assert param.dtype == torch.bfloat16 and torch.equal(param, master.to(torch.bfloat16))
+
+
+def test_a_matrix_no_micro_batch_of_a_step_reached_has_no_gradient() -> None:
+    """Summed micro-batches: a bf16 matrix that only a later micro-batch reaches has that one's
+    gradient; one that no micro-batch of the step reaches has none (AdamW leaves it alone, as a
+    float32 weight without a gradient), though earlier steps summed into it."""
+    from mode.training.bf16_weights import Bf16Weights
+
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(8, 8, bias=False), torch.nn.Linear(8, 8, bias=False)
+    reference = [w.weight.detach().clone() for w in (a, b)]
+    weights = Bf16Weights([a.weight, b.weight], sum_micro_batches=True)
+    x = torch.randn(4, 8)
+
+    def backward(*layers: torch.nn.Linear) -> list[torch.Tensor]:
+        """One micro-batch through layers: each layer's bf16 weight gradient, as float32 weights' cast gives it."""
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = x
+            for layer in layers:
+                h = layer(h)
+        h.float().square().sum().backward()
+        ref = [w.clone().requires_grad_() for w in reference]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = x
+            for layer in layers:
+                h = h @ ref[(a, b).index(layer)].t()
+        h.float().square().sum().backward()
+        return [r.grad for r in ref]
+
+    weights.start_sums()
+    first = backward(a)
+    assert weights.grad(a.weight) is not None and weights.grad(b.weight) is None and a.weight.grad is None
+    second = backward(a, b)
+    assert torch.equal(weights.grad(a.weight), first[0] + second[0])
+    assert torch.equal(weights.grad(b.weight), second[1])
+    weights.start_sums()  # the next step: only `a`
+    backward(a)
+    assert weights.grad(b.weight) is None
 
 
 @pytest.mark.parametrize("grad_clip", [1e-3, 0.0], ids=["clipped", "unclipped"])
@@ -320,9 +428,9 @@ def test_checkpoints_hold_the_masters_and_resume_bit_for_bit() -> None:
 
 
 def test_where_bf16_weights_apply() -> None:
-    """On a GPU in one process, and through an engine that can hold them: launch/train.py under ZeRO 0
-    without expert parallelism; DeepSpeed's ZeRO 1/2 (its own bf16) and expert parallelism refuse,
-    naming the field."""
+    """On a GPU in one process, micro-batches or not, and through an engine that can hold them:
+    launch/train.py under ZeRO 0 without expert parallelism or micro-batches; DeepSpeed's ZeRO 1/2
+    (its own bf16), expert parallelism and an engine's micro-batches refuse, naming the field."""
     from mode.parallel.engine import bf16_weights_refusal
 
     def config(parallel: dict | None = None, **train):
@@ -333,21 +441,20 @@ def test_where_bf16_weights_apply() -> None:
     assert bf16_weights_apply(config(), cuda) == (True, None)
     assert bf16_weights_apply(config(), cpu) == (False, None)
     assert bf16_weights_apply(config(bf16_weights=False), cuda) == (False, None)
-    on, note = bf16_weights_apply(config(grad_accum=2), cuda)
-    assert not on and note.startswith("train.bf16_weights=auto: off") and "grad_accum=2" in note
-    assert "float32 weights" in note
+    assert bf16_weights_apply(config(grad_accum=2), cuda) == (True, None)
     zero0 = config({"zero_stage": 0, "expert_parallel": 1})
     assert bf16_weights_refusal(zero0) is None
     assert bf16_weights_apply(zero0, cuda, bf16_weights_refusal(zero0)) == (True, None)
     refusals = []
-    for parallel, field in [({"zero_stage": 2}, "parallel.zero_stage=2"),
-                            ({"zero_stage": 0, "expert_parallel": 2}, "parallel.expert_parallel=2")]:
-        refusal = bf16_weights_refusal(config(parallel))
+    for parallel, train, field in [({"zero_stage": 2}, {}, "parallel.zero_stage=2"),
+                                   ({"zero_stage": 0, "expert_parallel": 2}, {}, "parallel.expert_parallel=2"),
+                                   ({"zero_stage": 0}, {"grad_accum": 2}, "train.grad_accum=2")]:
+        refusal = bf16_weights_refusal(config(parallel, **train))
         assert refusal.startswith(field), refusal
-        on, note = bf16_weights_apply(config(parallel), cuda, refusal)
+        on, note = bf16_weights_apply(config(parallel, **train), cuda, refusal)
         assert not on and note == f"train.bf16_weights=auto: off, since {refusal}"
         refusals.append(refusal)
-    for train, device, refusal in [({}, cpu, None), ({"grad_accum": 2}, cuda, None), ({}, cuda, refusals[0])]:
+    for train, device, refusal in [({}, cpu, None), ({}, cuda, refusals[0]), ({"grad_accum": 2}, cuda, refusals[2])]:
         with pytest.raises(ConfigError, match="train.bf16_weights=true"):
             bf16_weights_apply(config(bf16_weights=True, **train), device, refusal)
     with pytest.raises(Exception, match="bf16_weights"):

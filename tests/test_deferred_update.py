@@ -25,37 +25,50 @@ def _tiny(path: Path):
 
 
 def _train(config, defer: bool, steps: int, flush_after: int | None = None) -> tuple[list[float], TorchOptimization]:
-    """steps optimizer steps of a tiny model with bf16 weights under CPU autocast. Deferred, the
-    gradients are written afresh by each backward, as the CUDA graph writes them (zero_grads=False);
-    flush_after: flush once after that step (as an evaluation does) and go on."""
+    """steps optimizer steps of a tiny model with bf16 weights under CPU autocast, each of
+    config.train.grad_accum micro-batches. Deferred, the gradients are written afresh by each step's
+    first backward, as the CUDA graph writes them (zero_grads=False); flush_after: flush once after
+    that step (as an evaluation does) and go on."""
     torch.manual_seed(0)
     model = LanguageModel(config)
     optimization = TorchOptimization(model, config, torch.device("cpu"), keep_grads=defer, zero_grads=not defer,
                                      bf16_weights=True, defer_update=defer)
+    micro_batches = config.train.grad_accum
     gen = torch.Generator().manual_seed(1)
     losses = []
     for step in range(steps):
-        tokens = torch.randint(0, config.model.vocab_size, (2, 33), generator=gen)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(tokens[:, :-1], tokens[:, 1:]).loss  # deferred: the last step's update runs first
-        for p in model.parameters():
-            p.grad = None
-        loss.backward()
+        for micro in range(micro_batches):
+            tokens = torch.randint(0, config.model.vocab_size, (2, 33), generator=gen)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(tokens[:, :-1], tokens[:, 1:]).loss  # deferred: the last step's update runs first
+            if micro == 0:
+                for p in model.parameters():
+                    p.grad = None
+            optimization.backward(loss / micro_batches, micro > 0)
+            losses.append(loss.item())
         optimization.step(1e-3 * (step + 1))  # a different rate each step: each update reads its own
-        losses.append(loss.item())
         if step == flush_after:
             optimization.flush()
     return losses, optimization
 
 
-@pytest.mark.parametrize("path", TINY, ids=[p.stem for p in TINY])
-def test_a_deferred_update_trains_as_the_immediate_one_bit_for_bit(path: Path) -> None:
+DEFERRED_CASES = [(path, 1) for path in TINY] + [(ROOT / "configs" / f"{name}_tiny.yaml", 3)
+                                                  for name in ("mode_integrated", "mor")]
+
+
+@pytest.mark.parametrize("path, micro_batches", DEFERRED_CASES,
+                         ids=[f"{p.stem}, {m} micro-batches" for p, m in DEFERRED_CASES])
+def test_a_deferred_update_trains_as_the_immediate_one_bit_for_bit(path: Path, micro_batches: int) -> None:
     """Every block kind, four steps, a flush between two of them: the losses, the masters, the bf16
-    weights and AdamW's state equal the immediate update's exactly."""
-    config = _tiny(path)
+    weights and AdamW's state equal the immediate update's exactly; with three micro-batches a step,
+    the update reads the float32 sums of their gradients, which the next step's first backward
+    starts afresh only after its forward ran the update."""
+    config = load_config(path, ["--model.n_layers=2", "--model.max_seq_len=32", "--data.seq_len=32",
+                                f"--train.grad_accum={micro_batches}"])
     losses, immediate = _train(config, False, 4)
     deferred_losses, deferred = _train(config, True, 4, flush_after=1)
     assert deferred_losses == losses
+    assert bool(deferred.summed_params) == (micro_batches > 1)
     want, got = immediate.model_state_dict(), deferred.model_state_dict()  # the second flushes the last step's
     assert want.keys() == got.keys()
     for name in want:

@@ -732,17 +732,18 @@ def test_default_cuda_graphs_train_as_plain_eager(tmp_path: Path, corpus: Path, 
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="synchronisation is a GPU's")
+@pytest.mark.parametrize("grad_accum", [1, 2], ids=["1 micro-batch", "2 micro-batches"])
 @pytest.mark.parametrize("graphs", [False, "auto"], ids=["plain eager", "cuda graphs"])
 @pytest.mark.parametrize("case", sorted(AUTO_GRAPHED))
 def test_a_step_is_queued_without_waiting_for_the_gpu(tmp_path: Path, corpus: Path, case: str,
-                                                      graphs: bool | str) -> None:
+                                                      graphs: bool | str, grad_accum: int) -> None:
     """Trainer.launch_step makes no synchronising call (torch.cuda's sync debug mode raises on one),
-    for every block kind and routing method, with bf16 weights, plain eager and CUDA-graphed: what
+    for every block kind and routing method, with bf16 weights (summed over micro-batches or not), plain eager and CUDA-graphed: what
     lets the loop queue step n+1 while the GPU still runs step n. The step queued that way trains
     as the ones before it (finite loss, the next step number)."""
     block, routing, moe = AUTO_GRAPHED[case]
     config = make_config(tmp_path / "run", corpus, model={"block_pattern": ["dense", block]}, routing=routing,
-                         moe=moe, train={"device": "cuda", "max_steps": 4, "cuda_graphs": graphs})
+                         moe=moe, train={"device": "cuda", "max_steps": 4, "cuda_graphs": graphs, "grad_accum": grad_accum})
     trainer = Trainer(config)
     assert trainer.optimization.bf16 is not None
     for _ in range(2):  # the capture, the step's plan and the kernels' first launches (compiles) happen here
@@ -779,6 +780,37 @@ def test_bf16_weights_train_as_float32_weights(tmp_path: Path, corpus: Path, cas
                          train={"device": "cuda", "max_steps": 6, "warmup_steps": 2, "eval_interval": 2,
                                 "bf16_weights": False})
     assert [r["step"] for r in Trainer(config, resume=True).run() if "loss" in r] == [5, 6]
+
+
+# How a run with bf16 weights may run its micro-batches (train settings)
+MICRO_BATCH_RUNS = {"plain eager": {"cuda_graphs": False}, "cuda graphs": {},
+                    "cuda graphs, update overlapped": {"overlap_update": True}, "compiled": GRAPHS["compiled"]}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 autocast trains on a GPU")
+@pytest.mark.parametrize("run", sorted(MICRO_BATCH_RUNS))
+@pytest.mark.parametrize("case", ["mod", "mode_staged", "mode_integrated copy and constant slots"])
+def test_bf16_weights_with_micro_batches_train_as_float32_weights(tmp_path: Path, corpus: Path, case: str,
+                                                                   run: str) -> None:
+    """train.grad_accum=2 with bf16 weights (auto: on) against float32 weights run the same way: the
+    same curves to that way's tolerance, the matrices' gradients summed in float32 (they keep no
+    .grad of their own), in plain eager, under the CUDA graphs (the first micro-batch's graph starts
+    the sums, the second's adds to them), with the update overlapped, and compiled."""
+    block, routing, moe = AUTO_GRAPHED[case]
+    runs = {}
+    for bf16 in (False, "auto"):
+        train = {k: v for k, v in MICRO_BATCH_RUNS[run].items() if bf16 or k != "overlap_update"}
+        config = make_config(tmp_path / str(bf16), corpus, model={"block_pattern": ["dense", block]}, routing=routing,
+                             moe=moe, train={"device": "cuda", "max_steps": 4, "warmup_steps": 2, "eval_interval": 2,
+                                             "grad_accum": 2, "bf16_weights": bf16, **train})
+        trainer = Trainer(config)
+        assert (trainer.optimization.bf16 is not None) is (bf16 == "auto")
+        runs[bf16] = trainer.run()
+        if bf16:
+            summed = trainer.optimization.summed_params
+            assert summed and all(p.grad is None for p in summed)
+            assert (trainer.optimization.deferred is not None) is ("overlapped" in run)
+    assert_same_curves(runs[False], runs["auto"], "compiled" if run == "compiled" else "eager")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 weights and CUDA graphs train on a GPU")

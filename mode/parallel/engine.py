@@ -221,7 +221,7 @@ def reduces_gradients(config: Config, world_size: int) -> bool:
 
 def bf16_weights_refusal(config: Config) -> str | None:
     """Why the engine cannot hold the matrices in bf16 with the project's float32 masters
-    (train.bf16_weights); None under ZeRO 0 without expert parallelism."""
+    (train.bf16_weights); None under ZeRO 0 without expert parallelism or micro-batches."""
     p = config.parallel
     if p.zero_stage > 0:
         return (f"parallel.zero_stage={p.zero_stage}: DeepSpeed's bf16 optimizer holds every weight in bf16 "
@@ -229,6 +229,9 @@ def bf16_weights_refusal(config: Config) -> str | None:
     if p.expert_parallel > 1:
         return (f"parallel.expert_parallel={p.expert_parallel}: float32 weights, since the engine clips by a "
                 "norm summed over the expert-parallel ranks (expert_parallel=1 holds bf16 ones)")
+    if config.train.grad_accum > 1:
+        return (f"train.grad_accum={config.train.grad_accum}: the engine would add the micro-batches' gradients "
+                "in bf16 (one process sums them in float32)")
     return None
 
 

@@ -16,6 +16,11 @@ ones only autocast matmuls read. Embeddings (the float32 residual stream starts 
 head (the loss adds into its float32 gradient itself), norms, routers and causal predictors
 (computed in float32) stay float32; the same kernel steps them (float32_updates), with no copy.
 
+Micro-batches (train.grad_accum > 1): autocast's cast adds each micro-batch's bf16 gradient into the
+float32 weight's float32 gradient. Here each bf16 gradient is added into a float32 sum as the
+backward makes it (a hook on the weight, which then drops the bf16 gradient), and the update reads
+the sum: the same float32 additions in the same order, so the same gradient bit for bit.
+
 Outside the step the masters are the model's weights: TorchOptimization.model_state_dict() puts
 them in checkpoints, so a checkpoint is the same with or without bf16 weights, and the optimizer
 state keeps torch.optim.AdamW's layout (each master in its weight's place).
@@ -54,9 +59,6 @@ def bf16_weights_apply(config: Config, device: torch.device,
         reason = f"training autocasts to bf16 on CUDA only (train.device is {t.device!r}: {device})"
     elif engine_refusal is not None:
         reason = engine_refusal
-    elif t.grad_accum > 1:
-        reason = (f"train.grad_accum={t.grad_accum} would add the micro-batches' gradients in bf16: float32 "
-                  "weights, which add them in float32")
     if reason is None:
         return True, None
     if required:
@@ -89,7 +91,7 @@ def hold_in_bf16_(params: list[nn.Parameter]) -> None:
 def master_updates_(updates: list[Update], grad_scale: Tensor, lr: float | Tensor, betas: tuple[float, float],
                     eps: float, weight_decay: float) -> None:
     """One AdamW update of each (master, exp_avg, exp_avg_sq, grad, copy, step): the master (float32)
-    from its bf16 grad, and copy = the master rounded to bf16 (copy None: a float32 weight from its
+    from its grad (bf16, or a float32 sum of micro-batches' bf16 ones), and copy = the master rounded to bf16 (copy None: a float32 weight from its
     float32 grad, nothing else written). The kernel where it runs
     (mode/kernels/adamw.py, whose docstring gives the arithmetic), else the same in PyTorch ops.
     step: the count after this update; grad_scale: what the gradients are divided by; lr: a number
@@ -165,14 +167,43 @@ class MastersStep:
 class Bf16Weights:
     """params (float32, on one device) turned into bf16, each with a float32 master: the masters
     take the params' places in the optimizer's groups (in_groups), and step() updates them from the
-    params' bf16 gradients."""
+    params' bf16 gradients, or, with sum_micro_batches, from their float32 sums (grad())."""
 
-    def __init__(self, params: list[nn.Parameter]) -> None:
+    def __init__(self, params: list[nn.Parameter], sum_micro_batches: bool = False) -> None:
         self.params = params
         self.masters = [p.detach().clone(memory_format=torch.contiguous_format) for p in params]
         self.param_of = {id(m): p for m, p in zip(self.masters, params, strict=True)}
         self.master_of = {id(p): m for m, p in zip(self.masters, params, strict=True)}
+        self.index_of = {id(p): i for i, p in enumerate(params)}
+        # sum_micro_batches: each param's gradients of a step, added in float32 as the backward makes
+        # them; summed[i]: whether params[i]'s sum holds some of this step's (else it is stale)
+        self.sums: list[Tensor] | None = [torch.zeros_like(m) for m in self.masters] if sum_micro_batches else None
+        self.summed = [False] * len(params)
+        self.sums_always_held = False  # a graph owner's: every sum is the step's (zero where none reached it)
+        self.hooks = [p.register_post_accumulate_grad_hook(self._add_to_sum) for p in params] if sum_micro_batches else []
         hold_in_bf16_(params)
+
+    def _add_to_sum(self, param: Tensor) -> None:
+        """The backward has made param's bf16 gradient: into its float32 sum, the gradient dropped."""
+        i = self.index_of[id(param)]
+        if self.summed[i]:
+            self.sums[i].add_(param.grad)
+        else:  # the step's first gradient of it
+            self.sums[i].copy_(param.grad)
+            self.summed[i] = True
+        param.grad = None
+
+    def start_sums(self) -> None:
+        """The next gradients start the step's sums (its first micro-batch) instead of adding to them."""
+        self.summed = [False] * len(self.params)
+
+    def grad(self, param: Tensor) -> Tensor | None:
+        """What the update reads as param's gradient: with sum_micro_batches, a param of this object's
+        float32 sum (None where no micro-batch of the step reached it); else param.grad."""
+        i = self.index_of.get(id(param)) if self.sums is not None else None
+        if i is None:
+            return param.grad
+        return self.sums[i] if self.summed[i] or self.sums_always_held else None
 
     def in_groups(self, groups: list[dict]) -> list[dict]:
         """Optimizer parameter groups with each param replaced by its master."""
@@ -182,7 +213,7 @@ class Bf16Weights:
         return id(param) in self.master_of
 
     def step(self, optimizer: torch.optim.Optimizer, grad_scale: Tensor, params: list[nn.Parameter] | None = None) -> None:
-        """One AdamW update of every master whose param has a gradient (divided by `grad_scale`, 0-d
+        """One AdamW update of every master whose param has a gradient (grad(); divided by `grad_scale`, 0-d
         float32: 1 / the clipping factor), with its group's settings; the param becomes the new master
         rounded to bf16. The state is torch.optim.AdamW's (step, exp_avg, exp_avg_sq), made on the first step.
         params: only these of this object's params (None: all)."""
@@ -197,8 +228,9 @@ class Bf16Weights:
             updates = []
             for master in group["params"]:
                 param = self.param_of.get(id(master))
-                if param is not None and id(param) in wanted and param.grad is not None:
-                    updates.append(self._update(optimizer, master, param.grad, param.data))
+                grad = None if param is None or id(param) not in wanted else self.grad(param)
+                if grad is not None:
+                    updates.append(self._update(optimizer, master, grad, param.data))
             if updates:
                 found.append((group, updates))
         return found

@@ -184,7 +184,7 @@ class DeferredUpdate:
         """Block index's updates by optimizer group; None while some weight has no gradient (a CUDA
         graph's capture, which makes them: the tables bound before it are used)."""
         params = self.blocks[index]
-        if any(p.grad is None for p in params):
+        if any(self.bf16.grad(p) is None for p in params):
             return None
         return self.bf16.updates(self.optimizer, params)
 
@@ -216,7 +216,7 @@ class DeferredUpdate:
         if not self.blocks[index]:
             return
         if self.stream is None:  # the PyTorch ops (CPU): the flag read on the host, the step's own lr in the groups
-            if any(p.grad is None for p in self.blocks[index]) or not self.active.item():
+            if any(self.bf16.grad(p) is None for p in self.blocks[index]) or not self.active.item():
                 return
             self.bf16.step(self.optimizer, self.grad_scale, self.blocks[index])
             return

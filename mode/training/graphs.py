@@ -1,7 +1,7 @@
 """The eager model's micro-batch as one CUDA graph (train.cuda_graphs), and where it cannot run."""
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -86,7 +86,9 @@ class GraphedMicroStep:
     micro-batch's graph writes them (each parameter's gradient is the backward's own tensor, no
     zeroing and no add), and with loss_divisor > 1 a second graph, sharing the first's memory,
     adds the later micro-batches' into them. In one process the optimizer must neither free nor
-    zero them (TorchOptimization(keep_grads=True, zero_grads=False)).
+    zero them (TorchOptimization(keep_grads=True, zero_grads=False)). backward(loss, accumulate)
+    is told which of the two it runs in (accumulate: the second); `summed` are parameters whose
+    gradient the backward itself moves elsewhere (bf16 weights' float32 sums), leaving no .grad.
 
     With a multi-process engine (after_replay given), `backward` is the part of its backward a graph
     can hold (autograd alone) and after_replay the rest, run on the host after each replay (the
@@ -96,10 +98,11 @@ class GraphedMicroStep:
 
     WARMUP_PASSES = 3
 
-    def __init__(self, model: nn.Module, backward: Callable[[Tensor], None], loss_divisor: int,
-                 after_replay: Callable[[], None] | None = None) -> None:
+    def __init__(self, model: nn.Module, backward: Callable[[Tensor, bool], None], loss_divisor: int,
+                 after_replay: Callable[[], None] | None = None, summed: Sequence[nn.Parameter] = ()) -> None:
         self.model, self.backward, self.loss_divisor = model, backward, loss_divisor
         self.after_replay = after_replay
+        self.summed = {id(p) for p in summed}
         self.grads: list[tuple[nn.Parameter, Tensor]] = []  # each parameter's gradient as the graph writes it
         self.graph: torch.cuda.CUDAGraph | None = None  # the first micro-batch's: writes the gradients
         self.adding_graph: torch.cuda.CUDAGraph | None = None  # the later ones': adds into them
@@ -126,15 +129,15 @@ class GraphedMicroStep:
             self.after_replay()
         return self.adding_out if accumulate else self.out
 
-    def _pass(self) -> ModelOutput:
+    def _pass(self, accumulate: bool = False) -> ModelOutput:
         # No autocast cache: cast weights cached across the capture's boundary would outlive it.
         with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
             out = self.model(self.x, self.y)
-        self.backward(out.loss / self.loss_divisor)
+        self.backward(out.loss / self.loss_divisor, accumulate)
         return out
 
     def _capture(self, x: Tensor, y: Tensor) -> None:
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        params = [p for p in self.model.parameters() if p.requires_grad and id(p) not in self.summed]
         self.x, self.y = x.clone(), y.clone()  # the graph's inputs: each call copies its batch in
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -160,6 +163,6 @@ class GraphedMicroStep:
         if self.loss_divisor > 1:  # captured now: its capture runs nothing, so no gradient moves
             adding = torch.cuda.CUDAGraph()
             with torch.cuda.graph(adding, pool=graph.pool(), capture_error_mode=mode):
-                self.adding_out = self._pass()
+                self.adding_out = self._pass(accumulate=True)
             self.adding_graph = adding
         self.graph = graph

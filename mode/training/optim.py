@@ -222,10 +222,12 @@ def predictor_parameter_ids(model: nn.Module) -> frozenset[int]:
     return frozenset(id(p) for m in model.modules() if isinstance(m, CausalPredictor) for p in m.parameters())
 
 
-def predictor_split(params: list[nn.Parameter], predictor_ids: frozenset[int]) -> tuple[list[int], list[int]]:
+def predictor_split(params: list[nn.Parameter], predictor_ids: frozenset[int],
+                    grads: list[Tensor | None] | None = None) -> tuple[list[int], list[int]]:
     """Indices into params of those with a gradient: (the model's, the causal predictors':
-    predictor_parameter_ids)."""
-    with_grads = [i for i, p in enumerate(params) if p.grad is not None]
+    predictor_parameter_ids). grads: each param's gradient (None: its .grad)."""
+    grads = [p.grad for p in params] if grads is None else grads
+    with_grads = [i for i, g in enumerate(grads) if g is not None]
     return ([i for i in with_grads if id(params[i]) not in predictor_ids],
             [i for i in with_grads if id(params[i]) in predictor_ids])
 
@@ -296,7 +298,9 @@ class TorchOptimization:
     model's weights for checkpoints are model_state_dict()'s, not model.state_dict()'s.
     defer_update (with bf16_weights and kept gradients): step() stages the masters' update and the
     next training forward runs it beside its matmuls (mode/training/deferred_update.py); flush()
-    applies a staged one (model_state_dict and state_dict do it themselves).
+    applies a staged one (model_state_dict and state_dict do it themselves). With bf16_weights and
+    train.grad_accum > 1 the matrices' bf16 gradients are summed in float32 as the backward makes
+    them (Bf16Weights.grad), and the matrices keep no .grad: `summed_params`.
     """
 
     def __init__(self, model: nn.Module, config: Config, device: torch.device, keep_grads: bool = False,
@@ -307,7 +311,11 @@ class TorchOptimization:
         self.grad_clip = t.grad_clip
         self.predictor_ids = predictor_parameter_ids(model)
         # train.bf16_weights: the matrices in bf16, their float32 masters in the optimizer
-        self.bf16 = Bf16Weights(matrix_weights(model)) if bf16_weights else None
+        self.bf16 = Bf16Weights(matrix_weights(model), sum_micro_batches=t.grad_accum > 1) if bf16_weights else None
+        self.summed_params = [] if self.bf16 is None or self.bf16.sums is None else self.bf16.params
+        if self.summed_params and keep_grads and not zero_grads:  # a graph writes every sum afresh each step
+            self.bf16.sums_always_held = True
+        self.backwards = 0  # since the last step
         groups = parameter_groups(model, t.weight_decay)
         self.optimizer = torch.optim.AdamW(
             groups if self.bf16 is None else self.bf16.in_groups(groups),
@@ -324,17 +332,26 @@ class TorchOptimization:
                                  "unzeroed until the next forward (keep_grads=True, zero_grads=False)")
             self.deferred = DeferredUpdate(model, self.bf16, self.optimizer)
         if keep_grads and zero_grads:  # else their owner makes them
+            summed = {id(p) for p in self.summed_params}
             for p in model.parameters():
-                if p.requires_grad and p.grad is None:
+                if p.requires_grad and p.grad is None and id(p) not in summed:
                     p.grad = torch.zeros_like(p)
 
-    def backward(self, loss: Tensor) -> None:
+    def backward(self, loss: Tensor, accumulate: bool | None = None) -> None:
+        """loss.backward(). accumulate (bf16 weights summed over micro-batches): False, the step's
+        first micro-batch, whose gradients start the sums; True, a later one's, added to them; None:
+        False for the first backward since the last step."""
+        if self.summed_params:
+            if not (self.backwards > 0 if accumulate is None else accumulate):
+                self.bf16.start_sums()
+        self.backwards += 1
         loss.backward()
 
     def step(self, lr: float) -> Tensor:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        grads_now = [p.grad for p in self.params]
+        self.backwards = 0
+        grads_now = [p.grad for p in self.params] if self.bf16 is None else [self.bf16.grad(p) for p in self.params]
         plan = self._plan(grads_now)
         predictor_grads = [grads_now[i] for i in plan.predictors]
         norm = total_norm([grads_now[i] for i in plan.model]) if plan.norm is None else plan.norm()
@@ -387,7 +404,7 @@ class TorchOptimization:
         return plan
 
     def _new_plan(self, key: tuple, grads: list[Tensor | None], addresses: tuple[int, ...]) -> StepPlan:
-        model, predictors = predictor_split(self.params, self.predictor_ids)  # grads are these params' own
+        model, predictors = predictor_split(self.params, self.predictor_ids, grads)
         norm = grad_norm([grads[i] for i in model])
         scaled, float32_step, masters_step = model, None, None
         if self.bf16 is not None:
