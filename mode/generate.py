@@ -199,6 +199,9 @@ def check_decoder(decoder: Decoder, model: LanguageModel, batch: int, max_len: i
         raise ValueError("decoder: it was built for another model (Decoder(model, ...) with the model given here)")
     if decoder.batch != batch:
         raise ValueError(f"decoder: it was built for batch {decoder.batch}, but {batch} prompts were given")
+    if decoder.weights_replaced():
+        raise ValueError("decoder: the model's weights were replaced by new tensors since it was built (model.to, "
+                         "load_state_dict(assign=True)); build a new Decoder")
     if decoder.max_len < max_len:
         raise ValueError(f"decoder: its max_len {decoder.max_len} is below the {max_len} this call needs "
                          "(the longest prompt and max_new_tokens, within model.max_seq_len)")

@@ -412,6 +412,28 @@ def test_a_decoder_that_cannot_serve_a_call_is_named() -> None:
         generate(model, [[1, 2]], max_new_tokens=10, decoder=Decoder(model, 1, 8))
 
 
+def test_a_decoder_over_replaced_weights_is_refused() -> None:
+    """Weights changed in place keep a decoder serving (its graph reads them where they are); weights
+    replaced by new tensors (load_state_dict(assign=True), model.to(dtype)) are refused by
+    generate, naming decoder, and by Decoder.reset."""
+    model = make_model("mod")
+    decoder = Decoder(model, 1, 8)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2.0)
+    assert not decoder.weights_replaced()
+    assert len(generate(model, [[1, 2]], max_new_tokens=2, temperature=0, decoder=decoder)[0]) == 2
+    model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+    assert decoder.weights_replaced()
+    with pytest.raises(ValueError, match="decoder: the model's weights were replaced"):
+        generate(model, [[1, 2]], max_new_tokens=2, decoder=decoder)
+    with pytest.raises(ValueError, match="Decoder.reset: the model's weights were replaced"):
+        decoder.reset()
+    fresh = Decoder(model, 1, 8)
+    assert not fresh.weights_replaced()
+    model.to(torch.float32 if model.embed.weight.dtype != torch.float32 else torch.float64)
+    assert fresh.weights_replaced()
+
+
 def test_generation_stops_at_the_context_window() -> None:
     model = make_model("mod", "aux_loss")
     out = generate(model, [[5] * 45], max_new_tokens=10, temperature=0)[0]

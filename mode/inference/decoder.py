@@ -148,6 +148,11 @@ def compaction_pays(batch: int) -> bool:
     return batch <= COMPACT_MAX_SMALL_BATCH or batch >= COMPACT_MIN_LARGE_BATCH
 
 
+def weight_places(model: nn.Module) -> tuple[tuple[int, torch.dtype], ...]:
+    """Each parameter's address and dtype, in the model's order."""
+    return tuple((p.data_ptr(), p.dtype) for p in model.parameters())
+
+
 class Decoder:
     """Prefill and decode for a batch of B sequences, with one sparse KV cache per layer.
 
@@ -236,6 +241,13 @@ class Decoder:
         self._packed = PackedRows.build(batch, max_len, self.device, param.dtype, head_dim, decode_attention)
         self.sdpa_backends = None if sdpa_backends is None or self.device.type == "cpu" else list(sdpa_backends)
         self._all_rows = torch.arange(batch, device=self.device)
+        self._weights = weight_places(model)  # where the step (and a captured graph) reads the weights
+
+    def weights_replaced(self) -> bool:
+        """Whether a model weight is no longer the tensor the decoder was built over (model.to,
+        load_state_dict(assign=True)): a captured graph would read the old memory, and the caches
+        were sized for the old dtype. Weights changed in place (an optimizer step) are not replaced."""
+        return weight_places(self.model) != self._weights
 
     @property
     def _flash_varlen(self) -> bool:
@@ -255,7 +267,11 @@ class Decoder:
         """Empty every cache and take every row back to position 0, for new prompts of the same batch:
         the caches' memory and a captured CUDA graph are kept (the graph reads the same buffers).
         The routers' float32 snapshots are taken again, in place, so weights trained in place since
-        (an optimizer's step) decide; weights replaced by new tensors (model.to) need a new decoder."""
+        (an optimizer's step) decide; weights replaced by new tensors (model.to) need a new decoder:
+        a ValueError here."""
+        if self.weights_replaced():
+            raise ValueError("Decoder.reset: the model's weights were replaced by new tensors since the decoder was "
+                             "built (model.to, load_state_dict(assign=True)); build a new Decoder")
         snapshots = [weights for block in self.model.blocks for weights in _router_snapshots(block)]
         for cache, weights in zip(self.caches, snapshots, strict=True):  # self.caches: in the blocks' order
             cache.lengths_cpu, cache.lengths_dev = torch.zeros_like(cache.lengths_cpu), None
