@@ -9,12 +9,14 @@ train.max_steps steps, each rank on its own tokens, this checks:
 - the matrices are bf16, and the masters start as rank 0's on every rank (rank 1 builds other weights);
 - every step equals a one-process TorchOptimization with bf16 weights stepped from the mean over
   ranks of each rank's own gradients (bf16 ones averaged in bf16): the same masters, bf16 copies
-  and gradient norms;
+  and gradient norms; with train.grad_accum above 1, each rank's matrices' gradients summed over
+  its micro-batches in float32 (the one-process sums) and those sums averaged in float32, the
+  matrices keeping no .grad;
 - a checkpoint holds the float32 masters (checkpoint.pt's weights and DeepSpeed's files), and loading
   it after one more step brings back the masters, their bf16 copies and the optimizer's moments;
 - an engine with float32 weights loads the same checkpoint: the masters become its weights;
-- with parallel.reduce_bucket_mb above 0 (OverlappedGradients), the first bucket starts before the
-  backward has produced every gradient, and every bucket starts once a step.
+- with parallel.reduce_bucket_mb above 0 and one micro-batch (OverlappedGradients), the first bucket
+  starts before the backward has produced every gradient, and every bucket starts once a step.
 Prints "bf16 engine: ok" on rank 0; an assertion names what differed.
 """
 from __future__ import annotations
@@ -52,7 +54,8 @@ def mean_over_ranks(grads: list[list[Tensor]]) -> list[Tensor]:
 def main(path: str) -> None:
     config = load_config(path, [])
     t = config.train
-    assert config.parallel.zero_stage == 0 and t.grad_accum == 1, "the check needs ZeRO 0 and grad_accum 1"
+    assert config.parallel.zero_stage == 0, "the check needs ZeRO 0"
+    micro_batches = t.grad_accum
     quiet_deepspeed()
     processes = init_distributed(config)
     assert processes.world_size == 2, "the reference averages 2 ranks"
@@ -71,25 +74,32 @@ def main(path: str) -> None:
     arrived_at_start: list[int] = []  # per bucket started: how many gradients had arrived
     flat = optimization.flat_grads
     overlapped = isinstance(flat, OverlappedGradients)
-    assert overlapped is (config.parallel.reduce_bucket_mb > 0), type(flat)
+    assert overlapped is (config.parallel.reduce_bucket_mb > 0 and micro_batches == 1), type(flat)
     if overlapped:
         start = flat._start
         flat._start = lambda b: (arrived_at_start.append(len(flat.arrived)), start(b))[1]
 
     draws = torch.Generator().manual_seed(100)  # both ranks draw every rank's tokens alike
+    assert bool(optimization.summed_params) is (micro_batches > 1)
     for step in range(t.max_steps):
-        batches = [torch.randint(0, config.model.vocab_size, (t.batch_size, config.data.seq_len + 1), generator=draws)
-                   for _ in range(2)]
+        batches = [[torch.randint(0, config.model.vocab_size, (t.batch_size, config.data.seq_len + 1), generator=draws)
+                    for _ in range(micro_batches)] for _ in range(2)]  # (rank, micro-batch)
         lr = t.lr * (step + 1) / t.max_steps
-        optimization.backward(loss_of(model, batches[processes.rank]))
+        for tokens in batches[processes.rank]:
+            optimization.backward(loss_of(model, tokens) / micro_batches)
+        assert all(p.grad is None for p in optimization.summed_params), "a summed matrix kept a .grad"
         norm = optimization.step(lr)
-        own = []
-        for tokens in batches:
-            loss_of(ref_model, tokens).backward()
-            own.append([p.grad.clone() for p in ref_model.parameters()])
+        own = []  # each rank's gradients as the update reads them: the matrices' float32 sums where summed
+        for rank_batches in batches:
+            for micro, tokens in enumerate(rank_batches):
+                reference.backward(loss_of(ref_model, tokens) / micro_batches, accumulate=micro > 0)
+            own.append([ref_bf16.grad(p).clone() for p in ref_model.parameters()])
             ref_model.zero_grad(set_to_none=True)
         for p, g in zip(ref_model.parameters(), mean_over_ranks(own), strict=True):
-            p.grad = g
+            if ref_bf16.sums is not None and ref_bf16.owns(p):
+                ref_bf16.grad(p).copy_(g)
+            else:
+                p.grad = g
         ref_norm = reference.step(lr)
         if overlapped:
             assert len(arrived_at_start) == len(flat.buckets) > 1, (len(arrived_at_start), len(flat.buckets))
@@ -108,7 +118,8 @@ def main(path: str) -> None:
                  "checkpoint.pt's weights against the masters")
     masters = [master_of[name].clone() for name in names]
     moments = [optimization.optimizer.state[master_of[name]]["exp_avg_sq"].clone() for name in names]
-    optimization.backward(loss_of(model, batches[processes.rank]))
+    for tokens in batches[processes.rank]:
+        optimization.backward(loss_of(model, tokens) / micro_batches)
     optimization.step(t.lr)
     assert not torch.equal(master_of[names[0]], masters[0]), "the extra step moved nothing"
     optimization.load_checkpoint(run_dir, {"optimizer": saved["optimizer"], "state": {"step": t.max_steps}})

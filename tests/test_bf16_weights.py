@@ -428,9 +428,9 @@ def test_checkpoints_hold_the_masters_and_resume_bit_for_bit() -> None:
 
 
 def test_where_bf16_weights_apply() -> None:
-    """On a GPU in one process, micro-batches or not, and through an engine that can hold them:
-    launch/train.py under ZeRO 0 without expert parallelism or micro-batches; DeepSpeed's ZeRO 1/2
-    (its own bf16), expert parallelism and an engine's micro-batches refuse, naming the field."""
+    """On a GPU in one process, and through an engine that can hold them: launch/train.py under ZeRO 0
+    without expert parallelism, micro-batches or not; DeepSpeed's ZeRO 1/2 (its own bf16) and expert
+    parallelism refuse, naming the field."""
     from mode.parallel.engine import bf16_weights_refusal
 
     def config(parallel: dict | None = None, **train):
@@ -442,19 +442,19 @@ def test_where_bf16_weights_apply() -> None:
     assert bf16_weights_apply(config(), cpu) == (False, None)
     assert bf16_weights_apply(config(bf16_weights=False), cuda) == (False, None)
     assert bf16_weights_apply(config(grad_accum=2), cuda) == (True, None)
-    zero0 = config({"zero_stage": 0, "expert_parallel": 1})
-    assert bf16_weights_refusal(zero0) is None
-    assert bf16_weights_apply(zero0, cuda, bf16_weights_refusal(zero0)) == (True, None)
+    for train in ({}, {"grad_accum": 2}):
+        zero0 = config({"zero_stage": 0, "expert_parallel": 1}, **train)
+        assert bf16_weights_refusal(zero0) is None
+        assert bf16_weights_apply(zero0, cuda, bf16_weights_refusal(zero0)) == (True, None)
     refusals = []
-    for parallel, train, field in [({"zero_stage": 2}, {}, "parallel.zero_stage=2"),
-                                   ({"zero_stage": 0, "expert_parallel": 2}, {}, "parallel.expert_parallel=2"),
-                                   ({"zero_stage": 0}, {"grad_accum": 2}, "train.grad_accum=2")]:
-        refusal = bf16_weights_refusal(config(parallel, **train))
+    for parallel, field in [({"zero_stage": 2}, "parallel.zero_stage=2"),
+                            ({"zero_stage": 0, "expert_parallel": 2}, "parallel.expert_parallel=2")]:
+        refusal = bf16_weights_refusal(config(parallel))
         assert refusal.startswith(field), refusal
-        on, note = bf16_weights_apply(config(parallel, **train), cuda, refusal)
+        on, note = bf16_weights_apply(config(parallel), cuda, refusal)
         assert not on and note == f"train.bf16_weights=auto: off, since {refusal}"
         refusals.append(refusal)
-    for train, device, refusal in [({}, cpu, None), ({}, cuda, refusals[0]), ({"grad_accum": 2}, cuda, refusals[2])]:
+    for train, device, refusal in [({}, cpu, None), ({}, cuda, refusals[0]), ({"grad_accum": 2}, cuda, refusals[1])]:
         with pytest.raises(ConfigError, match="train.bf16_weights=true"):
             bf16_weights_apply(config(bf16_weights=True, **train), device, refusal)
     with pytest.raises(Exception, match="bf16_weights"):

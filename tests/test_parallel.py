@@ -557,17 +557,22 @@ def test_the_backward_a_graph_holds_reduces_as_the_engines(corpus: Path, tmp_pat
     assert "captured backward: ok" in out, out[-4000:]
 
 
-@pytest.mark.parametrize("bucket_mb", [0, 0.01], ids=["after-backward", "buckets-beside-backward"])
-def test_the_engine_holds_bf16_weights_as_one_process_does(corpus: Path, tmp_path: Path, bucket_mb: float) -> None:
+@pytest.mark.parametrize("bucket_mb, grad_accum", [(0, 1), (0.01, 1), (0.01, 2)],
+                         ids=["after-backward", "buckets-beside-backward", "2 micro-batches"])
+def test_the_engine_holds_bf16_weights_as_one_process_does(corpus: Path, tmp_path: Path, bucket_mb: float,
+                                                           grad_accum: int) -> None:
     """Under ZeRO 0 with bf16 weights the engine reduces the gradients itself (bf16 ones in bf16) and
     steps through the one-process optimizer: on 2 processes each step equals TorchOptimization
     stepped from the mean over ranks, and a checkpoint holds and restores the float32 masters
     (tests/bf16_engine.py; CPU, bf16 weights forced, autocast by hand). Both reductions: all after
-    the backward, and 10 KiB buckets started within it (several a dtype at this size)."""
+    the backward, and 10 KiB buckets started within it (several a dtype at this size); with two
+    micro-batches (reduced after the last backward), the matrices' gradients summed in float32 and
+    reduced in float32."""
     raw = raw_config(corpus, tmp_path / "run", model={"block_pattern": ["mode_integrated", "mode_staged"]},
                      routing={"capacity": 0.25}, moe={"n_experts": 4, "n_noop": 2, "scheme": "expert_choice"},
                      parallel={"zero_stage": 0, "expert_parallel": 1, "reduce_bucket_mb": bucket_mb})
     raw["train"]["max_steps"] = 3
+    raw["train"]["grad_accum"] = grad_accum
     out = launch(write_config(raw, tmp_path / "config.yaml"), script=ROOT / "tests" / "bf16_engine.py").stdout
     assert "bf16 engine: ok" in out, out[-4000:]
 
@@ -656,18 +661,21 @@ def test_two_gpus_train_graphed_as_plain_eager(corpus: Path, tmp_path: Path) -> 
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="two processes on two GPUs (NCCL)")
-def test_two_gpus_train_bf16_weights_as_float32_weights(corpus: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("grad_accum", [1, 2], ids=["1 micro-batch", "2 micro-batches"])
+def test_two_gpus_train_bf16_weights_as_float32_weights(corpus: Path, tmp_path: Path, grad_accum: int) -> None:
     """launch/train.py on 2 GPUs under ZeRO 0, graphed: bf16 weights (on by default there) train as
     float32 weights (train.bf16_weights=false) do, MoD and Staged MoDE blocks: the losses within
     5e-3 nats, gradient norms within 2e-2 relative (the bf16 gradients are averaged in bf16, one
     rounding more than float32's). The bf16 run reduces in 10 KiB buckets, several of which start
-    within the captured backward (NCCL inside the graph). A run stopped after step 4 and resumed
-    from step 3's checkpoint continues as the uninterrupted one (within 2e-3): the checkpoint held
-    the float32 masters."""
+    within the captured backward (NCCL inside the graph); with 2 micro-batches, the matrices'
+    float32 sums after the last one. A run stopped after step 4 and resumed from step 3's
+    checkpoint continues as the uninterrupted one (within 2e-3): the checkpoint held the float32
+    masters."""
     runs, configs = {}, {}
     for name, setting in (("float32", False), ("bf16", "auto")):
         raw = raw_config(corpus, tmp_path / name, model={"block_pattern": ["mod", "mode_staged"]},
-                         routing={"capacity": 0.25}, train={"device": "cuda", "bf16_weights": setting},
+                         routing={"capacity": 0.25},
+                         train={"device": "cuda", "bf16_weights": setting, "grad_accum": grad_accum},
                          parallel={"zero_stage": 0, "expert_parallel": 1, "reduce_bucket_mb": 0.01})
         configs[name] = write_config(raw, tmp_path / f"{name}.yaml")
         out = launch(configs[name]).stdout

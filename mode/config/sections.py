@@ -218,9 +218,9 @@ class TrainConfig(Section):
             "hold the attention, FFN and expert matrices in bf16 while training under bf16 autocast, each with a "
             "float32 master that AdamW steps and rounds into it (no per-step casts of the weights or of their "
             "gradients; the same values; with grad_accum > 1 the micro-batches' bf16 gradients are summed in "
-            "float32, as float32 weights sum them). auto: wherever it can run (python -m mode.train on a GPU; "
-            "launch/train.py under ZeRO 0 with grad_accum=1 and no expert parallelism); true: required (an "
-            "error where it cannot run); false: float32 weights. "
+            "float32, as float32 weights sum them). auto: wherever it can run (on a GPU: python -m mode.train, or "
+            "launch/train.py under ZeRO 0 without expert parallelism); true: required (an error where it cannot "
+            "run); false: float32 weights. "
             "Checkpoints hold the float32 masters either way"
         ),
     )

@@ -21,9 +21,10 @@ held in bf16 with float32 masters as in a one-GPU run (train.bf16_weights): the 
 optimizer (TorchOptimization) steps them, and the gradients are all-reduced here, each dtype in
 its own (the matrices' bf16 gradients in bf16: half the bytes of float32, where DeepSpeed's
 reduction would send every gradient as float32), in buckets started beside the backward
-(OverlappedGradients, parallel.reduce_bucket_mb). With float32 weights (train.bf16_weights=false,
-grad_accum > 1, expert parallelism) weights and gradients stay fp32 and DeepSpeed reduces and
-steps. On CPU everything is fp32.
+(OverlappedGradients, parallel.reduce_bucket_mb); with grad_accum > 1 all after the last
+micro-batch, the matrices' gradients summed over micro-batches in float32 and reduced in float32.
+With float32 weights (train.bf16_weights=false, expert parallelism) weights and gradients stay
+fp32 and DeepSpeed reduces and steps. On CPU everything is fp32.
 
 Clipping: DeepSpeed clips with train.grad_clip under ZeRO 1/2. Under ZeRO 0 DeepSpeed
 would clip by the *mean over ranks* of each rank's local norm, which with expert
@@ -72,7 +73,7 @@ from torch import Tensor, nn
 from mode.config import Config, ConfigError
 from mode.parallel.expert_parallel import ExpertParallelExperts, full_state_dict
 from mode.run_folder import DEEPSPEED_DIR
-from mode.training.bf16_weights import bf16_weights_apply
+from mode.training.bf16_weights import Bf16Weights, bf16_weights_apply
 from mode.training.optim import (
     TorchOptimization,
     clipped_gradients,
@@ -221,7 +222,7 @@ def reduces_gradients(config: Config, world_size: int) -> bool:
 
 def bf16_weights_refusal(config: Config) -> str | None:
     """Why the engine cannot hold the matrices in bf16 with the project's float32 masters
-    (train.bf16_weights); None under ZeRO 0 without expert parallelism or micro-batches."""
+    (train.bf16_weights); None under ZeRO 0 without expert parallelism."""
     p = config.parallel
     if p.zero_stage > 0:
         return (f"parallel.zero_stage={p.zero_stage}: DeepSpeed's bf16 optimizer holds every weight in bf16 "
@@ -229,9 +230,6 @@ def bf16_weights_refusal(config: Config) -> str | None:
     if p.expert_parallel > 1:
         return (f"parallel.expert_parallel={p.expert_parallel}: float32 weights, since the engine clips by a "
                 "norm summed over the expert-parallel ranks (expert_parallel=1 holds bf16 ones)")
-    if config.train.grad_accum > 1:
-        return (f"train.grad_accum={config.train.grad_accum}: the engine would add the micro-batches' gradients "
-                "in bf16 (one process sums them in float32)")
     return None
 
 
@@ -241,24 +239,35 @@ class FlatGradients:
     in place, and each parameter's .grad then is its view of the buffer, with no copy back. Each
     view starts 16 bytes aligned (the optimizer's kernels load them whole), so a parameter's
     gradient sits at the same address every step. The buffers hold the parameters in reverse
-    order, the order in which the backward produces their gradients (OverlappedGradients)."""
+    order, the order in which the backward produces their gradients (OverlappedGradients).
+
+    summed: bf16 weights whose gradients are summed over micro-batches in float32 (Bf16Weights with
+    sums): their sums become views of the float32 buffer, written there by the backward itself
+    (nothing to copy in, and no .grad handed out), and are reduced with the float32 gradients."""
 
     ALIGN_BYTES = 16
     during_backward = False  # reduces after the backward, outside a CUDA graph holding it
 
-    def __init__(self, params: list[nn.Parameter], world_size: int, backend: str) -> None:
+    def __init__(self, params: list[nn.Parameter], world_size: int, backend: str,
+                 summed: Bf16Weights | None = None) -> None:
         self.params, self.world_size = params, world_size
         self.average = backend == "nccl"  # NCCL averages in the collective; gloo sums, then the mean is taken
+        self.summed = summed if summed is not None and summed.sums is not None else None
+        # each parameter's index among the summed weights (None: its .grad is reduced)
+        self.sum_index = [None if self.summed is None else self.summed.index_of.get(id(p)) for p in params]
+        dtypes = [p.dtype if j is None else torch.float32 for p, j in zip(params, self.sum_index)]
         sizes: dict[torch.dtype, int] = {}
         self.offsets = [0] * len(params)
         for i in reversed(range(len(params))):
-            p = params[i]
-            step = self.ALIGN_BYTES // p.element_size()
-            self.offsets[i] = -(-sizes.get(p.dtype, 0) // step) * step
-            sizes[p.dtype] = self.offsets[i] + p.numel()
+            step = self.ALIGN_BYTES // dtypes[i].itemsize
+            self.offsets[i] = -(-sizes.get(dtypes[i], 0) // step) * step
+            sizes[dtypes[i]] = self.offsets[i] + params[i].numel()
         self.buffers = {dtype: torch.zeros(size, dtype=dtype, device=params[0].device) for dtype, size in sizes.items()}
-        self.views = [self.buffers[p.dtype][start:start + p.numel()].view_as(p)
-                      for p, start in zip(params, self.offsets)]
+        self.views = [self.buffers[dtype][start:start + p.numel()].view_as(p)
+                      for p, dtype, start in zip(params, dtypes, self.offsets)]
+        if self.summed is not None:
+            self.summed.place_sums({j: view for j, view in zip(self.sum_index, self.views) if j is not None})
+            self.summed.sums_always_held = True  # the reduction zeroes those no micro-batch reached
 
     def begin(self) -> None:
         """Before a backward whose gradients reduce_mean_ reduces: nothing to do here."""
@@ -272,14 +281,19 @@ class FlatGradients:
         self._hand_out()
 
     def _copy_in(self, indices: range | list[int]) -> None:
-        """The gradients of params[indices] copied into their views; zeros where there is none."""
-        copies = [(self.views[i], self.params[i].grad) for i in indices
-                  if self.params[i].grad is not None and self.params[i].grad is not self.views[i]]
+        """The gradients of params[indices] copied into their views; zeros where there is none (a
+        summed weight's sum is its view already: zeros where no micro-batch of the step reached it)."""
+        copies = [(self.views[i], self.params[i].grad) for i in indices if self.sum_index[i] is None
+                  and self.params[i].grad is not None and self.params[i].grad is not self.views[i]]
         if copies:
             torch._foreach_copy_([view for view, _ in copies], [grad for _, grad in copies])
-        unreached = [self.views[i] for i in indices if self.params[i].grad is None]
+        unreached = [self.views[i] for i in indices if not self._reached(i)]
         if unreached:
             torch._foreach_zero_(unreached)
+
+    def _reached(self, i: int) -> bool:
+        j = self.sum_index[i]
+        return self.params[i].grad is not None if j is None else self.summed.summed[j]
 
     def _all_reduce_mean_(self, flat: Tensor) -> None:
         if self.average:
@@ -289,8 +303,9 @@ class FlatGradients:
             flat.mul_(1.0 / self.world_size)
 
     def _hand_out(self) -> None:
-        for p, view in zip(self.params, self.views):
-            p.grad = view
+        for p, view, j in zip(self.params, self.views, self.sum_index):
+            if j is None:
+                p.grad = view
 
 
 @dataclass
@@ -381,13 +396,14 @@ class OverlappedGradients(FlatGradients):
         self._hand_out()
 
 
-def flat_gradients(params: list[nn.Parameter], config: Config, processes: Processes) -> FlatGradients:
+def flat_gradients(params: list[nn.Parameter], config: Config, processes: Processes,
+                   summed: Bf16Weights | None = None) -> FlatGradients:
     """The reduction of bf16 weights' gradients: bucket by bucket beside the backward, or with
-    parallel.reduce_bucket_mb=0 (or micro-batches accumulated, reduced at the last one alone) all
-    of them after it."""
+    parallel.reduce_bucket_mb=0 (or micro-batches accumulated, reduced at the last one alone, the
+    bf16 weights' float32 sums among them: `summed`) all of them after it."""
     mib = config.parallel.reduce_bucket_mb
     if mib == 0 or config.train.grad_accum > 1:
-        return FlatGradients(params, processes.world_size, processes.backend)
+        return FlatGradients(params, processes.world_size, processes.backend, summed)
     return OverlappedGradients(params, processes.world_size, processes.backend, bucket_bytes=int(mib * 2**20))
 
 
@@ -473,10 +489,11 @@ class DeepSpeedOptimization:
             for master in self.local.bf16.masters:
                 dist.broadcast(master, src=0)
         self.model = self.engine.module
+        self.summed_params = [] if self.local is None else self.local.summed_params
         self.flat_grads = None
         if self.local is not None and processes.world_size > 1:
             self.flat_grads = flat_gradients([p for p in self.model.parameters() if p.requires_grad],
-                                             config, processes)
+                                             config, processes, self.local.bf16)
         self.predictor_ids = predictor_parameter_ids(self.model)
         self.expert_layers = [m for m in self.model.modules() if isinstance(m, ExpertParallelExperts)]
         self.ep_group = self.expert_layers[0].group if self.expert_layers else None
@@ -498,6 +515,8 @@ class DeepSpeedOptimization:
 
     def backward(self, loss: torch.Tensor) -> None:
         boundary = self._count_micro_batch()
+        if self.local is not None:  # bf16 weights summed over micro-batches: the first one starts the sums
+            self.local.begin_micro_batch(accumulate=self._pending > 1)
         if self.flat_grads is not None:  # OverlappedGradients counts this backward's gradients from none
             self.flat_grads.begin()
         self.engine.backward(loss, scale_wrt_gas=False)  # the loop divided by grad_accum already
@@ -510,11 +529,14 @@ class DeepSpeedOptimization:
     def bf16_weights_applied(self) -> tuple[bool, str | None]:
         return self.bf16_setting
 
-    def captured_backward(self, loss: torch.Tensor) -> None:
+    def captured_backward(self, loss: torch.Tensor, accumulate: bool) -> None:
         """What a CUDA graph holds of backward() (mode.training.graphs.GraphedMicroStep): autograd,
         and the all-reduce where it runs beside the backward (OverlappedGradients). Under ZeRO 0
         (capture_refusal) the engine's backward is just that, then at the accumulation boundary
-        the all-reduce, which after_replay runs outside the graph otherwise."""
+        the all-reduce, which after_replay runs outside the graph otherwise. accumulate: the graph
+        of the later micro-batches (bf16 weights' sums: added to, not started)."""
+        if self.local is not None:
+            self.local.begin_micro_batch(accumulate)
         overlapped = self.flat_grads is not None and self.flat_grads.during_backward
         if overlapped:
             self.flat_grads.begin()

@@ -193,6 +193,15 @@ class Bf16Weights:
             self.summed[i] = True
         param.grad = None
 
+    def place_sums(self, places: dict[int, Tensor]) -> None:
+        """Hold sums[i] in places[i] from now on (float32, its shape: a view of a flat buffer that a
+        reduction reads), with the value it has."""
+        for i, place in places.items():
+            if place.dtype != torch.float32 or place.shape != self.sums[i].shape:
+                raise ValueError(f"Bf16Weights.place_sums: sum {i} is float32 {tuple(self.sums[i].shape)}, "
+                                 f"not {place.dtype} {tuple(place.shape)}")
+            self.sums[i] = place.copy_(self.sums[i])
+
     def start_sums(self) -> None:
         """The next gradients start the step's sums (its first micro-batch) instead of adding to them."""
         self.summed = [False] * len(self.params)

@@ -68,8 +68,11 @@ class DistributedOptimization(Optimization, Protocol):
         and, where auto turned that off on a GPU, a note saying why."""
         ...
 
-    def captured_backward(self, loss: Tensor) -> None:
-        """The part of backward() a CUDA graph holds (GraphedMicroStep); after_replay() does the rest."""
+    summed_params: list[nn.Parameter]  # bf16 weights whose gradients are summed over micro-batches (no .grad)
+
+    def captured_backward(self, loss: Tensor, accumulate: bool) -> None:
+        """The part of backward() a CUDA graph holds (GraphedMicroStep; accumulate: a later micro-batch's
+        graph); after_replay() does the rest."""
         ...
 
     def after_replay(self) -> None:
@@ -338,14 +341,17 @@ class TorchOptimization:
                     p.grad = torch.zeros_like(p)
 
     def backward(self, loss: Tensor, accumulate: bool | None = None) -> None:
-        """loss.backward(). accumulate (bf16 weights summed over micro-batches): False, the step's
-        first micro-batch, whose gradients start the sums; True, a later one's, added to them; None:
-        False for the first backward since the last step."""
-        if self.summed_params:
-            if not (self.backwards > 0 if accumulate is None else accumulate):
-                self.bf16.start_sums()
-        self.backwards += 1
+        """loss.backward() of one micro-batch (begin_micro_batch says what accumulate means; None:
+        False for the first backward since the last step)."""
+        self.begin_micro_batch(self.backwards > 0 if accumulate is None else accumulate)
         loss.backward()
+
+    def begin_micro_batch(self, accumulate: bool) -> None:
+        """Before a micro-batch's backward. With bf16 weights summed over micro-batches: False, the
+        step's first, whose gradients start the sums; True, a later one's, added to them."""
+        if self.summed_params and not accumulate:
+            self.bf16.start_sums()
+        self.backwards += 1
 
     def step(self, lr: float) -> Tensor:
         for group in self.optimizer.param_groups:

@@ -180,8 +180,9 @@ class Trainer:
             self.graphed_step = GraphedMicroStep(self.model, self.optimization.backward, t.grad_accum,
                                                  summed=self.optimization.summed_params)
         elif eager_graphed:  # the graph holds the engine's autograd; its reduction runs after each replay
-            self.graphed_step = GraphedMicroStep(self.model, lambda loss, _: optimization.captured_backward(loss),
-                                                 t.grad_accum, after_replay=optimization.after_replay)
+            self.graphed_step = GraphedMicroStep(self.model, optimization.captured_backward, t.grad_accum,
+                                                 after_replay=optimization.after_replay,
+                                                 summed=optimization.summed_params)
         # the depth routers' as built (capacity_at's form: a list as a tuple); launch_step follows the schedule
         capacity = config.routing.capacity
         self.capacity = tuple(capacity) if isinstance(capacity, list) else capacity
