@@ -156,6 +156,13 @@ def test_bf16_weights_train_as_float32_weights_under_autocast(path: Path) -> Non
     config = _tiny(path)
     float32_losses, float32_grads, _ = _train(config, False, 3)
     losses, grads, optimization = _train(config, True, 3)
+    _assert_trains_as_float32_weights(losses, grads, float32_losses, float32_grads, optimization)
+
+
+def _assert_trains_as_float32_weights(losses: list[float], grads: dict, float32_losses: list[float],
+                                      float32_grads: dict, optimization: TorchOptimization) -> None:
+    """The first step's loss and gradients bit for bit float32 weights', later losses within the
+    update's float32 rounding, and each bf16 weight its float32 master rounded."""
     assert losses[0] == float32_losses[0]
     assert grads.keys() == float32_grads.keys()
     for name, grad in grads.items():
@@ -226,14 +233,7 @@ def test_bf16_weights_sum_micro_batches_in_float32_as_float32_weights_do(path: P
     float32_losses, float32_grads, _, _ = _train_micro_batches(config, False, 3)
     losses, grads, matrix_kept_grad, optimization = _train_micro_batches(config, True, 3, keeping, kernel)
     assert optimization.summed_params and not matrix_kept_grad
-    assert losses[0] == float32_losses[0]
-    assert grads.keys() == float32_grads.keys()
-    for name, grad in grads.items():
-        assert torch.equal(grad, float32_grads[name]), name
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(float32_losses), rtol=1e-4, atol=0)
-    bf16 = optimization.bf16
-    for param, master in zip(bf16.params, bf16.masters, strict=True):
-        assert param.dtype == torch.bfloat16 and torch.equal(param, master.to(torch.bfloat16))
+    _assert_trains_as_float32_weights(losses, grads, float32_losses, float32_grads, optimization)
 
 
 def test_a_matrix_no_micro_batch_of_a_step_reached_has_no_gradient() -> None:
