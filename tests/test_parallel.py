@@ -594,6 +594,39 @@ def test_flat_gradients_lay_each_view_aligned_and_apart() -> None:
     assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
 
 
+def test_summed_bf16_weights_sum_into_the_float32_buffer() -> None:
+    """With bf16 weights summed over micro-batches, each matrix's float32 sum is its view of the
+    float32 buffer (aligned, apart from the float32 gradients' views), so the backward's hooks write
+    where the reduction reads; the reduction hands no .grad to a summed matrix and zeroes the sum of
+    one no micro-batch reached."""
+    from mode.parallel.engine import FlatGradients
+    from mode.training.bf16_weights import Bf16Weights
+
+    matrices = [torch.nn.Parameter(torch.randn(shape)) for shape in [(4, 9), (3, 5), (7,)]]
+    others = [torch.nn.Parameter(torch.randn(shape)) for shape in [(5,), (2, 3)]]
+    weights = Bf16Weights(matrices, sum_micro_batches=True)
+    flat = FlatGradients([matrices[0], others[0], matrices[1], others[1], matrices[2]], world_size=1, backend="gloo",
+                         summed=weights)
+    assert set(flat.buffers) == {torch.float32}
+    float32 = flat.buffers[torch.float32]
+    for s in weights.sums:
+        assert s.dtype == torch.float32 and s.data_ptr() % 16 == 0
+        assert float32.data_ptr() <= s.data_ptr() < float32.data_ptr() + float32.numel() * 4
+    assert all(flat.views[i].data_ptr() == s.data_ptr() for i, s in zip((0, 2, 4), weights.sums, strict=True))
+    spans = sorted((v.data_ptr(), v.data_ptr() + v.numel() * 4) for v in flat.views)
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+    weights.start_sums()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = (torch.ones(2, 9) @ matrices[0].t()).float().sum() + (others[0] * 2).sum()  # matrices[1:] unreached
+    loss.backward()
+    weights.sums[1].fill_(7.0)  # a stale sum of an earlier step
+    flat._copy_in(range(len(flat.params)))
+    flat._hand_out()
+    assert all(p.grad is None for p in matrices) and others[0].grad is flat.views[1]
+    assert torch.equal(weights.grad(matrices[0]), torch.full((4, 9), 2.0))
+    assert torch.equal(weights.sums[1], torch.zeros(3, 5)) and torch.equal(flat.views[3], torch.zeros(2, 3))
+
+
 def test_gradient_buckets_tile_each_buffer_in_backward_order() -> None:
     """OverlappedGradients' buckets: each a contiguous slice of its dtype's buffer holding whole
     parameters, together every parameter once, laid out from the last parameter to the first (the
