@@ -329,6 +329,44 @@ def test_the_masters_kernel_steps_the_float32_weights_as_adamw_does(grad_clip: f
             assert ours.optimizer.state[p]["step"].item() == adamw.optimizer.state[q]["step"].item() == 3
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["triton", "torch ops"])
+def test_sharded_experts_add_their_squares_summed_over_processes_to_the_norm(kernel: bool) -> None:
+    """ShardedParams (expert parallelism's experts, each process holding others): the step's gradient
+    norm is sqrt(the other gradients' squared norm + the experts' squared norm summed over the
+    processes). Here the sum stands for three processes holding the same gradients (times 3); the
+    causal predictors stay apart. With the norm kernel (Triton's interpreter) and the PyTorch ops."""
+    from mode.training.optim import ShardedParams
+
+    config = load_config(ROOT / "configs" / "mode_staged_tiny.yaml",
+                         ["--model.n_layers=2", "--model.max_seq_len=32", "--data.seq_len=32",
+                          "--routing.causal=predictor"])
+    torch.manual_seed(0)
+    model = LanguageModel(config).to(DEVICE)
+    experts = [p for name, p in model.named_parameters() if name.endswith((".w_in", ".w_out"))]
+    calls = []
+    sharded = ShardedParams(experts, lambda squares: calls.append(1) or squares.mul_(3.0))
+    optimization = TorchOptimization(model, config, torch.device(DEVICE), bf16_weights=True, sharded=sharded)
+    tokens = torch.randint(0, config.model.vocab_size, (2, 33), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        output = model(tokens[:, :-1], tokens[:, 1:])
+    (output.loss + output.aux_loss).backward()
+    predictors = {id(p) for n, p in model.named_parameters() if "predictor" in n}
+    assert experts and predictors
+    for p in experts:  # weighty enough for the norm to show whether they are summed
+        p.grad.mul_(64.0)
+    squares = {id(p): p.grad.double().square().sum() for p in model.parameters() if p.grad is not None}
+    expert_ids = {id(p) for p in experts}
+    want = (sum(v for k, v in squares.items() if k not in expert_ids | predictors)
+            + 3.0 * sum(squares[k] for k in expert_ids)).sqrt()
+    unsharded = sum(v for k, v in squares.items() if k not in predictors).sqrt()
+    with use_kernels(KernelPolicy(optimizer=kernel, cpu=True)):
+        norm = optimization.step(1e-3)
+    assert calls == [1]
+    assert (optimization.plan.norm is not None, optimization.plan.sharded_norm is not None) == (kernel, kernel)
+    torch.testing.assert_close(norm.double(), want, rtol=1e-5, atol=0)
+    assert abs(want - unsharded) > 0.1 * want
+
+
 def test_the_step_plan_is_kept_while_the_gradients_stay_and_rebuilt_when_one_moves() -> None:
     """TorchOptimization keeps its step plan (which gradients the norms read, the kernels' tables)
     from step to step; where a gradient moved it rewrites the tables' addresses; it builds a new one
@@ -428,9 +466,9 @@ def test_checkpoints_hold_the_masters_and_resume_bit_for_bit() -> None:
 
 
 def test_where_bf16_weights_apply() -> None:
-    """On a GPU in one process, and through an engine that can hold them: launch/train.py under ZeRO 0
-    without expert parallelism, micro-batches or not; DeepSpeed's ZeRO 1/2 (its own bf16) and expert
-    parallelism refuse, naming the field."""
+    """On a GPU in one process, and through an engine that can hold them: launch/train.py under ZeRO 0,
+    with expert parallelism or micro-batches or neither; DeepSpeed's ZeRO 1/2 (its own bf16) refuses,
+    naming the field."""
     from mode.parallel.engine import bf16_weights_refusal
 
     def config(parallel: dict | None = None, **train):
@@ -442,19 +480,16 @@ def test_where_bf16_weights_apply() -> None:
     assert bf16_weights_apply(config(), cpu) == (False, None)
     assert bf16_weights_apply(config(bf16_weights=False), cuda) == (False, None)
     assert bf16_weights_apply(config(grad_accum=2), cuda) == (True, None)
-    for train in ({}, {"grad_accum": 2}):
-        zero0 = config({"zero_stage": 0, "expert_parallel": 1}, **train)
+    for parallel, train in [({"expert_parallel": 1}, {}), ({"expert_parallel": 1}, {"grad_accum": 2}),
+                            ({"expert_parallel": 2}, {})]:
+        zero0 = config({"zero_stage": 0, **parallel}, **train)
         assert bf16_weights_refusal(zero0) is None
         assert bf16_weights_apply(zero0, cuda, bf16_weights_refusal(zero0)) == (True, None)
-    refusals = []
-    for parallel, field in [({"zero_stage": 2}, "parallel.zero_stage=2"),
-                            ({"zero_stage": 0, "expert_parallel": 2}, "parallel.expert_parallel=2")]:
-        refusal = bf16_weights_refusal(config(parallel))
-        assert refusal.startswith(field), refusal
-        on, note = bf16_weights_apply(config(parallel), cuda, refusal)
-        assert not on and note == f"train.bf16_weights=auto: off, since {refusal}"
-        refusals.append(refusal)
-    for train, device, refusal in [({}, cpu, None), ({}, cuda, refusals[0]), ({"grad_accum": 2}, cuda, refusals[1])]:
+    refusal = bf16_weights_refusal(config({"zero_stage": 2}))
+    assert refusal.startswith("parallel.zero_stage=2"), refusal
+    on, note = bf16_weights_apply(config({"zero_stage": 2}), cuda, refusal)
+    assert not on and note == f"train.bf16_weights=auto: off, since {refusal}"
+    for train, device, refusal in [({}, cpu, None), ({}, cuda, refusal), ({"grad_accum": 2}, cuda, refusal)]:
         with pytest.raises(ConfigError, match="train.bf16_weights=true"):
             bf16_weights_apply(config(bf16_weights=True, **train), device, refusal)
     with pytest.raises(Exception, match="bf16_weights"):

@@ -577,18 +577,48 @@ def test_the_engine_holds_bf16_weights_as_one_process_does(corpus: Path, tmp_pat
     assert "bf16 engine: ok" in out, out[-4000:]
 
 
+@pytest.mark.parametrize("world", [2, 4], ids=["ep 2 of 2 processes", "ep 2 of 4 processes"])
+def test_the_engine_holds_bf16_experts_under_expert_parallelism(corpus: Path, tmp_path: Path, world: int) -> None:
+    """Under ZeRO 0 with expert parallelism (ep 2) bf16 weights hold the experts too: each step's
+    reduced expert gradients, gradient norm and weights follow an engine with float32 weights
+    (DeepSpeed's own reduction, the exact norm) to bf16 rounding, and a checkpoint holds and
+    restores the float32 masters of each rank's experts (tests/bf16_expert_parallel.py; CPU, bf16
+    weights forced). On 4 processes two hold each expert: its gradient is reduced over those two."""
+    raw = raw_config(corpus, tmp_path / "run", model={"block_pattern": ["mode_staged", "moe"]},
+                     routing={"capacity": 0.5}, moe={"n_experts": 4, "scheme": "expert_choice"},
+                     parallel={"zero_stage": 0, "expert_parallel": 2})
+    raw["train"]["max_steps"] = 3
+    out = launch(write_config(raw, tmp_path / "config.yaml"), script=ROOT / "tests" / "bf16_expert_parallel.py",
+                 world=world).stdout
+    assert "bf16 expert parallel: ok" in out, out[-4000:]
+
+
+def _sharded_expert(shape: tuple[int, ...]) -> torch.nn.Parameter:
+    """A bf16 parameter marked as expert parallelism marks its experts (DeepSpeed's attributes)."""
+    p = torch.nn.Parameter(torch.zeros(shape, dtype=torch.bfloat16))
+    p.allreduce, p.group_name = False, "ep_size_2"
+    return p
+
+
+def _mixed_params(shapes: list[tuple[int, ...]]) -> list[torch.nn.Parameter]:
+    """A bf16 and a float32 parameter of each shape, and a sharded expert of every other one."""
+    params = [torch.nn.Parameter(torch.zeros(shape, dtype=dtype)) for shape in shapes for dtype in (torch.bfloat16, torch.float32)]
+    return params + [_sharded_expert(shape) for shape in shapes[::2]]
+
+
 def test_flat_gradients_lay_each_view_aligned_and_apart() -> None:
-    """The reduction's flat buffers: one a dtype, each parameter's view shaped as it, 16 bytes aligned
-    (the optimizer's kernels load gradients whole), no two views overlapping."""
+    """The reduction's flat buffers: one a dtype, and one for the sharded experts (reduced over their
+    own group), each parameter's view shaped as it, 16 bytes aligned (the optimizer's kernels load
+    gradients whole), no two views overlapping."""
     from mode.parallel.engine import FlatGradients
 
-    shapes = [(3,), (5, 7), (1,), (4, 9), (2, 3, 5)]
-    params = [torch.nn.Parameter(torch.zeros(shape, dtype=dtype)) for shape in shapes for dtype in (torch.bfloat16, torch.float32)]
+    params = _mixed_params([(3,), (5, 7), (1,), (4, 9), (2, 3, 5)])
     flat = FlatGradients(params, world_size=2, backend="gloo")
-    assert set(flat.buffers) == {torch.bfloat16, torch.float32}
+    assert set(flat.buffers) == {(torch.bfloat16, None), (torch.float32, None), (torch.bfloat16, "ep_size_2")}
     spans = []
-    for p, view in zip(params, flat.views, strict=True):
+    for p, view, key in zip(params, flat.views, flat.keys, strict=True):
         assert view.shape == p.shape and view.dtype == p.dtype and view.data_ptr() % 16 == 0
+        assert key == (p.dtype, getattr(p, "group_name", None))
         spans.append((view.data_ptr(), view.data_ptr() + view.numel() * view.element_size()))
     spans.sort()
     assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
@@ -607,8 +637,8 @@ def test_summed_bf16_weights_sum_into_the_float32_buffer() -> None:
     weights = Bf16Weights(matrices, sum_micro_batches=True)
     flat = FlatGradients([matrices[0], others[0], matrices[1], others[1], matrices[2]], world_size=1, backend="gloo",
                          summed=weights)
-    assert set(flat.buffers) == {torch.float32}
-    float32 = flat.buffers[torch.float32]
+    assert set(flat.buffers) == {(torch.float32, None)}
+    float32 = flat.buffers[(torch.float32, None)]
     for s in weights.sums:
         assert s.dtype == torch.float32 and s.data_ptr() % 16 == 0
         assert float32.data_ptr() <= s.data_ptr() < float32.data_ptr() + float32.numel() * 4
@@ -628,26 +658,26 @@ def test_summed_bf16_weights_sum_into_the_float32_buffer() -> None:
 
 
 def test_gradient_buckets_tile_each_buffer_in_backward_order() -> None:
-    """OverlappedGradients' buckets: each a contiguous slice of its dtype's buffer holding whole
+    """OverlappedGradients' buckets: each a contiguous slice of one buffer (a dtype's, or the sharded
+    experts') holding whole
     parameters, together every parameter once, laid out from the last parameter to the first (the
     order the backward produces them) and closed once they reach the bucket size."""
     from mode.parallel.engine import OverlappedGradients
 
-    shapes = [(64,), (5, 7), (1,), (300,), (2, 3, 5), (40,)]
-    params = [torch.nn.Parameter(torch.zeros(shape, dtype=dtype)) for shape in shapes for dtype in (torch.bfloat16, torch.float32)]
+    params = _mixed_params([(64,), (5, 7), (1,), (300,), (2, 3, 5), (40,), (70,)])
     flat = OverlappedGradients(params, world_size=2, backend="gloo", bucket_bytes=128)
     members = sorted(i for bucket in flat.buckets for i in bucket.members)
     assert members == list(range(len(params)))
     for bucket in flat.buckets:
         assert bucket.members == sorted(bucket.members, reverse=True)
-        assert all(params[i].dtype == bucket.dtype for i in bucket.members)
+        assert all(flat.keys[i] == bucket.key for i in bucket.members)
         spans = [(flat.offsets[i], flat.offsets[i] + params[i].numel()) for i in bucket.members]
         assert spans[0][0] == bucket.start and spans[-1][1] == bucket.end
         assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
         whole = (bucket.end - bucket.start) * params[bucket.members[0]].element_size()
-        assert whole >= 128 or bucket is flat.buckets[-1] or bucket is flat.buckets[-2]  # the last open ones
-    for dtype in (torch.bfloat16, torch.float32):
-        own = [b for b in flat.buckets if b.dtype == dtype]
+        assert whole >= 128 or bucket in flat.buckets[-3:]  # the last open ones
+    for key in flat.buffers:
+        own = [b for b in flat.buckets if b.key == key]
         assert len(own) > 1 and own[0].start == 0
         assert all(a.end <= b.start for a, b in zip(own, own[1:]))
 
@@ -693,27 +723,37 @@ def test_two_gpus_train_graphed_as_plain_eager(corpus: Path, tmp_path: Path) -> 
     assert_resumed_run_continues(configs["auto"], tmp_path / "resumed", replayed)
 
 
+# Two-GPU bf16 runs: (block pattern, train settings, parallel settings)
+TWO_GPU_BF16 = {
+    "1 micro-batch": (["mod", "mode_staged"], {}, {}),
+    "2 micro-batches": (["mod", "mode_staged"], {"grad_accum": 2}, {}),
+    "expert parallel": (["moe", "mode_staged"], {}, {"expert_parallel": 2}),
+}
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="two processes on two GPUs (NCCL)")
-@pytest.mark.parametrize("grad_accum", [1, 2], ids=["1 micro-batch", "2 micro-batches"])
-def test_two_gpus_train_bf16_weights_as_float32_weights(corpus: Path, tmp_path: Path, grad_accum: int) -> None:
-    """launch/train.py on 2 GPUs under ZeRO 0, graphed: bf16 weights (on by default there) train as
-    float32 weights (train.bf16_weights=false) do, MoD and Staged MoDE blocks: the losses within
-    5e-3 nats, gradient norms within 2e-2 relative (the bf16 gradients are averaged in bf16, one
-    rounding more than float32's). The bf16 run reduces in 10 KiB buckets, several of which start
-    within the captured backward (NCCL inside the graph); with 2 micro-batches, the matrices'
-    float32 sums after the last one. A run stopped after step 4 and resumed from step 3's
-    checkpoint continues as the uninterrupted one (within 2e-3): the checkpoint held the float32
-    masters."""
+@pytest.mark.parametrize("case", list(TWO_GPU_BF16))
+def test_two_gpus_train_bf16_weights_as_float32_weights(corpus: Path, tmp_path: Path, case: str) -> None:
+    """launch/train.py on 2 GPUs under ZeRO 0: bf16 weights (on by default there) train as float32
+    weights (train.bf16_weights=false) do: the losses within 5e-3 nats, gradient norms within 2e-2
+    relative (the bf16 gradients are averaged in bf16, one rounding more than float32's). Graphed,
+    the bf16 run reduces in 10 KiB buckets, several of which start within the captured backward
+    (NCCL inside the graph); with 2 micro-batches, the matrices' float32 sums after the last one.
+    With expert parallelism (plain eager: the all-to-all is not graphed) each GPU holds half the
+    experts in bf16, reduced and clipped as DeepSpeed does float32 ones. A run stopped after step 4
+    and resumed from step 3's checkpoint continues as the uninterrupted one (within 2e-3): the
+    checkpoint held the float32 masters."""
+    blocks, train, parallel = TWO_GPU_BF16[case]
     runs, configs = {}, {}
     for name, setting in (("float32", False), ("bf16", "auto")):
-        raw = raw_config(corpus, tmp_path / name, model={"block_pattern": ["mod", "mode_staged"]},
-                         routing={"capacity": 0.25},
-                         train={"device": "cuda", "bf16_weights": setting, "grad_accum": grad_accum},
-                         parallel={"zero_stage": 0, "expert_parallel": 1, "reduce_bucket_mb": 0.01})
+        raw = raw_config(corpus, tmp_path / name, model={"block_pattern": blocks}, routing={"capacity": 0.25},
+                         train={"device": "cuda", "bf16_weights": setting, **train},
+                         parallel={"zero_stage": 0, "expert_parallel": 1, "reduce_bucket_mb": 0.01, **parallel})
         configs[name] = write_config(raw, tmp_path / f"{name}.yaml")
         out = launch(configs[name]).stdout
         assert "train.bf16_weights=auto" not in out, out[-4000:]  # on where asked: no note turning it off
-        assert "each micro-batch's forward and backward run as one CUDA graph" in out, out[-4000:]
+        graphed = "each micro-batch's forward and backward run as one CUDA graph" in out
+        assert graphed is ("expert_parallel" not in parallel), out[-4000:]
         runs[name], _ = records(tmp_path / name)
     float32, bf16 = runs["float32"], runs["bf16"]
     assert sorted(float32) == sorted(bf16) == list(range(1, STEPS + 1))

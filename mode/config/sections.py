@@ -219,7 +219,7 @@ class TrainConfig(Section):
             "float32 master that AdamW steps and rounds into it (no per-step casts of the weights or of their "
             "gradients; the same values; with grad_accum > 1 the micro-batches' bf16 gradients are summed in "
             "float32, as float32 weights sum them). auto: wherever it can run (on a GPU: python -m mode.train, or "
-            "launch/train.py under ZeRO 0 without expert parallelism); true: required (an error where it cannot "
+            "launch/train.py under ZeRO 0); true: required (an error where it cannot "
             "run); false: float32 weights. "
             "Checkpoints hold the float32 masters either way"
         ),

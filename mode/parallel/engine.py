@@ -16,15 +16,17 @@ gradients are reduced across processes once per optimizer step, after the last b
 Precision: on CUDA every step computes under the Trainer's bf16 autocast. Under ZeRO 1/2
 DeepSpeed's bf16 is on as well (bf16 weights, an fp32 master copy sharded in its
 optimizer). Under ZeRO 0 it is off (with it on, DeepSpeed's BF16_Optimizer leaves the
-trajectory of one GPU and of ZeRO 1/2); there, without expert parallelism, the matrices are
+trajectory of one GPU and of ZeRO 1/2); there the matrices are
 held in bf16 with float32 masters as in a one-GPU run (train.bf16_weights): the one-process
 optimizer (TorchOptimization) steps them, and the gradients are all-reduced here, each dtype in
 its own (the matrices' bf16 gradients in bf16: half the bytes of float32, where DeepSpeed's
 reduction would send every gradient as float32), in buckets started beside the backward
 (OverlappedGradients, parallel.reduce_bucket_mb); with grad_accum > 1 all after the last
 micro-batch, the matrices' gradients summed over micro-batches in float32 and reduced in float32.
-With float32 weights (train.bf16_weights=false, expert parallelism) weights and gradients stay
-fp32 and DeepSpeed reduces and steps. On CPU everything is fp32.
+Sharded experts (expert parallelism) are reduced as DeepSpeed reduces them: summed over the
+processes holding the same experts, divided by every process's count. With float32 weights
+(train.bf16_weights=false) weights and gradients stay fp32 and DeepSpeed reduces and steps. On
+CPU everything is fp32.
 
 Clipping: DeepSpeed clips with train.grad_clip under ZeRO 1/2. Under ZeRO 0 DeepSpeed
 would clip by the *mean over ranks* of each rank's local norm, which with expert
@@ -35,7 +37,8 @@ the exact norm too with ep = world size, and with expert-data-parallel replicas 
 size: 4 processes, ep 2, ZeRO 2), both checked against one process (tests/test_parallel.py).
 The causal predictors are clipped apart by their own norm under ZeRO 0 (mode.training.optim's
 predictor_parameter_ids); DeepSpeed's ZeRO 1/2 clipping counts them in its one norm. With bf16
-weights (ZeRO 0, no expert parallelism) the one-process optimizer clips, by the same rules.
+weights (ZeRO 0) the one-process optimizer clips, by the same rules (its ShardedParams: the
+experts' squared norm summed over the expert-parallel group).
 
 The learning rate is the project's schedule: the loop passes it to step(), which writes it
 into the optimizer's parameter groups; DeepSpeed has no scheduler.
@@ -55,6 +58,7 @@ import os
 import pickle
 import re
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +71,7 @@ from deepspeed.moe.utils import (
 )
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
+from deepspeed.utils import groups as ds_groups
 from deepspeed.utils.tensor_fragment import fragment_address
 from torch import Tensor, nn
 
@@ -75,6 +80,7 @@ from mode.parallel.expert_parallel import ExpertParallelExperts, full_state_dict
 from mode.run_folder import DEEPSPEED_DIR
 from mode.training.bf16_weights import Bf16Weights, bf16_weights_apply
 from mode.training.optim import (
+    ShardedParams,
     TorchOptimization,
     clipped_gradients,
     parameter_groups,
@@ -222,14 +228,11 @@ def reduces_gradients(config: Config, world_size: int) -> bool:
 
 def bf16_weights_refusal(config: Config) -> str | None:
     """Why the engine cannot hold the matrices in bf16 with the project's float32 masters
-    (train.bf16_weights); None under ZeRO 0 without expert parallelism."""
+    (train.bf16_weights); None under ZeRO 0."""
     p = config.parallel
     if p.zero_stage > 0:
         return (f"parallel.zero_stage={p.zero_stage}: DeepSpeed's bf16 optimizer holds every weight in bf16 "
                 "with float32 masters itself")
-    if p.expert_parallel > 1:
-        return (f"parallel.expert_parallel={p.expert_parallel}: float32 weights, since the engine clips by a "
-                "norm summed over the expert-parallel ranks (expert_parallel=1 holds bf16 ones)")
     return None
 
 
@@ -243,7 +246,12 @@ class FlatGradients:
 
     summed: bf16 weights whose gradients are summed over micro-batches in float32 (Bf16Weights with
     sums): their sums become views of the float32 buffer, written there by the backward itself
-    (nothing to copy in, and no .grad handed out), and are reduced with the float32 gradients."""
+    (nothing to copy in, and no .grad handed out), and are reduced with the float32 gradients.
+
+    Experts sharded by expert parallelism (DeepSpeed's `allreduce = False` parameters) are reduced
+    apart, in buffers of their own: summed over their expert-data-parallel group (the processes
+    holding the same experts) and divided by every process's count, as DeepSpeed's engine reduces
+    them (each expert's gradient already holds every process's tokens, brought by the all-to-all)."""
 
     ALIGN_BYTES = 16
     during_backward = False  # reduces after the backward, outside a CUDA graph holding it
@@ -255,16 +263,19 @@ class FlatGradients:
         self.summed = summed if summed is not None and summed.sums is not None else None
         # each parameter's index among the summed weights (None: its .grad is reduced)
         self.sum_index = [None if self.summed is None else self.summed.index_of.get(id(p)) for p in params]
-        dtypes = [p.dtype if j is None else torch.float32 for p, j in zip(params, self.sum_index)]
-        sizes: dict[torch.dtype, int] = {}
+        # each parameter's buffer: its gradient's dtype, and its expert group's name (None: every process)
+        self.keys = [(p.dtype if j is None else torch.float32, p.group_name if is_moe_param(p) else None)
+                     for p, j in zip(params, self.sum_index)]
+        sizes: dict[ReductionKey, int] = {}
         self.offsets = [0] * len(params)
         for i in reversed(range(len(params))):
-            step = self.ALIGN_BYTES // dtypes[i].itemsize
-            self.offsets[i] = -(-sizes.get(dtypes[i], 0) // step) * step
-            sizes[dtypes[i]] = self.offsets[i] + params[i].numel()
-        self.buffers = {dtype: torch.zeros(size, dtype=dtype, device=params[0].device) for dtype, size in sizes.items()}
-        self.views = [self.buffers[dtype][start:start + p.numel()].view_as(p)
-                      for p, dtype, start in zip(params, dtypes, self.offsets)]
+            key = self.keys[i]
+            step = self.ALIGN_BYTES // key[0].itemsize
+            self.offsets[i] = -(-sizes.get(key, 0) // step) * step
+            sizes[key] = self.offsets[i] + params[i].numel()
+        self.buffers = {key: torch.zeros(size, dtype=key[0], device=params[0].device) for key, size in sizes.items()}
+        self.views = [self.buffers[key][start:start + p.numel()].view_as(p)
+                      for p, key, start in zip(params, self.keys, self.offsets)]
         if self.summed is not None:
             self.summed.place_sums({j: view for j, view in zip(self.sum_index, self.views) if j is not None})
             self.summed.sums_always_held = True  # the reduction zeroes those no micro-batch reached
@@ -276,8 +287,8 @@ class FlatGradients:
         """Every parameter's gradient replaced by its mean over the processes (a parameter no
         micro-batch reached counts zeros, as DeepSpeed's reduction does)."""
         self._copy_in(range(len(self.params)))
-        for buffer in self.buffers.values():
-            self._all_reduce_mean_(buffer)
+        for key, buffer in self.buffers.items():
+            self._all_reduce_mean_(buffer, key[1])
         self._hand_out()
 
     def _copy_in(self, indices: range | list[int]) -> None:
@@ -295,8 +306,15 @@ class FlatGradients:
         j = self.sum_index[i]
         return self.params[i].grad is not None if j is None else self.summed.summed[j]
 
-    def _all_reduce_mean_(self, flat: Tensor) -> None:
-        if self.average:
+    def _all_reduce_mean_(self, flat: Tensor, expert_group: str | None) -> None:
+        """flat averaged over the processes; an expert group's (its name): summed over the
+        processes holding those experts, divided by every process's count."""
+        if expert_group is not None:
+            group = ds_groups._get_expert_data_parallel_group(expert_group)
+            if dist.get_world_size(group) > 1:
+                dist.all_reduce(flat, group=group)
+            flat.mul_(1.0 / self.world_size)
+        elif self.average:
             dist.all_reduce(flat, op=dist.ReduceOp.AVG)
         else:  # DeepSpeed's arithmetic: the sum, then times 1 / world_size
             dist.all_reduce(flat)
@@ -308,11 +326,15 @@ class FlatGradients:
                 p.grad = view
 
 
+# A flat buffer's key: its dtype, and the expert group whose processes reduce it (None: every process)
+ReductionKey = tuple[torch.dtype, str | None]
+
+
 @dataclass
 class GradientBucket:
-    """A contiguous slice of one dtype's flat buffer and the parameters it holds."""
+    """A contiguous slice of one flat buffer and the parameters it holds."""
 
-    dtype: torch.dtype
+    key: ReductionKey
     start: int
     end: int
     members: list[int]
@@ -341,17 +363,17 @@ class OverlappedGradients(FlatGradients):
         self.begin()
 
     def _buckets(self, bucket_bytes: int) -> list[GradientBucket]:
-        """Consecutive parameters of one dtype in reverse order, closed at bucket_bytes: the
+        """Consecutive parameters of one buffer in reverse order, closed at bucket_bytes: the
         order they close in is the order they start in."""
         closed: list[GradientBucket] = []
-        open_: dict[torch.dtype, GradientBucket] = {}
+        open_: dict[ReductionKey, GradientBucket] = {}
         for i in reversed(range(len(self.params))):
-            p = self.params[i]
-            bucket = open_.setdefault(p.dtype, GradientBucket(p.dtype, self.offsets[i], self.offsets[i], []))
+            p, key = self.params[i], self.keys[i]
+            bucket = open_.setdefault(key, GradientBucket(key, self.offsets[i], self.offsets[i], []))
             bucket.members.append(i)
             bucket.end = self.offsets[i] + p.numel()
-            if (bucket.end - bucket.start) * p.element_size() >= bucket_bytes:
-                closed.append(open_.pop(p.dtype))
+            if (bucket.end - bucket.start) * key[0].itemsize >= bucket_bytes:
+                closed.append(open_.pop(key))
         return closed + list(open_.values())
 
     def begin(self) -> None:
@@ -384,7 +406,7 @@ class OverlappedGradients(FlatGradients):
 
     def _reduce(self, bucket: GradientBucket) -> None:
         self._copy_in(bucket.members)
-        self._all_reduce_mean_(self.buffers[bucket.dtype][bucket.start:bucket.end])
+        self._all_reduce_mean_(self.buffers[bucket.key][bucket.start:bucket.end], bucket.key[1])
 
     def reduce_mean_(self) -> None:
         """After the backward: the buckets not started yet reduced (with zeros for the parameters
@@ -449,6 +471,29 @@ def build_optimizer(model: nn.Module, config: Config, device_type: str) -> torch
     return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=device_type == "cuda")
 
 
+def sharded_experts(model: nn.Module) -> ShardedParams | None:
+    """The experts expert parallelism shards (each process holds others): their squared gradient
+    norm summed over the expert-parallel group, as the engine's own clipping sums it (_exact_norm).
+    None without expert parallelism."""
+    layers = [m for m in model.modules() if isinstance(m, ExpertParallelExperts)]
+    if not layers:
+        return None
+    group = layers[0].group
+    return ShardedParams([p for p in model.parameters() if is_moe_param(p)], partial(dist.all_reduce, group=group))
+
+
+def broadcast_masters(bf16: Bf16Weights) -> None:
+    """Each float32 master made the first process's, as DeepSpeed made the weights: an expert's
+    within the processes holding the same experts (its expert-data-parallel group)."""
+    for param, master in zip(bf16.params, bf16.masters, strict=True):
+        if not is_moe_param(param):
+            dist.broadcast(master, src=0)
+            continue
+        group = ds_groups._get_expert_data_parallel_group(param.group_name)
+        if dist.get_world_size(group) > 1:
+            dist.broadcast(master, src=ds_groups._get_expert_broadcast_src_rank(param.group_name), group=group)
+
+
 # ----------------------------------------------------------------------------- the Optimization
 class DeepSpeedOptimization:
     """The Trainer's Optimization (and DistributedOptimization) on a DeepSpeed engine."""
@@ -471,7 +516,8 @@ class DeepSpeedOptimization:
         if self.bf16_setting[0]:
             if refusal is not None:
                 raise ValueError(f"DeepSpeedOptimization(bf16_weights=True): {refusal}")
-            self.local = TorchOptimization(model, config, processes.device, bf16_weights=True)
+            self.local = TorchOptimization(model, config, processes.device, bf16_weights=True,
+                                           sharded=sharded_experts(model))
             self.optimizer = self.local.optimizer
         else:
             self.optimizer = build_optimizer(model, config, processes.device.type)
@@ -485,9 +531,8 @@ class DeepSpeedOptimization:
         # With bf16 weights the gradients are reduced here (FlatGradients), each in its dtype.
         if not reduces_gradients(config, processes.world_size) or self.local is not None:
             self.engine.enable_backward_allreduce = False
-        if self.local is not None:  # DeepSpeed broadcast rank 0's weights; the masters follow
-            for master in self.local.bf16.masters:
-                dist.broadcast(master, src=0)
+        if self.local is not None:  # DeepSpeed broadcast the first rank's weights; the masters follow
+            broadcast_masters(self.local.bf16)
         self.model = self.engine.module
         self.summed_params = [] if self.local is None else self.local.summed_params
         self.flat_grads = None

@@ -6,7 +6,7 @@ import contextlib
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence, runtime_checkable
 
 import torch
 from torch import Tensor, nn
@@ -192,23 +192,32 @@ def grad_norm(grads: list[Tensor]) -> GradNorm | None:
     return GradNorm(grads) if GradNorm.takes(grads) else None
 
 
-def grad_columns(addresses: tuple[int, ...], norm: GradNorm | None,
+def grad_columns(addresses: tuple[int, ...], norms: list[GradNorm | None],
                  steps: list[MastersStep | None]) -> list[GradColumns]:
-    """The gradient-address rows of the norm's and the updates' tables, each column traced to its
+    """The gradient-address rows of the norms' and the updates' tables, each column traced to its
     parameter by the address it holds (addresses: each parameter's gradient's, 0 for none)."""
-    if norm is None and not any(steps):
+    if not any(norms) and not any(steps):
         return []
     from mode.kernels.adamw import ADDRESSES, GRAD_ROW  # Triton: imported where it runs
     from mode.kernels.grad_norm import ADDRESS_ROW
 
     param_at = {address: i for i, address in enumerate(addresses) if address}
-    columns = [] if norm is None else [
-        GradColumns(launch[0], ADDRESS_ROW, [param_at[a] for a in held]) for launch, held in zip(norm.launches, norm.addresses)]
+    columns = [GradColumns(launch[0], ADDRESS_ROW, [param_at[a] for a in held])
+               for norm in norms if norm is not None for launch, held in zip(norm.launches, norm.addresses)]
     for step in steps:
         for launch in [] if step is None else step.launches():
             held = launch.addresses[GRAD_ROW::ADDRESSES]  # (the ones it was built with: point_at leaves them)
             columns.append(GradColumns(launch.table, GRAD_ROW, [param_at[a] for a in held]))
     return columns
+
+
+def _norm_of(grads: list[Tensor], kernel: GradNorm | None, like: Tensor | None = None) -> Tensor:
+    """The 2-norm of grads: the kernel's where given, else total_norm's; none: 0 (beside `like`)."""
+    if kernel is not None:
+        return kernel()
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=None if like is None else like.device)
+    return total_norm(grads)
 
 
 def _clip_factor(norm: Tensor, max_norm: float) -> Tensor:
@@ -258,6 +267,16 @@ class GradColumns:
 
 
 @dataclass
+class ShardedParams:
+    """Parameters each process holds a different shard of (expert parallelism's experts): the
+    global norm adds their squared gradient norm summed over the processes (sum_squares: in place,
+    a collective every process calls at each step) to the other gradients' squared norm."""
+
+    params: list[nn.Parameter]
+    sum_squares: Callable[[Tensor], None]
+
+
+@dataclass
 class StepPlan:
     """What TorchOptimization.step finds in its model each step: which gradients its norms and
     clipping read, and the kernels' launches (the norm, the masters' and float32 weights' updates).
@@ -274,7 +293,10 @@ class StepPlan:
     model: list[int]  # indices into TorchOptimization.params of the gradients in the global norm
     predictors: list[int]  # the causal predictors', clipped by a norm of their own
     scaled: list[int]  # those clipped_gradients scales (with bf16 weights, the masters' are divided in their update)
-    norm: GradNorm | None  # the kernel's norm of the model's gradients (None: total_norm's PyTorch ops)
+    shared: list[int]  # those of model every process holds alike (all of model without ShardedParams)
+    sharded: list[int]  # the others: their squared norm is summed over the processes
+    norm: GradNorm | None  # the kernel's norm of the shared gradients (None: total_norm's PyTorch ops)
+    sharded_norm: GradNorm | None  # the same of the sharded ones
     float32_step: MastersStep | None  # with bf16 weights, the float32 weights' launches (None: optimizer.step)
     masters_step: MastersStep | None  # the masters' launches (None: Bf16Weights.step, or the deferred update)
     columns: list[GradColumns]  # every table's gradient addresses
@@ -307,9 +329,12 @@ class TorchOptimization:
     """
 
     def __init__(self, model: nn.Module, config: Config, device: torch.device, keep_grads: bool = False,
-                 zero_grads: bool = True, bf16_weights: bool = False, defer_update: bool = False) -> None:
+                 zero_grads: bool = True, bf16_weights: bool = False, defer_update: bool = False,
+                 sharded: ShardedParams | None = None) -> None:
         t = config.train
         self.model = model
+        self.sharded = sharded
+        self.sharded_ids = frozenset() if sharded is None else frozenset(id(p) for p in sharded.params)
         self.keep_grads, self.zero_grads = keep_grads, zero_grads
         self.grad_clip = t.grad_clip
         self.predictor_ids = predictor_parameter_ids(model)
@@ -360,7 +385,7 @@ class TorchOptimization:
         grads_now = [p.grad for p in self.params] if self.bf16 is None else [self.bf16.grad(p) for p in self.params]
         plan = self._plan(grads_now)
         predictor_grads = [grads_now[i] for i in plan.predictors]
-        norm = total_norm([grads_now[i] for i in plan.model]) if plan.norm is None else plan.norm()
+        norm = self._global_norm(plan, grads_now)
         apart = [(predictor_grads, total_norm(predictor_grads))] if predictor_grads else []
         # bf16 weights' gradients: scaled inside their masters' update, not by clipped_gradients
         float32_grads = [grads_now[i] for i in plan.scaled]
@@ -382,6 +407,16 @@ class TorchOptimization:
         if self.zero_grads or not self.keep_grads:
             self._clear_grads()
         return norm.detach()
+
+    def _global_norm(self, plan: StepPlan, grads: list[Tensor | None]) -> Tensor:
+        """The 2-norm of the model's gradients (the predictors' apart), the sharded ones' squares
+        summed over the processes."""
+        shared = _norm_of([grads[i] for i in plan.shared], plan.norm)
+        if self.sharded is None:
+            return shared
+        squares = _norm_of([grads[i] for i in plan.sharded], plan.sharded_norm, shared).float().square()
+        self.sharded.sum_squares(squares)
+        return (shared.float().square() + squares).sqrt()
 
     def _clear_grads(self) -> None:
         """Free the model's gradients, or zero them in place where kept. Over self.params, not
@@ -411,7 +446,9 @@ class TorchOptimization:
 
     def _new_plan(self, key: tuple, grads: list[Tensor | None], addresses: tuple[int, ...]) -> StepPlan:
         model, predictors = predictor_split(self.params, self.predictor_ids, grads)
-        norm = grad_norm([grads[i] for i in model])
+        shared = [i for i in model if id(self.params[i]) not in self.sharded_ids]
+        sharded = [i for i in model if id(self.params[i]) in self.sharded_ids]
+        norm, sharded_norm = grad_norm([grads[i] for i in shared]), grad_norm([grads[i] for i in sharded])
         scaled, float32_step, masters_step = model, None, None
         if self.bf16 is not None:
             scaled = [i for i in model if not self.bf16.owns(self.params[i])]
@@ -419,8 +456,9 @@ class TorchOptimization:
             float32_step = None if float32_updates is None else MastersStep(float32_updates)
             masters_step = None if self.deferred is not None else MastersStep.of(
                 self.bf16.updates(self.optimizer, self.bf16.params))
-        return StepPlan(key, self.optimizer.state, addresses, model, predictors, scaled, norm, float32_step,
-                        masters_step, grad_columns(addresses, norm, [float32_step, masters_step]))
+        return StepPlan(key, self.optimizer.state, addresses, model, predictors, scaled, shared, sharded, norm,
+                        sharded_norm, float32_step, masters_step,
+                        grad_columns(addresses, [norm, sharded_norm], [float32_step, masters_step]))
 
     def flush(self) -> None:
         """Apply an update still staged (defer_update): the model's weights are then the last step's."""
