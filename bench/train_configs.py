@@ -5,6 +5,7 @@
     python -m bench.train_configs --set train.overlap_update=true   # every config with a setting changed
     python -m bench.train_configs --nproc 2 --set train.compile=true # launch/train.py on 2 GPUs (DeepSpeed)
     python -m bench.train_configs --against train.cuda_graphs=false   # each config also with a setting changed
+    python -m bench.train_configs --nproc 2 --configs dense moe --routed-set parallel.expert_parallel=2
 
 Each config trains --steps steps as a user runs it (`python -m mode.train --config ...`, every
 setting of the file kept, the run folder a temporary one; evaluation and checkpoints only at the
@@ -17,7 +18,9 @@ block kind (an expert's width, the capacity factor): the FLOPs count what each o
 CPU over gloo with --tiny): tokens/s and TFLOP/s are then the whole run's, every process's tokens.
 --against SECTION.FIELD=VALUE ... runs each config a second time with those settings (over --set's),
 right after its first run, on the same machine: the table gains that run's tokens/s, FLOPs a token
-and time per FLOP against dense run the same way, and its tokens/s over the first run's.
+and time per FLOP against dense run the same way, and its tokens/s over the first run's. --routed-set SECTION.FIELD=VALUE ... applies to every config
+but dense, the baseline: settings a model without routing or experts refuses
+(parallel.expert_parallel).
 """
 from __future__ import annotations
 
@@ -87,8 +90,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="settings over every config's (mode.train's --section.field=value, without the dashes)")
     parser.add_argument("--against", nargs="+", default=[], metavar="SECTION.FIELD=VALUE",
                         help="run each config a second time with these settings too, and compare")
+    parser.add_argument("--routed-set", nargs="+", default=[], metavar="SECTION.FIELD=VALUE",
+                        help="settings over every config's but dense's (the baseline), e.g. parallel.expert_parallel=2")
     args = parser.parse_args(argv)
-    for flag, values in (("--set", args.set), ("--against", args.against)):
+    for flag, values in (("--set", args.set), ("--against", args.against), ("--routed-set", args.routed_set)):
         bad = [s for s in values if s.startswith("-") or "=" not in s]
         if bad:
             parser.error(f"{flag}: {bad[0]!r} is not SECTION.FIELD=VALUE")
@@ -104,6 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.tiny:
         args.steps, args.skip = min(args.steps, 8), min(args.skip, 1)
     settings = f", with {' '.join(args.set)}" if args.set else ""
+    settings += f", every config but dense with {' '.join(args.routed_set)}" if args.routed_set else ""
     trainer = "python -m mode.train" if args.nproc == 1 else f"launch/train.py on {args.nproc} processes"
     print(f"{trainer}, {args.steps} steps a config{settings}, tokens/s the median of the log windows "
           f"after the first {args.skip}\n")
@@ -117,9 +123,10 @@ def main(argv: list[str] | None = None) -> None:
     dense_flop_rates: list[float] = []  # dense's training FLOP/s, without and with --against: the baselines
     with tempfile.TemporaryDirectory() as tmp:
         for name, path in zip(args.configs, paths):
-            runs = [measure(path, args, Path(tmp) / name, args.set)]
+            own = [*args.set, *([] if name == "dense" else args.routed_set)]
+            runs = [measure(path, args, Path(tmp) / name, own)]
             if args.against:
-                runs.append(measure(path, args, Path(tmp) / f"{name}-against", [*args.set, *args.against]))
+                runs.append(measure(path, args, Path(tmp) / f"{name}-against", [*own, *args.against]))
             dense_flop_rates = dense_flop_rates or [rate * flops for rate, flops in runs]
             ratios = [dense / (rate * flops) for dense, (rate, flops) in zip(dense_flop_rates, runs)]
             verdicts = [f"{ratio:.3f}: {'met' if ratio <= 1.15 else 'missed'}" for ratio in ratios]

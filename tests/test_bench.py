@@ -241,6 +241,23 @@ def test_train_configs_against_a_setting(capsys: pytest.CaptureFixture[str]) -> 
     assert "is not SECTION.FIELD=VALUE" in refusal("train_configs", ["--tiny", "--against", "routing"], capsys)
 
 
+def test_train_configs_routed_set_leaves_dense_alone(capsys: pytest.CaptureFixture[str]) -> None:
+    """--routed-set: every config but dense (the baseline) runs with the setting, here a capacity
+    that changes MoD's FLOPs a token and would be refused by nothing in dense either way."""
+    from mode.config import load_config
+    from mode.flops import model_flops
+
+    out = run("-m", "bench.train_configs", "--tiny", "--configs", "dense", "mod", "--routed-set", "routing.capacity=0.5")
+    assert "every config but dense with routing.capacity=0.5" in out
+    dense, mod = table_rows(out)
+    tiny = ROOT / "configs"
+    assert number(dense[2]) == pytest.approx(model_flops(load_config(tiny / "dense_tiny.yaml", [])).train_per_token / 1e6,
+                                             abs=0.06)
+    assert number(mod[2]) == pytest.approx(model_flops(load_config(
+        tiny / "mod_tiny.yaml", ["--routing.capacity=0.5"])).train_per_token / 1e6, abs=0.06)
+    assert "is not SECTION.FIELD=VALUE" in refusal("train_configs", ["--tiny", "--routed-set", "x"], capsys)
+
+
 def test_train_configs_tiny_on_two_processes() -> None:
     """--nproc 2: launch/train.py on two CPU processes over gloo; the table says it counts every
     process's tokens, dense the unit."""
