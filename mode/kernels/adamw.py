@@ -130,10 +130,10 @@ Update = tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor]
 
 def adamw_masters_step_(updates: list[Update], grad_scale: Tensor, lr: float | Tensor, betas: tuple[float, float],
                         eps: float, weight_decay: float, block: int = BLOCK) -> None:
-    """One AdamW update of each master (float32) from its grad (bf16 or float32), in place, and its copy (bf16)
-    = the master rounded, in one launch per MAX_TENSORS weights (mode.training.bf16_weights.master_updates_
-    has the same in PyTorch ops). An update whose copy is None is a float32 weight with a float32
-    grad: the same update, in launches of their own.
+    """One AdamW update of each master (float32) from its grad (bf16 or float32), in place, and its
+    copy (bf16) = the master rounded, in one launch per MAX_TENSORS weights of a kind
+    (mode.training.bf16_weights.master_updates_ has the same in PyTorch ops). An update whose copy
+    is None is a float32 weight with a float32 grad: the same update, in launches of their own.
 
     step: each weight's step count after this update (0-d float32, on the device); grad_scale: 0-d
     float32, what the gradients are divided by (1 / the clipping factor, as AdamW's grad_scale); lr:
@@ -240,8 +240,9 @@ def _table(updates: list[Update], block: int, device: torch.device | None) -> tu
     kind_of(updates)
     for update in updates:
         if not kernel_takes(update):
-            raise ValueError("adamw_masters_step_: float32 masters and moments, bf16 copies with bf16 or float32 gradients (or float32 "
-                             "gradients and no copies), contiguous and 16-byte aligned (kernel_takes)")
+            raise ValueError("adamw_masters_step_: float32 masters and moments, bf16 copies with bf16 or float32 "
+                             "gradients (or float32 gradients and no copies), contiguous and 16-byte aligned "
+                             "(kernel_takes)")
         n = update[0].numel()
         columns.append([0 if t is None else t.data_ptr() for t in update] + [n, first])
         first += triton.cdiv(n, block)

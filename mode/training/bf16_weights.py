@@ -91,8 +91,9 @@ def hold_in_bf16_(params: list[nn.Parameter]) -> None:
 def master_updates_(updates: list[Update], grad_scale: Tensor, lr: float | Tensor, betas: tuple[float, float],
                     eps: float, weight_decay: float) -> None:
     """One AdamW update of each (master, exp_avg, exp_avg_sq, grad, copy, step): the master (float32)
-    from its grad (bf16, or a float32 sum of micro-batches' bf16 ones), and copy = the master rounded to bf16 (copy None: a float32 weight from its
-    float32 grad, nothing else written). The kernel where it runs
+    from its grad (bf16, or a float32 sum of micro-batches' bf16 ones), and copy = the master
+    rounded to bf16 (copy None: a float32 weight from its float32 grad, nothing else written). The
+    kernel where it runs
     (mode/kernels/adamw.py, whose docstring gives the arithmetic), else the same in PyTorch ops.
     step: the count after this update; grad_scale: what the gradients are divided by; lr: a number
     or a 0-d tensor (read on the host by the PyTorch ops)."""
