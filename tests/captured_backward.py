@@ -9,6 +9,10 @@ the graph left out (CPU):
 - before the boundary, after_replay reduces nothing: each rank's gradients are its own;
 - at the boundary they are the mean over ranks of every micro-batch's, as the engine's backward
   leaves them, and after the engine's step (which drops the gradients) the split runs again.
+With parallel.expert_parallel > 1 each rank holds a slice of the experts, whose gradients are summed
+over the ranks holding the same experts and divided by every rank's count (DeepSpeed's rule); the
+config's experts must route with equal splits (padded rows), which the graph can hold, and the
+same FFN dropless is named as reading its routing on the host.
 Prints "captured backward: ok" on rank 0; an assertion names what differed.
 """
 from __future__ import annotations
@@ -17,11 +21,15 @@ import sys
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from deepspeed.moe.utils import is_moe_param
+from deepspeed.utils import groups
+from torch import Tensor, nn
 
-from mode.config import load_config
+from mode.config import Config, load_config
 from mode.model import LanguageModel
 from mode.parallel.engine import DeepSpeedOptimization, init_distributed, quiet_deepspeed
+from mode.parallel.expert_parallel import apply_expert_parallel, group_name
+from mode.training.graphs import _host_reading_layer
 
 RTOL, ATOL = 1e-5, 1e-7  # float32 on CPU: the two paths sum the same numbers, the reduction in another order
 
@@ -31,15 +39,45 @@ def assert_close(got: list[Tensor], want: list[Tensor], what: str) -> None:
         torch.testing.assert_close(g, w, rtol=RTOL, atol=ATOL, msg=lambda m, i=i: f"{what}, parameter {i}: {m}")
 
 
+def mean_over_ranks(grads: list[Tensor], params: list[nn.Parameter], config: Config, world: int) -> list[Tensor]:
+    """What the engine's reduction makes of each rank's summed gradients: shared ones averaged over
+    every rank, a sharded expert's summed over the ranks holding it and divided by every rank's count."""
+    out = []
+    for grad, p in zip(grads, params, strict=True):
+        grad = grad.clone()
+        if is_moe_param(p):
+            dist.all_reduce(grad, group=groups._get_expert_data_parallel_group(group_name(config.parallel.expert_parallel)))
+        else:
+            dist.all_reduce(grad)
+        out.append(grad / world)
+    return out
+
+
+def check_dropless_is_named(config: Config) -> None:
+    """The same experts routed dropless (uneven splits, sized on the host) are named as reading their
+    routing there: the Trainer then trains plain eager (or refuses train.cuda_graphs=true)."""
+    config = config.model_copy(deep=True)
+    config.moe.scheme, config.moe.dropless = "token_choice", True
+    model = LanguageModel(config)
+    apply_expert_parallel(model, config.parallel.expert_parallel)
+    reason = _host_reading_layer(model, torch.device("cpu"))
+    assert reason is not None and "expert-parallel processes" in reason, reason
+
+
 def main(path: str) -> None:
     config = load_config(path, [])
     assert config.parallel.zero_stage == 0 and config.train.grad_accum >= 2, "the check needs ZeRO 0 and grad_accum >= 2"
     quiet_deepspeed()
     processes = init_distributed(config)
     torch.manual_seed(config.train.seed)
-    optimization = DeepSpeedOptimization(LanguageModel(config), config, processes)
+    model = LanguageModel(config)
+    sharded = apply_expert_parallel(model, config.parallel.expert_parallel)
+    optimization = DeepSpeedOptimization(model, config, processes)
     model = optimization.model
     assert optimization.capture_refusal() is None
+    if sharded:
+        assert _host_reading_layer(model, torch.device("cpu")) is None, "padded experts read nothing on the host"
+        check_dropless_is_named(config)
     params = [p for p in model.parameters() if p.requires_grad]
     accum, t = config.train.grad_accum, config.train
     draws = torch.Generator().manual_seed(100 + processes.rank)  # each rank's own tokens
@@ -55,10 +93,7 @@ def main(path: str) -> None:
         loss_of(tokens).backward()
         own.append([p.grad.clone() for p in params])
     model.zero_grad(set_to_none=True)
-    mean = [sum(grads) for grads in zip(*own)]
-    for m in mean:
-        dist.all_reduce(m)
-        m /= processes.world_size
+    mean = mean_over_ranks([sum(grads) for grads in zip(*own)], params, config, processes.world_size)
 
     for tokens in batches:
         optimization.backward(loss_of(tokens))

@@ -431,16 +431,15 @@ def flat_gradients(params: list[nn.Parameter], config: Config, processes: Proces
 
 def capture_refusal(config: Config) -> str | None:
     """Why a CUDA graph (train.cuda_graphs) cannot hold the engine's backward for this config; None
-    under ZeRO 0 without expert parallelism, where that backward is autograd and then, outside the
-    graph, the all-reduce (DeepSpeedOptimization.captured_backward and after_replay)."""
+    under ZeRO 0, where that backward is autograd and then, outside the graph, the all-reduce
+    (DeepSpeedOptimization.captured_backward and after_replay). Expert parallelism's all-to-alls
+    are captured with the forward and backward where their splits are equal (padded rows); a
+    layer whose splits are read on the host is the Trainer's to find (graphs.eager_graphs)."""
     p = config.parallel
     if p.zero_stage > 0:
         return (f"parallel.zero_stage={p.zero_stage}: DeepSpeed's ZeRO optimizer runs its own hooks in and around "
                 "the backward (gradient partitions, bf16 buffers), which a graph would run only at its capture "
                 "(zero_stage=0 graphs)")
-    if p.expert_parallel > 1:
-        return (f"parallel.expert_parallel={p.expert_parallel}: the experts' all-to-all runs inside the forward "
-                "and backward, which CUDA graphs do not hold here (expert_parallel=1 graphs)")
     return None
 
 

@@ -65,9 +65,13 @@ def _host_reading_layer(model: nn.Module, device: torch.device) -> str | None:
     for name, module in model.named_modules():
         if isinstance(module, MoEFFN) and module.syncs_with_host(probe):
             backend = module.experts.backend
-            why = (f"token choice on moe.backend={backend} sizes its expert groups there" if backend != "torch" else
-                   "dropless token choice runs sync-free on moe.backend=torch only on an H100/H200-class GPU "
-                   f"(this is a {torch.cuda.get_device_name(device)})")
+            if backend != "torch":
+                why = f"token choice on moe.backend={backend} sizes its expert groups there"
+            elif getattr(module.experts, "ep_size", 1) > 1:  # mode/parallel's experts, sharded over processes
+                why = "dropless token choice sends uneven rows between the expert-parallel processes, sized there"
+            else:
+                why = ("dropless token choice runs sync-free on moe.backend=torch only on an H100/H200-class GPU "
+                       f"(this is a {torch.cuda.get_device_name(device)})")
             return f"{name} reads its routing on the host: {why}"
     return None
 
