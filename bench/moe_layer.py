@@ -122,10 +122,11 @@ def with_switch(op: str, enabled: bool, layer: Layer) -> Layer:
     return run
 
 
-def cuda_graphed(layer: Layer, x: Tensor) -> Step:
+def cuda_graphed(layer: Layer, x: Tensor, capture_error_mode: str = "global") -> Step:
     """The whole forward+backward pass of fwd_bwd(layer, x) captured once as one CUDA graph (the
     eager kernels, or a compiled layer's without its own graphs); each call replays it. As
-    train.cuda_graphs does for a model: no host work per kernel, and no copies in or out."""
+    train.cuda_graphs does for a model: no host work per kernel, and no copies in or out.
+    capture_error_mode: torch.cuda.graph's ("thread_local" where other threads use CUDA meanwhile)."""
     run = fwd_bwd(layer, x)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -134,7 +135,7 @@ def cuda_graphed(layer: Layer, x: Tensor) -> Step:
             run()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, capture_error_mode=capture_error_mode):
         run()
 
     def replay() -> None:

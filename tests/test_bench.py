@@ -268,6 +268,26 @@ def test_train_configs_tiny_on_two_processes() -> None:
     assert min(number(r[1]) for r in rows) > 0 and number(rows[0][4].split(":")[0]) == 1.0
 
 
+def test_ep_layer_tiny_on_two_gloo_processes() -> None:
+    """--tiny: two CPU processes over gloo, the experts sharded between them: every eager row of this
+    project's and DeepSpeed's prints positive times, the dense MLP the unit; the CUDA graph rows
+    (and megablocks, where it is not installed) say why they did not run instead of a time."""
+    out = run("-m", "bench.ep_layer", "--tiny")
+    assert "2 x CPU (gloo)" in out and "2 a process where sharded" in out, out
+    rows = {r[0]: r for r in table_rows(out)}
+    eager = ["dense GELU MLP, same FLOPs (the limit)", "mode expert choice, every expert on every GPU",
+             "mode expert choice, experts sharded", "mode token choice top-1 cf 1.0, experts sharded",
+             "mode token choice top-1 dropless, experts sharded",
+             "DeepSpeed 0.19.8 MoE top-1, capacity factor 1.0, ep_size 2"]
+    for name in eager:
+        assert all(number(cell) > 0 for cell in rows[name][1:]), rows[name]
+    assert number(rows[eager[0]][2]) == number(rows[eager[0]][4]) == 1.0
+    graphs = [name for name in rows if name.endswith("one CUDA graph")]
+    assert len(graphs) == 4 and all(rows[name][1] == "not run: RuntimeError: CUDA graphs need a GPU" for name in graphs)
+    megablocks = next(name for name in rows if name.startswith("megablocks"))
+    assert rows[megablocks][1].startswith("not run: ") or number(rows[megablocks][1]) > 0
+
+
 def test_prefill_tiny() -> None:
     """Both models at every batch, median and best wall times positive, the dense row the unit."""
     rows = table_rows(run("-m", "bench.prefill", "--tiny"))
