@@ -206,9 +206,10 @@ class TrainConfig(Section):
         "auto",
         description=(
             "eager CUDA graphs, without torch.compile: each micro-batch's forward and backward captured once "
-            "and replayed (one process, GPU; static shapes: token choice on moe.backend=torch, dropless only where "
-            "its sync-free layout runs: H100/H200-class GPUs, bf16). auto: wherever they can run (python -m "
-            "mode.train on a GPU, not compiled, no layer reading its routing on the host), plain eager elsewhere; "
+            "and replayed (GPU; static shapes: token choice on moe.backend=torch, dropless only where its sync-free "
+            "layout runs: one process on an H100/H200-class GPU, bf16; through launch/train.py under ZeRO 0, the "
+            "experts' all-to-alls included). auto: wherever they can run (on a GPU, not compiled, no layer reading "
+            "its routing on the host), plain eager elsewhere; "
             "true: required (an error where they cannot run); false: plain eager"
         ),
     )
