@@ -526,7 +526,8 @@ def test_deepspeed_config_is_derived_from_the_project_config():
 def test_cuda_graphs_are_refused_through_deepspeed(tmp_path: Path) -> None:
     """launch/train.py refuses train.compile_mode=reduce-overhead, and train.cuda_graphs=true where
     a graph cannot hold the engine's backward (ZeRO 1/2), naming the fields, before it builds
-    anything. ZeRO 0 is not refused, with expert parallelism too (its all-to-alls are captured)."""
+    anything. ZeRO 0 is not refused; with expert parallelism, cuda_graphs=true captures the
+    all-to-alls and auto trains plain eager, saying so."""
     from mode.parallel.engine import Processes, capture_refusal
     from mode.parallel.launch import build_trainer
 
@@ -541,10 +542,11 @@ def test_cuda_graphs_are_refused_through_deepspeed(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"train\.cuda_graphs=true: parallel\.zero_stage=1"):
         build_trainer(config, processes)
     assert not (tmp_path / "run").exists()
-    for ep in (1, 2):
-        config = load_config(None, ["--parallel.zero_stage=0", f"--parallel.expert_parallel={ep}",
-                                    "--model.block_pattern=[dense,moe]"])
-        assert capture_refusal(config) is None
+    zero0 = ["--parallel.zero_stage=0", "--model.block_pattern=[dense,moe]"]
+    assert capture_refusal(load_config(None, [*zero0, "--parallel.expert_parallel=1"])) is None
+    assert capture_refusal(load_config(None, [*zero0, "--parallel.expert_parallel=2", "--train.cuda_graphs=true"])) is None
+    auto = capture_refusal(load_config(None, [*zero0, "--parallel.expert_parallel=2"]))
+    assert re.match(r"parallel\.expert_parallel=2: .*train\.cuda_graphs=true", auto)
 
 
 @pytest.mark.parametrize("blocks, ep", [(["dense", "mod"], 1), (["moe", "mode_staged"], 2)],
@@ -555,10 +557,12 @@ def test_the_backward_a_graph_holds_reduces_as_the_engines(corpus: Path, tmp_pat
     the rest on the host: on 2 processes, with 2 micro-batches, nothing is reduced before the
     boundary and at it the gradients are the mean over ranks, as the engine's own backward gives,
     also after the engine's step dropped them (tests/captured_backward.py; CPU, no graph). With
-    the experts sharded (expert_parallel=2, expert choice: equal splits), the experts' gradients
-    as DeepSpeed reduces them, and the same experts dropless named as reading the host."""
+    the experts sharded (expert_parallel=2, expert choice: equal splits; cuda_graphs=true, which
+    graphs them), the experts' gradients as DeepSpeed reduces them, and the same experts dropless
+    named as reading the host."""
+    train = {"grad_accum": 2} if ep == 1 else {"grad_accum": 2, "cuda_graphs": True}
     raw = raw_config(corpus, tmp_path / "run", model={"block_pattern": blocks}, routing={"capacity": 0.25},
-                     train={"grad_accum": 2}, parallel={"zero_stage": 0, "expert_parallel": ep})
+                     train=train, parallel={"zero_stage": 0, "expert_parallel": ep})
     out = launch(write_config(raw, tmp_path / "config.yaml"), script=ROOT / "tests" / "captured_backward.py").stdout
     assert "captured backward: ok" in out, out[-4000:]
 
@@ -699,12 +703,13 @@ def assert_resumed_run_continues(config: Path, out_dir: Path, uninterrupted: dic
         assert resumed[step]["loss"] == pytest.approx(uninterrupted[step]["loss"], abs=2e-3), step
 
 
-# Two-GPU graphed runs: (block pattern, train settings, parallel settings)
+# Two-GPU graphed runs: (block pattern, train settings, parallel settings, the graphed run's cuda_graphs)
 TWO_GPU_GRAPHED = {
-    "mod and moe": (["mod", "moe"], {"grad_accum": 2}, {}),
+    "mod and moe": (["mod", "moe"], {"grad_accum": 2}, {}, "auto"),
     "experts sharded, float32 weights": (["moe", "mode_staged"], {"grad_accum": 2, "bf16_weights": False},
-                                         {"expert_parallel": 2}),
-    "experts sharded, bf16 weights": (["moe", "mode_staged"], {}, {"expert_parallel": 2, "reduce_bucket_mb": 0.01}),
+                                         {"expert_parallel": 2}, True),
+    "experts sharded, bf16 weights": (["moe", "mode_staged"], {}, {"expert_parallel": 2, "reduce_bucket_mb": 0.01},
+                                      True),
 }
 
 
@@ -715,24 +720,25 @@ def test_two_gpus_train_graphed_as_plain_eager(corpus: Path, tmp_path: Path, cas
     micro-batch (a note says so) and trains as plain eager (cuda_graphs=false) does: the losses
     within 2e-3 nats (bf16; only atomics' order differs), gradient norms within 5e-3 relative. MoD
     and MoE blocks with 2 micro-batches a step; the experts sharded over the GPUs
-    (expert_parallel=2), their all-to-alls inside the graph, with float32 weights (DeepSpeed's
-    reduction after the replay) and with bf16 weights (the project's, in buckets inside the graph).
+    (expert_parallel=2, cuda_graphs=true, which an EP run must ask for: an error where it cannot
+    graph), their all-to-alls inside the graph, with float32 weights (DeepSpeed's reduction after
+    the replay) and with bf16 weights (the project's, in buckets inside the graph).
     A graph that missed the all-reduce or an all-to-all, or read a gradient the engine's step
     dropped, is off from step 2 by far more. A graphed run stopped after step 4 and resumed from
     step 3's checkpoint (captured again) continues as the uninterrupted one."""
-    blocks, train, parallel = TWO_GPU_GRAPHED[case]
+    blocks, train, parallel, graphed_setting = TWO_GPU_GRAPHED[case]
     runs, configs = {}, {}
-    for graphs in ("false", "auto"):
+    for graphs in ("false", "graphed"):
+        setting = False if graphs == "false" else graphed_setting
         raw = raw_config(corpus, tmp_path / graphs, model={"block_pattern": blocks}, routing={"capacity": 0.25},
-                         train={"device": "cuda", "cuda_graphs": "auto" if graphs == "auto" else False,
-                                "eval_interval": 3, **train},
+                         train={"device": "cuda", "cuda_graphs": setting, "eval_interval": 3, **train},
                          parallel={"zero_stage": 0, "expert_parallel": 1, **parallel})
         configs[graphs] = write_config(raw, tmp_path / f"{graphs}.yaml")
         out = launch(configs[graphs]).stdout
-        graphed = "each micro-batch's forward and backward run as one CUDA graph" in out
-        assert graphed is (graphs == "auto"), out[-4000:]
+        noted = "each micro-batch's forward and backward run as one CUDA graph" in out
+        assert noted is (setting == "auto") and "train.cuda_graphs=auto: plain eager" not in out, out[-4000:]
         runs[graphs] = records(tmp_path / graphs)
-    (plain, plain_val), (replayed, replayed_val) = runs["false"], runs["auto"]
+    (plain, plain_val), (replayed, replayed_val) = runs["false"], runs["graphed"]
     assert sorted(plain) == sorted(replayed) == list(range(1, STEPS + 1))
     for step in plain:
         assert replayed[step]["loss"] == pytest.approx(plain[step]["loss"], abs=2e-3), step
@@ -740,7 +746,7 @@ def test_two_gpus_train_graphed_as_plain_eager(corpus: Path, tmp_path: Path, cas
     assert set(plain_val) == set(replayed_val)
     for step in plain_val:
         assert replayed_val[step]["val_loss"] == pytest.approx(plain_val[step]["val_loss"], abs=2e-3), step
-    assert_resumed_run_continues(configs["auto"], tmp_path / "resumed", replayed)
+    assert_resumed_run_continues(configs["graphed"], tmp_path / "resumed", replayed)
 
 
 # Two-GPU bf16 runs: (block pattern, train settings, parallel settings)
@@ -759,8 +765,9 @@ def test_two_gpus_train_bf16_weights_as_float32_weights(corpus: Path, tmp_path: 
     relative (the bf16 gradients are averaged in bf16, one rounding more than float32's). Graphed,
     the bf16 run reduces in 10 KiB buckets, several of which start within the captured backward
     (NCCL inside the graph); with 2 micro-batches, the matrices' float32 sums after the last one.
-    With expert parallelism (its all-to-alls graphed too) each GPU holds half the experts in bf16,
-    reduced and clipped as DeepSpeed does float32 ones. A run stopped after step 4
+    With expert parallelism (plain eager under auto: its all-to-alls are graphed with
+    cuda_graphs=true only) each GPU holds half the experts in bf16, reduced and clipped as DeepSpeed
+    does float32 ones. A run stopped after step 4
     and resumed from step 3's checkpoint continues as the uninterrupted one (within 2e-3): the
     checkpoint held the float32 masters."""
     blocks, train, parallel = TWO_GPU_BF16[case]
@@ -772,7 +779,8 @@ def test_two_gpus_train_bf16_weights_as_float32_weights(corpus: Path, tmp_path: 
         configs[name] = write_config(raw, tmp_path / f"{name}.yaml")
         out = launch(configs[name]).stdout
         assert "train.bf16_weights=auto" not in out, out[-4000:]  # on where asked: no note turning it off
-        assert "each micro-batch's forward and backward run as one CUDA graph" in out, out[-4000:]
+        graphed = "each micro-batch's forward and backward run as one CUDA graph" in out
+        assert graphed is ("expert_parallel" not in parallel), out[-4000:]
         runs[name], _ = records(tmp_path / name)
     float32, bf16 = runs["float32"], runs["bf16"]
     assert sorted(float32) == sorted(bf16) == list(range(1, STEPS + 1))

@@ -207,9 +207,9 @@ class TrainConfig(Section):
         description=(
             "eager CUDA graphs, without torch.compile: each micro-batch's forward and backward captured once "
             "and replayed (GPU; static shapes: token choice on moe.backend=torch, dropless only where its sync-free "
-            "layout runs: one process on an H100/H200-class GPU, bf16; through launch/train.py under ZeRO 0, the "
-            "experts' all-to-alls included). auto: wherever they can run (on a GPU, not compiled, no layer reading "
-            "its routing on the host), plain eager elsewhere; "
+            "layout runs: one process on an H100/H200-class GPU, bf16; through launch/train.py under ZeRO 0, with "
+            "expert parallelism for true only). auto: wherever they can run (on a GPU, not compiled, no layer "
+            "reading its routing on the host, no expert parallelism), plain eager elsewhere; "
             "true: required (an error where they cannot run); false: plain eager"
         ),
     )

@@ -433,13 +433,18 @@ def capture_refusal(config: Config) -> str | None:
     """Why a CUDA graph (train.cuda_graphs) cannot hold the engine's backward for this config; None
     under ZeRO 0, where that backward is autograd and then, outside the graph, the all-reduce
     (DeepSpeedOptimization.captured_backward and after_replay). Expert parallelism's all-to-alls
-    are captured with the forward and backward where their splits are equal (padded rows); a
-    layer whose splits are read on the host is the Trainer's to find (graphs.eager_graphs)."""
+    are captured with the forward and backward where their splits are equal (padded rows), with
+    train.cuda_graphs=true only: auto keeps them plain eager until graphed runs have been run and timed
+    against plain eager on GPUs. A layer whose splits are read on the host is the Trainer's to
+    find (graphs.eager_graphs)."""
     p = config.parallel
     if p.zero_stage > 0:
         return (f"parallel.zero_stage={p.zero_stage}: DeepSpeed's ZeRO optimizer runs its own hooks in and around "
                 "the backward (gradient partitions, bf16 buffers), which a graph would run only at its capture "
                 "(zero_stage=0 graphs)")
+    if p.expert_parallel > 1 and config.train.cuda_graphs is not True:
+        return (f"parallel.expert_parallel={p.expert_parallel}: the experts' all-to-alls are captured with "
+                "train.cuda_graphs=true only (where every process sends each expert equal rows)")
     return None
 
 
