@@ -35,11 +35,19 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor
 
 from bench.common import timed, timed_back_to_back
-from bench.moe_layer import PARAM_DTYPE, Layer, Step, cuda_graphed, dense_mlp, fwd_bwd
+from bench.moe_layer import (
+    PARAM_DTYPE,
+    Layer,
+    Step,
+    add_layer_args,
+    cuda_graphed,
+    dense_mlp,
+    fwd_bwd,
+    megablocks_dmoe,
+)
 from mode.config import MoEConfig
 from mode.layers.moe import MoEFFN
 from mode.parallel.expert_parallel import ExpertParallelExperts, create_expert_groups
@@ -62,28 +70,6 @@ def ours(args: argparse.Namespace, device: torch.device, group: object | None, *
     if group is not None:
         ffn.experts = ExpertParallelExperts(ffn.experts, group, dist.get_world_size())
     return ffn
-
-
-def megablocks_dmoe(args: argparse.Namespace, device: torch.device, group: object) -> Layer:
-    from megablocks.layers.arguments import Arguments
-    from megablocks.layers.dmoe import dMoE
-    from megablocks.layers.moe import clear_load_balancing_loss
-
-    margs = Arguments(
-        hidden_size=args.width, ffn_hidden_size=args.ffn, moe_num_experts=args.experts, moe_top_k=1,
-        mlp_impl="grouped", bf16=True, fp16=False, device=device,
-        moe_expert_model_parallelism=True, expert_parallel_group=group,
-        **(dict(mlp_type="glu", activation_fn=F.silu) if args.activation == "swiglu" else dict(mlp_type="mlp", activation_fn=F.gelu)),
-    )
-    layer = dMoE(margs).to(device=device, dtype=PARAM_DTYPE[args.params])
-
-    def run(x: Tensor) -> Tensor:
-        y = layer(x.view(args.batch, args.seq, args.width))[0]
-        clear_load_balancing_loss()  # dMoE saves its loss's inputs for the training loop in a global list
-        return y
-
-    run.params = list(layer.parameters())
-    return run
 
 
 def deepspeed_moe(args: argparse.Namespace, device: torch.device) -> Layer:
@@ -123,7 +109,7 @@ def rows_of(args: argparse.Namespace, device: torch.device, group: object) -> li
     rows += [
         ("mode token choice top-1 dropless, experts sharded", "eager", dropless),
         (f"megablocks 0.10.0 dMoE grouped, top-1 dropless, expert parallel {n}", "eager",
-         lambda: megablocks_dmoe(args, device, group)),
+         lambda: megablocks_dmoe(args, moe_expert_model_parallelism=True, expert_parallel_group=group)),
         (f"DeepSpeed 0.19.8 MoE top-1, capacity factor 1.0, ep_size {n}", "eager", lambda: deepspeed_moe(args, device)),
     ]
     return rows
@@ -170,16 +156,7 @@ def slowest(value: float, device: torch.device) -> float:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nproc", type=int, default=2, help="processes, one GPU each")
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--ffn", type=int, default=4096)
-    parser.add_argument("--experts", type=int, default=8)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--rounds", type=int, default=1, help="time every row this many times, interleaved; the median")
-    parser.add_argument("--params", choices=sorted(PARAM_DTYPE), default="bf16", help="weight storage dtype")
-    parser.add_argument("--activation", choices=["gelu", "swiglu"], default="gelu")
+    add_layer_args(parser)
     parser.add_argument("--tiny", action="store_true", help="the CPU over gloo at a tiny shape: a smoke run")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)

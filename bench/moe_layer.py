@@ -152,7 +152,8 @@ def dense_mlp(args: argparse.Namespace) -> nn.Module:
     return SwiGLU(args.width, args.ffn) if args.activation == "swiglu" else GeluMLP(args.width, args.ffn)
 
 
-def megablocks_dmoe(args: argparse.Namespace) -> Callable[[Tensor], Tensor]:
+def megablocks_dmoe(args: argparse.Namespace, **parallelism: object) -> Callable[[Tensor], Tensor]:
+    """megablocks' dMoE on this GPU; parallelism: its Arguments' expert-parallel fields (bench.ep_layer)."""
     from megablocks.layers.arguments import Arguments
     from megablocks.layers.dmoe import dMoE
     from megablocks.layers.moe import clear_load_balancing_loss
@@ -162,6 +163,7 @@ def megablocks_dmoe(args: argparse.Namespace) -> Callable[[Tensor], Tensor]:
         mlp_impl="grouped", bf16=True, fp16=False, device=torch.cuda.current_device(),
         # the activation of every other row: megablocks' default GELU is the tanh approximation
         **(dict(mlp_type="glu", activation_fn=F.silu) if args.activation == "swiglu" else dict(mlp_type="mlp", activation_fn=F.gelu)),
+        **parallelism,
     )
     layer = dMoE(margs).cuda().to(PARAM_DTYPE[args.params])
 
@@ -193,8 +195,8 @@ def deepspeed_moe(args: argparse.Namespace) -> Callable[[Tensor], Tensor]:
     return run
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_layer_args(parser: argparse.ArgumentParser) -> None:
+    """The layer's shape, its timing and its weights: the flags bench.moe_layer and bench.ep_layer share."""
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--width", type=int, default=1024)
@@ -206,6 +208,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--params", choices=sorted(PARAM_DTYPE), default="bf16", help="weight storage dtype")
     parser.add_argument("--activation", choices=["gelu", "swiglu"], default="gelu",
                         help="the experts' MLP, and the dense MLP's and the libraries' experts")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_layer_args(parser)
     parser.add_argument("--compile", action="store_true", help="also time this project's layers under torch.compile")
     parser.add_argument("--profile", nargs="*", default=[], metavar="ROW",
                         help="print the top GPU kernels of the rows whose name contains ROW")
