@@ -26,6 +26,7 @@ eager rows on the CPU (no graphs), to check the script, not to time anything.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -55,11 +56,17 @@ from mode.parallel.expert_parallel import ExpertParallelExperts, create_expert_g
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+ARGS_VARIABLE = "BENCH_EP_LAYER_ARGS"  # the flags, handed to the launched processes
+
+
 def launch(argv: list[str], nproc: int) -> None:
-    """This script again on nproc processes (torch.distributed.run, a free port on this host)."""
+    """This script again on nproc processes (torch.distributed.run, a free port on this host). The
+    flags travel in the environment: after the script's name torch.distributed.run would still read
+    a flag that abbreviates one of its own (--nproc)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "-m", "bench.ep_layer", *argv]
-    raise SystemExit(subprocess.run(command, cwd=ROOT).returncode)
+               "-m", "bench.ep_layer"]
+    env = {**os.environ, ARGS_VARIABLE: json.dumps(argv)}
+    raise SystemExit(subprocess.run(command, cwd=ROOT, env=env).returncode)
 
 
 def ours(args: argparse.Namespace, device: torch.device, group: object | None, **moe: object) -> MoEFFN:
@@ -158,7 +165,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--nproc", type=int, default=2, help="processes, one GPU each")
     add_layer_args(parser)
     parser.add_argument("--tiny", action="store_true", help="the CPU over gloo at a tiny shape: a smoke run")
-    argv = sys.argv[1:] if argv is None else argv
+    if argv is None:  # a launched process takes the launcher's flags; run by hand (torchrun), its own
+        argv = json.loads(os.environ[ARGS_VARIABLE]) if ARGS_VARIABLE in os.environ else sys.argv[1:]
     args = parser.parse_args(argv)
     if args.tiny:
         args.batch, args.seq, args.width, args.ffn, args.experts, args.warmup, args.iters = 2, 32, 32, 64, 4, 1, 2

@@ -272,7 +272,7 @@ def test_ep_layer_tiny_on_two_gloo_processes() -> None:
     """--tiny: two CPU processes over gloo, the experts sharded between them: every eager row of this
     project's and DeepSpeed's prints positive times, the dense MLP the unit; the CUDA graph rows
     (and megablocks, where it is not installed) say why they did not run instead of a time."""
-    out = run("-m", "bench.ep_layer", "--tiny")
+    out = run("-m", "bench.ep_layer", "--tiny", "--nproc", "2", "--rounds", "1")  # flags reach every process
     assert "2 x CPU (gloo)" in out and "2 a process where sharded" in out, out
     rows = {r[0]: r for r in table_rows(out)}
     eager = ["dense GELU MLP, same FLOPs (the limit)", "mode expert choice, every expert on every GPU",
