@@ -88,10 +88,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(config: Path, *args: str, world: int = WORLD, script: Path | None = None) -> tuple[list[str], subprocess.Popen]:
-    """launch/train.py (or `script`, given the config's path alone) started on `world` processes, in a
-    process group of its own: (command, process)."""
-    target = [str(ROOT / "launch" / "train.py"), "--config", str(config)] if script is None else [str(script), str(config)]
+def start(config: Path | None, *args: str, world: int = WORLD,
+          script: Path | None = None) -> tuple[list[str], subprocess.Popen]:
+    """launch/train.py (or `script`, given the config's path alone, if any) started on `world`
+    processes, in a process group of its own: (command, process)."""
+    if script is None:
+        target = [str(ROOT / "launch" / "train.py"), "--config", str(config)]
+    else:
+        target = [str(script)] + ([] if config is None else [str(config)])
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", "--master_addr=127.0.0.1",
            f"--master_port={free_port()}", *target, *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -119,7 +123,7 @@ def output_within(proc: subprocess.Popen, timeout: float, failure: str) -> str:
         pytest.fail(f"{failure}:\n{proc.communicate()[0][-4000:]}")
 
 
-def launch(config: Path, *args: str, expect_ok: bool = True, world: int = WORLD,
+def launch(config: Path | None, *args: str, expect_ok: bool = True, world: int = WORLD,
            script: Path | None = None) -> subprocess.CompletedProcess:
     """launch/train.py (or `script`) on `world` processes; the process group is killed on timeout."""
     cmd, proc = start(config, *args, world=world, script=script)
@@ -601,6 +605,15 @@ def test_the_engine_holds_bf16_experts_under_expert_parallelism(corpus: Path, tm
     out = launch(write_config(raw, tmp_path / "config.yaml"), script=ROOT / "tests" / "bf16_expert_parallel.py",
                  world=world).stdout
     assert "bf16 expert parallel: ok" in out, out[-4000:]
+
+
+def test_expert_parallel_uneven_splits_equal_one_process_holding_every_expert() -> None:
+    """ExpertParallelExperts.grouped (dropless token choice's uneven splits) on 2 gloo processes: the
+    output, the rows' gradient and each process's expert weight gradients equal one process holding
+    every expert, with the local experts as a loop and as one grouped GEMM reading their ends
+    (tests/ep_grouped.py; CPU, float32)."""
+    out = launch(None, script=ROOT / "tests" / "ep_grouped.py").stdout
+    assert "ep grouped: ok" in out, out[-4000:]
 
 
 def _sharded_expert(shape: tuple[int, ...]) -> torch.nn.Parameter:

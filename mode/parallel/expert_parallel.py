@@ -10,8 +10,9 @@ n_experts / ep slice of the weights and answers the same two calls the FFN makes
   all-to-all brings the results back.
 - grouped(xs (M, D) sorted by expert, counts (E,)) -> (M, D): uneven loads (dropless token
   choice, the grouped GEMM backends). The counts are exchanged first, then the rows with
-  uneven splits. (by_ends_applies is False: the FFN's sync-free dropless layout, every
-  assignment a row, stays for one process.)
+  uneven splits, which the host reads in one sync; the local experts run as one grouped GEMM
+  each way where Experts.by_ends applies. (by_ends_applies is False here: the FFN's sync-free
+  dropless layout, every assignment a row, stays for one process.)
 
 Both all-to-alls are autograd functions: the backward of one is the all-to-all the other
 way. No-op experts (MoDE) never reach this module: the FFN never computes them, and those that
@@ -205,16 +206,25 @@ class ExpertParallelExperts(DeepSpeedMoE):
         counts = counts.to(device=xs.device, dtype=torch.long)
         received_counts = torch.empty_like(counts)  # (ep*local,): [source rank][local expert]
         dist.all_to_all_single(received_counts, counts, group=self.group)
-        send_splits = counts.view(ep, local).sum(1).tolist()
         table = received_counts.view(ep, local)
-        receive_splits = table.sum(1).tolist()
+        # both exchanges' splits in one read from the device (the host sizes them)
+        send_splits, receive_splits = torch.stack([counts.view(ep, local).sum(1), table.sum(1)]).tolist()
         received = all_to_all(xs, self.group, receive_splits, send_splits)  # [source][local expert][row]
         # Expert-major for the local compute: a stable sort of the rows by their local expert.
-        segment = torch.repeat_interleave(torch.arange(ep * local, device=xs.device), received_counts)
+        segment = torch.repeat_interleave(torch.arange(ep * local, device=xs.device), received_counts,
+                                          output_size=sum(receive_splits))
         order = torch.argsort(segment % local, stable=True)
-        ys = self.local.grouped(received.index_select(0, order), table.sum(0))
+        ys = self._local_experts(received.index_select(0, order), table.sum(0))
         ys = ys.index_select(0, torch.argsort(order))  # back to [source][local expert][row]
         return all_to_all(ys, self.group, send_splits, receive_splits)
+
+    def _local_experts(self, xs: Tensor, counts: Tensor) -> Tensor:
+        """The local experts on xs (M, D) sorted by expert, counts (local,) rows of each: one grouped
+        GEMM each way reading the experts' ends on the device where by_ends applies (torch._grouped_mm
+        on an H100/H200, or grouped_gemm), else Experts.grouped (a loop over the experts on torch)."""
+        if self.local.by_ends_applies(xs):
+            return self.local.by_ends(xs, counts.cumsum(0).to(torch.int32))  # every row computed: ends[-1] = M
+        return self.local.grouped(xs, counts)
 
 
 # ----------------------------------------------------------------------------- model-level
