@@ -11,8 +11,8 @@ n_experts / ep slice of the weights and answers the same two calls the FFN makes
 - grouped(xs (M, D) sorted by expert, counts (E,)) -> (M, D): uneven loads (dropless token
   choice, the grouped GEMM backends). The counts are exchanged first, then the rows with
   uneven splits, which the host reads in one sync; the local experts run as one grouped GEMM
-  each way where Experts.by_ends applies. (by_ends_applies is False here: the FFN's sync-free
-  dropless layout, every assignment a row, stays for one process.)
+  each way (on torch where Experts.by_ends applies). (by_ends_applies is False here: the FFN's
+  sync-free dropless layout, every assignment a row, stays for one process.)
 
 Both all-to-alls are autograd functions: the backward of one is the all-to-all the other
 way. No-op experts (MoDE) never reach this module: the FFN never computes them, and those that
@@ -219,10 +219,11 @@ class ExpertParallelExperts(DeepSpeedMoE):
         return all_to_all(ys, self.group, send_splits, receive_splits)
 
     def _local_experts(self, xs: Tensor, counts: Tensor) -> Tensor:
-        """The local experts on xs (M, D) sorted by expert, counts (local,) rows of each: one grouped
-        GEMM each way reading the experts' ends on the device where by_ends applies (torch._grouped_mm
-        on an H100/H200, or grouped_gemm), else Experts.grouped (a loop over the experts on torch)."""
-        if self.local.by_ends_applies(xs):
+        """The local experts on xs (M, D) sorted by expert, counts (local,) rows of each: on the torch
+        backend one grouped GEMM each way reading the experts' ends on the device where by_ends
+        applies (torch._grouped_mm on an H100/H200), else Experts.grouped (there a loop over the
+        experts; on the grouped GEMM backends one gmm each way, from the counts)."""
+        if self.local.backend == "torch" and self.local.by_ends_applies(xs):
             return self.local.by_ends(xs, counts.cumsum(0).to(torch.int32))  # every row computed: ends[-1] = M
         return self.local.grouped(xs, counts)
 
