@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,13 @@ from mode.data import stdlib_root
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
+
+
+# The Ctrl-C tests send SIGINT to this process and to the commands it starts, as a terminal's
+# foreground job gets it. Started as a shell's background job (`bash launch/test.sh &`), pytest and
+# those commands would ignore SIGINT, as a background job's should: the tests would wait forever.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(autouse=True)

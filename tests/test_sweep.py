@@ -2,6 +2,7 @@
 train, skip what is finished, resume what is not, and report."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -10,6 +11,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import yaml
@@ -210,28 +212,35 @@ def test_a_flops_budget_gives_each_point_the_steps_within_it(tmp_path: Path, cor
     assert steps == expected and steps[0] > steps[1] > 1
 
 
-def _a_long_parallel_sweep(tmp_path: Path, corpus: Path) -> tuple[subprocess.Popen, Path]:
-    """A sweep of 4 long points, 2 at a time, in a session of its own, returned once both running
-    trainings have written a checkpoint; and its folder."""
+@contextlib.contextmanager
+def _a_long_parallel_sweep(tmp_path: Path, corpus: Path) -> Iterator[tuple[subprocess.Popen, Path]]:
+    """A sweep of 4 long points, 2 at a time, in a session of its own, given once both running
+    trainings have written a checkpoint; and its folder. At the block's end, passed or failed, the
+    sweep's process group is killed: a failed test leaves no training of 100,000 steps running."""
     out = tmp_path / "sweep"
     command = [sys.executable, "-m", "mode.sweep", "--config", str(_config(tmp_path, corpus)), "--out", str(out),
                "--vary", "train.seed=0,1,2,3", "--jobs", "2", "--train.max_steps=100000", "--train.checkpoint_interval=1"]
     sweep_process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      start_new_session=True, cwd=Path(__file__).resolve().parents[1])
-    deadline = time.monotonic() + 120
-    started = [out / "seed=0" / CHECKPOINT, out / "seed=1" / CHECKPOINT]
-    while not all(p.exists() for p in started):  # both running runs have trained a step
-        assert time.monotonic() < deadline and sweep_process.poll() is None, sweep_process.communicate()
-        time.sleep(0.2)
-    return sweep_process, out
+    try:
+        deadline = time.monotonic() + 120
+        started = [out / "seed=0" / CHECKPOINT, out / "seed=1" / CHECKPOINT]
+        while not all(p.exists() for p in started):  # both running runs have trained a step
+            assert time.monotonic() < deadline and sweep_process.poll() is None, sweep_process.communicate()
+            time.sleep(0.2)
+        yield sweep_process, out
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # nothing left of the group: the sweep ended whole
+            os.killpg(sweep_process.pid, signal.SIGKILL)
+        sweep_process.communicate()
 
 
 def test_ctrl_c_stops_a_parallel_sweep_at_once(tmp_path: Path, corpus: Path) -> None:
     """Ctrl-C (SIGINT to the sweep's process group, as a terminal sends it): the running trainings
     stop at their checkpoints, no queued point starts, and the sweep exits 130 with one line."""
-    sweep_process, out = _a_long_parallel_sweep(tmp_path, corpus)
-    os.killpg(sweep_process.pid, signal.SIGINT)
-    stdout, stderr = sweep_process.communicate(timeout=120)
+    with _a_long_parallel_sweep(tmp_path, corpus) as (sweep_process, out):
+        os.killpg(sweep_process.pid, signal.SIGINT)
+        stdout, stderr = sweep_process.communicate(timeout=120)
     assert sweep_process.returncode == 130, (stdout, stderr)
     assert "sweep stopped (Ctrl-C or SIGTERM)" in stdout and "Traceback" not in stdout + stderr, (stdout, stderr)
     # Each training got the terminal's SIGINT and then the sweep's SIGTERM: whichever it handled first
@@ -288,15 +297,15 @@ def test_an_unreadable_checkpoint_or_a_file_as_out_is_a_clear_error(tmp_path: Pa
 def test_sigterm_stops_the_sweep_and_its_trainings(tmp_path: Path, corpus: Path) -> None:
     """SIGTERM to the sweep's process alone (kill, timeout, a scheduler): its trainings get a SIGTERM and
     stop at their checkpoints, none is left running to write beside a restarted sweep, and it exits 130."""
-    sweep_process, out = _a_long_parallel_sweep(tmp_path, corpus)
-    os.kill(sweep_process.pid, signal.SIGTERM)  # the sweep alone, not its process group
-    stdout, stderr = sweep_process.communicate(timeout=120)
-    assert sweep_process.returncode == 130, (stdout, stderr)
-    assert "== seed=0: stopped (SIGTERM" in stdout and "== seed=1: stopped (SIGTERM" in stdout, stdout
-    sizes = [(out / f"seed={i}" / METRICS).stat().st_size for i in (0, 1)]
-    time.sleep(2)
-    assert [(out / f"seed={i}" / METRICS).stat().st_size for i in (0, 1)] == sizes  # nobody writes any more
-    assert not (out / "seed=2").exists()
+    with _a_long_parallel_sweep(tmp_path, corpus) as (sweep_process, out):
+        os.kill(sweep_process.pid, signal.SIGTERM)  # the sweep alone, not its process group
+        stdout, stderr = sweep_process.communicate(timeout=120)
+        assert sweep_process.returncode == 130, (stdout, stderr)
+        assert "== seed=0: stopped (SIGTERM" in stdout and "== seed=1: stopped (SIGTERM" in stdout, stdout
+        sizes = [(out / f"seed={i}" / METRICS).stat().st_size for i in (0, 1)]
+        time.sleep(2)
+        assert [(out / f"seed={i}" / METRICS).stat().st_size for i in (0, 1)] == sizes  # nobody writes any more
+        assert not (out / "seed=2").exists()
 
 
 def test_the_sweep_gives_back_the_callers_sigterm_handler(tmp_path: Path, corpus: Path) -> None:
