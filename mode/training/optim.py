@@ -290,11 +290,12 @@ class StepPlan:
     key: tuple
     state: dict  # the optimizer's state when built: the launches' tables point at its moments
     addresses: tuple[int, ...]  # each parameter's gradient address the tables hold (0: none)
-    model: list[int]  # indices into TorchOptimization.params of the gradients in the global norm
-    predictors: list[int]  # the causal predictors', clipped by a norm of their own
-    scaled: list[int]  # those clipped_gradients scales (with bf16 weights, the masters' are divided in their update)
-    shared: list[int]  # those of model every process holds alike (all of model without ShardedParams)
-    sharded: list[int]  # the others: their squared norm is summed over the processes
+    # indices into TorchOptimization.params of the gradients: the causal predictors' are clipped by a
+    # norm of their own, the model's others (shared + sharded) by the global norm
+    predictors: list[int]
+    shared: list[int]  # the model's that every process holds alike (all of them without ShardedParams)
+    sharded: list[int]  # the model's others: their squared norm is summed over the processes
+    scaled: list[int]  # the model's that clipped_gradients scales (with bf16 weights, the masters' are divided in their update)
     norm: GradNorm | None  # the kernel's norm of the shared gradients (None: total_norm's PyTorch ops)
     sharded_norm: GradNorm | None  # the same of the sharded ones
     float32_step: MastersStep | None  # with bf16 weights, the float32 weights' launches (None: optimizer.step)
@@ -456,7 +457,7 @@ class TorchOptimization:
             float32_step = None if float32_updates is None else MastersStep(float32_updates)
             masters_step = None if self.deferred is not None else MastersStep.of(
                 self.bf16.updates(self.optimizer, self.bf16.params))
-        return StepPlan(key, self.optimizer.state, addresses, model, predictors, scaled, shared, sharded, norm,
+        return StepPlan(key, self.optimizer.state, addresses, predictors, shared, sharded, scaled, norm,
                         sharded_norm, float32_step, masters_step,
                         grad_columns(addresses, [norm, sharded_norm], [float32_step, masters_step]))
 
