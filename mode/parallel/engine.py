@@ -475,15 +475,18 @@ def build_optimizer(model: nn.Module, config: Config, device_type: str) -> torch
     return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=device_type == "cuda")
 
 
-def sharded_experts(model: nn.Module) -> ShardedParams | None:
+def expert_parallel_group(model: nn.Module) -> Any | None:
+    """The process group model's sharded experts exchange tokens in; None without expert parallelism."""
+    return next((m.group for m in model.modules() if isinstance(m, ExpertParallelExperts)), None)
+
+
+def sharded_experts(model: nn.Module, ep_group: Any | None) -> ShardedParams | None:
     """The experts expert parallelism shards (each process holds others): their squared gradient
     norm summed over the expert-parallel group, as the engine's own clipping sums it (_exact_norm).
     None without expert parallelism."""
-    layers = [m for m in model.modules() if isinstance(m, ExpertParallelExperts)]
-    if not layers:
+    if ep_group is None:
         return None
-    group = layers[0].group
-    return ShardedParams([p for p in model.parameters() if is_moe_param(p)], partial(dist.all_reduce, group=group))
+    return ShardedParams([p for p in model.parameters() if is_moe_param(p)], partial(dist.all_reduce, group=ep_group))
 
 
 def broadcast_masters(bf16: Bf16Weights) -> None:
@@ -511,6 +514,7 @@ class DeepSpeedOptimization:
         self.grad_clip = config.train.grad_clip
         self.clip_here = clips_itself(config, processes.device.type)
         self.ds_config = deepspeed_config(config, processes.world_size, processes.device.type)
+        self.ep_group = expert_parallel_group(model)
         refusal = bf16_weights_refusal(config)
         self.bf16_setting = ((bf16_weights, None) if bf16_weights is not None else
                              bf16_weights_apply(config, processes.device, refusal))
@@ -521,7 +525,7 @@ class DeepSpeedOptimization:
             if refusal is not None:
                 raise ValueError(f"DeepSpeedOptimization(bf16_weights=True): {refusal}")
             self.local = TorchOptimization(model, config, processes.device, bf16_weights=True,
-                                           sharded=sharded_experts(model))
+                                           sharded=sharded_experts(model, self.ep_group))
             self.optimizer = self.local.optimizer
         else:
             self.optimizer = build_optimizer(model, config, processes.device.type)
@@ -544,8 +548,6 @@ class DeepSpeedOptimization:
             self.flat_grads = flat_gradients([p for p in self.model.parameters() if p.requires_grad],
                                              config, processes, self.local.bf16)
         self.predictor_ids = predictor_parameter_ids(self.model)
-        self.expert_layers = [m for m in self.model.modules() if isinstance(m, ExpertParallelExperts)]
-        self.ep_group = self.expert_layers[0].group if self.expert_layers else None
         self._pending = 0  # backward calls since the last step
         self._last_tag: str | None = None
 
