@@ -34,7 +34,7 @@ from mode.checkpoint import load_model
 from mode.config import seed_problem
 from mode.data.meta import prepared_folder
 from mode.data.tokenizer import TextTokenizer, load_tokenizer
-from mode.inference.decoder import DECODE_SDPA_BACKENDS, ROUTED_ROWS, Decoder, layer_step
+from mode.inference.decoder import DECODE_SDPA_BACKENDS, ROUTED_ROWS, WEIGHTS_REPLACED, Decoder, layer_step
 from mode.layers.kv_cache import LayerCache
 from mode.model import LanguageModel
 from mode.utils import pick_device
@@ -200,8 +200,7 @@ def check_decoder(decoder: Decoder, model: LanguageModel, batch: int, max_len: i
     if decoder.batch != batch:
         raise ValueError(f"decoder: it was built for batch {decoder.batch}, but {batch} prompts were given")
     if decoder.weights_replaced():
-        raise ValueError("decoder: the model's weights were replaced by new tensors since it was built (model.to, "
-                         "load_state_dict(assign=True)); build a new Decoder")
+        raise ValueError(f"decoder: {WEIGHTS_REPLACED}")
     if decoder.max_len < max_len:
         raise ValueError(f"decoder: its max_len {decoder.max_len} is below the {max_len} this call needs "
                          "(the longest prompt and max_new_tokens, within model.max_seq_len)")

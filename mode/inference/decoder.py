@@ -148,6 +148,11 @@ def compaction_pays(batch: int) -> bool:
     return batch <= COMPACT_MAX_SMALL_BATCH or batch >= COMPACT_MIN_LARGE_BATCH
 
 
+# Why a decoder over replaced weights is refused (Decoder.reset, and generate's decoder argument)
+WEIGHTS_REPLACED = ("the model's weights were replaced by new tensors since the decoder was built (model.to, "
+                    "load_state_dict(assign=True)); build a new Decoder")
+
+
 def weight_places(model: nn.Module) -> tuple[tuple[int, torch.dtype], ...]:
     """Each parameter's address and dtype, in the model's order."""
     return tuple((p.data_ptr(), p.dtype) for p in model.parameters())
@@ -270,8 +275,7 @@ class Decoder:
         (an optimizer's step) decide; weights replaced by new tensors (model.to) need a new decoder:
         a ValueError here."""
         if self.weights_replaced():
-            raise ValueError("Decoder.reset: the model's weights were replaced by new tensors since the decoder was "
-                             "built (model.to, load_state_dict(assign=True)); build a new Decoder")
+            raise ValueError(f"Decoder.reset: {WEIGHTS_REPLACED}")
         snapshots = [weights for block in self.model.blocks for weights in _router_snapshots(block)]
         for cache, weights in zip(self.caches, snapshots, strict=True):  # self.caches: in the blocks' order
             cache.lengths_cpu, cache.lengths_dev = torch.zeros_like(cache.lengths_cpu), None
