@@ -49,7 +49,7 @@ from bench.moe_layer import (
     fwd_bwd,
     megablocks_dmoe,
 )
-from mode.config import MoEConfig
+from bench.moe_layer import ours as moe_ffn
 from mode.layers.moe import MoEFFN
 from mode.parallel.expert_parallel import ExpertParallelExperts, create_expert_groups
 
@@ -70,10 +70,9 @@ def launch(argv: list[str], nproc: int) -> None:
 
 
 def ours(args: argparse.Namespace, device: torch.device, group: object | None, **moe: object) -> MoEFFN:
-    """This project's MoE FFN; with group, its experts sharded over the group's processes."""
+    """This project's MoE FFN (bench.moe_layer's); with group, its experts sharded over the group's processes."""
     torch.manual_seed(0)  # every process the same weights: each keeps its own experts' slice
-    cfg = MoEConfig(n_experts=args.experts, activation=args.activation, d_expert=args.ffn, **moe)
-    ffn = MoEFFN(args.width, args.ffn, cfg).to(device=device, dtype=PARAM_DTYPE[args.params])
+    ffn = moe_ffn(args, device, **moe)
     if group is not None:
         ffn.experts = ExpertParallelExperts(ffn.experts, group, dist.get_world_size())
     return ffn

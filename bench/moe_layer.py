@@ -105,9 +105,9 @@ def fwd_bwd(layer: Callable[[Tensor], Tensor], x: Tensor) -> Callable[[], None]:
     return run
 
 
-def ours(args: argparse.Namespace, **moe: object) -> Callable[[Tensor], Tensor]:
+def ours(args: argparse.Namespace, device: torch.device | str = "cuda", **moe: object) -> MoEFFN:
     cfg = MoEConfig(n_experts=args.experts, activation=args.activation, d_expert=args.ffn, **moe)
-    return MoEFFN(args.width, args.ffn, cfg).cuda().to(PARAM_DTYPE[args.params])
+    return MoEFFN(args.width, args.ffn, cfg).to(device=device, dtype=PARAM_DTYPE[args.params])
 
 
 def with_switch(op: str, enabled: bool, layer: Layer) -> Layer:
