@@ -52,6 +52,7 @@ from bench.moe_layer import (
 from bench.moe_layer import ours as moe_ffn
 from mode.layers.moe import MoEFFN
 from mode.parallel.expert_parallel import ExpertParallelExperts, create_expert_groups
+from mode.parallel.launch import exit_without_teardown
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -175,6 +176,7 @@ def main(argv: list[str] | None = None) -> None:
     if "LOCAL_RANK" not in os.environ:
         launch(argv, args.nproc)
     run(args)
+    exit_without_teardown(0)  # as launch/train.py leaves: gloo's teardown once aborted a finished run
 
 
 def run(args: argparse.Namespace) -> None:

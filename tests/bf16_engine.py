@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from mode.config import load_config
 from mode.model import LanguageModel
 from mode.parallel.engine import DeepSpeedOptimization, OverlappedGradients, init_distributed, quiet_deepspeed
+from mode.parallel.launch import exit_without_teardown
 from mode.training.optim import TorchOptimization
 
 
@@ -143,3 +144,4 @@ def main(path: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    exit_without_teardown(0)  # as launch/train.py leaves: gloo's teardown once aborted a finished run

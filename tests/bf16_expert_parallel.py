@@ -32,6 +32,7 @@ from mode.config import load_config
 from mode.model import LanguageModel
 from mode.parallel.engine import DeepSpeedOptimization, init_distributed, is_moe_param, quiet_deepspeed
 from mode.parallel.expert_parallel import apply_expert_parallel
+from mode.parallel.launch import exit_without_teardown
 
 # bf16 weights against float32 weights: the matrices' gradients are reduced in bf16 (the shared
 # ones; rounded once more than float32's), so norms and weights agree to about bf16's precision
@@ -118,3 +119,4 @@ def main(path: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    exit_without_teardown(0)  # as launch/train.py leaves: gloo's teardown once aborted a finished run
